@@ -1,0 +1,36 @@
+# paritykit developer targets. `make demo` and `make test` are the two set-up commands of the README.
+PYTHON ?= python3
+VENV ?= .venv
+# Installed before anything else: an unpinned torch would pull a multi-GB CUDA build.
+# Users with their own GPU build override it, e.g. `make install TORCH_SPEC='torch==2.13.0+cu128'`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.paritykit-installed
+
+.PHONY: install test demo lint style bench claude codex clean-ai
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/paritykit demo
+
+lint: install
+	$(BIN)/ruff check helpers tests benchmarks
+	$(BIN)/ruff format --check helpers tests benchmarks
+
+style: install
+	$(BIN)/ruff check --fix helpers tests benchmarks
+	$(BIN)/ruff format helpers tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py

@@ -1,0 +1,63 @@
+"""paritykit: agent skills and executable helpers for porting diffusion models with proven parity.
+
+The public API is imported lazily (PEP 562) so that ``import paritykit`` and the CLI's ``--help`` stay fast and
+never import torch until a tensor helper is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from paritykit._version import __version__
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # errors and reports
+    "ParityKitError": "paritykit.errors",
+    # checkpoints
+    "Checkpoint": "paritykit.checkpoints",
+    "PipelineStop": "paritykit.checkpoints",
+    "maybe_checkpoint": "paritykit.checkpoints",
+    "run_until_stop": "paritykit.checkpoints",
+    "save_checkpoints": "paritykit.checkpoints",
+    "load_checkpoints": "paritykit.checkpoints",
+    "seeded_noise": "paritykit.checkpoints",
+    # comparison and diagnoses
+    "TensorComparison": "paritykit.compare",
+    "compare_tensors": "paritykit.compare",
+    "compare_outputs": "paritykit.compare",
+    "compare_tensor_sets": "paritykit.compare",
+    "assert_parity": "paritykit.compare",
+    "diagnose": "paritykit.diagnose",
+    # tensor I/O
+    "load_tensors": "paritykit.io",
+    "load_state_dict": "paritykit.io",
+    # forensics
+    "config_diff": "paritykit.configs",
+    "weights_diff": "paritykit.weights",
+    "infer_conversion_map": "paritykit.convert",
+    # culprit search
+    "capture": "paritykit.trace",
+    "align_modules": "paritykit.align",
+    "first_divergence": "paritykit.bisect",
+    "bisect": "paritykit.bisect",
+    "step_curve": "paritykit.visual",
+    "compare_images": "paritykit.visual",
+    "compare_gradients": "paritykit.gradients",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paritykit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,3 @@
+from paritykit.cli import main
+
+main()

@@ -1,0 +1,40 @@
+"""Options and output shared by the report commands, so every command spells them the same way."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+import click
+
+from paritykit.report import DEFAULT_LIMIT, to_json
+
+
+class Report(Protocol):
+    """What a command's result object offers: one object, two faces."""
+
+    exit_code: int
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str: ...
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the full report as strict JSON.")
+limit_option = click.option(
+    "--limit", type=click.IntRange(min=0), default=DEFAULT_LIMIT, show_default=True,
+    help="Rows shown in the table (0 = all); --json is always complete.",
+)
+map_option = click.option(
+    "--map", "maps", multiple=True, metavar="'REGEX=REPL'",
+    help="Rename the FIRST argument's names into the second's naming (repeatable, applied in order).",
+)
+
+
+def emit(report: Report, *, as_json: bool, limit: int | None = DEFAULT_LIMIT) -> None:
+    """Print a report as a table or JSON, then exit with its code (0 same, 1 differ)."""
+    if as_json:
+        click.echo(to_json(report.to_dict()))
+    else:
+        click.echo(report.render(limit=limit or None))
+    sys.exit(report.exit_code)

@@ -1,0 +1,109 @@
+"""Shared pieces of every report: strict JSON, the environment stamp, bounded tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from typing import Any
+
+SCHEMA_VERSION = 1
+DEFAULT_LIMIT = 40
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_stamp(**extra: Any) -> dict[str, Any]:
+    r"""Versions that matter when two numbers disagree; read from package metadata so torch is not imported.
+
+    Args:
+        extra: fields such as ``device="cpu"`` or ``dtype="float32"`` that the command knows.
+    """
+    from paritykit._version import __version__
+
+    stamp: dict[str, Any] = {
+        "paritykit": __version__,
+        "python": platform.python_version(),
+        "torch": _package_version("torch"),
+        "diffusers": _package_version("diffusers"),
+    }
+    stamp.update({k: v for k, v in extra.items() if v is not None})
+    return stamp
+
+
+def _finite_copy(value: Any, path: str, flags: dict[str, str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        flags[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_copy(v, f"{path}.{k}" if path else str(k), flags) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_copy(v, f"{path}.{i}" if path else str(i), flags) for i, v in enumerate(value)]
+    return value
+
+
+def to_json(payload: dict[str, Any], *, indent: int | None = 2) -> str:
+    r"""Serialise a report as strict JSON.
+
+    Adds ``"schema_version": 1`` when missing. Non-finite floats become ``null`` and are listed in a top-level
+    ``"nonfinite"`` object mapping their dotted path to ``"nan"``, ``"inf"`` or ``"-inf"``, so no ``NaN``
+    ever reaches a JSON parser.
+    """
+    flags: dict[str, str] = {}
+    body = _finite_copy(dict(payload), "", flags)
+    out = {"schema_version": SCHEMA_VERSION}
+    out.update(body)
+    if flags:
+        out["nonfinite"] = flags
+    return json.dumps(out, indent=indent, allow_nan=False, default=str)
+
+
+def format_number(value: Any, digits: int = 3) -> str:
+    """Compact human form of a metric: ``1.23e-05``, ``0.999``, ``nan``, ``-``."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e4:
+        return f"{value:.{digits + 1}g}"
+    return f"{value:.{digits - 1}e}"
+
+
+def render_table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    limit: int | None = DEFAULT_LIMIT,
+    summary: str | None = None,
+) -> str:
+    r"""A plain-text table bounded to ``limit`` rows, so an agent's context is never flooded.
+
+    Rows past the limit are replaced by one ``… N more`` line; ``summary`` (if given) ends the table.
+    ``limit=None`` or ``0`` shows every row.
+    """
+    rows = [[format_number(c) if not isinstance(c, str) else c for c in row] for row in rows]
+    shown = rows if not limit else rows[:limit]
+    widths = [len(h) for h in headers]
+    for row in shown:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in shown]
+    if len(rows) > len(shown):
+        lines.append(f"… {len(rows) - len(shown)} more (raise --limit, or use --json for everything)")
+    if summary:
+        lines.append(summary)
+    return "\n".join(lines)

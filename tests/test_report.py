@@ -1,0 +1,48 @@
+import json
+import math
+
+import pytest
+
+from paritykit.errors import ParityKitError
+from paritykit.naming import apply_rules, natural_key, parse_map_options, rename_all
+from paritykit.report import environment_stamp, render_table, to_json
+
+
+def test_to_json_is_strict_and_flags_nonfinite():
+    text = to_json({"a": math.nan, "rows": [{"x": math.inf}, {"x": 1.5}], "b": -math.inf})
+    payload = json.loads(text)  # strict parser: would choke on NaN only with parse_constant; check text too
+    assert "NaN" not in text and "Infinity" not in text
+    assert payload["schema_version"] == 1
+    assert payload["a"] is None and payload["rows"][0]["x"] is None and payload["rows"][1]["x"] == 1.5
+    assert payload["nonfinite"] == {"a": "nan", "rows.0.x": "inf", "b": "-inf"}
+
+
+def test_environment_stamp_names_versions_without_importing_torch():
+    stamp = environment_stamp(device="cpu")
+    assert stamp["device"] == "cpu"
+    assert stamp["paritykit"]
+    assert stamp["torch"] and stamp["diffusers"]
+
+
+def test_table_is_bounded():
+    rows = [[f"t{i}", float(i)] for i in range(100)]
+    text = render_table(["name", "value"], rows, limit=10, summary="100 rows")
+    assert text.count("\n") == 1 + 10 + 2
+    assert "… 90 more" in text
+    assert render_table(["name", "value"], rows, limit=0).count("\n") == 101
+
+
+def test_map_rules_apply_in_order_to_first_argument_names():
+    rules = parse_map_options([r"^blocks\.(\d+)\.=transformer_blocks.\1.", r"qkv=to_qkv"])
+    assert apply_rules("blocks.3.attn.qkv.weight", rules) == "transformer_blocks.3.attn.to_qkv.weight"
+    with pytest.raises(ParityKitError, match="--map"):
+        parse_map_options(["no-equals-sign"])
+    with pytest.raises(ParityKitError, match="invalid regular expression"):
+        parse_map_options(["(unclosed=x"])
+    with pytest.raises(ParityKitError, match="both"):
+        rename_all(["a.x", "b.x"], [(r"^[ab]\.", "")])
+
+
+def test_natural_sort():
+    names = ["after_step_10", "after_step_2", "preloop", "after_step_1"]
+    assert sorted(names, key=natural_key) == ["after_step_1", "after_step_2", "after_step_10", "preloop"]
