@@ -1,0 +1,177 @@
+"""`paritykit demo`: find the one-knob-two-concepts bug end to end, then verify the fix.
+
+Each step prints the equivalent `paritykit …` command and writes its JSON report into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+SPEC_TEMPLATE = '''"""Bisect spec written by `paritykit demo` ({variant} port). Run: paritykit bisect {name}"""
+
+from paritykit.demo.reference import build_reference  # noqa: F401
+from paritykit.demo.specs import build_port_model, make_inputs, select_output  # noqa: F401
+
+
+def build_port():
+    return build_port_model(fixed={fixed})
+'''
+
+
+MARKER = ".paritykit-demo"
+
+
+@dataclass
+class DemoResult:
+    out_dir: Path
+    checks: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(self.checks.values()) else 1
+
+
+def _section(number: int, title: str, command: str) -> None:
+    click.echo("")
+    click.secho(f"[{number}/6] {title}", bold=True)
+    click.echo(f"  $ {command}")
+
+
+def _indent(text: str) -> str:
+    return textwrap.indent(text, "    ")
+
+
+def _write_report(out: Path, name: str, report) -> None:
+    from paritykit.report import to_json
+
+    (out / f"{name}.json").write_text(to_json(report.to_dict()) + "\n")
+
+
+def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = click.echo) -> DemoResult:
+    r"""Run the six steps, writing artefacts to ``out_dir`` (replaced if it exists). Returns what was checked."""
+    import torch
+    from safetensors.torch import save_file
+
+    from paritykit.bisect import bisect
+    from paritykit.checkpoints import Checkpoint, save_checkpoints
+    from paritykit.compare import compare_tensors
+    from paritykit.configs import config_diff
+    from paritykit.convert import emit_rules, infer_conversion_map
+    from paritykit.demo.pipeline import make_hint, make_pipeline
+    from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
+    from paritykit.demo.specs import build_port_model, make_inputs, select_output
+    from paritykit.visual import compare_images, step_curve
+
+    from paritykit.errors import ParityKitError
+
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
+            raise ParityKitError(f"--out {out}: exists and was not written by paritykit demo; pick another folder")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("written by paritykit demo; the whole folder is replaced on the next run\n")
+    result = DemoResult(out)
+    torch.set_grad_enabled(False)
+
+    echo("paritykit demo: a research denoiser with a control branch, its diffusers port, and a parity bug.")
+    echo(f"Artefacts: {out}/")
+
+    # The two sides as a porter has them on disk.
+    reference = build_reference()
+    ref_dir = out / "reference"
+    ref_dir.mkdir()
+    import yaml
+
+    (ref_dir / "config.yaml").write_text(yaml.safe_dump(REFERENCE_CONFIG, sort_keys=False))
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(ref_dir / "model.safetensors"))
+    buggy, fixed = build_port_model(fixed=False), build_port_model(fixed=True)
+    buggy.save_pretrained(out / "port")
+    fixed.save_pretrained(out / "port_fixed")
+    for variant, is_fixed in (("buggy", False), ("fixed", True)):
+        name = out / f"bisect_{variant}.py"
+        name.write_text(SPEC_TEMPLATE.format(variant=variant, name=name, fixed=is_fixed))
+
+    # 1. Config diff: the field names differ, so map them; what remains is the knob the port has no room for.
+    maps = [
+        ("^img_channels$", "in_channels"), ("^width$", "hidden_dim"), ("^t_freq_dim$", "time_proj_dim"),
+        ("^t_dim$", "time_embed_dim"), ("^depth$", "num_layers"), ("^connection_strength$", "control_scale"),
+    ]
+    map_flags = " ".join(f"--map '{p}={r}'" for p, r in maps)
+    _section(1, "Diff the configs first", f"paritykit config-diff {ref_dir}/config.yaml {out}/port {map_flags} --ignore '_*'")
+    cfg = config_diff(ref_dir / "config.yaml", out / "port", rules=maps, ignore=["_*"])
+    echo(_indent(cfg.render()))
+    _write_report(out, "1_config_diff", cfg)
+    result.checks["config-diff shows time_mix only in the reference"] = "time_mix" in cfg.to_dict()["only_a"]
+    echo("  -> `time_mix` exists only in the reference. The port has one control_scale; it looks harmless.")
+
+    # 2. Weights map: every port tensor explained by a reference tensor.
+    port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
+    _section(2, "Infer the weight conversion from values", f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py")
+    cmap = infer_conversion_map(ref_dir / "model.safetensors", port_weights)
+    echo(_indent(cmap.render(limit=12)))
+    emit_rules(cmap, out / "convert_rules.py", force=True)
+    _write_report(out, "2_weights_map", cmap)
+    result.checks["weights map explains every port tensor"] = cmap.exit_code == 0
+    echo("  -> the conversion is right (qkv split, shift/scale swap, renames): the bug is not in the weights.")
+
+    # 3. Bisect the buggy port.
+    args, kwargs = make_inputs()
+    _section(3, "Find the culprit module", f"paritykit bisect {out}/bisect_buggy.py")
+    report = bisect(reference, buggy, (args, kwargs), select_output=select_output)
+    echo(_indent(report.render()))
+    _write_report(out, "3_bisect_buggy", report)
+    found = report.to_dict()
+    culprit = found.get("culprit") or {}
+    hint_ids = [h["id"] for h in culprit.get("hints", [])]
+    result.checks["bisect names the time mixer"] = culprit.get("port") == "time_mixer"
+    result.checks["bisect gives the remix hint"] = "remix" in hint_ids
+
+    # 4. Per-step error of a short denoising run.
+    hint = make_hint()
+    images = {}
+    for side, model in (("reference", reference), ("port", buggy), ("port_fixed", fixed)):
+        checkpoints = {f"after_step_{i}": Checkpoint(save=True) for i in range(8)}
+        images[side] = make_pipeline(model)(hint, num_inference_steps=8, seed=0, _checkpoints=checkpoints)
+        save_checkpoints(out / "steps" / side, checkpoints)
+    _section(4, "Watch the error grow step by step", f"paritykit steps {out}/steps/reference {out}/steps/port --plot {out}/steps.png")
+    curve = step_curve(out / "steps" / "reference", out / "steps" / "port")
+    curve.plot(out / "steps.png")
+    echo(_indent(curve.render()))
+    _write_report(out, "4_steps", curve)
+    result.checks["step curve diverges"] = curve.exit_code == 1
+
+    # 5. Images.
+    for side, image in images.items():
+        torch.save(image[0], out / f"image_{side}.pt")
+    _section(5, "Look at the outputs", f"paritykit images {out}/image_reference.pt {out}/image_port.pt --out {out}/images.png")
+    visual = compare_images(images["reference"][0], images["port"][0], out=out / "images.png")
+    echo(_indent(visual.render()))
+    _write_report(out, "5_images", visual)
+    result.checks["images differ"] = visual.exit_code == 1
+
+    # 6. The fix: give the time mixture its own config field.
+    _section(6, "Verify the fix", f"paritykit bisect {out}/bisect_fixed.py")
+    fixed_report = bisect(reference, fixed, (args, kwargs), select_output=select_output)
+    echo(_indent(fixed_report.render()))
+    _write_report(out, "6_bisect_fixed", fixed_report)
+    same = compare_tensors(images["reference"], images["port_fixed"], name="image")
+    result.checks["fixed port: bisect verdict match"] = fixed_report.to_dict()["verdict"] == "match"
+    result.checks["fixed port: final images equal"] = same.passed
+    echo(_indent(same.render()))
+
+    echo("")
+    click.secho("Summary", bold=True)
+    for check, ok in result.checks.items():
+        echo(f"  [{'ok' if ok else 'FAILED'}] {check}")
+    (out / "summary.json").write_text(json.dumps({"schema_version": 1, "checks": result.checks}, indent=2) + "\n")
+    echo(f"PNGs: {out}/steps.png, {out}/images.png")
+    echo(f"JSON reports: {out}/*.json")
+    return result
