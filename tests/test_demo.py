@@ -1,0 +1,89 @@
+"""The worked example finds the bug, names the culprit with the right hint, and verifies the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from paritykit.demo.conversion import convert_reference_state_dict
+from paritykit.demo.port import FixedTinyControlDenoiserModel, TinyControlDenoiserModel, port_config_from_reference
+from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
+from paritykit.demo.run import run_demo
+from paritykit.errors import ParityKitError
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "demo-output"
+    result = run_demo(out, echo=lambda _line: None)
+    assert result.exit_code == 0, result.checks
+    return out
+
+
+def load(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_buggy_port_differs_and_fixed_port_matches_exactly():
+    reference = build_reference()
+    state = convert_reference_state_dict(reference.state_dict())
+    x, hint, t = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8), torch.tensor([900.0, 10.0])
+    outputs = {}
+    for fixed, cls in ((False, TinyControlDenoiserModel), (True, FixedTinyControlDenoiserModel)):
+        port = cls(**port_config_from_reference(REFERENCE_CONFIG, fixed)).eval()
+        port.load_state_dict(state)
+        with torch.no_grad():
+            outputs[fixed] = port(x, t, hint).sample
+    with torch.no_grad():
+        expected = reference(x, t, hint)
+    assert torch.equal(outputs[True], expected)
+    assert (outputs[False] - expected).abs().max() > 1e-4
+
+
+def test_config_diff_shows_the_missing_knob(demo_dir):
+    report = load(demo_dir, "1_config_diff")
+    assert "time_mix" in report["only_a"]
+    assert report["differences"] == []
+
+
+def test_weights_map_explains_every_tensor(demo_dir):
+    report = load(demo_dir, "2_weights_map")
+    assert report["unmapped_target"] == []
+    ops = {entry["op"] for entry in report["mapping"]}
+    assert {"chunk", "swap_halves", "identity"} <= ops
+
+
+def test_bisect_names_the_time_mixer_with_the_remix_hint(demo_dir):
+    report = load(demo_dir, "3_bisect_buggy")
+    assert report["verdict"] == "diverge"
+    culprit = report["culprit"]
+    assert culprit["port"] == "time_mixer"
+    assert culprit["reference"] == "time_mix"
+    assert culprit["test"] == "replay"
+    assert culprit["hints"][0]["id"] == "remix"
+
+
+def test_fixed_port_matches(demo_dir):
+    report = load(demo_dir, "6_bisect_fixed")
+    assert report["verdict"] == "match"
+    assert report["culprit"] is None
+    summary = load(demo_dir, "summary")
+    assert all(summary["checks"].values())
+
+
+def test_pictures_are_pngs(demo_dir):
+    for name in ("steps.png", "images.png"):
+        with Image.open(demo_dir / name) as image:
+            assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
+    precious = tmp_path / "mine"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ParityKitError, match="--out"):
+        run_demo(precious, echo=lambda _line: None)
+    assert (precious / "notes.txt").read_text() == "keep me"
