@@ -34,3 +34,20 @@ style: install
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# Agent skills, through the installer (`paritykit skills install`): one relative link per skill folder, a
+# manifest of what was made, never a user's file replaced. It needs only click and the stdlib, so it runs from a
+# bare checkout: the venv's python when there is one, else $(PYTHON), with helpers/ on the path.
+# `TARGET=/path/to/repo make claude` installs into another checkout (its CLAUDE.md/AGENTS.md stay untouched).
+SKILLS_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+SKILLS_CLI = PYTHONPATH="$(CURDIR)/helpers$${PYTHONPATH:+:$$PYTHONPATH}" $(SKILLS_PY) -m paritykit skills
+SKILLS_TARGET = --target "$(if $(TARGET),$(TARGET),$(CURDIR))"
+
+claude:
+	$(SKILLS_CLI) install --agent claude $(SKILLS_TARGET)
+
+codex:
+	$(SKILLS_CLI) install --agent codex $(SKILLS_TARGET)
+
+clean-ai:
+	$(SKILLS_CLI) uninstall --agent all $(SKILLS_TARGET)
