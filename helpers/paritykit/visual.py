@@ -1,0 +1,1004 @@
+r"""Per-step error curves of two denoising runs, and side-by-side image/video checks.
+
+Two questions a port meets after its components pass:
+
+* **How does the error evolve over the denoising loop?** :func:`step_curve` reads the ``after_step_{i}``
+  checkpoints that :func:`paritykit.save_checkpoints` wrote for each side, measures every step, and classifies the
+  growth as ``bounded``, ``linear`` or ``exponential``. Given the scheduler's sigmas it also shows the
+  ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which turns a tiny early difference
+  into a large late one.
+* **Does the output look the same?** :func:`compare_images` puts reference, port and an amplified difference
+  heatmap side by side, with PSNR and the largest pixel difference, for images and per frame for videos.
+
+torch, numpy and matplotlib are imported inside the functions that need them, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paritykit.errors import ParityKitError
+from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
+
+# --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
+#: bounded when the fitted error grows less than this factor from the first to the last step ...
+BOUNDED_MAX_GROWTH = 2.0
+#: ... or when, over the last half of the steps, it grows less than this factor (the error has levelled off).
+BOUNDED_MAX_LATE_GROWTH = 1.25
+#: exponential needs a per-step factor of at least this in the fit of log(error) against step ...
+EXPONENTIAL_MIN_FACTOR = 1.1
+#: ... a fit that explains log(error) this well (R²) ...
+EXPONENTIAL_MIN_R2 = 0.9
+#: ... and that fits at least as well as a power law log(error) ~ p·log(step + 1).
+
+GROWTH_HELP = (
+    "Growth: fit log(max_abs) against the step. 'bounded' when the fitted error grows less than "
+    f"{BOUNDED_MAX_GROWTH:g}x over the run or less than {BOUNDED_MAX_LATE_GROWTH:g}x over its last half; "
+    f"'exponential' when it grows by at least {EXPONENTIAL_MIN_FACTOR:g}x per step, that fit has "
+    f"R^2 >= {EXPONENTIAL_MIN_R2:g} and it beats a power law in the step; otherwise 'linear' (polynomial, "
+    "exponent reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give 'unknown'."
+)
+
+_STEP_NAME = re.compile(r"^after_step_(\d+)$")
+_TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+_CHANNELS = (1, 3, 4)
+
+
+# ================================================================================================================
+# growth classification
+# ================================================================================================================
+@dataclass
+class GrowthFit:
+    r"""How an error series grows with the step, from least-squares fits of ``log(error)``.
+
+    Attributes:
+        growth: ``"bounded"``, ``"linear"``, ``"exponential"`` or ``"unknown"`` (see :data:`GROWTH_HELP`).
+        per_step_factor: ``exp(slope)`` of ``log(error)`` against the step index.
+        total_growth: fitted error at the last step over fitted error at the first step.
+        late_growth: the same over the last half of the steps.
+        power_exponent: ``p`` of the power-law fit ``error ~ (step + 1) ** p``.
+        r2_exponential / r2_power: how well each fit explains ``log(error)``.
+        points: number of steps with a finite, non-zero error used by the fits.
+        reason: why the class was chosen, in one sentence.
+    """
+
+    growth: str
+    per_step_factor: float | None = None
+    total_growth: float | None = None
+    late_growth: float | None = None
+    power_exponent: float | None = None
+    r2_exponential: float | None = None
+    r2_power: float | None = None
+    points: int = 0
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "class": self.growth,
+            "per_step_factor": self.per_step_factor,
+            "total_growth": self.total_growth,
+            "late_growth": self.late_growth,
+            "power_exponent": self.power_exponent,
+            "r2_exponential": self.r2_exponential,
+            "r2_power": self.r2_power,
+            "points": self.points,
+            "reason": self.reason,
+            "thresholds": {
+                "bounded_max_growth": BOUNDED_MAX_GROWTH,
+                "bounded_max_late_growth": BOUNDED_MAX_LATE_GROWTH,
+                "exponential_min_factor": EXPONENTIAL_MIN_FACTOR,
+                "exponential_min_r2": EXPONENTIAL_MIN_R2,
+            },
+        }
+
+
+def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x``; returns ``(a, b, r2)`` (r2 = 1 when ``y`` is constant)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    syy = sum((y - my) ** 2 for y in ys)
+    b = sxy / sxx if sxx > 0 else 0.0
+    a = my - b * mx
+    if syy <= 1e-24:
+        return a, b, 1.0
+    resid = sum((y - (a + b * x)) ** 2 for x, y in zip(xs, ys))
+    return a, b, max(0.0, 1.0 - resid / syy)
+
+
+def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None = None) -> GrowthFit:
+    r"""Classify how a per-step error series grows: ``bounded``, ``linear`` or ``exponential``.
+
+    Fits ``log(error)`` against the step (exponential model) and against ``log(step + 1)`` (power law), using the
+    steps whose error is finite and non-zero.
+
+    * ``bounded``: the exponential fit grows less than :data:`BOUNDED_MAX_GROWTH` (2×) from first to last step,
+      or less than :data:`BOUNDED_MAX_LATE_GROWTH` (1.25×) over the last half of the steps (it levelled off).
+      A shrinking error is bounded; so is an all-zero series.
+    * ``exponential``: per-step factor ≥ :data:`EXPONENTIAL_MIN_FACTOR` (1.1×), R² ≥
+      :data:`EXPONENTIAL_MIN_R2` (0.9), and the exponential fit is at least as good as the power law.
+    * ``linear``: anything else that grows — polynomial growth, ``power_exponent`` tells its degree.
+    * ``unknown``: fewer than 3 usable steps, or a non-finite error at the last step.
+
+    Args:
+        errors: one error per step (``None``/NaN for steps that could not be measured).
+        steps: the step indices (default ``0, 1, 2, …``).
+    """
+    steps = list(range(len(errors))) if steps is None else list(steps)
+    if errors and (errors[-1] is None or not math.isfinite(errors[-1])):
+        return GrowthFit("unknown", reason="the last step's error is not finite")
+    points = [(s, e) for s, e in zip(steps, errors) if e is not None and math.isfinite(e) and e > 0]
+    if errors and all(e == 0 for e in errors):
+        return GrowthFit("bounded", total_growth=1.0, late_growth=1.0, reason="every step is identical")
+    if len(points) < 3:
+        return GrowthFit("unknown", points=len(points), reason="fewer than 3 steps with a non-zero error")
+
+    xs = [float(s) for s, _ in points]
+    ys = [math.log(e) for _, e in points]
+    _, slope, r2_exp = _line_fit(xs, ys)
+    _, power, r2_pow = _line_fit([math.log(x + 1.0) for x in xs], ys)
+    span = xs[-1] - xs[0]
+    total = math.exp(min(slope * span, 700.0))
+    half = points[len(points) // 2 :] if len(points) >= 6 else points
+    _, late_slope, _ = _line_fit([float(s) for s, _ in half], [math.log(e) for _, e in half])
+    late = math.exp(min(late_slope * (half[-1][0] - half[0][0]), 700.0))
+    factor = math.exp(min(slope, 700.0))
+    fit = GrowthFit(
+        "linear",
+        per_step_factor=factor,
+        total_growth=total,
+        late_growth=late,
+        power_exponent=power,
+        r2_exponential=r2_exp,
+        r2_power=r2_pow,
+        points=len(points),
+    )
+    if total < BOUNDED_MAX_GROWTH or late < BOUNDED_MAX_LATE_GROWTH:
+        fit.growth = "bounded"
+        fit.reason = (
+            f"the fitted error grows {total:.3g}x over the run and {late:.3g}x over its last half"
+            if total >= BOUNDED_MAX_GROWTH
+            else f"the fitted error grows only {total:.3g}x over the run"
+        )
+    elif factor >= EXPONENTIAL_MIN_FACTOR and r2_exp >= EXPONENTIAL_MIN_R2 and r2_exp >= r2_pow:
+        fit.growth = "exponential"
+        fit.reason = f"the error grows {factor:.3g}x per step (R² {r2_exp:.3f} vs power law {r2_pow:.3f})"
+    else:
+        fit.reason = f"the error grows like step^{power:.2f} (R² {r2_pow:.3f}), {total:.3g}x over the run"
+    return fit
+
+
+# ================================================================================================================
+# step curves
+# ================================================================================================================
+@dataclass
+class StepPoint:
+    r"""Error between the two runs after one denoising step."""
+
+    step: int
+    status: str  # "pass" | "fail" | "shape_mismatch"
+    max_abs: float | None
+    mean_abs: float | None
+    cosine: float | None
+    sigma: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def inv_sigma(self) -> float | None:
+        if self.sigma is None:
+            return None
+        return math.inf if self.sigma == 0 else 1.0 / self.sigma
+
+    @property
+    def max_abs_times_sigma(self) -> float | None:
+        """The error with the ``1/σ`` amplification factored out."""
+        if self.sigma is None or self.max_abs is None:
+            return None
+        return self.max_abs * self.sigma
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "step": self.step,
+            "status": self.status,
+            "max_abs": self.max_abs,
+            "mean_abs": self.mean_abs,
+            "cosine": self.cosine,
+        }
+        if self.sigma is not None:
+            out.update(
+                sigma=self.sigma, inv_sigma=self.inv_sigma, max_abs_times_sigma=self.max_abs_times_sigma
+            )
+        return out
+
+
+@dataclass
+class StepCurve:
+    r"""Per-step error between two denoising runs; one object renders as a table, as JSON and as a plot.
+
+    ``exit_code`` is 0 when the last step is within tolerance (and both runs have the same steps), else 1.
+    """
+
+    a: str
+    b: str
+    key: str
+    points: list[StepPoint]
+    growth: GrowthFit
+    atol: float | None = None
+    rtol: float | None = None
+    sigma_scaled_growth: GrowthFit | None = None
+    sigmas_source: str | None = None
+    only_a: list[int] = field(default_factory=list)
+    only_b: list[int] = field(default_factory=list)
+    first_failing_step: int | None = None
+    hints: list[dict[str, Any]] = field(default_factory=list)
+    plot_path: str | None = None
+
+    @property
+    def last(self) -> StepPoint:
+        return self.points[-1]
+
+    @property
+    def passed(self) -> bool:
+        return self.last.passed and not self.only_a and not self.only_b
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def amplification_explains_growth(self) -> bool | None:
+        """True when the error grows but, with ``1/σ`` factored out, it is bounded (pitfall 13)."""
+        if self.sigma_scaled_growth is None:
+            return None
+        return (
+            self.growth.growth in ("linear", "exponential") and self.sigma_scaled_growth.growth == "bounded"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "steps",
+            "a": self.a,
+            "b": self.b,
+            "key": self.key,
+            "passed": self.passed,
+            "verdict": "match" if self.passed else "diverge",
+            "last_step": self.last.to_dict(),
+            "first_failing_step": self.first_failing_step,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "growth": self.growth.to_dict(),
+            "sigmas": self.sigmas_source,
+            "sigma_scaled_growth": self.sigma_scaled_growth.to_dict() if self.sigma_scaled_growth else None,
+            "amplification_explains_growth": self.amplification_explains_growth(),
+            "hints": self.hints,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "steps": [p.to_dict() for p in self.points],
+            "plot": self.plot_path,
+            "environment": environment_stamp(device="cpu"),
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        with_sigma = self.sigmas_source is not None
+        headers = ["step", "status", "max_abs", "mean_abs", "cosine"]
+        if with_sigma:
+            headers += ["sigma", "1/sigma", "max_abs*sigma"]
+        rows = []
+        for p in self.points:
+            row = [str(p.step), p.status, p.max_abs, p.mean_abs, p.cosine]
+            if with_sigma:
+                row += [p.sigma, p.inv_sigma, p.max_abs_times_sigma]
+            rows.append(row)
+        lines = [f"steps: {self.a} vs {self.b} (key {self.key!r}, {len(self.points)} steps)"]
+        lines.append(render_table(headers, rows, limit=limit))
+        g = self.growth
+        lines.append(f"growth: {g.growth} — {g.reason}")
+        if self.sigma_scaled_growth is not None:
+            s = self.sigma_scaled_growth
+            lines.append(f"with 1/sigma factored out (max_abs*sigma): {s.growth} — {s.reason}")
+            if self.amplification_explains_growth():
+                lines.append(
+                    "the growth is what 1/sigma amplification does to a fixed early difference: "
+                    "look for the first step's cause (noise/latent dtype, timestep dtype), not a loop bug"
+                )
+        if self.only_a or self.only_b:
+            lines.append(f"steps only in A: {self.only_a or '-'}; only in B: {self.only_b or '-'}")
+        if self.hints:
+            lines.append(f"hints at step {self.first_failing_step}:")
+            lines += [f"  [{h.get('id')}] {h.get('message')}" for h in self.hints]
+        last = self.last
+        tol = f"atol {format_number(self.atol)}, rtol {format_number(self.rtol)}"
+        verdict = "within tolerance" if last.passed else "OUTSIDE tolerance"
+        lines.append(
+            f"last step {last.step}: max_abs {format_number(last.max_abs)} — {verdict} ({tol})"
+            + ("" if self.first_failing_step is None else f"; first failing step {self.first_failing_step}")
+        )
+        if self.plot_path:
+            lines.append(f"plot: {self.plot_path}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        r"""Write the curve as a PNG (log y): max_abs and mean_abs per step, ``max_abs·σ`` and ``1/σ`` with sigmas."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        path = Path(path)
+        _ensure_parent(path)
+        fig = Figure(figsize=(7.5, 4.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        steps = [p.step for p in self.points]
+
+        def positive(values):
+            return [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in values]
+
+        series = positive([p.max_abs for p in self.points])
+        any_data = any(not math.isnan(v) for v in series)
+        ax.plot(steps, series, marker="o", label="max |a-b|")
+        ax.plot(steps, positive([p.mean_abs for p in self.points]), marker=".", label="mean |a-b|")
+        if self.sigmas_source is not None:
+            ax.plot(
+                steps, positive([p.max_abs_times_sigma for p in self.points]), ls="--", label="max |a-b| · σ"
+            )
+            twin = ax.twinx()
+            twin.plot(steps, positive([p.inv_sigma for p in self.points]), color="grey", ls=":", label="1/σ")
+            twin.set_yscale("log")
+            twin.set_ylabel("1/σ (amplification)")
+            twin.legend(loc="lower right")
+        if self.atol:
+            ax.axhline(self.atol, color="red", lw=0.8, ls="--", label=f"atol {self.atol:.1e}")
+        if any_data:
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "identical at every step (zero error)", ha="center", transform=ax.transAxes)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"error in {self.key!r}")
+        ax.set_title(f"{self.key}: growth {self.growth.growth}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+        self.plot_path = str(path)
+        return path
+
+
+def _ensure_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityKitError(f"{path}: cannot create its folder ({exc.strerror})") from None
+
+
+def _step_files(folder: str | Path) -> dict[int, Path]:
+    folder = Path(folder)
+    if not folder.exists():
+        raise ParityKitError(f"{folder}: no such checkpoint folder")
+    if not folder.is_dir():
+        raise ParityKitError(
+            f"{folder}: not a folder (expected after_step_<i> checkpoints from save_checkpoints)"
+        )
+    found: dict[int, Path] = {}
+    if (folder / "paritykit.json").is_file():
+        from paritykit.io import read_manifest
+
+        for entry in read_manifest(folder)["checkpoints"]:
+            match = _STEP_NAME.match(str(entry.get("name", "")))
+            if match:
+                found[int(match.group(1))] = folder / entry["file"]
+    else:  # a folder of after_step_<i> tensor files (or sub-folders) written some other way
+        for entry in folder.iterdir():
+            stem = entry.name
+            suffix = next((s for s in _TENSOR_SUFFIXES if stem.endswith(s)), None)
+            if suffix:
+                stem = stem[: -len(suffix)]
+            elif not entry.is_dir():
+                continue
+            match = _STEP_NAME.match(stem)
+            if match:
+                found[int(match.group(1))] = entry
+    if not found:
+        raise ParityKitError(
+            f"{folder}: no after_step_<i> checkpoints (save them with paritykit.save_checkpoints)"
+        )
+    return dict(sorted(found.items()))
+
+
+def _load_step_tensor(path: Path, key: str):
+    from paritykit.io import load_tensors
+
+    tensors = load_tensors(path)
+    stem = path.name
+    for suffix in _TENSOR_SUFFIXES:
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+            break
+    for name in (f"{stem}/{key}", key):
+        if name in tensors:
+            return tensors[name]
+    tails = [n for n in tensors if n.rsplit("/", 1)[-1] == key]
+    if len(tails) == 1:
+        return tensors[tails[0]]
+    have = ", ".join(n.rsplit("/", 1)[-1] for n in tensors) or "nothing"
+    raise ParityKitError(
+        f"{path}: no tensor {key!r} in this checkpoint (it has: {have}); choose one with --key"
+    )
+
+
+def load_sigmas(source: Any) -> list[float]:
+    r"""Read a sigma schedule: a list/array/tensor, or a file (``.json`` list or ``{"sigmas": [...]}``, ``.txt``/
+    ``.csv`` numbers, ``.npy``, or a tensor file holding one tensor or one named ``sigmas``)."""
+    label = str(source)
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ParityKitError(f"{path}: no such sigmas file")
+        suffix = path.suffix.lower()
+        try:
+            if suffix == ".json":
+                data = json.loads(path.read_text())
+                if isinstance(data, dict):
+                    data = data.get("sigmas")
+                values = data
+            elif suffix in (".txt", ".csv", ""):
+                values = [float(t) for t in re.split(r"[\s,;]+", path.read_text().strip()) if t]
+            elif suffix == ".npy":
+                import numpy as np
+
+                values = np.load(path, allow_pickle=False)
+            else:
+                from paritykit.io import load_tensors
+
+                tensors = load_tensors(path)
+                named = [n for n in tensors if n.rsplit("/", 1)[-1] == "sigmas"]
+                if len(tensors) == 1:
+                    values = next(iter(tensors.values()))
+                elif len(named) == 1:
+                    values = tensors[named[0]]
+                else:
+                    raise ParityKitError(
+                        f"{path}: holds {len(tensors)} tensors; expected one, or one named 'sigmas'"
+                    )
+        except ParityKitError:
+            raise
+        except (ValueError, OSError, json.JSONDecodeError) as exc:
+            raise ParityKitError(f"{path}: cannot read sigmas ({exc})") from None
+    else:
+        values = source
+    try:
+        if hasattr(values, "detach"):
+            values = values.detach().double().cpu().reshape(-1).tolist()
+        elif hasattr(values, "tolist"):
+            values = values.reshape(-1).tolist()
+        sigmas = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ParityKitError(f"{label}: sigmas must be a flat list of numbers") from None
+    if not sigmas or any(not math.isfinite(s) or s < 0 for s in sigmas):
+        raise ParityKitError(f"{label}: sigmas must be a non-empty list of finite, non-negative numbers")
+    return sigmas
+
+
+def step_curve(
+    a_dir: str | Path,
+    b_dir: str | Path,
+    *,
+    key: str = "latents",
+    sigmas: Any = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    plot: str | Path | None = None,
+) -> StepCurve:
+    r"""Measure two denoising runs step by step from their ``after_step_{i}`` checkpoints.
+
+    Each folder is what :func:`paritykit.save_checkpoints` wrote (one ``after_step_{i}.safetensors`` per step); the
+    tensor ``key`` is compared at every step present on both sides, one step in memory at a time.
+
+    Args:
+        a_dir: the reference run's checkpoint folder.
+        b_dir: the port's checkpoint folder.
+        key: which tensor of each checkpoint to compare (default ``latents``).
+        sigmas: the noise level of each step — a list/array/tensor or a ``.json``/``.txt``/``.npy``/tensor file;
+            step ``i`` uses ``sigmas[i]`` (the σ the model ran at in that step; a trailing extra entry, e.g. the
+            final 0 of ``scheduler.sigmas``, is ignored). Adds ``1/σ`` and ``max_abs·σ`` columns and the growth
+            of the σ-scaled error: if that is bounded, the growth is ``1/σ`` amplification of an early difference.
+        atol, rtol: tolerance for the per-step verdict (default: from the dtypes, as in ``paritykit compare``).
+        plot: if given, also write the PNG there.
+
+    Returns:
+        A :class:`StepCurve`: ``exit_code`` 0 when the last step is within tolerance, else 1. The growth class and
+        its thresholds are described by :func:`classify_growth`.
+    """
+    from paritykit.compare import compare_tensors
+
+    files_a, files_b = _step_files(a_dir), _step_files(b_dir)
+    common = [s for s in files_a if s in files_b]
+    if not common:
+        raise ParityKitError(f"{a_dir} and {b_dir}: no after_step_<i> checkpoint in common")
+    sigma_values = load_sigmas(sigmas) if sigmas is not None else None
+    if sigma_values is not None and len(sigma_values) <= common[-1]:
+        raise ParityKitError(
+            f"{sigmas}: {len(sigma_values)} sigmas, but the runs reach step {common[-1]} "
+            f"(need at least {common[-1] + 1})"
+        )
+
+    points: list[StepPoint] = []
+    first_fail: int | None = None
+    hints: list[dict[str, Any]] = []
+    used_atol, used_rtol = atol, rtol
+    for step in common:
+        ta = _load_step_tensor(files_a[step], key)
+        tb = _load_step_tensor(files_b[step], key)
+        cmp = compare_tensors(ta, tb, atol=atol, rtol=rtol, name=f"after_step_{step}/{key}", diagnose=False)
+        used_atol, used_rtol = cmp.atol, cmp.rtol
+        sigma = sigma_values[step] if sigma_values is not None else None
+        if cmp.status == "shape_mismatch":
+            point = StepPoint(step, "shape_mismatch", None, None, None, sigma)
+        else:
+            point = StepPoint(
+                step, cmp.status, _float(cmp.max_abs), _float(cmp.mean_abs), _float(cmp.cosine), sigma
+            )
+        points.append(point)
+        if first_fail is None and not point.passed:
+            first_fail = step
+            if point.status != "shape_mismatch":
+                from paritykit.diagnose import diagnose
+
+                hints = [h.to_dict() for h in diagnose(ta, tb)]
+
+    curve = StepCurve(
+        a=str(a_dir),
+        b=str(b_dir),
+        key=key,
+        points=points,
+        growth=classify_growth([p.max_abs for p in points], [p.step for p in points]),
+        atol=used_atol,
+        rtol=used_rtol,
+        sigmas_source=None
+        if sigmas is None
+        else (str(sigmas) if isinstance(sigmas, (str, Path)) else "given"),
+        only_a=[s for s in files_a if s not in files_b],
+        only_b=[s for s in files_b if s not in files_a],
+        first_failing_step=first_fail,
+        hints=hints,
+    )
+    if sigma_values is not None:
+        curve.sigma_scaled_growth = classify_growth(
+            [p.max_abs_times_sigma for p in points], [p.step for p in points]
+        )
+    if plot is not None:
+        curve.plot(plot)
+    return curve
+
+
+def _float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value)
+
+
+# ================================================================================================================
+# images and videos
+# ================================================================================================================
+@dataclass
+class FrameStats:
+    r"""PSNR and pixel differences of one image or video frame (pixels scaled to [0, 1])."""
+
+    frame: int
+    psnr: float
+    max_abs: float
+    mean_abs: float
+
+    @property
+    def max_pixel_diff(self) -> float:
+        """Largest difference in 8-bit levels (0–255)."""
+        return self.max_abs * 255.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "frame": self.frame,
+            "psnr": self.psnr,
+            "max_pixel_diff": self.max_pixel_diff,
+            "max_abs": self.max_abs,
+            "mean_abs": self.mean_abs,
+        }
+
+
+@dataclass
+class ImageComparison:
+    r"""Reference vs port images (or videos): PSNR, max pixel difference, and a side-by-side figure.
+
+    Pixels are compared in [0, 1] after each side's value range is detected (``range_a``/``range_b``). For videos
+    (and batches) every frame is measured; the verdict uses the *worst* frame. ``exit_code`` is 0 when every
+    frame's PSNR is at least ``psnr_min`` dB, else 1 (also for different shapes).
+    """
+
+    a: str
+    b: str
+    psnr_min: float
+    status: str  # "pass" | "fail" | "shape_mismatch"
+    shape_a: list[int]
+    shape_b: list[int]
+    range_a: str
+    range_b: str
+    frames: list[FrameStats] = field(default_factory=list)
+    psnr_all: float | None = None
+    chosen: list[tuple[int, str]] = field(default_factory=list)
+    out_path: str | None = None
+    video: bool = False
+    _pixels: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    @property
+    def worst(self) -> FrameStats | None:
+        return min(self.frames, key=lambda f: f.psnr) if self.frames else None
+
+    @property
+    def psnr(self) -> float | None:
+        """The worst frame's PSNR in dB (``inf`` when identical)."""
+        return self.worst.psnr if self.frames else None
+
+    @property
+    def max_pixel_diff(self) -> float | None:
+        return max(f.max_pixel_diff for f in self.frames) if self.frames else None
+
+    @property
+    def mean_abs(self) -> float | None:
+        return sum(f.mean_abs for f in self.frames) / len(self.frames) if self.frames else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "images",
+            "a": self.a,
+            "b": self.b,
+            "status": self.status,
+            "passed": self.passed,
+            "psnr": self.psnr,
+            "psnr_all": self.psnr_all,
+            "psnr_min": self.psnr_min,
+            "max_pixel_diff": self.max_pixel_diff,
+            "max_abs": None if not self.frames else max(f.max_abs for f in self.frames),
+            "mean_abs": self.mean_abs,
+            "shape_a": self.shape_a,
+            "shape_b": self.shape_b,
+            "range_a": self.range_a,
+            "range_b": self.range_b,
+            "video": self.video,
+            "frames": [f.to_dict() for f in self.frames],
+            "chosen_frames": [{"frame": i, "why": why} for i, why in self.chosen],
+            "out": self.out_path,
+            "environment": environment_stamp(),
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        lines = [f"images: {self.a} vs {self.b}"]
+        lines.append(
+            f"shape {self.shape_a} vs {self.shape_b} (frames×H×W×C); value range: A {self.range_a}, B {self.range_b}"
+        )
+        if self.status == "shape_mismatch":
+            lines.append("SHAPE MISMATCH: the images cannot be compared pixel by pixel")
+            return "\n".join(lines)
+        if self.video:
+            rows = [[str(f.frame), f.psnr, f.max_pixel_diff, f.mean_abs] for f in self.frames]
+            lines.append(render_table(["frame", "psnr_db", "max_pixel_diff", "mean_abs"], rows, limit=limit))
+            lines.append(f"PSNR over all frames: {format_number(self.psnr_all)} dB")
+        worst = self.worst
+        where = f" (worst frame {worst.frame})" if self.video else ""
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(
+            f"{verdict}: PSNR {format_number(self.psnr)} dB{where}, threshold {self.psnr_min:g} dB; "
+            f"max pixel diff {format_number(self.max_pixel_diff)}/255; mean |diff| {format_number(self.mean_abs)}"
+        )
+        if self.out_path:
+            lines.append(f"reference | port | diff heatmap: {self.out_path}")
+        else:
+            lines.append("add --out diff.png for reference | port | amplified diff heatmap")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        r"""Write reference | port | amplified ``|diff|`` heatmap as a PNG; one row per chosen frame."""
+        if self._pixels is None:
+            raise ParityKitError(f"{path}: nothing to draw (the images have different shapes)")
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        path = Path(path)
+        _ensure_parent(path)
+        pa, pb = self._pixels
+        rows = self.chosen or [(0, "first")]
+        diffs = [np.abs(pa[i] - pb[i]).max(axis=-1) for i, _ in rows]
+        vmax = max(float(d.max()) for d in diffs)
+        gain = 1.0 / vmax if vmax > 0 else 1.0
+        h, w = pa.shape[1:3]
+        panel = min(5.0, max(2.5, max(h, w) / 100))
+        fig = Figure(figsize=(3 * panel * max(w / h, 0.5) + 1.0, len(rows) * panel + 0.6), dpi=100)
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(rows), 3, squeeze=False)
+        for r, ((frame, why), diff) in enumerate(zip(rows, diffs)):
+            stats = self.frames[frame]
+            label = f"frame {frame} ({why})" if self.video else "image"
+            for c, (img, title) in enumerate(((pa[frame], "reference"), (pb[frame], "port"))):
+                ax = axes[r][c]
+                ax.imshow(
+                    _displayable(img),
+                    cmap="gray" if img.shape[-1] == 1 else None,
+                    vmin=0,
+                    vmax=1,
+                    interpolation="nearest",
+                )
+                ax.set_title(f"{title} — {label}" if c == 0 else title, fontsize=9)
+                ax.axis("off")
+            ax = axes[r][2]
+            shown = ax.imshow(
+                diff, cmap="magma", vmin=0, vmax=vmax if vmax > 0 else 1, interpolation="nearest"
+            )
+            psnr = "inf" if math.isinf(stats.psnr) else f"{stats.psnr:.2f}"
+            ax.set_title(f"|diff| ×{gain:.3g}  PSNR {psnr} dB", fontsize=9)
+            ax.axis("off")
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
+        verdict = "PASS" if self.passed else "FAIL"
+        fig.suptitle(
+            f"{verdict}: PSNR {format_number(self.psnr)} dB (min {self.psnr_min:g}), "
+            f"max pixel diff {format_number(self.max_pixel_diff)}/255",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+        self.out_path = str(path)
+        return path
+
+
+def _displayable(img):
+    if img.shape[-1] == 1:
+        return img[..., 0]
+    if img.shape[-1] == 4:
+        return img[..., :3]
+    return img
+
+
+def _label(x: Any) -> str:
+    if isinstance(x, (str, Path)):
+        return str(x)
+    shape = getattr(x, "shape", None) or getattr(x, "size", None)
+    return f"<{type(x).__name__} {tuple(shape) if shape is not None else ''}>".replace(" ()", "")
+
+
+def _pil_array(img: Any):
+    import numpy as np
+
+    mode = "L" if img.mode in ("1", "L", "I", "I;16", "F") else "RGB"
+    return np.asarray(img.convert(mode))
+
+
+def _load_image_source(x: Any, label: str) -> tuple[Any, bool, bool]:
+    """Return ``(array_like, channels_first_likely, is_sequence_of_frames)`` for any accepted input."""
+    import numpy as np
+
+    if isinstance(x, (str, Path)):
+        path = Path(x)
+        if not path.is_file():
+            raise ParityKitError(f"{path}: no such image or tensor file")
+        suffix = path.suffix.lower()
+        if suffix in _IMAGE_SUFFIXES:
+            from PIL import Image, UnidentifiedImageError
+
+            try:
+                with Image.open(path) as img:
+                    count = getattr(img, "n_frames", 1)
+                    frames = []
+                    for i in range(count):
+                        img.seek(i)
+                        frames.append(_pil_array(img))
+            except (UnidentifiedImageError, OSError) as exc:
+                raise ParityKitError(f"{path}: cannot read this image ({exc})") from None
+            return (np.stack(frames) if count > 1 else frames[0]), False, count > 1
+        if suffix in _TENSOR_SUFFIXES:
+            from paritykit.io import load_tensors
+
+            tensors = load_tensors(path)
+            if len(tensors) != 1:
+                names = [
+                    n for n in tensors if n.rsplit("/", 1)[-1] in ("image", "images", "sample", "frames")
+                ]
+                if len(names) != 1:
+                    raise ParityKitError(
+                        f"{path}: holds {len(tensors)} tensors; expected one image/video tensor "
+                        "(or one named image, images, sample or frames)"
+                    )
+                return tensors[names[0]], True, False
+            return next(iter(tensors.values())), True, False
+        raise ParityKitError(
+            f"{path}: unknown suffix {suffix!r} (images: {', '.join(_IMAGE_SUFFIXES)}; "
+            f"tensors: {', '.join(_TENSOR_SUFFIXES)})"
+        )
+    if hasattr(x, "convert") and hasattr(x, "mode"):  # a PIL image
+        return _pil_array(x), False, False
+    if isinstance(x, (list, tuple)):
+        if not x:
+            raise ParityKitError(f"{label}: empty list of frames")
+        frames = [_load_image_source(f, label)[0] for f in x]
+        frames = [f.detach().float().cpu().numpy() if hasattr(f, "detach") else np.asarray(f) for f in frames]
+        return np.stack(frames), hasattr(x[0], "detach"), True
+    if hasattr(x, "detach"):
+        return x, True, False
+    if isinstance(x, np.ndarray):
+        return x, False, False
+    raise ParityKitError(
+        f"{label}: expected a PIL image, numpy array, torch tensor, or an image/tensor file path"
+    )
+
+
+def _to_frames(arr: Any, channels_first: bool, label: str):
+    """Any image/video layout -> float array F×H×W×C."""
+    import numpy as np
+
+    shape = arr.shape
+    if arr.ndim == 5:
+        if shape[0] != 1:
+            raise ParityKitError(f"{label}: shape {list(shape)} is a batch of videos; pass one video")
+        arr, shape = arr[0], arr.shape[1:]
+    if arr.ndim == 2:
+        return arr[None, :, :, None]
+    if arr.ndim == 3:
+        first, last = shape[0] in _CHANNELS, shape[-1] in _CHANNELS
+        if first and (channels_first or not last):
+            return np.moveaxis(arr, 0, -1)[None]
+        if last:
+            return arr[None]
+        return arr[..., None]  # F×H×W grayscale frames
+    if arr.ndim == 4:
+        c1, c_last, c0 = shape[1] in _CHANNELS, shape[-1] in _CHANNELS, shape[0] in _CHANNELS
+        if c1 and (channels_first or not c_last):
+            return np.moveaxis(arr, 1, -1)
+        if c_last:
+            return arr
+        if c0:
+            return np.moveaxis(arr, 0, -1)  # C×F×H×W
+    raise ParityKitError(
+        f"{label}: cannot read shape {list(shape)} as an image (H×W[×C], C×H×W) or video (F×H×W×C, F×C×H×W)"
+    )
+
+
+_RANGES = {"0..1": (0.0, 1.0), "-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
+
+
+def _normalise(x: Any, label: str, value_range: str = "auto"):
+    r"""Any accepted input -> (float32 F×H×W×C in [0, 1], detected range, is_video)."""
+    import numpy as np
+
+    raw, channels_first, is_sequence = _load_image_source(x, label)
+    if hasattr(raw, "detach"):
+        raw = raw.detach().cpu()
+        if raw.dtype.is_floating_point:
+            raw = raw.float()
+        raw = raw.numpy()
+    arr = np.asarray(raw)
+    if arr.dtype == np.uint8:
+        detected, arr = "0..255 (uint8)", arr.astype(np.float32) / 255.0
+    elif arr.dtype == np.uint16:
+        detected, arr = "0..65535 (uint16)", arr.astype(np.float32) / 65535.0
+    elif arr.dtype == np.bool_:
+        detected, arr = "0..1 (bool)", arr.astype(np.float32)
+    elif np.issubdtype(arr.dtype, np.number):
+        arr = arr.astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise ParityKitError(f"{label}: contains NaN or Inf pixels")
+        detected = value_range if value_range != "auto" else _detect_range(arr, label)
+        if detected not in _RANGES:
+            raise ParityKitError(f"{label}: value range {detected!r}: expected auto, 0..1, -1..1 or 0..255")
+        lo, hi = _RANGES[detected]
+        arr = (arr - lo) / (hi - lo)
+    else:
+        raise ParityKitError(f"{label}: unsupported pixel dtype {arr.dtype}")
+    frames = _to_frames(arr, channels_first, label)
+    video = is_sequence or frames.shape[0] > 1
+    return np.clip(frames, 0.0, 1.0).astype(np.float32), detected, video
+
+
+def _detect_range(arr: Any, label: str) -> str:
+    r"""[-1, 1] when there are negative values; [0, 1] up to a 10% overshoot; [0, 255] above that."""
+    lo, hi = float(arr.min()), float(arr.max())
+    if lo < -1e-6:
+        if lo >= -1.1 and hi <= 1.1:
+            return "-1..1"
+    elif hi <= 1.1:
+        return "0..1"
+    elif hi <= 255.0 + 1e-3:
+        return "0..255"
+    raise ParityKitError(
+        f"{label}: values span [{lo:.4g}, {hi:.4g}]; expected [0, 1], [-1, 1] or [0, 255] (set value_range)"
+    )
+
+
+def compare_images(
+    a: Any,
+    b: Any,
+    *,
+    psnr_min: float = 40.0,
+    out: str | Path | None = None,
+    value_range: str | tuple[str, str] = "auto",
+) -> ImageComparison:
+    r"""Compare a reference image (or video) with the port's: PSNR, max pixel difference, side-by-side figure.
+
+    Args:
+        a: the reference — a PIL image, a numpy array, a torch tensor, a list of frames, or a path to an image
+            file (``.png``, ``.jpg``, …; animated GIFs are videos) or a tensor file (``.pt``, ``.safetensors``,
+            ``.npy``, …). Arrays may be H×W, H×W×C, C×H×W (torch), F×H×W×C or F×C×H×W (videos, batches), or
+            1×… with a leading batch of one.
+        b: the port's image, in any of the same forms.
+        psnr_min: the pass threshold in dB, applied to the worst frame.
+        out: if given, write reference | port | amplified diff heatmap there (PNG; for videos one row per chosen
+            frame: worst, first, last).
+        value_range: ``"auto"`` (uint8 -> 0..255; floats: [-1, 1] when any value is negative, else [0, 1], or
+            [0, 255] above 1.1), or ``"0..1"``, ``"-1..1"``, ``"0..255"``; a pair sets each side.
+
+    Returns:
+        An :class:`ImageComparison`; ``exit_code`` 0 at or above ``psnr_min``, 1 below it or on a shape mismatch.
+    """
+    import numpy as np
+
+    label_a, label_b = _label(a), _label(b)
+    range_a, range_b = (value_range, value_range) if isinstance(value_range, str) else value_range
+    pa, detected_a, video_a = _normalise(a, label_a, range_a)
+    pb, detected_b, video_b = _normalise(b, label_b, range_b)
+    if pa.shape[-1] != pb.shape[-1] and 1 in (pa.shape[-1], pb.shape[-1]):
+        channels = max(pa.shape[-1], pb.shape[-1])
+        pa = np.repeat(pa, channels, axis=-1) if pa.shape[-1] == 1 else pa
+        pb = np.repeat(pb, channels, axis=-1) if pb.shape[-1] == 1 else pb
+    result = ImageComparison(
+        a=label_a,
+        b=label_b,
+        psnr_min=float(psnr_min),
+        status="shape_mismatch",
+        shape_a=list(pa.shape),
+        shape_b=list(pb.shape),
+        range_a=detected_a,
+        range_b=detected_b,
+        video=video_a or video_b,
+    )
+    if pa.shape != pb.shape:
+        return result
+
+    frames = []
+    total_sq = 0.0
+    for i in range(pa.shape[0]):
+        diff = pa[i].astype(np.float64) - pb[i].astype(np.float64)
+        sq = float(np.mean(diff * diff))
+        total_sq += sq
+        frames.append(
+            FrameStats(
+                frame=i,
+                psnr=math.inf if sq == 0 else 10.0 * math.log10(1.0 / sq),
+                max_abs=float(np.abs(diff).max()),
+                mean_abs=float(np.abs(diff).mean()),
+            )
+        )
+    mse_all = total_sq / len(frames)
+    result.frames = frames
+    result.psnr_all = math.inf if mse_all == 0 else 10.0 * math.log10(1.0 / mse_all)
+    result.status = "pass" if min(f.psnr for f in frames) >= psnr_min else "fail"
+    worst = min(frames, key=lambda f: f.psnr).frame
+    chosen: dict[int, list[str]] = {}
+    for frame, why in ((worst, "worst"), (0, "first"), (len(frames) - 1, "last")):
+        chosen.setdefault(frame, []).append(why)
+    result.chosen = sorted((i, "+".join(w)) for i, w in chosen.items())
+    result._pixels = (pa, pb)
+    if out is not None:
+        result.plot(out)
+    return result
