@@ -1,0 +1,1315 @@
+r"""Infer a weight conversion from tensor VALUES, collapse it into regex rules, and emit it as code.
+
+Research checkpoints and diffusers weights rarely share names, and the conversions between them are where
+ports silently break (a fused QKV split in the wrong order, shift/scale swapped, a transposed projection).
+:func:`infer_conversion_map` explains every TARGET tensor from SOURCE tensors by value:
+
+1. Every tensor gets a layout-insensitive fingerprint: a multiset hash of its element bit patterns (a sum of
+   mixed 64-bit hashes, wrapping), computed in the target's dtype. Equal multisets give equal hashes under
+   any transpose, reshape or row permutation; a cast is covered because rounding is monotone, so the source
+   is hashed after casting to the target dtype. Hashes are bucketed, so matching is linear in total bytes
+   and never quadratic in the number of keys.
+2. Candidates sharing a bucket are confirmed exactly (``torch.equal``), which also finds the layout op:
+   identity, cast, reshape, transpose/permute, swap_halves, permute_rows.
+3. Targets still unexplained are searched among *pieces* of unused sources (equal chunks along each dim
+   whose size matches some target, then the leftover ranges: fused QKV, QKV + MLP), and as *concatenations*
+   of source tensors (the target's pieces looked up in the source buckets).
+4. A target matched equally well by several sources (constants, fresh initialisation) is ``ambiguous``; the
+   candidate whose name fits best (naming patterns already seen, equal layer numbers, shared words) is used.
+5. The mapping is collapsed into regex rules over layer indices and checked: applying the rules to the
+   source key names must give exactly the mapping, otherwise the offending rule is spelt out key by key.
+
+The same rule runtime (``_convert_with_rules`` and the helpers above it) is used by
+:func:`apply_rules_to_state_dict` and copied verbatim into the module :func:`emit_rules` writes, so the
+library and the generated code cannot disagree.
+
+:func:`match_modules` turns the mapping into a module alignment for bisecting two differently named models.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import itertools
+import json
+import os
+import re
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paritykit.errors import ParityKitError
+from paritykit.naming import natural_key
+from paritykit.report import DEFAULT_LIMIT, environment_stamp, render_table
+
+OPS = (
+    "identity",
+    "cast",
+    "transpose",
+    "permute",
+    "reshape",
+    "chunk",
+    "concat",
+    "swap_halves",
+    "permute_rows",
+)
+
+# elements hashed per block: bounds the int64 temporaries to ~8 MB however large a tensor is
+_BLOCK = 1 << 20
+# fused tensors are split into at most this many equal pieces when looking for a target inside them
+_MAX_PIECES = 64
+# candidates listed per ambiguous target (the JSON also carries the total)
+_MAX_CANDIDATES = 10
+
+
+# --------------------------------------------------------------------------------------------------------
+# rule runtime: these functions are copied verbatim into emitted modules; they may use only `re` and `torch`
+# --------------------------------------------------------------------------------------------------------
+
+
+def _row_index(step, n):
+    """The index tensor of a ``permute_rows`` step: target row ``i`` is source row ``index[i]``."""
+    import torch
+
+    pattern = step["pattern"]
+    if pattern == "deinterleave":
+        # per group of G rows: (x0, y0, x1, y1, …) -> (x0, x1, …, y0, y1, …)
+        return torch.arange(n).view(-1, step["group"] // 2, 2).transpose(1, 2).reshape(-1)
+    if pattern == "interleave":
+        # per group of G rows: (x0, x1, …, y0, y1, …) -> (x0, y0, x1, y1, …)
+        return torch.arange(n).view(-1, 2, step["group"] // 2).transpose(1, 2).reshape(-1)
+    if pattern == "blocks":
+        block = step["block"]
+        order = torch.tensor(step["order"])
+        return (order[:, None] * block + torch.arange(block)[None, :]).reshape(-1)
+    if pattern == "ranges":
+        return torch.cat([torch.arange(start, stop, stride) for start, stop, stride in step["ranges"]])
+    raise ValueError(f"unknown permute_rows pattern {pattern!r}")
+
+
+def _apply_step(x, step):
+    """Apply one layout step (a dict with an ``op`` and its arguments) to a tensor."""
+    import torch
+
+    op = step["op"]
+    if op == "identity":
+        return x
+    if op == "cast":
+        return x.to(getattr(torch, step["dtype"]))
+    if op == "reshape":
+        return x.reshape(step["shape"])
+    if op == "transpose":
+        return x.transpose(*step["dims"]).contiguous()
+    if op == "permute":
+        return x.permute(*step["dims"]).contiguous()
+    if op == "chunk":
+        return x.narrow(step["dim"], step["start"], step["stop"] - step["start"]).contiguous()
+    if op == "swap_halves":
+        first, second = x.chunk(2, dim=step["dim"])
+        return torch.cat([second, first], dim=step["dim"])
+    if op == "permute_rows":
+        return x.index_select(step["dim"], _row_index(step, x.shape[step["dim"]]))
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _apply_op(tensors, op, args):
+    """Build one target tensor from its source tensors: the main op, then the ``then`` steps in order."""
+    import torch
+
+    if op == "concat":
+        parts = args.get("parts") or [[] for _ in tensors]
+        pieces = []
+        for tensor, steps in zip(tensors, parts):
+            for step in steps:
+                tensor = _apply_step(tensor, step)
+            pieces.append(tensor)
+        x = torch.cat(pieces, dim=args["dim"])
+    else:
+        (x,) = tensors
+        x = _apply_step(x, {"op": op, **{k: v for k, v in args.items() if k != "then"}})
+    for step in args.get("then", []):
+        x = _apply_step(x, step)
+    return x
+
+
+def _convert_with_rules(state_dict, rules):
+    """Apply conversion rules to a state dict; every rule is tried on every key (``re.fullmatch``)."""
+    import re
+
+    out = {}
+    for rule in rules:
+        regex = re.compile(rule["pattern"])
+        for key in state_dict:
+            match = regex.fullmatch(key)
+            if match is None:
+                continue
+            names = [key, *(match.expand(template) for template in rule["sources"][1:])]
+            missing = [name for name in names if name not in state_dict]
+            if missing:
+                raise KeyError(
+                    f"rule {rule['pattern']!r} needs {missing[0]!r}, which is not in the state dict"
+                )
+            out[match.expand(rule["target"])] = _apply_op(
+                [state_dict[n] for n in names], rule["op"], rule["args"]
+            )
+    return out
+
+
+_RUNTIME = (_row_index, _apply_step, _apply_op, _convert_with_rules)
+
+
+# --------------------------------------------------------------------------------------------------------
+# result objects
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MappingEntry:
+    r"""How one target tensor is built from source tensors.
+
+    ``op`` is one of :data:`OPS`; ``args`` holds its arguments plus, when more than one step is needed, a
+    ``then`` list of further steps (``{"op": …, …}``), e.g. a chunk followed by a transpose and a cast.
+    """
+
+    target: str
+    sources: list[str]
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "sources": list(self.sources), "op": self.op, "args": self.args}
+
+    def describe(self) -> str:
+        return describe_op(self.op, self.args)
+
+
+@dataclass
+class ConversionRule:
+    r"""A regex rule covering ``count`` mapping entries.
+
+    ``pattern`` is matched (``re.fullmatch``) against SOURCE key names; ``sources`` are the templates of every
+    source the op reads (the first is the matched key itself); ``target`` is the template of the target name.
+    """
+
+    pattern: str
+    sources: list[str]
+    target: str
+    op: str
+    args: dict[str, Any]
+    count: int = 1
+
+    @property
+    def text(self) -> str:
+        extra = "".join(f" + {s}" for s in self.sources[1:])
+        what = describe_op(self.op, self.args)
+        return f"{self.pattern}{extra} {f'[{what}] ' if what else ''}-> {self.target}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "sources": list(self.sources),
+            "target": self.target,
+            "op": self.op,
+            "args": self.args,
+            "count": self.count,
+            "text": self.text,
+        }
+
+
+@dataclass
+class AmbiguousTarget:
+    r"""A target explained equally well by several sources; ``chosen`` is the one the mapping uses."""
+
+    target: str
+    candidates: list[str]
+    chosen: str
+    n_candidates: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "candidates": list(self.candidates),
+            "chosen": self.chosen,
+            "n_candidates": self.n_candidates,
+        }
+
+
+@dataclass
+class ConversionMap:
+    r"""The inferred conversion SOURCE -> TARGET: one object, two faces (``to_dict`` and ``render``).
+
+    Attributes:
+        mapping: one :class:`MappingEntry` per explained target, in target order.
+        rules: the mapping collapsed into :class:`ConversionRule` s over layer indices.
+        unmapped_target: target keys no source explains.
+        unused_source: source keys no target uses.
+        ambiguous: targets several sources explain equally well (constants, fresh initialisation).
+    """
+
+    mapping: list[MappingEntry]
+    rules: list[ConversionRule]
+    unmapped_target: list[str]
+    unused_source: list[str]
+    ambiguous: list[AmbiguousTarget]
+    n_source: int = 0
+    n_target: int = 0
+    source_label: str = "source"
+    target_label: str = "target"
+    seconds: float = 0.0
+    emitted_rules: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if not self.unmapped_target else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": self.source_label,
+            "target": self.target_label,
+            "mapping": [e.to_dict() for e in self.mapping],
+            "rules": [r.to_dict() for r in self.rules],
+            "unmapped_target": list(self.unmapped_target),
+            "unused_source": list(self.unused_source),
+            "ambiguous": [a.to_dict() for a in self.ambiguous],
+            "summary": {
+                "n_source": self.n_source,
+                "n_target": self.n_target,
+                "explained": len(self.mapping),
+                "rules": len(self.rules),
+                "seconds": round(self.seconds, 3),
+            },
+            "environment": environment_stamp(),
+        }
+        if self.emitted_rules:
+            out["emitted_rules"] = self.emitted_rules
+        return out
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        rows = [
+            (
+                r.pattern + "".join(f" + {s}" for s in r.sources[1:]),
+                describe_op(r.op, r.args) or "=",
+                r.target,
+                str(r.count),
+            )
+            for r in self.rules
+        ]
+        summary = (
+            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)} rules "
+            f"from {self.n_source} source tensors; {len(self.unmapped_target)} unexplained, "
+            f"{len(self.unused_source)} sources unused, {len(self.ambiguous)} ambiguous ({self.seconds:.2f} s)"
+        )
+        parts = [f"weights map: {self.source_label} -> {self.target_label}", ""]
+        parts.append(render_table(["source pattern", "op", "target", "n"], rows, limit=limit))
+        for title, names in (
+            ("Unexplained target tensors", self.unmapped_target),
+            ("Unused source tensors", self.unused_source),
+        ):
+            if names:
+                parts += ["", f"{title} ({len(names)}):"]
+                shown = names if not limit else names[:limit]
+                parts += [f"  {n}" for n in shown]
+                if len(names) > len(shown):
+                    parts.append(
+                        f"  … {len(names) - len(shown)} more (raise --limit, or use --json for everything)"
+                    )
+        if self.ambiguous:
+            amb_rows = [
+                (
+                    a.target,
+                    a.chosen,
+                    f"{a.n_candidates}: "
+                    + ", ".join(a.candidates[:3])
+                    + (", …" if a.n_candidates > 3 else ""),
+                )
+                for a in self.ambiguous
+            ]
+            parts += ["", f"Ambiguous targets ({len(self.ambiguous)}; equal values, chosen by name):"]
+            parts.append(render_table(["target", "chosen", "candidates"], amb_rows, limit=limit))
+        if self.emitted_rules:
+            parts += ["", f"rules module written to {self.emitted_rules}"]
+        parts += ["", summary]
+        return "\n".join(parts)
+
+
+def describe_op(op: str, args: dict[str, Any]) -> str:
+    r"""A short human form of an op and its follow-up steps, e.g. ``chunk 0/3 dim 0`` or ``transpose 0,1``."""
+    steps = [] if op == "identity" else [_describe_step(op, args)]
+    steps += [_describe_step(s["op"], s) for s in args.get("then", [])]
+    return " + ".join(steps)
+
+
+def _describe_step(op: str, args: dict[str, Any]) -> str:
+    if op == "cast":
+        return f"cast {args['dtype']}"
+    if op == "chunk":
+        if "count" in args:
+            return f"chunk {args['index']}/{args['count']} dim {args['dim']}"
+        return f"slice {args['start']}:{args['stop']} dim {args['dim']}"
+    if op in ("transpose", "permute"):
+        return f"{op} {','.join(map(str, args['dims']))}"
+    if op == "reshape":
+        return "reshape " + "x".join(map(str, args["shape"]))
+    if op == "swap_halves":
+        return f"swap_halves dim {args['dim']}"
+    if op == "concat":
+        return f"concat dim {args['dim']}"
+    if op == "permute_rows":
+        pattern = args["pattern"]
+        if pattern in ("interleave", "deinterleave"):
+            return f"permute_rows dim {args['dim']}: {pattern} pairs in groups of {args['group']}"
+        if pattern == "blocks":
+            return f"permute_rows dim {args['dim']}: blocks of {args['block']} in order {args['order']}"
+        return f"permute_rows dim {args['dim']}: {len(args['ranges'])} ranges"
+    return op
+
+
+# --------------------------------------------------------------------------------------------------------
+# fingerprints
+# --------------------------------------------------------------------------------------------------------
+
+# splitmix64 constants as signed int64 (torch integer arithmetic wraps)
+_GOLDEN = -7046029254386353131
+_MUL1 = -4658895280553007687
+_MUL2 = -7723592293110705685
+
+
+def _mix(z):
+    z = z + _GOLDEN
+    z = (z ^ (z >> 30)) * _MUL1
+    z = (z ^ (z >> 27)) * _MUL2
+    return z ^ (z >> 31)
+
+
+def _bits(t):
+    """Element bit patterns as int64, with -0.0 folded onto 0.0 (``torch.equal`` treats them as equal)."""
+    import torch
+
+    if t.dtype.is_floating_point:
+        t = torch.where(t == 0, torch.zeros((), dtype=t.dtype), t).contiguous()
+        int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+        return t.view(int_dtype).to(torch.int64)
+    if t.is_complex():
+        return _bits(torch.view_as_real(t))
+    return t.to(torch.int64)
+
+
+def _castable(src_dtype, dst_dtype) -> bool:
+    return src_dtype == dst_dtype or (src_dtype.is_floating_point and dst_dtype.is_floating_point)
+
+
+def _multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
+    r"""Layout-insensitive hash of ``t`` cast to ``dtype``, and of its equal pieces.
+
+    Args:
+        splits: ``(dim, count)`` pairs; for each, the hashes of the ``count`` equal pieces along ``dim``.
+    Returns:
+        ``(full_hash, {(dim, count): [hash per piece]})``. The tensor is read in row blocks, so memory stays
+        bounded; wrapping int64 sums make the result independent of element order.
+    """
+    import torch
+
+    splits = list(splits)
+    x = t.reshape(1) if t.ndim == 0 else t
+    rows = x.shape[0]
+    total = torch.zeros((), dtype=torch.int64)
+    pieces = {s: torch.zeros(s[1], dtype=torch.int64) for s in splits}
+    if rows == 0 or x.numel() == 0:
+        return 0, {s: v.tolist() for s, v in pieces.items()}
+    step = max(1, _BLOCK // max(1, x.numel() // rows))
+    for r0 in range(0, rows, step):
+        block = x[r0 : r0 + step]
+        if block.dtype != dtype:
+            block = block.to(dtype)
+        h = _mix(_bits(block))
+        total += h.sum()
+        for dim, count in splits:
+            if dim == 0:
+                size = rows // count
+                per_row = h.reshape(h.shape[0], -1).sum(1)
+                which = torch.arange(r0, r0 + h.shape[0]) // size
+                pieces[(dim, count)].index_add_(0, which, per_row)
+            else:
+                shape = h.shape
+                v = h.reshape(*shape[:dim], count, shape[dim] // count, *shape[dim + 1 :])
+                pieces[(dim, count)] += v.movedim(dim, 0).reshape(count, -1).sum(1)
+    return int(total), {s: v.tolist() for s, v in pieces.items()}
+
+
+def _position_hash(t) -> int:
+    """Layout-SENSITIVE hash (element value mixed with its position): groups byte-identical tensors."""
+    import torch
+
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.int64)
+    for start in range(0, flat.numel(), _BLOCK):
+        block = flat[start : start + _BLOCK]
+        salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int64))
+        total += _mix(_bits(block) ^ salt).sum()
+    return int(total)
+
+
+def _row_keys(m):
+    """One layout-sensitive hash per row of a 2-D tensor."""
+    import torch
+
+    salt = _mix(torch.arange(m.shape[1], dtype=torch.int64) * 7919)
+    return _mix(_bits(m) ^ salt[None, :]).sum(1).tolist()
+
+
+# --------------------------------------------------------------------------------------------------------
+# exact confirmation: which layout op turns x into t?
+# --------------------------------------------------------------------------------------------------------
+
+
+def _equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _resolve(x, t) -> list[dict[str, Any]] | None:
+    r"""Layout steps turning ``x`` (already in ``t``'s dtype) into ``t`` exactly, or ``None``.
+
+    Tried in order of simplicity: identity, reshape, transpose/permute (of the non-singleton dims),
+    swap_halves along one dim, a row permutation along one dim.
+    """
+    if x.numel() != t.numel():
+        return None
+    if _equal(x, t):
+        return []
+    tshape = list(t.shape)
+    if x.shape != t.shape and _equal(x.reshape(t.shape), t):
+        return [{"op": "reshape", "shape": tshape}]
+    xs = [s for s in x.shape if s != 1]
+    ts = [s for s in t.shape if s != 1]
+    if len(xs) == len(ts) and 2 <= len(xs) <= 5 and sorted(xs) == sorted(ts):
+        xv = x.reshape(xs)
+        for perm in itertools.permutations(range(len(xs))):
+            if perm == tuple(range(len(xs))) or [xs[i] for i in perm] != ts:
+                continue
+            if _equal(xv.permute(perm).reshape(t.shape), t):
+                steps = [] if list(x.shape) == xs else [{"op": "reshape", "shape": xs}]
+                moved = [i for i, p in enumerate(perm) if p != i]
+                if len(moved) == 2:
+                    steps.append({"op": "transpose", "dims": moved})
+                else:
+                    steps.append({"op": "permute", "dims": list(perm)})
+                if ts != tshape:
+                    steps.append({"op": "reshape", "shape": tshape})
+                return steps
+    y = x if x.shape == t.shape else x.reshape(t.shape)
+    pre = [] if x.shape == t.shape else [{"op": "reshape", "shape": tshape}]
+    for dim in range(t.ndim):
+        if t.shape[dim] % 2 == 0 and t.shape[dim] >= 2:
+            if _equal(_apply_step(y, {"op": "swap_halves", "dim": dim}), t):
+                return [*pre, {"op": "swap_halves", "dim": dim}]
+    for dim in range(t.ndim):
+        if t.shape[dim] < 3:
+            continue
+        perm = _row_permutation(y, t, dim)
+        if perm is not None:
+            return [*pre, {"op": "permute_rows", "dim": dim, **_describe_permutation(perm)}]
+    return None
+
+
+def _row_permutation(y, t, dim) -> list[int] | None:
+    """``perm`` with ``t == y.index_select(dim, perm)``, found by hashing rows, or ``None``."""
+    import torch
+
+    n = t.shape[dim]
+    ym = y.movedim(dim, 0).reshape(n, -1)
+    tm = t.movedim(dim, 0).reshape(n, -1)
+    where: dict[int, list[int]] = defaultdict(list)
+    for i, key in enumerate(_row_keys(ym)):
+        where[key].append(i)
+    perm = []
+    for key in _row_keys(tm):
+        rows = where.get(key)
+        if not rows:
+            return None
+        perm.append(rows.pop(0))
+    if perm == list(range(n)) or not torch.equal(ym[torch.tensor(perm)], tm):
+        return None
+    return perm
+
+
+def _describe_permutation(perm: list[int]) -> dict[str, Any]:
+    r"""A compact description of a row permutation: a known pattern when one fits, else stride runs.
+
+    Patterns: ``deinterleave``/``interleave`` pairs within groups of ``group`` rows (rotary layouts,
+    interleaved heads), ``blocks`` of ``block`` rows reordered by ``order`` (heads or fused pieces reordered),
+    else ``ranges`` ``[[start, stop, stride], …]`` concatenated.
+    """
+    import torch
+
+    n = len(perm)
+    p = torch.tensor(perm)
+    for group in range(4, n + 1, 2):
+        if n % group:
+            continue
+        for pattern in ("deinterleave", "interleave"):
+            if torch.equal(_row_index({"pattern": pattern, "group": group}, n), p):
+                return {"pattern": pattern, "group": group}
+    for block in range(n // 2, 1, -1):
+        if n % block:
+            continue
+        starts = p[::block]
+        if bool((starts % block == 0).all()):
+            candidate = _row_index(
+                {"pattern": "blocks", "block": block, "order": (starts // block).tolist()}, n
+            )
+            if torch.equal(candidate, p):
+                return {"pattern": "blocks", "block": block, "order": (starts // block).tolist()}
+    ranges: list[list[int]] = []
+    i = 0
+    while i < n:
+        j = i + 1
+        stride = perm[j] - perm[i] if j < n else 1
+        while j < n and perm[j] - perm[j - 1] == stride:
+            j += 1
+        if stride == 0:
+            stride = 1
+        ranges.append([perm[i], perm[j - 1] + stride, stride])
+        i = j
+    return {"pattern": "ranges", "ranges": ranges}
+
+
+# --------------------------------------------------------------------------------------------------------
+# names: similarity for ambiguous matches, and collapsing names into rules
+# --------------------------------------------------------------------------------------------------------
+
+_DIGITS = re.compile(r"\d+")
+_WORDS = re.compile(r"[A-Za-z]+")
+
+
+def _skeleton(name: str) -> str:
+    return _DIGITS.sub("#", name)
+
+
+def _numbers(name: str) -> list[str]:
+    return _DIGITS.findall(name)
+
+
+class _NameScorer:
+    """Ranks candidate sources for a target: naming patterns already proven, layer numbers, shared words."""
+
+    def __init__(self) -> None:
+        self.pairs: set[tuple[str, str]] = set()
+        self.used: set[str] = set()
+
+    def learn(self, source: str, target: str) -> None:
+        self.pairs.add((_skeleton(source), _skeleton(target)))
+        self.used.add(source)
+
+    def key(self, source: str, target: str) -> tuple:
+        known = (_skeleton(source), _skeleton(target)) in self.pairs
+        # layer indices are whole dotted components; "norm1" is a name, not an index
+        si = [c for c in source.split(".") if c.isdigit()]
+        ti = [c for c in target.split(".") if c.isdigit()]
+        indices = sum(a == b for a, b in zip(si, ti)) / max(1, len(si), len(ti))
+        sw, tw = set(_WORDS.findall(source.lower())), set(_WORDS.findall(target.lower()))
+        words = len(sw & tw) / max(1, len(sw | tw))
+        tail = difflib.SequenceMatcher(
+            None, ".".join(source.split(".")[-2:]), ".".join(target.split(".")[-2:])
+        )
+        return (known, indices, source not in self.used, words, tail.ratio())
+
+    def rank(self, target: str, candidates: Iterable[str]) -> list[str]:
+        return sorted(candidates, key=lambda s: self.key(s, target), reverse=True)
+
+
+def _template_escape(text: str) -> str:
+    return text.replace("\\", "\\\\")
+
+
+def _sig(entry: MappingEntry) -> str:
+    return json.dumps([entry.op, entry.args], sort_keys=True)
+
+
+def _literal_rule(entry: MappingEntry) -> ConversionRule:
+    return ConversionRule(
+        re.escape(entry.sources[0]),
+        [_template_escape(s) for s in entry.sources],
+        _template_escape(entry.target),
+        entry.op,
+        entry.args,
+        1,
+    )
+
+
+def _group_rules(entries: list[MappingEntry]) -> list[ConversionRule]:
+    r"""Rules for entries sharing name skeletons and op: numbers that vary together become ``(\d+)``."""
+    first = [_numbers(e.sources[0]) for e in entries]
+    derived_names = [[*e.sources[1:], e.target] for e in entries]
+    derived = [[_numbers(n) for n in names] for names in derived_names]
+    n_first = len(first[0])
+    src_cols = [tuple(f[i] for f in first) for i in range(n_first)]
+
+    split_src: list[int] = []
+    split_derived: list[tuple[int, int]] = []
+    spec: dict[tuple[int, int], tuple[str, Any]] = {}
+    referenced: set[int] = set()
+    for j in range(len(derived[0])):
+        for p in range(len(derived[0][j])):
+            col = tuple(d[j][p] for d in derived)
+            refs = [i for i in range(n_first) if src_cols[i] == col]
+            if len(set(col)) == 1 and (not refs or len(set(src_cols[refs[0]])) == 1):
+                spec[(j, p)] = ("lit", col[0])
+            elif refs:
+                i = p if p in refs else refs[0]
+                spec[(j, p)] = ("ref", i)
+                referenced.add(i)
+            else:
+                split_derived.append((j, p))
+    for i in range(n_first):
+        if i not in referenced and len(set(src_cols[i])) > 1:
+            split_src.append(i)
+    if split_src or split_derived:
+        groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
+        for k, e in enumerate(entries):
+            groups[
+                tuple(first[k][i] for i in split_src) + tuple(derived[k][j][p] for j, p in split_derived)
+            ].append(e)
+        if len(groups) == 1:  # cannot split further: spell every entry out
+            return [_literal_rule(e) for e in entries]
+        return [r for g in groups.values() for r in _group_rules(g)]
+
+    group_of = {i: g + 1 for g, i in enumerate(sorted(referenced))}
+    texts = _DIGITS.split(entries[0].sources[0])
+    pattern = re.escape(texts[0])
+    for i in range(n_first):
+        pattern += r"(\d+)" if i in referenced else re.escape(src_cols[i][0])
+        pattern += re.escape(texts[i + 1])
+
+    def template(name: str, j: int) -> str:
+        pieces = _DIGITS.split(name)
+        out = _template_escape(pieces[0])
+        for p in range(len(pieces) - 1):
+            kind, value = spec[(j, p)]
+            if kind == "lit":
+                out += value
+            else:
+                nxt = pieces[p + 1]
+                out += f"\\g<{group_of[value]}>" if nxt[:1].isdigit() else f"\\{group_of[value]}"
+            out += _template_escape(pieces[p + 1])
+        return out
+
+    templates = [template(n, j) for j, n in enumerate(derived_names[0])]
+    sources = [_first_template(entries[0].sources[0], src_cols, referenced, group_of), *templates[:-1]]
+    return [ConversionRule(pattern, sources, templates[-1], entries[0].op, entries[0].args, len(entries))]
+
+
+def _first_template(name: str, src_cols, referenced, group_of) -> str:
+    """The first source written as a template (for display and for the ``sources`` list)."""
+    pieces = _DIGITS.split(name)
+    out = _template_escape(pieces[0])
+    for i in range(len(pieces) - 1):
+        if i in referenced:
+            out += f"\\g<{group_of[i]}>" if pieces[i + 1][:1].isdigit() else f"\\{group_of[i]}"
+        else:
+            out += src_cols[i][0]
+        out += _template_escape(pieces[i + 1])
+    return out
+
+
+def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> list[ConversionRule]:
+    r"""Collapse a mapping into regex rules over layer indices, verified against the source key names.
+
+    Entries whose names share a skeleton (digits blanked) and whose op and args are equal form one rule;
+    numbers that vary together between source and target become ``(\d+)`` captures and back-references.
+    The rules are then applied to every source name: a rule that would produce a target the mapping does
+    not contain (or builds it differently) is replaced by one literal rule per entry.
+    """
+    groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
+    for e in mapping:
+        groups[(tuple(_skeleton(s) for s in e.sources), _skeleton(e.target), _sig(e))].append(e)
+    rules: list[ConversionRule] = []
+    origin: list[list[MappingEntry]] = []
+    for entries in groups.values():
+        for rule in _group_rules(entries):
+            rules.append(rule)
+            origin.append(entries)
+    expected = {e.target: (tuple(e.sources), _sig(e)) for e in mapping}
+    keys = list(source_keys)
+    for _ in range(3):
+        bad = _bad_rules(rules, expected, keys)
+        if not bad:
+            break
+        fixed: list[ConversionRule] = []
+        for k, rule in enumerate(rules):
+            if k not in bad:
+                fixed.append(rule)
+                continue
+            regex = re.compile(rule.pattern)
+            fixed += [
+                _literal_rule(e)
+                for e in origin[k]
+                if regex.fullmatch(e.sources[0]) and _expand(regex, e.sources[0], rule.target) == e.target
+            ]
+        rules = fixed
+        origin = _origins(rules, mapping)
+    # rules read in target order: the first target each rule builds
+    origin = _origins(rules, mapping)
+    position = {e.target: i for i, e in enumerate(mapping)}
+    first = {
+        id(r): min((position[e.target] for e in o), default=len(position)) for r, o in zip(rules, origin)
+    }
+    rules.sort(key=lambda r: first[id(r)])
+    return rules
+
+
+def _expand(regex: re.Pattern[str], key: str, template: str) -> str | None:
+    m = regex.fullmatch(key)
+    return m.expand(template) if m else None
+
+
+def _origins(rules: list[ConversionRule], mapping: list[MappingEntry]) -> list[list[MappingEntry]]:
+    by_first: dict[str, list[MappingEntry]] = defaultdict(list)
+    for e in mapping:
+        by_first[_skeleton(e.sources[0])].append(e)
+    out = []
+    for r in rules:
+        regex = re.compile(r.pattern)
+        skel = _skeleton(_unescape_pattern(r.pattern))
+        out.append([e for e in by_first.get(skel, []) if _expand(regex, e.sources[0], r.target) == e.target])
+    return out
+
+
+def _unescape_pattern(pattern: str) -> str:
+    return re.sub(r"\\(.)", r"\1", pattern.replace(r"(\d+)", "0"))
+
+
+def _bad_rules(rules: list[ConversionRule], expected: dict, keys: list[str]) -> set[int]:
+    by_skel: dict[str, list[int]] = defaultdict(list)
+    for k, r in enumerate(rules):
+        by_skel[_skeleton(_unescape_pattern(r.pattern))].append(k)
+    bad: set[int] = set()
+    for key in keys:
+        for k in by_skel.get(_skeleton(key), ()):
+            r = rules[k]
+            m = re.fullmatch(r.pattern, key)
+            if m is None:
+                continue
+            names = (key, *(m.expand(s) for s in r.sources[1:]))
+            if expected.get(m.expand(r.target)) != (names, json.dumps([r.op, r.args], sort_keys=True)):
+                bad.add(k)
+    return bad
+
+
+# --------------------------------------------------------------------------------------------------------
+# inference
+# --------------------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
+    import torch
+
+    if isinstance(obj, (str, os.PathLike)):
+        path = Path(obj)
+        if not path.exists():
+            raise ParityKitError(f"{label} {str(path)!r}: no such file or directory")
+        from paritykit.io import load_state_dict
+
+        tensors, name = load_state_dict(path), str(path)
+    elif isinstance(obj, Mapping):
+        tensors, name = obj, label
+    elif hasattr(obj, "state_dict"):
+        tensors, name = obj.state_dict(), type(obj).__name__
+    else:
+        raise ParityKitError(
+            f"{label}: expected a path, a dict of tensors or a module, got {type(obj).__name__}"
+        )
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ParityKitError(f"{label}: {key!r} is a {type(value).__name__}, not a tensor")
+        out[str(key)] = value.detach()
+    if not out:
+        raise ParityKitError(f"{label} {name!r} holds no tensors")
+    return out, name
+
+
+@dataclass
+class _Found:
+    """One confirmed way to build a target: sources, op and args."""
+
+    sources: list[str]
+    op: str
+    args: dict[str, Any]
+
+
+def _entry_from_steps(source: str, steps: list[dict[str, Any]], cast: str | None) -> _Found:
+    steps = list(steps) + ([{"op": "cast", "dtype": cast}] if cast else [])
+    if not steps:
+        return _Found([source], "identity", {})
+    main, rest = steps[0], steps[1:]
+    args = {k: v for k, v in main.items() if k != "op"}
+    if rest:
+        args["then"] = rest
+    return _Found([source], main["op"], args)
+
+
+class _Matcher:
+    """State of one inference run (kept in one place so the phases read top to bottom)."""
+
+    def __init__(self, source: dict, target: dict) -> None:
+        self.source = source
+        self.target = target
+        self.dtypes = sorted({t.dtype for t in target.values()}, key=str)
+        # (dtype, numel, multiset hash) -> source keys
+        self.src_table: dict[tuple, list[str]] = defaultdict(list)
+        self.src_numels: dict[Any, set[int]] = defaultdict(set)
+        self.tgt_hash: dict[str, int] = {}
+        self.found: dict[str, list[_Found]] = {}
+        self.scorer = _NameScorer()
+        self.chosen: dict[str, _Found] = {}
+        self.ambiguous: dict[str, list[str]] = {}
+        self._poshash: dict[tuple, int] = {}
+        self._resolved: dict[tuple, list[dict[str, Any]] | None] = {}
+        self._cast_cache: dict[tuple[str, Any], Any] = {}
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def cast(self, key: str, dtype):
+        t = self.source[key]
+        if t.dtype == dtype:
+            return t
+        if (key, dtype) not in self._cast_cache:
+            self._cast_cache = {(key, dtype): t.to(dtype)}  # keep one: memory stays bounded
+        return self._cast_cache[(key, dtype)]
+
+    def position_class(self, side: str, key: str, dtype) -> tuple:
+        tensors = self.source if side == "s" else self.target
+        if (side, key, dtype) not in self._poshash:
+            t = self.cast(key, dtype) if side == "s" else tensors[key]
+            self._poshash[(side, key, dtype)] = _position_hash(t)
+        return (tuple(tensors[key].shape), self._poshash[(side, key, dtype)])
+
+    # -- phase 1: fingerprints ----------------------------------------------------------------------------
+    def fingerprint(self) -> None:
+        for key, t in self.target.items():
+            self.tgt_hash[key] = _multiset_hashes(t, t.dtype)[0]
+        for key, s in self.source.items():
+            for dtype in self.dtypes:
+                if _castable(s.dtype, dtype):
+                    h = _multiset_hashes(s, dtype)[0]
+                    self.src_table[(dtype, s.numel(), h)].append(key)
+                    self.src_numels[dtype].add(s.numel())
+
+    # -- phase 2: whole tensors ---------------------------------------------------------------------------
+    def match_whole(self) -> None:
+        for key, t in self.target.items():
+            bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
+            if not bucket:
+                continue
+            results: list[_Found] = []
+            if len(bucket) == 1:
+                classes = {None: bucket}
+            else:
+                classes = defaultdict(list)
+                for s in bucket:
+                    classes[self.position_class("s", s, t.dtype)].append(s)
+            for cls, members in classes.items():
+                cache_key = (cls, self.position_class("t", key, t.dtype)) if cls is not None else None
+                if cache_key is not None and cache_key in self._resolved:
+                    steps = self._resolved[cache_key]
+                else:
+                    steps = _resolve(self.cast(members[0], t.dtype), t)
+                    if cache_key is not None:
+                        self._resolved[cache_key] = steps
+                if steps is None:
+                    continue
+                for s in members:
+                    cast = _dtype_name(t.dtype) if self.source[s].dtype != t.dtype else None
+                    results.append(_entry_from_steps(s, steps, cast))
+            if results:
+                self.found[key] = results
+
+    # -- phase 3: pieces of fused sources -----------------------------------------------------------------
+    def match_pieces(self) -> None:
+        open_targets = [k for k in self.target if k not in self.found]
+        if not open_targets:
+            return
+        table: dict[tuple, list[str]] = defaultdict(list)
+        numels: dict[Any, set[int]] = defaultdict(set)
+        for k in open_targets:
+            t = self.target[k]
+            table[(t.dtype, t.numel(), self.tgt_hash[k])].append(k)
+            numels[t.dtype].add(t.numel())
+        used = {s for fs in self.found.values() for f in fs for s in f.sources}
+        candidates: dict[str, list[_Found]] = defaultdict(list)
+        for skey, s in self.source.items():
+            if skey in used or s.ndim == 0:
+                continue
+            for dtype in self.dtypes:
+                if not _castable(s.dtype, dtype) or not numels[dtype]:
+                    continue
+                splits = [
+                    (d, k)
+                    for d in range(s.ndim)
+                    for k in range(2, min(s.shape[d], _MAX_PIECES) + 1)
+                    if s.shape[d] % k == 0 and s.numel() // k in numels[dtype]
+                ]
+                if not splits:
+                    continue
+                _, pieces = _multiset_hashes(s, dtype, splits)
+                covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+                for (dim, count), hashes in pieces.items():
+                    size = s.shape[dim] // count
+                    for index, h in enumerate(hashes):
+                        for tkey in table.get((dtype, s.numel() // count, h), []):
+                            start = index * size
+                            f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
+                            if f is not None:
+                                candidates[tkey].append(f)
+                                covered[dim].append((start, start + size))
+                # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
+                for dim, spans in covered.items():
+                    for start, stop in _gaps(spans, s.shape[dim]):
+                        numel = (stop - start) * (s.numel() // s.shape[dim])
+                        if numel not in numels[dtype]:
+                            continue
+                        piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
+                        h = _multiset_hashes(piece, dtype)[0]
+                        for tkey in table.get((dtype, numel, h), []):
+                            f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
+                            if f is not None:
+                                candidates[tkey].append(f)
+        for tkey, fs in candidates.items():
+            self.found[tkey] = fs
+
+    def _piece(self, skey, dtype, dim, start, stop, tkey, index, count) -> _Found | None:
+        t = self.target[tkey]
+        steps = _resolve(self.cast(skey, dtype).narrow(dim, start, stop - start), t)
+        if steps is None:
+            return None
+        chunk: dict[str, Any] = {"op": "chunk", "dim": dim, "start": start, "stop": stop}
+        if count is not None:
+            chunk.update(index=index, count=count)
+        cast = _dtype_name(t.dtype) if self.source[skey].dtype != t.dtype else None
+        return _entry_from_steps(skey, [chunk, *steps], cast)
+
+    # -- phase 4: concatenations of sources ---------------------------------------------------------------
+    def match_concat(self) -> None:
+        for tkey, t in self.target.items():
+            if tkey in self.found or t.ndim == 0:
+                continue
+            numels = self.src_numels[t.dtype]
+            splits = [
+                (d, k)
+                for d in range(t.ndim)
+                for k in range(2, min(t.shape[d], _MAX_PIECES) + 1)
+                if t.shape[d] % k == 0 and t.numel() // k in numels
+            ]
+            if not splits:
+                continue
+            _, pieces = _multiset_hashes(t, t.dtype, splits)
+            for (dim, count), hashes in sorted(pieces.items(), key=lambda kv: kv[0][1]):
+                size = t.shape[dim] // count
+                spans = [
+                    (i * size, (i + 1) * size, h)
+                    for i, h in enumerate(hashes)
+                    if self.src_table.get((t.dtype, t.numel() // count, h))
+                ]
+                if not spans:
+                    continue
+                for start, stop in _gaps([(a, b) for a, b, _ in spans], t.shape[dim]):
+                    piece = t.narrow(dim, start, stop - start)
+                    spans.append((start, stop, _multiset_hashes(piece, t.dtype)[0]))
+                spans.sort()
+                found = self._concat(tkey, dim, spans)
+                if found is not None:
+                    self.found[tkey] = [found]
+                    break
+
+    def _concat(self, tkey, dim, spans) -> _Found | None:
+        t = self.target[tkey]
+        sources, parts = [], []
+        per_numel = t.numel() // t.shape[dim]
+        for start, stop, h in spans:
+            piece = t.narrow(dim, start, stop - start)
+            bucket = self.src_table.get((t.dtype, (stop - start) * per_numel, h), [])
+            for skey in self.scorer.rank(tkey, bucket):
+                steps = _resolve(self.cast(skey, t.dtype), piece)
+                if steps is not None:
+                    cast = (
+                        [{"op": "cast", "dtype": _dtype_name(t.dtype)}]
+                        if self.source[skey].dtype != t.dtype
+                        else []
+                    )
+                    sources.append(skey)
+                    parts.append([*cast, *steps])
+                    break
+            else:
+                return None
+        args: dict[str, Any] = {"dim": dim}
+        if any(parts):
+            args["parts"] = parts
+        return _Found(sources, "concat", args)
+
+    # -- phase 5: choose among equal candidates -----------------------------------------------------------
+    def choose(self) -> None:
+        for tkey, fs in self.found.items():
+            if len({tuple(f.sources) for f in fs}) == 1:
+                self.chosen[tkey] = fs[0]
+                for s in fs[0].sources:
+                    self.scorer.learn(s, tkey)
+        for tkey in sorted((k for k in self.found if k not in self.chosen), key=natural_key):
+            fs = self.found[tkey]
+            by_first = {f.sources[0]: f for f in fs}
+            ranked = self.scorer.rank(tkey, by_first)
+            best = by_first[ranked[0]]
+            self.chosen[tkey] = best
+            self.ambiguous[tkey] = ranked
+            for s in best.sources:
+                self.scorer.learn(s, tkey)
+
+
+def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """Ranges of ``[0, length)`` not covered by ``spans``."""
+    out, pos = [], 0
+    for start, stop in sorted(set(spans)):
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, stop)
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
+    r"""Explain every TARGET tensor from SOURCE tensors by value, and collapse the result into rules.
+
+    Args:
+        source: the research checkpoint: a path (anything :func:`paritykit.io.load_state_dict` reads), a
+            ``dict[str, Tensor]`` or a module (its ``state_dict()``).
+        target: the converted (diffusers) weights, in the same forms.
+    Returns:
+        A :class:`ConversionMap`: ``mapping`` (one entry per explained target, with op ``identity``, ``cast``,
+        ``transpose``, ``permute``, ``reshape``, ``chunk``, ``concat``, ``swap_halves`` or ``permute_rows``),
+        ``rules``, ``unmapped_target``, ``unused_source``, ``ambiguous``; ``exit_code`` 0 when every target
+        is explained.
+    Raises:
+        ParityKitError: a path that does not exist or cannot be read, or an input without tensors.
+    """
+    started = time.perf_counter()
+    src, src_label = _as_state_dict(source, "SOURCE")
+    tgt, tgt_label = _as_state_dict(target, "TARGET")
+    m = _Matcher(src, tgt)
+    m.fingerprint()
+    m.match_whole()
+    m.match_pieces()
+    m.match_concat()
+    m.choose()
+
+    mapping = [
+        MappingEntry(k, m.chosen[k].sources, m.chosen[k].op, m.chosen[k].args) for k in tgt if k in m.chosen
+    ]
+    used = {s for e in mapping for s in e.sources}
+    ambiguous = [
+        AmbiguousTarget(k, m.ambiguous[k][:_MAX_CANDIDATES], m.chosen[k].sources[0], len(m.ambiguous[k]))
+        for k in tgt
+        if k in m.ambiguous
+    ]
+    return ConversionMap(
+        mapping=mapping,
+        rules=collapse_rules(mapping, src),
+        unmapped_target=[k for k in tgt if k not in m.chosen],
+        unused_source=[k for k in src if k not in used],
+        ambiguous=ambiguous,
+        n_source=len(src),
+        n_target=len(tgt),
+        source_label=src_label,
+        target_label=tgt_label,
+        seconds=time.perf_counter() - started,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# applying and emitting rules
+# --------------------------------------------------------------------------------------------------------
+
+
+def _rule_dicts(rules: ConversionMap | Iterable[ConversionRule | dict]) -> list[dict[str, Any]]:
+    items = rules.rules if isinstance(rules, ConversionMap) else rules
+    out = []
+    for r in items:
+        d = r.to_dict() if isinstance(r, ConversionRule) else dict(r)
+        out.append({k: d[k] for k in ("pattern", "sources", "target", "op", "args")})
+    return out
+
+
+def apply_rules_to_state_dict(
+    rules: ConversionMap | Iterable[ConversionRule | dict], state_dict: Mapping
+) -> dict:
+    r"""Apply inferred rules to a SOURCE state dict and return the TARGET state dict.
+
+    Args:
+        rules: a :class:`ConversionMap`, its ``rules``, or their dict form (``to_dict()["rules"]``).
+        state_dict: source tensors by name.
+    Returns:
+        A new dict of target tensors; exactly what the module written by :func:`emit_rules` returns.
+    """
+    return _convert_with_rules(dict(state_dict), _rule_dicts(rules))
+
+
+_MODULE_HEADER = '''\
+"""Weight conversion {source} -> {target}.
+
+Generated by `paritykit weights map --emit-rules` (paritykit {version}) from tensor VALUES: every rule below
+was confirmed exactly on the checkpoints it was inferred from. Edit freely; re-running the command with
+--force overwrites this file.
+
+Usage:
+    from {module} import convert
+    target_state_dict = convert(source_state_dict)
+
+Each rule's "pattern" is matched (re.fullmatch) against source key names; "sources" are the tensors the op
+reads (the first is the matched key), "target" is the new name; "op"/"args" say how the tensor is built.
+"""
+
+import torch
+
+RULES = [
+{rules}
+]
+
+'''
+
+_MODULE_FOOTER = '''
+
+def convert(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return the converted state dict (new keys; source tensors are not modified)."""
+    return _convert_with_rules(state_dict, RULES)
+'''
+
+
+def _py_str(value: str) -> str:
+    if "\\" in value and '"' not in value and not value.endswith("\\") and value.isprintable():
+        return 'r"' + value + '"'
+    if value.isascii() and value.isprintable() and "\\" not in value:
+        return json.dumps(value)
+    return repr(value)
+
+
+def _format_rule(rule: dict[str, Any]) -> str:
+    lines = ["    {"]
+    for key in ("pattern", "sources", "target", "op", "args"):
+        value = rule[key]
+        if key in ("pattern", "target"):
+            text = _py_str(value)
+        elif key == "sources":
+            text = "[" + ", ".join(_py_str(v) for v in value) + "]"
+        else:
+            text = repr(value)
+        lines.append(f'        "{key}": {text},')
+    lines.append("    },")
+    return "\n".join(lines)
+
+
+def render_rules_module(conversion_map: ConversionMap, module_name: str = "convert_weights") -> str:
+    r"""The text of the Python module :func:`emit_rules` writes (``RULES`` + ``convert(state_dict)``)."""
+    from paritykit._version import __version__
+
+    rules = _rule_dicts(conversion_map)
+    header = _MODULE_HEADER.format(
+        source=conversion_map.source_label.replace('"', "'"),
+        target=conversion_map.target_label.replace('"', "'"),
+        version=__version__,
+        module=module_name,
+        rules="\n".join(f"    # {r.text}\n" + _format_rule(d) for r, d in zip(conversion_map.rules, rules)),
+    )
+    runtime = "\n\n".join(inspect.getsource(fn).rstrip() for fn in _RUNTIME)
+    return header + runtime + "\n" + _MODULE_FOOTER
+
+
+def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bool = False) -> Path:
+    r"""Write the rules as a small readable Python module with ``convert(state_dict) -> state_dict``.
+
+    Args:
+        conversion_map: the result of :func:`infer_conversion_map`.
+        path: the ``.py`` file to write.
+        force: overwrite an existing file (never done otherwise).
+    Returns:
+        The path written. The write is atomic (temporary file, then rename).
+    Raises:
+        ParityKitError: the file exists and ``force`` is false (the file is left untouched), or its folder
+            does not exist.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise ParityKitError(f"--emit-rules {str(path)!r} already exists; pass --force to overwrite it")
+    if not path.parent.is_dir():
+        raise ParityKitError(f"--emit-rules {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    text = render_rules_module(conversion_map, module_name=path.stem)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    conversion_map.emitted_rules = str(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------
+# module alignment
+# --------------------------------------------------------------------------------------------------------
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def match_modules(
+    source: Any,
+    target: Any,
+    *,
+    conversion_map: ConversionMap | None = None,
+    include_ambiguous: bool = True,
+) -> dict[str, list[str]]:
+    r"""Align the modules of two differently named models through the values of their parameters.
+
+    A target module corresponds to a source module when the target's parameters are built from that
+    module's parameters (by any op :func:`infer_conversion_map` finds). The module of a parameter is its
+    name without the last dotted component (``blocks.0.attn.qkv.weight`` -> ``blocks.0.attn.qkv``; a
+    top-level parameter belongs to ``""``).
+
+    Fused <-> split layouts give 1:N alignments: a fused ``attn.qkv`` in SOURCE aligns with ``attn.to_q``,
+    ``attn.to_k`` and ``attn.to_v`` in TARGET (each of those lists ``[attn.qkv]``); a target module built by
+    concatenating several source modules lists all of them.
+
+    Args:
+        source: the reference's parameters: ``dict[str, Tensor]`` (``named_parameters()``/``state_dict()``
+            form), a module (its ``state_dict()`` is used) or a checkpoint path.
+        target: the port's parameters, same forms.
+        conversion_map: reuse an already inferred map of the same two inputs instead of inferring again.
+        include_ambiguous: also use parameters whose values several sources share (constant or
+            freshly initialised tensors such as LayerNorm weights of ones); their source is the candidate
+            whose name fits best. With ``False`` only value-unique evidence counts, which can leave such
+            modules (norms) out.
+    Returns:
+        ``{target_module: [source_module, …]}`` in target parameter order; each list is ordered by how many
+        parameters support it (most first). Target modules without explained parameters are absent.
+    """
+    cmap = conversion_map if conversion_map is not None else infer_conversion_map(source, target)
+    ambiguous = {a.target for a in cmap.ambiguous}
+    votes: dict[str, dict[str, int]] = {}
+    for entry in cmap.mapping:
+        if entry.target in ambiguous and not include_ambiguous:
+            continue
+        counts = votes.setdefault(_module_of(entry.target), {})
+        for s in entry.sources:
+            mod = _module_of(s)
+            counts[mod] = counts.get(mod, 0) + 1
+    return {t: sorted(c, key=lambda m: -c[m]) for t, c in votes.items()}
