@@ -100,7 +100,10 @@ def _safetensors_in(folder: Path) -> Path | None:
 
 
 def _has_pickled_weights(folder: Path) -> bool:
-    return any(folder.glob(pattern) for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin.index.json"))
+    return any(
+        next(folder.glob(pattern), None)
+        for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.bin.index.json")
+    )
 
 
 def open_checkpoint(path: str | os.PathLike) -> _Checkpoint:

@@ -1,0 +1,364 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from paritykit import weights as weights_module
+from paritykit.errors import ParityKitError
+from paritykit.safetensors_header import read_safetensors_header
+from paritykit.weights import component_of, kind_of, plot_weights_diff, weights_diff
+from safetensors.torch import save_file
+
+from .conftest import REPO
+
+
+def ldm_state(seed=0, *, text_prefix="cond_stage_model.transformer.text_model."):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    unet = "model.diffusion_model."
+    block = unet + "input_blocks.1.1.transformer_blocks.0."
+    return {
+        "first_stage_model.encoder.conv_in.weight": r(8, 3, 3, 3),
+        "first_stage_model.encoder.mid.attn_1.q.weight": r(8, 8, 1, 1),
+        "first_stage_model.decoder.norm_out.weight": r(8),
+        text_prefix + "embeddings.token_embedding.weight": r(50, 16),
+        text_prefix + "encoder.layers.0.self_attn.q_proj.weight": r(16, 16),
+        text_prefix + "encoder.layers.0.mlp.fc1.weight": r(32, 16),
+        text_prefix + "final_layer_norm.weight": r(16),
+        unet + "input_blocks.0.0.weight": r(16, 4, 3, 3),
+        unet + "input_blocks.1.0.in_layers.0.weight": r(16),
+        unet + "input_blocks.1.0.emb_layers.1.weight": r(16, 64),
+        unet + "time_embed.0.weight": r(64, 16),
+        block + "attn1.to_q.weight": r(16, 16).half(),
+        block + "attn2.to_k.weight": r(16, 16),
+        block + "ff.net.0.proj.weight": r(64, 16),
+        block + "norm1.weight": r(16),
+        unet + "input_blocks.1.1.proj_in.weight": r(16, 16),
+        "model_ema.diffusion_modelinput_blocks00weight": r(16, 4, 3, 3),
+        "model_ema.decay": torch.tensor(0.9999),
+        "alphas_cumprod": torch.linspace(1, 0, 10),
+    }
+
+
+def test_component_and_kind_detection():
+    assert component_of("first_stage_model.encoder.conv_in.weight") == "vae"
+    assert component_of("cond_stage_model.transformer.text_model.x") == "text_encoder"
+    assert component_of("conditioner.embedders.0.transformer.text_model.x") == "text_encoder"
+    assert (
+        component_of("conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight")
+        == "text_encoder_2"
+    )
+    assert component_of("model.diffusion_model.out.2.weight") == "diffusion_model"
+    assert component_of("model_ema.diffusion_modelout2weight") == "ema"
+    assert component_of("unet.down_blocks.0.resnets.0.conv1.weight") == "unet"
+    assert component_of("text_encoder_2.text_model.final_layer_norm.weight") == "text_encoder_2"
+    assert component_of("double_blocks.0.img_attn.qkv.weight") == "transformer"
+    assert component_of("decoder.up_blocks.0.resnets.0.conv1.weight") == "vae"
+    assert component_of("down_blocks.0.resnets.0.conv1.weight") == "model"
+    assert component_of("betas") == "schedule"
+
+    assert kind_of("x.transformer_blocks.0.attn1.to_q.weight") == "self-attention"
+    assert kind_of("x.transformer_blocks.0.attn2.to_k.weight") == "cross-attention"
+    assert kind_of("text_model.encoder.layers.0.self_attn.q_proj.weight") == "self-attention"
+    assert kind_of("resblocks.0.attn.in_proj_weight") == "self-attention"
+    assert kind_of("x.ff.net.0.proj.weight") == "feed-forward"
+    assert kind_of("encoder.layers.0.mlp.fc1.weight") == "feed-forward"
+    assert kind_of("x.norm1.weight") == "norm"
+    assert kind_of("input_blocks.1.0.in_layers.0.weight") == "norm"
+    assert kind_of("input_blocks.1.0.emb_layers.1.weight") == "embedding"
+    assert kind_of("x.proj_in.weight") == "proj"
+    assert kind_of("down_blocks.0.resnets.0.conv1.weight") == "conv"
+    assert kind_of("input_blocks.0.0.weight", (16, 4, 3, 3)) == "conv"
+    assert kind_of("input_blocks.0.0.bias", (16,)) == "other"
+
+
+def test_identical_files_exit_0_without_distances(tmp_path):
+    save_file(ldm_state(), tmp_path / "a.safetensors")
+    save_file(ldm_state(), tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False)
+    assert report.exit_code == 0
+    assert report.identical == len(ldm_state())
+    assert report.changed == []
+    assert "identical" in report.render()
+
+
+def test_ldm_layout_mismatches_and_metrics_match_torch(tmp_path):
+    a = ldm_state()
+    b = {k: v.clone() for k, v in a.items()}
+    unet_q = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    b[unet_q] += 0.01
+    b["first_stage_model.encoder.conv_in.weight"] *= 1.5
+    b["model_ema.diffusion_modelinput_blocks00weight"][0, 0, 0, 0] = 3.0
+    b["cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"] = torch.randn(51, 16)
+    b["model.diffusion_model.time_embed.0.weight"] = a["model.diffusion_model.time_embed.0.weight"].half()
+    del b["first_stage_model.decoder.norm_out.weight"]
+    b["model.diffusion_model.label_emb.0.0.weight"] = torch.zeros(4)
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False)
+    assert report.exit_code == 1
+    assert report.only_a == ["first_stage_model.decoder.norm_out.weight"]
+    assert report.only_b == ["model.diffusion_model.label_emb.0.0.weight"]
+    assert [m["key"] for m in report.shape_mismatch] == [
+        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"
+    ]
+    assert report.dtype_mismatch == [
+        {"key": "model.diffusion_model.time_embed.0.weight", "a": "float32", "b": "float16"}
+    ]
+    changed = {c.key: c for c in report.changed}
+    assert set(changed) == {
+        unet_q,
+        "first_stage_model.encoder.conv_in.weight",
+        "model_ema.diffusion_modelinput_blocks00weight",
+        "model.diffusion_model.time_embed.0.weight",
+    }
+    for key, item in changed.items():
+        ta, tb = a[key].double().flatten(), b[key].double().flatten()
+        assert item.l2 == pytest.approx(torch.dist(ta, tb).item(), rel=1e-4, abs=1e-7)
+        assert item.max_abs == pytest.approx((ta - tb).abs().max().item(), rel=1e-4, abs=1e-7)
+        assert item.cosine == pytest.approx(
+            torch.nn.functional.cosine_similarity(ta, tb, dim=0).item(), abs=1e-6
+        )
+    assert report.largest_changes()[0].key == "first_stage_model.encoder.conv_in.weight"
+
+    groups = report.groups
+    assert groups["vae"].changed == 1 and groups["vae"].only_a == 1 and groups["vae"].identical == 1
+    assert groups["text_encoder"].shape_mismatch == 1 and groups["text_encoder"].identical == 3
+    assert groups["ema"].changed == 1
+    assert groups["diffusion_model"].only_b == 1 and groups["diffusion_model"].dtype_mismatch == 1
+    unet_changed = [c.l2 for c in report.changed if c.group == "diffusion_model"]
+    assert groups["diffusion_model"].distance == pytest.approx(sum(x * x for x in unet_changed) ** 0.5)
+
+    by_kind = weights_diff(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", group_by="both", progress=False
+    )
+    assert by_kind.groups["diffusion_model/self-attention"].changed == 1
+    assert by_kind.groups["vae/conv"].changed == 1
+    assert by_kind.groups["diffusion_model/embedding"].dtype_mismatch == 1
+
+
+def test_bf16_and_chunk_boundaries(tmp_path, monkeypatch):
+    monkeypatch.setattr(weights_module, "COMPARE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(weights_module, "DISTANCE_CHUNK_ELEMENTS", 512)
+    g = torch.Generator().manual_seed(1)
+    a = {"big": torch.randn(3000, 7, generator=g).bfloat16(), "tail": torch.randn(5000, generator=g).half()}
+    b = {k: v.clone() for k, v in a.items()}
+    b["tail"][-1] += 1  # only the very last element of a multi-chunk tensor differs
+    b["big"][1234, 3] = 100
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=1)
+    changed = {c.key: c for c in report.changed}
+    assert set(changed) == {"big", "tail"}
+    for key in changed:
+        ta, tb = a[key].double().flatten(), b[key].double().flatten()
+        assert changed[key].l2 == pytest.approx(torch.dist(ta, tb).item(), rel=1e-5)
+        assert changed[key].l1 == pytest.approx((ta - tb).abs().sum().item(), rel=1e-5)
+
+
+def test_keys_only_reads_headers_only(tmp_path):
+    a = ldm_state()
+    b = dict(a)
+    b["model.diffusion_model.time_embed.0.weight"] = torch.zeros(64, 16)  # values differ, header does not
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", keys_only=True)
+    assert report.exit_code == 0
+    assert report.identical == len(a)
+    assert report.to_dict()["values_compared"] is False
+
+
+def test_keys_only_cli_never_imports_torch_or_numpy(tmp_path):
+    save_file(ldm_state(), tmp_path / "a.safetensors")
+    save_file(ldm_state(1), tmp_path / "b.safetensors")
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('LOADED', sorted(m for m in ('torch', 'numpy', 'diffusers') "
+        "if m in sys.modules), file=sys.stderr))\n"
+        "from paritykit.cli import main\n"
+        f"sys.argv = ['paritykit', 'weights', 'diff', {str(tmp_path / 'a.safetensors')!r}, "
+        f"{str(tmp_path / 'b.safetensors')!r}, '--keys-only', '--json']\n"
+        "main()\n"
+    )
+    env = {"PYTHONPATH": str(REPO / "helpers")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stderr
+    assert json.loads(result.stdout)["identical"] == len(ldm_state())
+
+
+def test_renamed_text_encoder_prefix_with_map(tmp_path):
+    # the reference notebook's special case: one model saved its text encoder without the text_model level
+    a = ldm_state(text_prefix="cond_stage_model.transformer.")
+    b = ldm_state(text_prefix="cond_stage_model.transformer.text_model.")
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    plain = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False)
+    assert len(plain.only_a) == 4 and len(plain.only_b) == 4
+    rules = [(r"^cond_stage_model\.transformer\.", "cond_stage_model.transformer.text_model.")]
+    mapped = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", rules=rules, progress=False)
+    assert mapped.exit_code == 0
+    assert mapped.renamed == 4
+    assert mapped.groups["text_encoder"].identical == 4
+
+
+def test_sdxl_layout_and_sharded_index(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.k_proj.weight": torch.randn(
+            8, 8
+        ),
+        "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight": torch.randn(24, 8),
+        "conditioner.embedders.1.model.transformer.resblocks.0.mlp.c_fc.weight": torch.randn(32, 8),
+        "model.diffusion_model.label_emb.0.0.weight": torch.randn(16, 8, generator=g),
+        "first_stage_model.decoder.conv_out.weight": torch.randn(3, 8, 3, 3),
+    }
+    save_file(state, tmp_path / "sdxl.safetensors")
+    keys = list(state)
+    shards = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
+    changed = {k: v.clone() for k, v in state.items()}
+    changed[keys[1]] += 1
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    weight_map = {}
+    for name, names in shards.items():
+        save_file({k: changed[k] for k in names}, folder / name)
+        weight_map.update({k: name for k in names})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+    header = read_safetensors_header(folder / "model.safetensors.index.json")
+    assert set(header.tensors) == set(keys) and len(header.files) == 2
+
+    report = weights_diff(tmp_path / "sdxl.safetensors", folder, progress=False)
+    assert [c.key for c in report.changed] == [keys[1]]
+    assert report.changed[0].group == "text_encoder_2"
+    assert set(report.groups) == {"text_encoder", "text_encoder_2", "diffusion_model", "vae"}
+
+
+def tiny_unet(seed):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8, attention_head_dim=2, norm_num_groups=4,
+    )  # fmt: skip
+
+
+def test_diffusers_model_and_pipeline_folders(tmp_path):
+    unet = tiny_unet(0)
+    unet.save_pretrained(tmp_path / "a" / "unet")
+    with torch.no_grad():
+        unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2.to_k.weight.mul_(1.1)
+    unet.save_pretrained(tmp_path / "b" / "unet")
+    for side in ("a", "b"):
+        (tmp_path / side / "model_index.json").write_text(
+            json.dumps({"unet": ["diffusers", "UNet2DConditionModel"]})
+        )
+        (tmp_path / side / "scheduler").mkdir()
+
+    folder_report = weights_diff(
+        tmp_path / "a" / "unet", tmp_path / "b" / "unet", group_by="kind", progress=False
+    )
+    assert [c.key for c in folder_report.changed] == [
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight"
+    ]
+    assert folder_report.changed[0].group == "cross-attention"
+
+    pipeline_report = weights_diff(tmp_path / "a", tmp_path / "b", progress=False)
+    assert [c.key for c in pipeline_report.changed] == [
+        "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight"
+    ]
+    assert list(pipeline_report.groups) == ["unet"]
+
+
+def test_plot_is_a_png_with_a_panel_per_group(tmp_path):
+    from PIL import Image
+
+    a = ldm_state()
+    b = {k: v * 1.01 if v.is_floating_point() else v for k, v in a.items()}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", metric="cosine", progress=False
+    )
+    out = plot_weights_diff(report, tmp_path / "plots" / "diff.png")
+    with Image.open(out) as image:
+        assert image.format == "PNG"
+        assert image.size[0] >= 1000  # three panels across
+
+
+def test_cli_json_schema_and_plot(cli, tmp_path):
+    a = ldm_state()
+    b = dict(a)
+    b["model.diffusion_model.input_blocks.1.1.proj_in.weight"] = torch.zeros(16, 16)
+    del b["alphas_cumprod"]
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    result = cli(
+        "weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json", "--quiet",
+        "--plot", tmp_path / "out.png",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == ""
+    payload = json.loads(result.stdout)
+    for key in ("only_a", "only_b", "shape_mismatch", "dtype_mismatch", "identical", "changed", "groups"):
+        assert key in payload
+    assert payload["schema_version"] == 1 and "environment" in payload
+    assert payload["only_a"] == ["alphas_cumprod"]
+    assert payload["changed"][0]["key"] == "model.diffusion_model.input_blocks.1.1.proj_in.weight"
+    assert set(payload["changed"][0]) >= {"key", "group", "l2", "cosine", "max_abs"}
+    assert set(payload["groups"]["diffusion_model"]) >= {
+        "identical", "changed", "only_a", "only_b", "shape_mismatch", "distance"
+    }  # fmt: skip
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    same = cli("weights", "diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors")
+    assert same.returncode == 0 and "identical" in same.stdout
+
+
+def _one_line_error(result, name):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert name in lines[0] and "Traceback" not in result.stderr
+
+
+def test_bad_safetensors_inputs_exit_2_with_one_line(cli, tmp_path):
+    save_file(ldm_state(), tmp_path / "good.safetensors")
+    data = (tmp_path / "good.safetensors").read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) - 100])
+    (tmp_path / "badlength.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    (tmp_path / "tiny.safetensors").write_bytes(b"abc")
+    good = tmp_path / "good.safetensors"
+    for name in ("truncated.safetensors", "badlength.safetensors", "tiny.safetensors", "missing.safetensors"):
+        _one_line_error(cli("weights", "diff", good, tmp_path / name), name)
+    _one_line_error(
+        cli("weights", "diff", good, tmp_path / "truncated.safetensors", "--keys-only"), "truncated"
+    )
+    with pytest.raises(ParityKitError, match="truncated"):
+        read_safetensors_header(tmp_path / "truncated.safetensors")
+    json_error = cli("weights", "diff", good, tmp_path / "missing.safetensors", "--json")
+    assert json_error.returncode == 2 and "missing.safetensors" in json.loads(json_error.stdout)["error"]
+
+
+def test_pickled_checkpoints_via_safe_loader(cli, tmp_path):
+    pytest.importorskip("paritykit.io")
+    a = ldm_state()
+    b = {k: v.clone() for k, v in a.items()}
+    b["first_stage_model.encoder.conv_in.weight"] += 0.5
+    torch.save({"state_dict": a, "global_step": 10}, tmp_path / "a.ckpt")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.ckpt", tmp_path / "b.safetensors", progress=False)
+    assert [c.key for c in report.changed] == ["first_stage_model.encoder.conv_in.weight"]
+    assert report.identical == len(a) - 1
+
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    _one_line_error(cli("weights", "diff", tmp_path / "list.pt", tmp_path / "b.safetensors"), "list.pt")
+    torch.save({"state_dict": a, "bad": subprocess.Popen}, tmp_path / "code.ckpt")
+    _one_line_error(cli("weights", "diff", tmp_path / "code.ckpt", tmp_path / "b.safetensors"), "code.ckpt")
