@@ -30,6 +30,11 @@ _EXPORTS: dict[str, str] = {
     "compare_tensor_sets": "paritykit.compare",
     "assert_parity": "paritykit.compare",
     "diagnose": "paritykit.diagnose",
+    "Hint": "paritykit.diagnose",
+    "default_tolerances": "paritykit.compare",
+    "OutputComparison": "paritykit.compare",
+    "SetComparison": "paritykit.compare",
+    "compare_paths": "paritykit.compare",
     # tensor I/O
     "load_tensors": "paritykit.io",
     "load_state_dict": "paritykit.io",
