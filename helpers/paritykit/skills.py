@@ -1064,6 +1064,7 @@ def _plan_uninstall(ctx: _Context, folder: Path, agents_here: list[str]) -> _Pla
     if refusal or not folder.is_dir():
         if refusal and os.path.lexists(folder):
             plan.warnings.append(f"{ctx.show(folder)} skipped: {refusal}")
+        _plan_legacy_instruction_removal(plan, agents_here)
         return plan
     manifest = _read_manifest(folder)
     entries = {
@@ -1099,16 +1100,24 @@ def _plan_uninstall(ctx: _Context, folder: Path, agents_here: list[str]) -> _Pla
     for child in sorted(folder.iterdir()):
         if child.name not in entries and child.is_symlink() and ctx.points_into_pack(child):
             plan.step("removed", child, f"-> {os.readlink(child)} (no manifest entry)", _remover(child))
-    if manifest is None and ctx.this_checkout:
-        for filename in dict.fromkeys(INSTRUCTION_FILES[a] for a in agents_here):
-            dest = ctx.base / filename
-            if dest.is_symlink() and os.path.realpath(dest) == os.path.realpath(
-                ctx.base / INSTRUCTIONS_SOURCE
-            ):
-                plan.step("removed", dest, f"-> {os.readlink(dest)} (no manifest entry)", _remover(dest))
+    if manifest is None:
+        _plan_legacy_instruction_removal(plan, agents_here)
     plan.remove_manifest = manifest is not None
     if manifest is not None:
         plan.step("removed", folder / MANIFEST_NAME, "manifest", None)
         created = {Path(os.path.normpath(folder / rel)) for rel in manifest.get("created", [])}
         plan.prune = [*sorted(backups), *sorted(created, key=lambda p: -len(p.parts))]
     return plan
+
+
+def _plan_legacy_instruction_removal(plan: _Plan, agents_here: list[str]) -> None:
+    r"""Instruction links to `.ai/AGENTS.md` in paritykit's own checkout that no manifest lists (older Makefile)."""
+    ctx = plan.ctx
+    if not ctx.this_checkout:
+        return
+    source = os.path.realpath(ctx.base / INSTRUCTIONS_SOURCE)
+    for filename in dict.fromkeys(INSTRUCTION_FILES[a] for a in agents_here):
+        dest = ctx.base / filename
+        shown = {a.path for a, _ in plan.steps}
+        if dest.is_symlink() and os.path.realpath(dest) == source and ctx.show(dest) not in shown:
+            plan.step("removed", dest, f"-> {os.readlink(dest)} (no manifest entry)", _remover(dest))
