@@ -163,11 +163,14 @@ def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None 
     )
     if total < BOUNDED_MAX_GROWTH or late < BOUNDED_MAX_LATE_GROWTH:
         fit.growth = "bounded"
-        fit.reason = (
-            f"the fitted error grows {total:.3g}x over the run and {late:.3g}x over its last half"
-            if total >= BOUNDED_MAX_GROWTH
-            else f"the fitted error grows only {total:.3g}x over the run"
-        )
+        if total >= BOUNDED_MAX_GROWTH:
+            fit.reason = (
+                f"the fitted error grows {total:.3g}x over the run but only {late:.3g}x over its last half"
+            )
+        elif total < 1:
+            fit.reason = f"the fitted error shrinks to {total:.3g}x of its first value over the run"
+        else:
+            fit.reason = f"the fitted error grows only {total:.3g}x over the run"
     elif factor >= EXPONENTIAL_MIN_FACTOR and r2_exp >= EXPONENTIAL_MIN_R2 and r2_exp >= r2_pow:
         fit.growth = "exponential"
         fit.reason = f"the error grows {factor:.3g}x per step (R² {r2_exp:.3f} vs power law {r2_pow:.3f})"
