@@ -1,0 +1,54 @@
+"""``paritykit weights map``: infer the conversion between two checkpoints from tensor values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from paritykit.cli._common import emit, json_option, limit_option
+from paritykit.errors import ParityKitError
+
+
+@click.command("map")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("target", type=click.Path(path_type=Path))
+@json_option
+@click.option(
+    "--emit-rules",
+    "emit_rules_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="OUT.py",
+    help="Write the inferred rules as a Python module with convert(state_dict) -> state_dict.",
+)
+@click.option("--force", is_flag=True, help="Let --emit-rules overwrite an existing file.")
+@limit_option
+def weights_map(
+    source: Path, target: Path, as_json: bool, emit_rules_path: Path | None, force: bool, limit: int
+) -> None:
+    """Explain every TARGET tensor from SOURCE tensors by value and print the conversion rules.
+
+    \b
+    SOURCE is the research checkpoint, TARGET the converted (e.g. diffusers) weights: .safetensors (or a
+    sharded index), .pt/.pth/.bin/.ckpt, .npz, or a folder holding one. Ops found: identity, cast,
+    transpose, permute, reshape, chunk (fused QKV), concat, swap_halves (shift/scale), permute_rows
+    (interleaved heads / rotary). Prints the rule table, then unexplained targets, unused sources and
+    ambiguous targets (equal values in several sources, chosen by name).
+
+    \b
+    Exit codes: 0 every target explained, 1 some unexplained, 2 bad input.
+    """
+    if force and emit_rules_path is None:
+        raise ParityKitError("--force only applies together with --emit-rules OUT.py")
+    if emit_rules_path is not None and emit_rules_path.exists() and not force:
+        # refuse before the (possibly long) inference; emit_rules checks again before writing
+        raise ParityKitError(
+            f"--emit-rules {str(emit_rules_path)!r} already exists; pass --force to overwrite it"
+        )
+
+    from paritykit.convert import emit_rules, infer_conversion_map
+
+    report = infer_conversion_map(source, target)
+    if emit_rules_path is not None:
+        emit_rules(report, emit_rules_path, force=force)
+    emit(report, as_json=as_json, limit=limit)

@@ -1,0 +1,565 @@
+"""paritykit.convert: conversions inferred from tensor values, collapsed into rules, emitted as code."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+from paritykit.convert import (
+    OPS,
+    _multiset_hashes,
+    apply_rules_to_state_dict,
+    emit_rules,
+    infer_conversion_map,
+    match_modules,
+)
+from paritykit.errors import ParityKitError
+from paritykit.report import to_json
+
+D = 16
+
+
+def _rand(*shape, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 10_000)
+    return torch.randn(*shape, generator=g)
+
+
+def _entries(cmap):
+    return {e.target: e for e in cmap.mapping}
+
+
+def _import(path):
+    spec = importlib.util.spec_from_file_location(f"emitted_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_reproduces(converted, target):
+    assert set(converted) == set(target)
+    for key, value in target.items():
+        assert converted[key].dtype == value.dtype, key
+        assert torch.equal(converted[key], value), key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one hand-made case per op
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_fused_qkv_weight_and_bias_are_split_into_chunks_with_layer_rules():
+    torch.manual_seed(0)
+    src = {}
+    tgt = {}
+    for i in range(3):
+        w, b = torch.randn(3 * D, D), torch.randn(3 * D)
+        src[f"net.blocks.{i}.attn.qkv.weight"], src[f"net.blocks.{i}.attn.qkv.bias"] = w, b
+        for j, name in enumerate("qkv"):
+            tgt[f"transformer_blocks.{i}.attn.to_{name}.weight"] = w.chunk(3)[j].clone()
+            tgt[f"transformer_blocks.{i}.attn.to_{name}.bias"] = b.chunk(3)[j].clone()
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.exit_code == 0 and not cmap.unmapped_target and not cmap.unused_source and not cmap.ambiguous
+    entry = _entries(cmap)["transformer_blocks.2.attn.to_v.bias"]
+    assert entry.sources == ["net.blocks.2.attn.qkv.bias"]
+    assert entry.op == "chunk"
+    assert (entry.args["index"], entry.args["count"], entry.args["dim"]) == (2, 3, 0)
+    texts = {r.text for r in cmap.rules}
+    assert (
+        r"net\.blocks\.(\d+)\.attn\.qkv\.weight [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.weight"
+        in texts
+    )
+    assert len(cmap.rules) == 6 and all(r.count == 3 for r in cmap.rules)
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_swapped_shift_scale_is_swap_halves():
+    w, b = _rand(2 * D, D), _rand(2 * D)
+    src = {"final_layer.adaLN_modulation.1.weight": w, "final_layer.adaLN_modulation.1.bias": b}
+    shift, scale = w.chunk(2)
+    tgt = {
+        "norm_out.linear.weight": torch.cat([scale, shift]),
+        "norm_out.linear.bias": torch.cat(b.chunk(2)[::-1]),
+    }
+    entries = _entries(infer_conversion_map(src, tgt))
+    assert entries["norm_out.linear.weight"].op == "swap_halves"
+    assert entries["norm_out.linear.weight"].args == {"dim": 0}
+    assert entries["norm_out.linear.bias"].sources == ["final_layer.adaLN_modulation.1.bias"]
+
+
+def test_1x1_conv_to_linear_is_a_reshape():
+    q = _rand(D, D, 1, 1)
+    cmap = infer_conversion_map(
+        {"mid.attn_1.q.weight": q}, {"mid_block.attentions.0.to_q.weight": q[:, :, 0, 0]}
+    )
+    entry = cmap.mapping[0]
+    assert (entry.op, entry.args) == ("reshape", {"shape": [D, D]})
+    # and back: linear -> 1x1 conv
+    back = _entries(infer_conversion_map({"lin": q[:, :, 0, 0]}, {"conv": q.clone()}))["conv"]
+    assert (back.op, back.args) == ("reshape", {"shape": [D, D, 1, 1]})
+
+
+def test_transposed_conv1d_style_projection():
+    w = _rand(D, 3 * D)  # GPT-2 Conv1D stores (in, out)
+    cmap = infer_conversion_map({"h.0.mlp.c_fc.weight": w}, {"layers.0.fc.weight": w.t().contiguous()})
+    entry = cmap.mapping[0]
+    assert (entry.op, entry.args) == ("transpose", {"dims": [0, 1]})
+
+
+def test_permute_of_three_dims():
+    w = _rand(4, 5, 6)
+    entry = infer_conversion_map({"a": w}, {"b": w.permute(2, 0, 1).contiguous()}).mapping[0]
+    assert (entry.op, entry.args) == ("permute", {"dims": [2, 0, 1]})
+
+
+def test_rotary_row_permutation_is_described_as_a_pattern():
+    heads, head_dim = 2, 8
+    w = _rand(heads * head_dim, D)
+    # the LLaMA-style permutation: interleaved (x0, y0, x1, y1, …) -> halves (x…, y…) within each head
+    permuted = w.view(heads, head_dim // 2, 2, D).transpose(1, 2).reshape(heads * head_dim, D)
+    entry = infer_conversion_map({"wq": w}, {"q_proj": permuted}).mapping[0]
+    assert entry.op == "permute_rows"
+    assert entry.args == {"dim": 0, "pattern": "deinterleave", "group": head_dim}
+    # the inverse direction is the inverse pattern
+    back = infer_conversion_map({"q_proj": permuted}, {"wq": w}).mapping[0]
+    assert back.args == {"dim": 0, "pattern": "interleave", "group": head_dim}
+
+
+def test_heads_reordered_is_a_block_permutation():
+    w = _rand(4 * 4, D)
+    order = [2, 0, 3, 1]
+    target = torch.cat([w[i * 4 : (i + 1) * 4] for i in order])
+    entry = infer_conversion_map({"w": w}, {"t": target}).mapping[0]
+    assert entry.op == "permute_rows"
+    assert entry.args == {"dim": 0, "pattern": "blocks", "block": 4, "order": order}
+
+
+def test_irregular_row_permutation_round_trips_through_ranges():
+    w = _rand(12, 3)
+    perm = [5, 0, 1, 2, 11, 10, 9, 3, 4, 6, 7, 8]
+    src, tgt = {"w": w}, {"t": w[perm]}
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.mapping[0].args["pattern"] == "ranges"
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_fp32_to_fp16_cast_and_cast_combined_with_a_chunk():
+    w = _rand(D, D)
+    qkv = _rand(3 * D, D)
+    src = {"w": w, "qkv": qkv}
+    tgt = {"w16": w.half(), "k16": qkv.chunk(3)[1].to(torch.bfloat16)}
+    entries = _entries(infer_conversion_map(src, tgt))
+    assert (entries["w16"].op, entries["w16"].args) == ("cast", {"dtype": "float16"})
+    k = entries["k16"]
+    assert k.op == "chunk" and k.args["index"] == 1
+    assert k.args["then"] == [{"op": "cast", "dtype": "bfloat16"}]
+    _assert_reproduces(apply_rules_to_state_dict(infer_conversion_map(src, tgt), src), tgt)
+
+
+def test_upcast_fp16_to_fp32_is_exact():
+    w = _rand(D, D).half()
+    entry = infer_conversion_map({"w": w}, {"w": w.float()}).mapping[0]
+    assert (entry.op, entry.args) == ("cast", {"dtype": "float32"})
+
+
+def test_prefix_rename_collapses_into_index_rules():
+    src = {
+        f"model.diffusion_model.blocks.{i}.{n}.weight": _rand(D, D, seed=10 * i + j)
+        for i in range(4)
+        for j, n in enumerate(["q", "k"])
+    }
+    tgt = {k.replace("model.diffusion_model.", ""): v.clone() for k, v in src.items()}
+    cmap = infer_conversion_map(src, tgt)
+    assert all(e.op == "identity" for e in cmap.mapping)
+    assert [r.text for r in cmap.rules] == [
+        r"model\.diffusion_model\.blocks\.(\d+)\.q\.weight -> blocks.\1.q.weight",
+        r"model\.diffusion_model\.blocks\.(\d+)\.k\.weight -> blocks.\1.k.weight",
+    ]
+
+
+def test_unused_ema_scalar_is_listed_and_does_not_fail_the_map():
+    w = _rand(D, D)
+    cmap = infer_conversion_map({"model.w": w, "model_ema.decay": torch.tensor(0.9999)}, {"w": w.clone()})
+    assert cmap.unused_source == ["model_ema.decay"]
+    assert cmap.exit_code == 0
+
+
+def test_constant_tensors_are_ambiguous_and_resolved_by_layer_index():
+    src, tgt = {}, {}
+    for i in range(3):
+        src[f"blocks.{i}.ln.weight"] = torch.ones(D)
+        src[f"blocks.{i}.proj.weight"] = _rand(D, D, seed=i)
+        tgt[f"layers.{i}.norm.weight"] = torch.ones(D)
+        tgt[f"layers.{i}.linear.weight"] = src[f"blocks.{i}.proj.weight"].clone()
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.exit_code == 0
+    amb = {a.target: a for a in cmap.ambiguous}
+    assert set(amb) == {f"layers.{i}.norm.weight" for i in range(3)}
+    for i in range(3):
+        a = amb[f"layers.{i}.norm.weight"]
+        assert a.chosen == f"blocks.{i}.ln.weight"
+        assert a.n_candidates == 3 and sorted(a.candidates) == sorted(
+            f"blocks.{j}.ln.weight" for j in range(3)
+        )
+    assert r"blocks\.(\d+)\.ln\.weight -> layers.\1.norm.weight" in {r.text for r in cmap.rules}
+
+
+def test_concat_of_several_sources_with_order():
+    k, v = _rand(D, D, seed=1), _rand(D, D, seed=2)
+    entry = infer_conversion_map({"k": k, "v": v}, {"kv": torch.cat([v, k])}).mapping[0]
+    assert (entry.op, entry.sources, entry.args) == ("concat", ["v", "k"], {"dim": 0})
+    along1 = infer_conversion_map({"k": k, "v": v}, {"kv": torch.cat([k, v], dim=1)}).mapping[0]
+    assert (along1.op, along1.sources, along1.args) == ("concat", ["k", "v"], {"dim": 1})
+
+
+def test_concat_of_unequal_parts_and_transposed_parts():
+    q, kv = _rand(2 * D, D, seed=3), _rand(D, 2 * D, seed=4)  # kv stored transposed
+    src, tgt = {"q": q, "kv": kv}, {"qkv": torch.cat([q, kv.t()])}
+    cmap = infer_conversion_map(src, tgt)
+    entry = cmap.mapping[0]
+    assert entry.op == "concat" and entry.sources == ["q", "kv"]
+    assert entry.args["parts"][1] == [{"op": "transpose", "dims": [0, 1]}]
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_unequal_fused_split_uses_the_leftover_range():
+    fused = _rand(7 * D, D)  # q, k, v (D rows each) + mlp (4 D rows), as in Flux single blocks
+    q, k, v, mlp = fused[:D], fused[D : 2 * D], fused[2 * D : 3 * D], fused[3 * D :]
+    src = {"linear1.weight": fused}
+    tgt = {"to_q": q.clone(), "to_k": k.clone(), "to_v": v.clone(), "proj_mlp": mlp.clone()}
+    cmap = infer_conversion_map(src, tgt)
+    entries = _entries(cmap)
+    assert cmap.exit_code == 0
+    assert entries["to_k"].args == {"dim": 0, "start": D, "stop": 2 * D, "index": 1, "count": 7}
+    assert entries["proj_mlp"].args == {"dim": 0, "start": 3 * D, "stop": 7 * D}
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_unexplained_target_exits_1_and_json_is_strict():
+    w = _rand(D, D)
+    cmap = infer_conversion_map({"w": w}, {"w": w.clone(), "new.bias": _rand(D)})
+    assert cmap.exit_code == 1
+    assert cmap.unmapped_target == ["new.bias"]
+    payload = json.loads(to_json(cmap.to_dict()))
+    assert payload["schema_version"] == 1
+    assert set(payload) >= {
+        "mapping",
+        "rules",
+        "unmapped_target",
+        "unused_source",
+        "ambiguous",
+        "environment",
+    }
+    assert payload["mapping"] == [{"target": "w", "sources": ["w"], "op": "identity", "args": {}}]
+    assert all(m["op"] in OPS for m in payload["mapping"])
+    text = cmap.render()
+    assert "Unexplained target tensors (1):" in text and "new.bias" in text
+
+
+def test_render_is_bounded_by_limit():
+    tgt = {f"t{i}": _rand(3, seed=i) for i in range(30)}
+    text = infer_conversion_map({"s": _rand(2)}, tgt).render(limit=5)
+    assert "… 25 more" in text
+    assert sum(line.startswith("  t") for line in text.splitlines()) == 5
+
+
+def test_layer_offsets_do_not_overreach():
+    # numbers that do not correspond between the two namings (down_blocks.1 -> input_blocks.3) must not be
+    # generalised into a rule that would build targets that do not exist
+    src = {f"down.{i}.w": _rand(D, seed=i) for i in range(4)}
+    tgt = {f"input.{2 * i + 1}.w": src[f"down.{i}.w"].clone() for i in range(4)}
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.exit_code == 0
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_fingerprints_are_layout_insensitive_and_pieces_add_up():
+    w = _rand(6, 4, 10)
+    full, pieces = _multiset_hashes(w, torch.float32, [(0, 3), (2, 5)])
+    assert full == _multiset_hashes(w.permute(2, 0, 1).contiguous(), torch.float32)[0]
+    assert full == _multiset_hashes(w.reshape(-1).flip(0), torch.float32)[0]
+    assert full != _multiset_hashes(w + 1e-6, torch.float32)[0]
+    for (dim, count), hashes in pieces.items():
+        assert hashes == [_multiset_hashes(p, torch.float32)[0] for p in w.chunk(count, dim=dim)]
+    # casting commutes with the fingerprint (rounding is monotone): what the cast matching relies on
+    assert (
+        _multiset_hashes(w, torch.float16)[0] == _multiset_hashes(w.half().transpose(0, 2), torch.float16)[0]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a real tiny diffusers model in a "research layout"
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tiny_flux(seed=0, randomise=True):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
+    )
+    sd = model.state_dict()
+    if randomise:  # a trained checkpoint: no two tensors share values (norm scales are not all ones)
+        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+    return sd
+
+
+# diffusers name (per block) -> BFL research name, for tensors that are only renamed
+_DOUBLE = {
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "attn.norm_q": "img_attn.norm.query_norm",
+    "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm",
+    "attn.norm_added_k": "txt_attn.norm.key_norm",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+}
+_SINGLE = {
+    "norm.linear": "modulation.lin",
+    "proj_out": "linear2",
+    "attn.norm_q": "norm.query_norm",
+    "attn.norm_k": "norm.key_norm",
+}
+_TOP = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "proj_out": "final_layer.linear",
+}
+
+
+def _research_layout(sd):
+    r"""The diffusers Flux state dict written the way the original repository stores it (test helper)."""
+    out = {}
+    for key, value in sd.items():
+        if m := re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)\.(weight|bias)", key):
+            i, mod, kind = m.groups()
+            if mod in _DOUBLE:
+                name = _DOUBLE[mod]
+                kind = "scale" if name.endswith("_norm") else kind
+                out[f"double_blocks.{i}.{name}.{kind}"] = value
+            elif mod == "attn.to_q":
+                parts = [sd[f"transformer_blocks.{i}.attn.to_{n}.{kind}"] for n in "qkv"]
+                out[f"double_blocks.{i}.img_attn.qkv.{kind}"] = torch.cat(parts)
+            elif mod == "attn.add_q_proj":
+                parts = [sd[f"transformer_blocks.{i}.attn.add_{n}_proj.{kind}"] for n in "qkv"]
+                out[f"double_blocks.{i}.txt_attn.qkv.{kind}"] = torch.cat(parts)
+        elif m := re.fullmatch(r"single_transformer_blocks\.(\d+)\.(.+)\.(weight|bias)", key):
+            i, mod, kind = m.groups()
+            if mod in _SINGLE:
+                name = _SINGLE[mod]
+                kind = "scale" if name.endswith("_norm") else kind
+                out[f"single_blocks.{i}.{name}.{kind}"] = value
+            elif mod == "attn.to_q":
+                parts = [sd[f"single_transformer_blocks.{i}.attn.to_{n}.{kind}"] for n in "qkv"]
+                parts.append(sd[f"single_transformer_blocks.{i}.proj_mlp.{kind}"])
+                out[f"single_blocks.{i}.linear1.{kind}"] = torch.cat(parts)
+        elif key.startswith("norm_out.linear."):
+            shift, scale = value.chunk(2)  # diffusers stores (scale, shift); BFL stores (shift, scale)
+            out[f"final_layer.adaLN_modulation.1.{key.rsplit('.', 1)[1]}"] = torch.cat([scale, shift])
+        else:
+            mod, kind = key.rsplit(".", 1)
+            out[f"{_TOP[mod]}.{kind}"] = value
+    out["model_ema.num_updates"] = torch.tensor(1000)
+    return out
+
+
+def test_real_flux_research_layout_is_mapped_back_exactly(tmp_path):
+    target = _tiny_flux()
+    source = _research_layout(target)
+    cmap = infer_conversion_map(source, target)
+    assert cmap.exit_code == 0, cmap.render()
+    assert not cmap.ambiguous
+    assert cmap.unused_source == ["model_ema.num_updates"]
+    entries = _entries(cmap)
+    # spot checks against the known layout
+    e = entries["transformer_blocks.1.attn.add_v_proj.bias"]
+    assert (e.sources, e.op, e.args["index"], e.args["count"]) == (
+        ["double_blocks.1.txt_attn.qkv.bias"],
+        "chunk",
+        2,
+        3,
+    )
+    e = entries["single_transformer_blocks.0.proj_mlp.weight"]
+    assert (e.sources, e.op, e.args["start"], e.args["stop"]) == (
+        ["single_blocks.0.linear1.weight"],
+        "chunk",
+        96,
+        224,
+    )
+    assert entries["norm_out.linear.weight"].op == "swap_halves"
+    assert entries["transformer_blocks.0.attn.norm_q.weight"].sources == [
+        "double_blocks.0.img_attn.norm.query_norm.scale"
+    ]
+    # every other tensor is a pure rename
+    special = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "proj_mlp", "norm_out")
+    for target_key, entry in entries.items():
+        if not any(s in target_key for s in special):
+            assert entry.op == "identity", target_key
+    # the rules generalise over layer indices
+    texts = {r.text for r in cmap.rules}
+    assert (
+        r"double_blocks\.(\d+)\.img_attn\.qkv\.weight [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.weight"
+        in texts
+    )
+    assert all(r.count == 2 for r in cmap.rules if "blocks" in r.target)
+
+    # the emitted module, imported and run on SOURCE, reproduces TARGET exactly
+    path = emit_rules(cmap, tmp_path / "convert_flux.py")
+    module = _import(path)
+    _assert_reproduces(module.convert(source), target)
+    _assert_reproduces(apply_rules_to_state_dict(cmap.to_dict()["rules"], source), target)
+
+    # module alignment for bisect: fused qkv aligns with all three projections
+    modules = match_modules(source, target, conversion_map=cmap)
+    for n in "qkv":
+        assert modules[f"transformer_blocks.0.attn.to_{n}"] == ["double_blocks.0.img_attn.qkv"]
+    assert modules["single_transformer_blocks.1.proj_mlp"] == ["single_blocks.1.linear1"]
+    assert modules["transformer_blocks.1.attn.to_out.0"] == ["double_blocks.1.img_attn.proj"]
+    assert modules["proj_out"] == ["final_layer.linear"]
+
+
+def test_real_flux_fresh_init_norms_are_ambiguous_but_rules_still_reproduce(tmp_path):
+    target = _tiny_flux(randomise=False)  # RMSNorm scales are all ones
+    source = _research_layout(target)
+    cmap = infer_conversion_map(source, target)
+    assert cmap.exit_code == 0
+    ambiguous = {a.target for a in cmap.ambiguous}
+    assert "transformer_blocks.0.attn.norm_q.weight" in ambiguous
+    # the layer index breaks the tie
+    chosen = {a.target: a.chosen for a in cmap.ambiguous}
+    assert chosen["transformer_blocks.1.attn.norm_added_k.weight"].startswith("double_blocks.1.")
+    module = _import(emit_rules(cmap, tmp_path / "conv.py"))
+    _assert_reproduces(module.convert(source), target)
+    modules = match_modules(source, target, conversion_map=cmap, include_ambiguous=False)
+    assert "transformer_blocks.0.attn.norm_q" not in modules
+    assert modules["transformer_blocks.0.attn.to_q"] == ["double_blocks.0.img_attn.qkv"]
+
+
+def test_real_autoencoder_ldm_attention_1x1_convs(tmp_path):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+    )
+    target = {k: torch.randn_like(v) for k, v in vae.state_dict().items()}
+    names = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out", "group_norm": "norm"}
+    source = {}
+    for key, value in target.items():
+        m = re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", key)
+        if m:
+            side, mod, kind = m.groups()
+            if kind == "weight" and value.ndim == 2:
+                value = value[:, :, None, None]  # LDM stores attention projections as 1x1 convs
+            source[f"first_stage_model.{side}.mid.attn_1.{names[mod]}.{kind}"] = value
+        else:
+            source[f"first_stage_model.{key}"] = value
+    cmap = infer_conversion_map(source, target)
+    assert cmap.exit_code == 0 and not cmap.unused_source
+    e = _entries(cmap)["decoder.mid_block.attentions.0.to_k.weight"]
+    assert (e.sources, e.op, e.args) == (
+        ["first_stage_model.decoder.mid.attn_1.k.weight"],
+        "reshape",
+        {"shape": [16, 16]},
+    )
+    _assert_reproduces(_import(emit_rules(cmap, tmp_path / "vae.py")).convert(source), target)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs, paths, emitting
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_paths_are_read_through_the_safe_loader(tmp_path):
+    from safetensors.torch import save_file
+
+    w = _rand(3 * D, D)
+    save_file({"qkv.weight": w}, tmp_path / "src.safetensors")
+    torch.save(
+        {"state_dict": {"q": w[:D].clone(), "k": w[D : 2 * D].clone(), "v": w[2 * D :].clone()}},
+        tmp_path / "tgt.pt",
+    )
+    cmap = infer_conversion_map(tmp_path / "src.safetensors", str(tmp_path / "tgt.pt"))
+    assert cmap.exit_code == 0
+    assert cmap.source_label.endswith("src.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("/nonexistent/x.safetensors", "no such file"),
+        ({}, "holds no tensors"),
+        ({"a": 1.0}, "not a tensor"),
+        (42, "expected a path"),
+    ],
+)
+def test_bad_inputs_raise_one_line_errors(source, message):
+    with pytest.raises(ParityKitError, match=message) as info:
+        infer_conversion_map(source, {"w": torch.zeros(2)})
+    assert "\n" not in str(info.value) and "SOURCE" in str(info.value)
+
+
+def test_emit_rules_never_overwrites_without_force(tmp_path):
+    w = _rand(D, D)
+    cmap = infer_conversion_map({"a": w}, {"b": w.t().contiguous()})
+    path = tmp_path / "rules.py"
+    path.write_text("# my edits\n")
+    before = path.read_bytes()
+    with pytest.raises(ParityKitError, match="--force"):
+        emit_rules(cmap, path)
+    assert path.read_bytes() == before
+    emit_rules(cmap, path, force=True)
+    assert "def convert(" in path.read_text()
+    assert not list(tmp_path.glob(".rules.py.*"))  # no temporary file left behind
+    _assert_reproduces(_import(path).convert({"a": w}), {"b": w.t().contiguous()})
+
+
+def test_emitted_module_is_readable_python_with_only_torch(tmp_path):
+    qkv = _rand(3 * D, D)
+    cmap = infer_conversion_map(
+        {"blk.0.qkv": qkv, "blk.1.qkv": qkv.flip(0)},
+        {"b.0.q": qkv[:D].clone(), "b.1.q": qkv.flip(0)[:D].clone()},
+    )
+    text = emit_rules(cmap, tmp_path / "m.py").read_text()
+    compile(text, "m.py", "exec")
+    assert "import torch" in text and "paritykit" not in text.split('"""', 2)[2]
+    assert r"# blk\.(\d+)\.qkv [chunk 0/3 dim 0] -> b.\1.q" in text
+
+
+def test_match_modules_for_concat_lists_every_source_module():
+    k, v = _rand(D, D, seed=1), _rand(D, D, seed=2)
+    modules = match_modules({"attn.k.weight": k, "attn.v.weight": v}, {"attn.kv.weight": torch.cat([k, v])})
+    assert modules == {"attn.kv": ["attn.k", "attn.v"]}
+
+
+def test_match_modules_accepts_modules():
+    a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))
+    b = torch.nn.ModuleDict({"proj_in": torch.nn.Linear(4, 4), "proj_out": torch.nn.Linear(4, 2)})
+    b.proj_in.load_state_dict(a[0].state_dict())
+    b.proj_out.load_state_dict(a[2].state_dict())
+    assert match_modules(a, b) == {"proj_in": ["0"], "proj_out": ["2"]}
