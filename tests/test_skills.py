@@ -616,3 +616,34 @@ def test_plugin_manifests_parse_and_list_every_skill():
         "list every skill in marketplace.json"
     )
     assert _listed_skills(REPO, codex["skills"]) == names
+
+
+def test_bad_inputs_are_one_line_errors_naming_the_culprit(tmp_path, pack, other):
+    with pytest.raises(ParityKitError, match="nowhere"):
+        install(["claude"], target=tmp_path / "nowhere", pack=pack)
+    with pytest.raises(ParityKitError, match="exclude"):
+        install(["claude"], target=other, user_scope=True, pack=pack)
+    with pytest.raises(ParityKitError, match="'vim'"):
+        install(["claude,vim"], target=other, pack=pack)
+    write(other / ".agents" / "skills" / MANIFEST_NAME, "{not json")
+    before = tree_state(other)
+    with pytest.raises(ParityKitError, match=MANIFEST_NAME):
+        install(["codex"], target=other, pack=pack)
+    assert tree_state(other) == before
+    blocked = tmp_path / "blocked"
+    write(blocked / ".claude" / "skills", "a file where a folder belongs\n")
+    with pytest.raises(ParityKitError, match="is a file"):
+        install(["claude"], target=blocked, pack=pack)
+
+
+def test_an_edited_copy_is_not_overwritten_by_a_reinstall(other, pack):
+    install(["claude"], target=other, pack=pack, copy=True)
+    edited = other / ".claude" / "skills" / PACK_NAMES[-1] / "SKILL.md"
+    edited.write_text("my rewrite\n")
+    before = tree_state(other)
+    with pytest.raises(ParityKitError, match="edited since"):
+        install(["claude"], target=other, pack=pack, copy=True)
+    assert tree_state(other) == before
+    install(["claude"], target=other, pack=pack, copy=True, force=True)
+    (backup,) = (other / ".claude" / "paritykit-backups").iterdir()
+    assert (backup / "SKILL.md").read_text() == "my rewrite\n"

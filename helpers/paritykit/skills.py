@@ -526,8 +526,8 @@ class InstallReport:
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        verb = f"would {self.command}" if self.dry_run else self.command
-        head = f"paritykit skills {verb} for {', '.join(self.agents)} ({self.scope} scope, {self.base})"
+        dry = " --dry-run (nothing written)" if self.dry_run else ""
+        head = f"paritykit skills {self.command}{dry} for {', '.join(self.agents)} ({self.scope} scope, {self.base})"
         counts = ", ".join(f"{n} {name}" for name, n in self.counts().items()) or "nothing to do"
         summary = ("dry run, nothing written: " if self.dry_run else "") + counts
         rows = [(a.action, a.path, a.detail) for a in self.actions]

@@ -24,8 +24,8 @@ _global_option = click.option(
 _target_option = click.option(
     "--target",
     type=click.Path(file_okay=False),
-    help="Repository to install into (default: the git root above the current folder). "
-    "Its CLAUDE.md/AGENTS.md are never touched.",
+    help="Repository to install into (default: the git root above the current folder). Only paritykit's own "
+    "checkout gets CLAUDE.md/AGENTS.md links to .ai/AGENTS.md; another repository's are never touched.",
 )
 _dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 
@@ -63,7 +63,7 @@ def show_command(name: str) -> None:
     click.echo(show_skill(name), nl=False)
 
 
-@skills.command("validate")
+@skills.command("validate", short_help="Check skills against the agentskills.io rules.")
 @click.argument("paths", nargs=-1, type=click.Path())
 @json_option
 @limit_option
@@ -78,7 +78,7 @@ def validate_command(paths: tuple[str, ...], as_json: bool, limit: int) -> None:
     emit(validate(list(paths) or None), as_json=as_json, limit=limit)
 
 
-@skills.command("install")
+@skills.command("install", short_help="Link (or copy) every skill where the agents look.")
 @_agent_option
 @_global_option
 @_target_option
@@ -125,7 +125,7 @@ def install_command(
     emit(report, as_json=as_json, limit=limit)
 
 
-@skills.command("uninstall")
+@skills.command("uninstall", short_help="Remove what install made, and only that.")
 @_agent_option
 @_global_option
 @_target_option
