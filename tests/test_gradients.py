@@ -233,6 +233,12 @@ def test_fused_qkv_aligns_with_split_projections_through_the_conversion():
     result = compare_gradients(ref, port, x, mse, convert, atol=1e-6, rtol=1e-5)
     assert result.how_aligned == "conversion" and len(result.pairs) == 8
     assert result.exit_code == 0, result.render()
+    # the conversion inferred from the weights' values aligns the gradients the same way
+    from paritykit.convert import infer_conversion_map
+
+    inferred = infer_conversion_map(ref, port)
+    by_map = compare_gradients(ref, port, x, mse, inferred, atol=1e-6, rtol=1e-5)
+    assert by_map.exit_code == 0 and {p.port for p in by_map.pairs} == {p.port for p in result.pairs}
     port.to_k.weight.data[0, 0] += 0.5  # a wrong weight changes every gradient it feeds into
     assert compare_gradients(ref, port, x, mse, convert, atol=1e-6, rtol=1e-5).exit_code == 1
 

@@ -20,7 +20,8 @@ from paritykit.errors import ParityKitError, UserCodeError
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 #: ``alignment`` may be None (same names), a {reference name: port name} mapping, [(regex, repl), …] rules
-#: applied to reference names, or a callable converting a reference state dict into the port's naming.
+#: applied to reference names, a callable converting a reference state dict into the port's naming, or a
+#: ``paritykit.convert.ConversionMap``.
 Alignment = None | Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -238,6 +239,14 @@ def _align(
     """
     if alignment is None:
         return dict(ref_grads), {n: n for n in ref_grads}, "names"
+    if hasattr(alignment, "rules") and hasattr(alignment, "mapping"):  # a paritykit.convert.ConversionMap
+        from paritykit.convert import apply_rules_to_state_dict
+
+        conversion = alignment
+
+        def alignment(state_dict):
+            return apply_rules_to_state_dict(conversion, state_dict)
+
     if callable(alignment) and not isinstance(alignment, Mapping):
         present = {n: g for n, g in ref_grads.items() if g is not None}
         try:
@@ -298,9 +307,10 @@ def compare_gradients(
             * a list of ``(regex, replacement)`` rules applied in order to every reference name (the ``--map``
               spelling of :mod:`paritykit.naming`);
             * a callable ``convert(state_dict) -> state_dict`` — the weight conversion (e.g. the module
-              ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients*. Valid for
-              conversions that only rename, split, concatenate, transpose or reshape; a conversion that scales
-              values would need the inverse scale on gradients.
+              ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients* — or the
+              :class:`paritykit.convert.ConversionMap` that ``infer_conversion_map`` returned. Valid for
+              conversions that only rename, split, concatenate, transpose, permute, reshape or cast (all that
+              ``weights map`` infers); a conversion that scales values would need the inverse scale on gradients.
         port_inputs: the port's own inputs when its signature differs: a value in any ``inputs`` form, or a callable
             ``(args, kwargs) -> inputs`` adapting the reference's.
         port_loss_fn: the port's loss when its output differs in type (default: ``loss_fn``).

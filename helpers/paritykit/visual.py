@@ -246,6 +246,7 @@ class StepCurve:
     first_failing_step: int | None = None
     hints: list[dict[str, Any]] = field(default_factory=list)
     plot_path: str | None = None
+    dtypes: tuple[str, str] | None = None
 
     @property
     def last(self) -> StepPoint:
@@ -288,7 +289,11 @@ class StepCurve:
             "only_b": self.only_b,
             "steps": [p.to_dict() for p in self.points],
             "plot": self.plot_path,
-            "environment": environment_stamp(device="cpu"),
+            "dtype_a": self.dtypes[0] if self.dtypes else None,
+            "dtype_b": self.dtypes[1] if self.dtypes else None,
+            "environment": environment_stamp(
+                device="cpu", dtype=None if not self.dtypes else "/".join(dict.fromkeys(self.dtypes))
+            ),
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -542,6 +547,7 @@ def step_curve(
         tb = _load_step_tensor(files_b[step], key)
         cmp = compare_tensors(ta, tb, atol=atol, rtol=rtol, name=f"after_step_{step}/{key}", diagnose=False)
         used_atol, used_rtol = cmp.atol, cmp.rtol
+        dtypes = (str(cmp.dtype_a).replace("torch.", ""), str(cmp.dtype_b).replace("torch.", ""))
         sigma = sigma_values[step] if sigma_values is not None else None
         if cmp.status == "shape_mismatch":
             point = StepPoint(step, "shape_mismatch", None, None, None, sigma)
@@ -572,6 +578,7 @@ def step_curve(
         only_b=[s for s in files_b if s not in files_a],
         first_failing_step=first_fail,
         hints=hints,
+        dtypes=dtypes,
     )
     if sigma_values is not None:
         curve.sigma_scaled_growth = classify_growth(
