@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     # forensics
     "config_diff": "paritykit.configs",
     "weights_diff": "paritykit.weights",
+    "load_config": "paritykit.configs",
+    "read_safetensors_header": "paritykit.safetensors_header",
     "infer_conversion_map": "paritykit.convert",
     # culprit search
     "capture": "paritykit.trace",
