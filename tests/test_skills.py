@@ -192,6 +192,7 @@ BROKEN = [
         good_with("license:", "disable-model-invocation: true\nlicense:"),
         True,
     ),
+    ("frontmatter-yaml", "good-skill", good_with("license:", "name: {name}\nlicense:"), True),
     ("name-missing", "good-skill", good_with("name: {name}\n", ""), True),
     ("name-format", "Bad-Skill", None, True),
     ("name-format", "-bad-skill", None, True),

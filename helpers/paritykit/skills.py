@@ -297,11 +297,33 @@ def check_skill(folder: str | os.PathLike) -> SkillCheck:
     return check
 
 
+def _strict_yaml_load(text: str) -> Any:
+    r"""``yaml.safe_load`` that refuses duplicate keys (PyYAML keeps the last; skills-ref's strictyaml refuses)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _check_frontmatter(text: str, folder_name: str) -> list[Problem]:
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = _strict_yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
