@@ -1,0 +1,140 @@
+"""`paritykit new …`: render templates into tests, pipeline stubs and scripts (torch-free)."""
+
+from __future__ import annotations
+
+import click
+
+from paritykit.scaffold import DEFAULT_COMPONENTS, generate, template_list
+
+out_option = click.option(
+    "--out",
+    "out_dir",
+    default=".",
+    show_default=True,
+    metavar="DIR",
+    help="Folder for the generated file (created if missing); files are named after NAME and the template.",
+)
+force_option = click.option("--force", is_flag=True, help="Overwrite an existing file.")
+
+
+def _generate(kind: str, name: str, out_dir: str, force: bool, **options) -> None:
+    click.echo(generate(kind, name, out_dir=out_dir, force=force, **options).render())
+
+
+@click.group(invoke_without_command=True)
+@click.option("--list", "show_list", is_flag=True, help="List every template with one line and exit.")
+@click.pass_context
+def new(ctx: click.Context, show_list: bool) -> None:
+    """Render a template into code that runs as generated (never overwrites without --force).
+
+    \b
+    Order of work: config-diff first, then a component-test per component, a pipeline-stub with
+    named checkpoints, and stage-test (encode, decode, denoise).
+    """
+    if show_list:
+        click.echo(template_list())
+        ctx.exit(0)
+    if ctx.invoked_subcommand is None:
+        click.echo(ctx.get_help())
+
+
+@new.command("component-test")
+@click.argument("name")
+@click.option(
+    "--reference",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the reference model (an nn.Module) when called with no arguments.",
+)
+@click.option(
+    "--diffusers",
+    required=True,
+    metavar="CLASS",
+    help="The port's class: a diffusers class name (UNet2DModel) or MODULE:CLASS.",
+)
+@click.option(
+    "--convert",
+    metavar="MODULE:FUNC",
+    help="convert(state_dict) -> state_dict (or a model), e.g. a module from `weights map --emit-rules`.",
+)
+@click.option(
+    "--pretrained", metavar="DIR", help="The converted model saved with save_pretrained (need not exist yet)."
+)
+@click.option(
+    "--inputs",
+    metavar="MODULE:FUNC",
+    help="Returns (args, kwargs) fed to both sides; default: seeded inputs shaped for the class.",
+)
+@out_option
+@force_option
+def component_test(name: str, out_dir: str, force: bool, **options) -> None:
+    """One self-contained pytest file: reference vs port, fresh conversion and saved model.
+
+    NAME (a Python identifier) names the file: test_NAME_component.py.
+    """
+    _generate("component-test", name, out_dir, force, **options)
+
+
+@new.command("pipeline-stub")
+@click.argument("name")
+@click.option(
+    "--components",
+    default=DEFAULT_COMPONENTS,
+    show_default=True,
+    metavar="LIST",
+    help="Comma list from unet|transformer (one), scheduler, vae, text_encoder+tokenizer.",
+)
+@out_option
+@force_option
+def pipeline_stub(name: str, out_dir: str, force: bool, components: str) -> None:
+    """A DiffusionPipeline subclass with maybe_checkpoint at text_encoding, preloop, after_step_{i}, post_loop.
+
+    NAME is a CamelCase model name: the class is NAMEPipeline (NAME as is if it ends in Pipeline), the file
+    pipeline_<name in snake_case>.py.
+    """
+    _generate("pipeline-stub", name, out_dir, force, components=components)
+
+
+@new.command("stage-test")
+@click.argument("name")
+@click.option(
+    "--pipeline",
+    required=True,
+    metavar="MODULE:CLASS",
+    help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
+)
+@click.option(
+    "--reference",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Runs the reference: reference(_checkpoints=…, seed=…, num_inference_steps=…) -> images.",
+)
+@click.option(
+    "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
+)
+@out_option
+@force_option
+def stage_test(name: str, out_dir: str, force: bool, **options) -> None:
+    """Encode / decode / denoise tests of a pipeline against its reference via checkpoints.
+
+    NAME (a Python identifier) names the file: test_NAME_stages.py.
+    """
+    _generate("stage-test", name, out_dir, force, **options)
+
+
+@new.command("config-diff")
+@click.argument("name")
+@click.option(
+    "--reference", required=True, metavar="PATH", help="Reference config (JSON, YAML, safetensors, folder)."
+)
+@click.option(
+    "--diffusers", required=True, metavar="PATH", help="The port's config.json or model/pipeline folder."
+)
+@out_option
+@force_option
+def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
+    """A script that diffs the two configs first and exits 1 on any difference.
+
+    NAME (a Python identifier) names the file: config_diff_NAME.py.
+    """
+    _generate("config-diff", name, out_dir, force, **options)

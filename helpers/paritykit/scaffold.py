@@ -1,0 +1,493 @@
+r"""Render the jinja2 templates behind ``paritykit new …`` into files that run as generated.
+
+Each template in ``templates/`` is one file, ``<kind>.py.j2``, whose first lines are a jinja comment holding
+its spec in YAML: a one-line summary, the output file name, how to run the result, and every variable it
+needs with that variable's rule::
+
+    {#- spec
+    summary: One self-contained pytest file comparing a reference module with its diffusers port.
+    output: test_{name}_component.py
+    run: python -m pytest -q {filename}
+    variables:
+      name: identifier
+      reference: target
+      convert: target?        # a trailing "?" marks an optional variable
+    -#}
+
+Rules validate the user's values and turn them into what the template uses (a ``target`` becomes an object
+with ``.module`` and ``.attr``; a ``path`` becomes a Python expression). Rendering uses ``StrictUndefined``,
+so a template can only use what its spec declares; files are written atomically and never overwrite an
+existing file without ``force``. Torch-free: only jinja2 and PyYAML are imported.
+"""
+
+from __future__ import annotations
+
+import keyword
+import os
+import re
+import shlex
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from paritykit._version import __version__
+from paritykit.data import data_dir
+from paritykit.errors import ParityKitError
+
+TEMPLATE_SUFFIX = ".py.j2"
+LINE_LENGTH = 110  # the project's [tool.ruff] line-length; generated code stays within it
+_SPEC = re.compile(r"\A\{#-?\s*spec\s*\n(?P<body>.*?)\n\s*-?#\}", re.DOTALL)
+_MARKERS = re.compile(r"\{\{|\{%|\{#")
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_CAMEL = re.compile(r"[A-Z][A-Za-z0-9]*\Z")
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_TARGET = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)\Z")
+
+DENOISERS = ("unet", "transformer")
+COMPONENTS = ("unet", "transformer", "scheduler", "vae", "text_encoder", "tokenizer")
+DEFAULT_COMPONENTS = "unet,scheduler,vae,text_encoder,tokenizer"
+
+
+# --------------------------------------------------------------------------------------------------- values
+@dataclass(frozen=True)
+class Target:
+    r"""An importable object named ``module:attr``; templates write ``from {{ x.module }} import {{ x.attr }}``."""
+
+    module: str
+    attr: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.attr}"
+
+
+@dataclass(frozen=True)
+class PathValue:
+    r"""A path the user gave, which need not exist yet.
+
+    ``expr`` is the Python expression the generated file uses: an absolute path stays absolute; a relative
+    one is re-anchored at the generated file (``HERE / "../models/vae"``), so the file works from any cwd.
+    """
+
+    given: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Components:
+    r"""The pipeline components chosen with ``--components``, in the conventional order."""
+
+    names: tuple[str, ...]
+
+    @property
+    def denoiser(self) -> str:
+        return next(name for name in self.names if name in DENOISERS)
+
+    @property
+    def text(self) -> bool:
+        return "text_encoder" in self.names
+
+    @property
+    def vae(self) -> bool:
+        return "vae" in self.names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __str__(self) -> str:
+        return ",".join(self.names)
+
+
+# ----------------------------------------------------------------------------------------------- templates
+@dataclass(frozen=True)
+class TemplateSpec:
+    r"""What one template needs, read from the spec comment at its top.
+
+    Args:
+        kind: command name, e.g. ``component-test`` (file ``component_test.py.j2``).
+        summary: the one line shown by ``paritykit new --list``.
+        output: output file name pattern; ``{name}`` and ``{snake}`` (NAME in snake_case) are filled in.
+        run: how to run the generated file; ``{filename}`` is filled in.
+        variables: variable name -> rule (``identifier``, ``camel``, ``target``, ``class``, ``path``,
+            ``components``); optional ones are listed in ``optional``.
+        path: the template file.
+    """
+
+    kind: str
+    summary: str
+    output: str
+    run: str
+    variables: dict[str, str]
+    optional: frozenset[str]
+    path: Path
+    executable: bool = False
+
+    def filename(self, name: str) -> str:
+        return self.output.format(name=name, snake=snake_case(_strip_pipeline(name)))
+
+
+def _parse_spec(path: Path) -> TemplateSpec:
+    import yaml
+
+    text = path.read_text(encoding="utf-8")
+    match = _SPEC.match(text)
+    if match is None:
+        raise ParityKitError(f"template {path} has no '{{#- spec … -#}}' header")
+    try:
+        raw = yaml.safe_load(match.group("body"))
+    except yaml.YAMLError as exc:
+        raise ParityKitError(f"template {path}: spec header is not valid YAML ({exc})") from exc
+    variables, optional = {}, set()
+    for var, rule in (raw.get("variables") or {}).items():
+        rule = str(rule).strip()
+        if rule.endswith("?"):
+            optional.add(var)
+            rule = rule[:-1]
+        if rule not in _RULES:
+            raise ParityKitError(f"template {path}: variable {var!r} has unknown rule {rule!r}")
+        variables[var] = rule
+    missing = [key for key in ("summary", "output", "run") if not raw.get(key)]
+    if missing or "name" not in variables:
+        raise ParityKitError(f"template {path}: spec needs summary, output, run and a 'name' variable")
+    return TemplateSpec(
+        kind=path.name[: -len(TEMPLATE_SUFFIX)].replace("_", "-"),
+        summary=" ".join(str(raw["summary"]).split()),
+        output=str(raw["output"]),
+        run=str(raw["run"]),
+        variables=variables,
+        optional=frozenset(optional),
+        path=path,
+        executable=bool(raw.get("executable", False)),
+    )
+
+
+def templates(directory: Path | None = None) -> dict[str, TemplateSpec]:
+    r"""Every template in the pack (``templates/*.py.j2``), keyed by kind, sorted by name.
+
+    Args:
+        directory: another template folder (tests); default: the pack's, via ``paritykit.data.data_dir``.
+    """
+    root = Path(directory) if directory is not None else data_dir("templates")
+    return _templates(root.resolve())
+
+
+@lru_cache(maxsize=8)
+def _templates(root: Path) -> dict[str, TemplateSpec]:
+    specs = [_parse_spec(path) for path in sorted(root.glob(f"*{TEMPLATE_SUFFIX}"))]
+    return {spec.kind: spec for spec in specs}
+
+
+def template_list(directory: Path | None = None) -> str:
+    r"""One line per template: its command name and summary (what ``paritykit new --list`` prints)."""
+    specs = templates(directory)
+    width = max((len(kind) for kind in specs), default=0)
+    return "\n".join(f"{kind.ljust(width)}  {spec.summary}" for kind, spec in specs.items())
+
+
+# ------------------------------------------------------------------------------------------------- rules
+def _flag(var: str) -> str:
+    return "NAME" if var == "name" else "--" + var.replace("_", "-")
+
+
+def _identifier(var: str, value: str, out_dir: Path) -> str:
+    if not _IDENTIFIER.match(value) or keyword.iskeyword(value):
+        raise ParityKitError(
+            f"{_flag(var)} {value!r} must be a Python identifier (ASCII letters, digits and underscores, "
+            "not starting with a digit, not a keyword), e.g. 'vae' or 'text_encoder'"
+        )
+    return value
+
+
+def _camel(var: str, value: str, out_dir: Path) -> str:
+    if not _CAMEL.match(value):
+        raise ParityKitError(
+            f"{_flag(var)} {value!r} must be a CamelCase class name (starts with an uppercase letter, then "
+            "letters and digits only), e.g. 'MyModel' or 'MyModelPipeline'"
+        )
+    return value
+
+
+def _target(var: str, value: str, out_dir: Path) -> Target:
+    match = _TARGET.match(value)
+    parts = [*match.group("module").split("."), match.group("attr")] if match else []
+    if match is None or any(keyword.iskeyword(part) for part in parts):
+        raise ParityKitError(
+            f"{_flag(var)} {value!r} must be MODULE:NAME, an importable dotted module, a colon and a name, "
+            "e.g. 'my_reference.model:build_model'"
+        )
+    return Target(match.group("module"), match.group("attr"))
+
+
+def _class(var: str, value: str, out_dir: Path) -> Target:
+    r"""A bare class name is imported from diffusers; ``MODULE:CLASS`` from anywhere."""
+    if ":" in value:
+        return _target(var, value, out_dir)
+    if not _IDENTIFIER.match(value) or keyword.iskeyword(value):
+        raise ParityKitError(
+            f"{_flag(var)} {value!r} must be a diffusers class name (e.g. 'UNet2DModel') or MODULE:CLASS "
+            "(e.g. 'my_port.model:MyTransformer')"
+        )
+    return Target("diffusers", value)
+
+
+def _path(var: str, value: str, out_dir: Path) -> PathValue:
+    if not value.strip():
+        raise ParityKitError(f"{_flag(var)} must not be empty")
+    given = Path(value).expanduser()
+    if given.is_absolute():
+        return PathValue(value, f"Path({python_str(str(given))})")
+    relative = os.path.relpath(Path.cwd() / given, out_dir.resolve())
+    return PathValue(value, f"HERE / {python_str(Path(relative).as_posix())}")
+
+
+def _components(var: str, value: str, out_dir: Path) -> Components:
+    names = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [name for name in names if name not in COMPONENTS]
+    if unknown:
+        raise ParityKitError(
+            f"--components: unknown component {unknown[0]!r}; choose from {', '.join(COMPONENTS)}"
+        )
+    if len(set(names)) != len(names):
+        raise ParityKitError(f"--components {value!r} names a component twice")
+    if sum(name in DENOISERS for name in names) != 1:
+        raise ParityKitError("--components must name exactly one denoiser: 'unet' or 'transformer'")
+    if "scheduler" not in names:
+        raise ParityKitError("--components must include 'scheduler' (the denoising loop needs one)")
+    if ("text_encoder" in names) != ("tokenizer" in names):
+        raise ParityKitError("--components: 'text_encoder' and 'tokenizer' go together; name both or neither")
+    return Components(tuple(name for name in COMPONENTS if name in names))
+
+
+_RULES = {
+    "identifier": _identifier,
+    "camel": _camel,
+    "target": _target,
+    "class": _class,
+    "path": _path,
+    "components": _components,
+}
+
+
+# ------------------------------------------------------------------------------------------------ filters
+def python_str(value: str) -> str:
+    r"""``value`` as a double-quoted Python string literal (the quote style ``ruff format`` keeps)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in escaped
+    )
+    return f'"{escaped}"'
+
+
+def docstring_text(value: Any) -> str:
+    r"""Text safe inside a generated ``\"\"\"`` docstring: no escapes, no closing quotes."""
+    return str(value).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def snake_case(value: str) -> str:
+    r"""``MyModel`` -> ``my_model``, ``HunyuanDiT`` -> ``hunyuan_dit``: a break before each capitalised word."""
+    return re.sub(r"(?<=[A-Za-z0-9])(?=[A-Z][a-z])", "_", value).lower()
+
+
+def _strip_pipeline(name: str) -> str:
+    return name[: -len("Pipeline")] if name.endswith("Pipeline") and name != "Pipeline" else name
+
+
+def import_line(target: Target, alias: str | None = None, indent: int = 0) -> str:
+    r"""``from module import attr [as alias]``, wrapped the way ``ruff format`` would when it is too long."""
+    pad = " " * indent
+    name = target.attr if alias in (None, target.attr) else f"{target.attr} as {alias}"
+    line = f"{pad}from {target.module} import {name}"
+    if len(line) <= LINE_LENGTH:
+        return line
+    return f"{pad}from {target.module} import (\n{pad}    {name},\n{pad})"
+
+
+# ------------------------------------------------------------------------------------------------- render
+@dataclass
+class RenderedFile:
+    r"""One generated file before it is written."""
+
+    filename: str
+    text: str
+    executable: bool = False
+
+
+@dataclass
+class Generated:
+    r"""What ``generate`` wrote: the paths, in order, and whether an existing file was replaced."""
+
+    paths: list[Path] = field(default_factory=list)
+    overwritten: list[Path] = field(default_factory=list)
+
+    def render(self) -> str:
+        return "\n".join(str(path) for path in self.paths)
+
+
+def _environment(root: Path):
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["pystr"] = python_str
+    env.filters["doc"] = docstring_text
+    env.filters["snake"] = snake_case
+    env.globals["import_line"] = import_line
+    return env
+
+
+def command_line(kind: str, name: str, options: Mapping[str, Any]) -> str:
+    r"""The ``paritykit new …`` command that reproduces a rendering (quoted for a POSIX shell)."""
+    words = ["paritykit", "new", kind, name]
+    for var, value in options.items():
+        if value is None or value is False:
+            continue
+        words.append(_flag(var))
+        if value is not True:
+            words.append(str(value))
+    return " ".join(shlex.quote(word) for word in words)
+
+
+def render(
+    kind: str,
+    name: str,
+    *,
+    out_dir: str | os.PathLike = ".",
+    template_dir: Path | None = None,
+    **options: Any,
+) -> RenderedFile:
+    r"""Render one template into text, validating every value against the template's spec.
+
+    Args:
+        kind: template name as listed by ``paritykit new --list`` (e.g. ``"component-test"``).
+        name: the NAME argument (identifier or CamelCase, as the template's spec says).
+        out_dir: where the file will be written; relative paths in ``options`` are re-anchored there.
+        template_dir: another template folder (tests); default: the pack's.
+        **options: the template's other variables (``reference="pkg.mod:build"``, …); ``None`` = not given.
+
+    Returns:
+        A ``RenderedFile`` (file name, text). Raises ``ParityKitError`` naming the argument that breaks a rule.
+    """
+    specs = templates(template_dir)
+    spec = specs.get(kind)
+    if spec is None:
+        raise ParityKitError(f"unknown template {kind!r}; `paritykit new --list` shows: {', '.join(specs)}")
+    unknown = sorted(set(options) - set(spec.variables))
+    if unknown:
+        raise ParityKitError(f"template {kind!r} takes no option {_flag(unknown[0])}")
+    out_dir = Path(out_dir)
+    values: dict[str, Any] = {"name": name, **options}
+    context: dict[str, Any] = {}
+    for var, rule in spec.variables.items():
+        value = values.get(var)
+        if value is None or value == "":
+            if var not in spec.optional:
+                raise ParityKitError(f"template {kind!r} needs {_flag(var)}")
+            context[var] = None
+            continue
+        context[var] = _RULES[rule](var, str(value), out_dir)
+
+    filename = spec.filename(name)
+    shown = {var: values.get(var) for var in spec.variables if var != "name"}
+    context.update(
+        kind=kind,
+        filename=filename,
+        command=command_line(kind, name, shown),
+        run=spec.run.format(filename=filename),
+        version=__version__,
+        snake=snake_case(_strip_pipeline(name)),
+    )
+    text = _environment(spec.path.parent).get_template(spec.path.name).render(context)
+    text = text.lstrip("\n")
+    _check_rendered(spec, text, [str(value) for value in values.values() if value is not None])
+    return RenderedFile(filename=filename, text=text, executable=spec.executable)
+
+
+def _check_rendered(spec: TemplateSpec, text: str, user_values: list[str]) -> None:
+    # A marker that survives rendering is a template bug, unless the user's own value carried it.
+    if _MARKERS.search(text) and not any(_MARKERS.search(value) for value in user_values):
+        raise RuntimeError(f"template {spec.path} left an unrendered marker in its output")
+    compile(text, spec.filename("x"), "exec")  # a template bug, not the user's: let it raise
+
+
+# -------------------------------------------------------------------------------------------------- write
+def write_files(files: list[RenderedFile], out_dir: str | os.PathLike, *, force: bool = False) -> Generated:
+    r"""Write rendered files into ``out_dir`` atomically (temp file + rename).
+
+    Every target is checked before anything is written, so a refusal leaves the folder as it was.
+
+    Args:
+        files: what ``render`` returned.
+        out_dir: the folder (created if missing); files are flat inside it.
+        force: replace existing files; without it an existing file is a ``ParityKitError`` (exit 2).
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ParityKitError(f"--out {out} is a file, not a folder")
+    targets = [out / item.filename for item in files]
+    existing = [path for path in targets if path.exists() or path.is_symlink()]
+    for path in existing:
+        if path.is_dir():
+            raise ParityKitError(f"{path} is a folder; choose another NAME or --out")
+    if existing and not force:
+        raise ParityKitError(f"{existing[0]} already exists; pass --force to overwrite it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ParityKitError(f"--out {out}: cannot create the folder ({exc.strerror})") from exc
+    result = Generated(overwritten=existing)
+    for item, path in zip(files, targets):
+        _atomic_write(path, item.text, executable=item.executable)
+        result.paths.append(path)
+    return result
+
+
+def _atomic_write(path: Path, text: str, *, executable: bool) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = (0o777 if executable else 0o666) & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def generate(
+    kind: str,
+    name: str,
+    *,
+    out_dir: str | os.PathLike = ".",
+    force: bool = False,
+    template_dir: Path | None = None,
+    **options: Any,
+) -> Generated:
+    r"""Render template ``kind`` for ``name`` and write it into ``out_dir`` (what ``paritykit new`` runs).
+
+    Args:
+        kind, name, options: as for ``render``.
+        out_dir: target folder; files are named after NAME and the template (``test_vae_component.py``).
+        force: overwrite existing files.
+
+    Returns:
+        ``Generated`` with the written paths.
+    """
+    rendered = render(kind, name, out_dir=out_dir, template_dir=template_dir, **options)
+    return write_files([rendered], out_dir, force=force)

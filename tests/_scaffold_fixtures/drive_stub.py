@@ -1,0 +1,133 @@
+"""Drive generated pipeline stubs with tiny real components, as the stub's docstring documents.
+
+Usage: python drive_stub.py WORK_DIR   (WORK_DIR holds pipeline_tiny.py, pipeline_pixel.py, pipeline_dit.py)
+Checks: end-to-end runs, non-destructive saving, stop, injection, latent output, save/from_pretrained and
+the stub's own main() writing checkpoints to disk. Prints OK on success; any failure raises.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import DDIMScheduler, Transformer2DModel, UNet2DModel
+from paritykit.checkpoints import Checkpoint, load_checkpoints, run_until_stop
+
+STEPS = 5
+
+
+def check_text_pipeline(work: Path) -> None:
+    from pipeline_tiny import TinyPipeline
+    from scaffold_parts import tiny_components
+
+    pipe = TinyPipeline(**tiny_components(work))
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(seed=0, **kwargs):
+        generator = torch.Generator().manual_seed(seed)
+        return pipe(
+            prompt="a cat", num_inference_steps=STEPS, generator=generator, output_type="pt", **kwargs
+        )
+
+    plain = call().images
+    assert plain.shape == (1, 3, 16, 16), plain.shape
+    assert 0 <= plain.min() and plain.max() <= 1
+
+    names = ["text_encoding", "preloop", *(f"after_step_{i}" for i in range(STEPS)), "post_loop"]
+    checkpoints = {name: Checkpoint(save=True) for name in names}
+    saved = call(_checkpoints=checkpoints).images
+    assert torch.equal(saved, plain), "saving checkpoints changed the output"
+    assert set(checkpoints["preloop"].data) == {"latents", "timesteps", "prompt_embeds"}
+    assert all(checkpoints[name].data for name in names), [n for n in names if not checkpoints[n].data]
+
+    stop = {"preloop": Checkpoint(save=True, stop=True)}
+    assert run_until_stop(call, _checkpoints=stop) is None
+    assert torch.equal(stop["preloop"].data["latents"], checkpoints["preloop"].data["latents"])
+
+    other_seed = call(seed=1).images
+    assert not torch.equal(other_seed, plain)
+    injected = call(seed=1, _checkpoints={"preloop": Checkpoint(load=True, data=checkpoints["preloop"].data)})
+    assert torch.equal(injected.images, plain), "injecting run A's preloop into run B must reproduce A"
+
+    latents = call(seed=0, _checkpoints=None).images
+    latent_out = pipe(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+    assert latent_out.shape == (1, 4, 8, 8) and latents.shape == (1, 3, 16, 16)
+    assert torch.equal(latent_out, checkpoints["post_loop"].data["latents"])
+
+    pipe.save_pretrained(work / "saved_pipeline")
+    reloaded = TinyPipeline.from_pretrained(work / "saved_pipeline")
+    reloaded.set_progress_bar_config(disable=True)
+    again = reloaded(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    ).images
+    # Reloaded weights may take other kernels (strides), so equal to float32 rounding, not bitwise.
+    assert torch.allclose(again, plain, atol=1e-5), "save_pretrained/from_pretrained changed the output"
+
+    import pipeline_tiny
+
+    pipeline_tiny.main([str(work / "saved_pipeline"), "--steps", "3", "--checkpoints-out", str(work / "ck")])
+    on_disk = load_checkpoints(work / "ck")
+    assert list(on_disk) == [
+        "text_encoding",
+        "preloop",
+        "after_step_0",
+        "after_step_1",
+        "after_step_2",
+        "post_loop",
+    ], list(on_disk)
+    assert on_disk["post_loop"].data["latents"].shape == (1, 4, 8, 8)
+
+
+def check_pixel_pipeline() -> None:
+    from pipeline_pixel import PixelPipeline
+    from scaffold_parts import UNET_CONFIG
+
+    torch.manual_seed(0)
+    pipe = PixelPipeline(unet=UNet2DModel(**UNET_CONFIG), scheduler=DDIMScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    checkpoints = {"post_loop": Checkpoint(save=True)}
+    images = pipe(batch_size=2, num_inference_steps=3, output_type="np", _checkpoints=checkpoints).images
+    assert images.shape == (2, 8, 8, 3), images.shape
+    assert checkpoints["post_loop"].data["latents"].shape == (2, 3, 8, 8)
+
+
+def check_transformer_pipeline() -> None:
+    from pipeline_dit import DiTPipeline
+    from scaffold_parts import tiny_components
+
+    parts = tiny_components(".", text=False)
+    torch.manual_seed(0)
+    transformer = Transformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        norm_num_groups=4,
+        sample_size=8,
+    )
+    pipe = DiTPipeline(transformer=transformer, scheduler=parts["scheduler"], vae=parts["vae"])
+    pipe.set_progress_bar_config(disable=True)
+    stop = {"after_step_1": Checkpoint(save=True, stop=True)}
+    assert run_until_stop(pipe, num_inference_steps=4, _checkpoints=stop) is None
+    assert stop["after_step_1"].data["latents"].shape == (1, 4, 8, 8)
+    images = pipe(num_inference_steps=2, output_type="pt").images
+    assert images.shape == (1, 3, 16, 16), images.shape
+
+
+if __name__ == "__main__":
+    work_dir = Path(sys.argv[1])
+    sys.path.insert(0, str(work_dir))
+    check_text_pipeline(work_dir)
+    check_pixel_pipeline()
+    check_transformer_pipeline()
+    print("OK")

@@ -1,0 +1,187 @@
+"""Tiny real models the scaffolder tests point generated files at (imported inside generated code).
+
+- A "research" UNet: the same network as a tiny ``UNet2DModel`` but under LDM-style names
+  (``diffusion_model.*``) and returning a bare tensor; ``convert`` maps its weights to diffusers names.
+- Tiny pipeline components (``UNet2DConditionModel``, ``DDIMScheduler``, ``AutoencoderKL``, a CLIP text
+  encoder and a tokenizer over a made-up vocabulary) and a hand-written reference loop with checkpoints.
+
+Environment knobs (read at call time, so one module serves several generated files):
+``SCAFFOLD_PIPELINE_DIR`` the saved port pipeline the reference loads its weights from;
+``SCAFFOLD_REFERENCE_BUG=decode`` makes the reference decode with the wrong latent scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel, UNet2DModel
+from paritykit.checkpoints import maybe_checkpoint
+
+UNET_CONFIG = {
+    "sample_size": 8,
+    "in_channels": 3,
+    "out_channels": 3,
+    "layers_per_block": 1,
+    "block_out_channels": (8, 16),
+    "down_block_types": ("DownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "UpBlock2D"),
+    "norm_num_groups": 4,
+}
+PREFIX = "diffusion_model."
+
+
+# ------------------------------------------------------------------------------------- component test
+class ResearchUNet(torch.nn.Module):
+    """The reference side: LDM-style parameter names, forward(x, t) -> tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.diffusion_model = UNet2DModel(**UNET_CONFIG)
+
+    def forward(self, x, t):
+        return self.diffusion_model(x, t).sample
+
+
+def build_reference() -> ResearchUNet:
+    torch.manual_seed(0)
+    return ResearchUNet()
+
+
+def convert(state_dict: dict) -> dict:
+    return {key.removeprefix(PREFIX): value for key, value in state_dict.items()}
+
+
+def convert_with_bug(state_dict: dict) -> dict:
+    """A conversion that perturbs one weight: the fresh-mode test must catch it."""
+    converted = convert(state_dict)
+    converted["conv_in.bias"] = converted["conv_in.bias"] + 0.05
+    return converted
+
+
+def save_port(directory: str | os.PathLike, perturb: bool = False) -> None:
+    """Save the converted port; ``perturb`` plants a stale weight the saved-mode test must catch."""
+    model = UNet2DModel(**UNET_CONFIG)
+    model.load_state_dict(convert(build_reference().state_dict()))
+    if perturb:
+        with torch.no_grad():
+            model.conv_out.weight[0, 0, 0, 0] += 0.5
+    model.save_pretrained(directory)
+
+
+def unet_inputs():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 3, 8, 8, generator=generator), torch.tensor([500, 20])), {}
+
+
+# ---------------------------------------------------------------------------------------- pipeline parts
+VOCAB = ["<|startoftext|>", "<|endoftext|>", "!"] + list("abcdefghijklmnopqrstuvwxyz")
+VOCAB += [letter + "</w>" for letter in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def tiny_tokenizer(directory: str | os.PathLike):
+    from transformers import CLIPTokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps({token: i for i, token in enumerate(VOCAB)}))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=8)
+
+
+def tiny_text_encoder():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    config = CLIPTextConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    return CLIPTextModel(config).eval()
+
+
+def tiny_components(work_dir: str | os.PathLike, text: bool = True, conditional: bool = True) -> dict:
+    """Tiny real components for the generated pipeline stub (deterministic weights)."""
+    torch.manual_seed(0)
+    if conditional:
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(8, 16),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=16,
+            attention_head_dim=2,
+            norm_num_groups=4,
+        )
+    else:
+        unet = UNet2DModel(**{**UNET_CONFIG, "in_channels": 4, "out_channels": 4})
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    # eval(), as from_pretrained leaves them, so a saved and reloaded pipeline computes the same thing
+    components = {"unet": unet.eval(), "scheduler": DDIMScheduler(), "vae": vae.eval()}
+    if text:
+        components["text_encoder"] = tiny_text_encoder()
+        components["tokenizer"] = tiny_tokenizer(Path(work_dir) / "tokenizer_files")
+    return components
+
+
+# ------------------------------------------------------------------------------------ reference pipeline
+def run_reference(_checkpoints=None, seed: int = 0, num_inference_steps: int = 50, prompt: str = ""):
+    """A hand-written reference loop over the saved components, instrumented like the stub.
+
+    Returns decoded images (B, C, H, W) in [0, 1], the layout of the port's output_type="pt".
+    """
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    root = Path(os.environ["SCAFFOLD_PIPELINE_DIR"])
+    tokenizer = CLIPTokenizer.from_pretrained(root / "tokenizer")
+    text_encoder = CLIPTextModel.from_pretrained(root / "text_encoder").eval()
+    unet = UNet2DConditionModel.from_pretrained(root / "unet").eval()
+    vae = AutoencoderKL.from_pretrained(root / "vae").eval()
+    scheduler = DDIMScheduler.from_pretrained(root / "scheduler")
+
+    with torch.no_grad():
+        ids = tokenizer([prompt], padding="max_length", max_length=8, truncation=True, return_tensors="pt")
+        prompt_embeds = text_encoder(ids.input_ids)[0]
+        maybe_checkpoint(_checkpoints, "text_encoding", prompt_embeds=prompt_embeds)
+
+        noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(seed))
+        latents = noise * scheduler.init_noise_sigma
+        scheduler.set_timesteps(num_inference_steps)
+        timesteps = scheduler.timesteps
+        maybe_checkpoint(
+            _checkpoints, "preloop", latents=latents, timesteps=timesteps, prompt_embeds=prompt_embeds
+        )
+
+        for i, t in enumerate(timesteps):
+            eps = unet(latents, t, encoder_hidden_states=prompt_embeds).sample
+            latents = scheduler.step(eps, t, latents).prev_sample
+            latents = maybe_checkpoint(_checkpoints, f"after_step_{i}", latents=latents)["latents"]
+
+        latents = maybe_checkpoint(_checkpoints, "post_loop", latents=latents)["latents"]
+        scale = vae.config.scaling_factor
+        if os.environ.get("SCAFFOLD_REFERENCE_BUG") == "decode":
+            scale = 1.0
+        images = vae.decode(latents / scale).sample
+    return (images / 2 + 0.5).clamp(0, 1)
