@@ -89,8 +89,11 @@ class ResearchDenoiser(nn.Module):
 def build_reference(seed: int = 0) -> ResearchDenoiser:
     torch.manual_seed(seed)
     model = ResearchDenoiser().eval()
-    # Research checkpoints are trained, not freshly initialised: give every weight distinct values.
+    # Stand in for trained weights: distinct values everywhere, and the large time-embedding and modulation
+    # weights trained models have (which is what makes a mixing error visible in the images).
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
+            if name.startswith("t_mlp_") or ".ada." in name:
+                param.mul_(4.0)
     return model
