@@ -19,6 +19,9 @@ from typing import Any
 from paritykit.errors import ParityKitError, UserCodeError
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
+#: diagnoses run on the first this-many failing gradients (one bug usually fails many parameters alike)
+HINTED_FAILURES = 5
+
 #: ``alignment`` may be None (same names), a {reference name: port name} mapping, [(regex, repl), …] rules
 #: applied to reference names, a callable converting a reference state dict into the port's naming, or a
 #: ``paritykit.convert.ConversionMap``.
@@ -323,6 +326,7 @@ def compare_gradients(
     import torch
 
     from paritykit.compare import compare_tensors
+    from paritykit.diagnose import diagnose
 
     for side, model in (("reference", reference), ("port", port)):
         if not isinstance(model, torch.nn.Module):
@@ -349,6 +353,7 @@ def compare_gradients(
     aligned_ref, origin, how = _align(grads_ref, port_names, alignment)
 
     pairs: list[GradientPair] = []
+    failed_so_far = 0
     for port_name in port_names:
         if port_name not in aligned_ref:
             continue
@@ -360,8 +365,13 @@ def compare_gradients(
             status = "no_grad_reference" if g_ref is None else "no_grad_port"
             pairs.append(GradientPair(ref_name, port_name, status))
             continue
-        cmp = compare_tensors(g_ref, g_port, atol=atol, rtol=rtol, name=f"{ref_name} -> {port_name}")
+        cmp = compare_tensors(
+            g_ref, g_port, atol=atol, rtol=rtol, name=f"{ref_name} -> {port_name}", diagnose=False
+        )
         pairs.append(GradientPair(ref_name, port_name, cmp.status, cmp))
+        failed_so_far += cmp.status == "fail"
+        if cmp.status == "fail" and failed_so_far <= HINTED_FAILURES:
+            cmp.hints = diagnose(g_ref, g_port)
 
     # names (in the reference's own naming where there is one) that found no partner on the other side
     leftover = [n for n in aligned_ref if n not in grads_port]
