@@ -52,6 +52,10 @@ _EXPORTS: dict[str, str] = {
     "step_curve": "paritykit.visual",
     "compare_images": "paritykit.visual",
     "compare_gradients": "paritykit.gradients",
+    "StepCurve": "paritykit.visual",
+    "ImageComparison": "paritykit.visual",
+    "classify_growth": "paritykit.visual",
+    "GradientComparison": "paritykit.gradients",
 }
 
 __all__ = ["__version__", *_EXPORTS]
