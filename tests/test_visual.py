@@ -186,6 +186,21 @@ def test_missing_key_folder_and_unequal_step_counts(runs, tmp_path):
     assert all(p.passed for p in curve.points)
 
 
+def test_plain_folders_of_step_tensors_without_a_manifest(runs, tmp_path):
+    root, _, _ = runs
+    ref, port = load_checkpoints(root / "ref"), load_checkpoints(root / "port")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for name in ref:
+        torch.save(ref[name].data["latents"], tmp_path / "a" / f"{name}.pt")  # one bare tensor per step
+        np.save(tmp_path / "b" / f"{name}.npy", port[name].data["latents"].numpy())
+    (tmp_path / "a" / "notes.txt").write_text("ignored")
+    plain = step_curve(tmp_path / "a", tmp_path / "b")
+    saved = step_curve(root / "ref", root / "port")
+    assert [p.max_abs for p in plain.points] == [p.max_abs for p in saved.points]
+    assert plain.growth.growth == saved.growth.growth
+
+
 def test_plot_reads_back_as_png(runs, tmp_path):
     root, _, sigmas = runs
     for name, kwargs, other in (

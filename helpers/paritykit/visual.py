@@ -436,6 +436,8 @@ def _load_step_tensor(path: Path, key: str):
     tails = [n for n in tensors if n.rsplit("/", 1)[-1] == key]
     if len(tails) == 1:
         return tensors[tails[0]]
+    if list(tensors) == [stem]:  # a bare tensor saved as after_step_<i>.pt / .npy: it is the key's value
+        return tensors[stem]
     have = ", ".join(n.rsplit("/", 1)[-1] for n in tensors) or "nothing"
     raise ParityKitError(
         f"{path}: no tensor {key!r} in this checkpoint (it has: {have}); choose one with --key"
