@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     # tensor I/O
     "load_tensors": "paritykit.io",
     "load_state_dict": "paritykit.io",
+    "safe_torch_load": "paritykit.io",
     # forensics
     "config_diff": "paritykit.configs",
     "weights_diff": "paritykit.weights",
