@@ -359,9 +359,28 @@ def test_minus_one_to_one_tensor_against_zero_to_one_image_file(tmp_path):
         assert result.range_a.startswith("0..255") and result.range_b == "-1..1"
         assert result.shape_a == result.shape_b == [1, 24, 32, 3]
         assert result.exit_code == 0 and result.psnr > 45  # only 8-bit rounding differs
+    # float [0, 1] against float [-1, 1]: each side keeps its own range
+    floats = compare_images(ref, port)
+    assert (floats.range_a, floats.range_b, floats.range_note) == ("0..1", "-1..1", None)
+    assert floats.psnr > 100
     # the same tensor read as [0, 1] (wrong) is far off
     wrong = compare_images(tmp_path / "ref.png", port.clamp(0, 1), value_range=("auto", "0..1"))
     assert wrong.exit_code == 1
+
+
+def test_bright_minus_one_to_one_image_without_negatives_is_read_like_its_partner():
+    bright = _photo() * 0.5 + 0.45  # a [-1, 1] picture that happens to be bright: all values >= 0 ...
+    ref = bright.copy()
+    ref[0, 0, 0] = -0.01  # ... except one pixel on the reference side
+    port = bright.copy()
+    port[0, 0, 0] = 0.0
+    result = compare_images(ref, port)
+    assert result.range_a == result.range_b == "-1..1" and result.range_note.startswith("B has no negative")
+    assert result.exit_code == 0 and result.max_pixel_diff == pytest.approx(0.005 * 255, rel=1e-3)
+    assert "note:" in result.render()
+    # an explicit range on both sides is taken as given
+    forced = compare_images(ref, port, value_range=("-1..1", "0..1"))
+    assert forced.range_note is None and forced.exit_code == 1
 
 
 def test_video_gets_per_frame_figures_and_chosen_frames(tmp_path):

@@ -646,6 +646,7 @@ class ImageComparison:
     chosen: list[tuple[int, str]] = field(default_factory=list)
     out_path: str | None = None
     video: bool = False
+    range_note: str | None = None
     _pixels: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -690,6 +691,7 @@ class ImageComparison:
             "shape_b": self.shape_b,
             "range_a": self.range_a,
             "range_b": self.range_b,
+            "range_note": self.range_note,
             "video": self.video,
             "frames": [f.to_dict() for f in self.frames],
             "chosen_frames": [{"frame": i, "why": why} for i, why in self.chosen],
@@ -702,6 +704,8 @@ class ImageComparison:
         lines.append(
             f"shape {self.shape_a} vs {self.shape_b} (frames×H×W×C); value range: A {self.range_a}, B {self.range_b}"
         )
+        if self.range_note:
+            lines.append(f"note: {self.range_note}")
         if self.status == "shape_mismatch":
             lines.append("SHAPE MISMATCH: the images cannot be compared pixel by pixel")
             return "\n".join(lines)
@@ -958,7 +962,9 @@ def compare_images(
         out: if given, write reference | port | amplified diff heatmap there (PNG; for videos one row per chosen
             frame: worst, first, last).
         value_range: ``"auto"`` (uint8 -> 0..255; floats: [-1, 1] when any value is negative, else [0, 1], or
-            [0, 255] above 1.1), or ``"0..1"``, ``"-1..1"``, ``"0..255"``; a pair sets each side.
+            [0, 255] above 1.1; when one side reads as [-1, 1] and the other as [0, 1] but reading both as
+            [-1, 1] matches over 4× better in mean squared difference, both are read as [-1, 1] and
+            ``range_note`` says so), or ``"0..1"``, ``"-1..1"``, ``"0..255"``; a pair sets each side.
 
     Returns:
         An :class:`ImageComparison`; ``exit_code`` 0 at or above ``psnr_min``, 1 below it or on a shape mismatch.
@@ -986,6 +992,23 @@ def compare_images(
     )
     if pa.shape != pb.shape:
         return result
+    if {detected_a, detected_b} == {"-1..1", "0..1"} and range_a == range_b == "auto":
+        # A [-1, 1] image need not contain a negative value (a bright picture): when reading the non-negative
+        # side as [-1, 1] too matches far better, that is the likelier reading.
+        mixed = float(np.mean((pa.astype(np.float64) - pb) ** 2))
+        if detected_a == "0..1":
+            alt_a, alt_b = (pa + 1.0) / 2.0, pb
+        else:
+            alt_a, alt_b = pa, (pb + 1.0) / 2.0
+        both = float(np.mean((alt_a.astype(np.float64) - alt_b) ** 2))
+        if both < mixed / 4:
+            side = "A" if detected_a == "0..1" else "B"
+            pa, pb = alt_a.astype(np.float32), alt_b.astype(np.float32)
+            result.range_a = result.range_b = "-1..1"
+            result.range_note = (
+                f"{side} has no negative values but reads as [-1, 1] like the other side "
+                f"(mean squared difference {both:.3g} vs {mixed:.3g} as [0, 1]); set value_range to override"
+            )
 
     frames = []
     total_sq = 0.0
