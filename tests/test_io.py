@@ -393,3 +393,23 @@ def test_corrupt_unknown_and_missing_paths(tmp_path):
     torch.save({"step": 1}, empty)
     with pytest.raises(ParityKitError, match=r"empty\.pt: no tensors"):
         load_state_dict(empty)
+
+
+# ------------------------------------------------------------------------------------------------ through the CLI
+
+
+def test_cli_refuses_a_malicious_pickle_with_one_line_and_exit_2(tmp_path, cli):
+    target = tmp_path / "PWNED"
+    torch.save({"weight": torch.ones(2), "payload": _SystemPayload(target)}, tmp_path / "evil.ckpt")
+    save_file({"weight": torch.ones(2)}, tmp_path / "good.safetensors")
+    result = cli("weights", "diff", tmp_path / "evil.ckpt", tmp_path / "good.safetensors", "--quiet")
+    assert result.returncode == 2, result.stderr
+    assert "dangerous global" in result.stderr and "evil.ckpt" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not target.exists()
+
+    torch.save({"weight": torch.ones(64)}, tmp_path / "cut.pt")
+    _truncate(tmp_path / "cut.pt")
+    result = cli("weights", "diff", tmp_path / "cut.pt", tmp_path / "good.safetensors", "--quiet", "--json")
+    assert result.returncode == 2
+    assert "cut.pt" in json.loads(result.stdout)["error"]

@@ -167,6 +167,15 @@ def _rebuild_from_type_v2(func: Callable, new_type: Any, args: tuple, state: Any
     return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
 
 
+# The tensor rebuild functions torch's own weights_only loader accepts (plus the pre-1.0 `_rebuild_tensor`).
+_TENSOR_REBUILD_FUNCTIONS = (
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+    "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+    "_rebuild_device_tensor_from_cpu_tensor",
+)  # fmt: skip
+
+
 def _allowed_globals() -> dict[str, Any]:
     r"""The globals a checkpoint may name, by dotted name: containers, torch types and rebuild functions."""
     import collections
@@ -191,8 +200,8 @@ def _allowed_globals() -> dict[str, Any]:
     for name in ("set", "frozenset", "bytearray", "complex", "slice", "range", "object", "list", "dict",
                  "tuple", "int", "float", "bool", "str", "bytes"):  # fmt: skip
         allowed[f"builtins.{name}"] = getattr(__import__("builtins"), name)
-    for name in dir(torch._utils):
-        if name.startswith("_rebuild_") and name not in ("_rebuild_from_type_v2",):
+    for name in _TENSOR_REBUILD_FUNCTIONS:
+        if hasattr(torch._utils, name):
             allowed[f"torch._utils.{name}"] = getattr(torch._utils, name)
     for value in vars(torch).values():
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)):
