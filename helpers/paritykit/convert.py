@@ -29,6 +29,7 @@ library and the generated code cannot disagree.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import itertools
 import json
@@ -43,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.errors import ParityKitError
-from paritykit.naming import natural_key
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, render_table
 
 OPS = (
@@ -299,7 +299,7 @@ class ConversionMap:
             for r in self.rules
         ]
         summary = (
-            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)} rules "
+            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)} rule{'' if len(self.rules) == 1 else 's'} "
             f"from {self.n_source} source tensors; {len(self.unmapped_target)} unexplained, "
             f"{len(self.unused_source)} sources unused, {len(self.ambiguous)} ambiguous ({self.seconds:.2f} s)"
         )
@@ -372,30 +372,39 @@ def _describe_step(op: str, args: dict[str, Any]) -> str:
 # fingerprints
 # --------------------------------------------------------------------------------------------------------
 
-# splitmix64 constants as signed int64 (torch integer arithmetic wraps)
-_GOLDEN = -7046029254386353131
-_MUL1 = -4658895280553007687
-_MUL2 = -7723592293110705685
+# 32-bit mixing constants (lowbias32), written as signed values: torch integer arithmetic wraps
+_GOLDEN = -1640531527
+_MUL1 = 0x7FEB352D
+_MUL2 = -2073254261
 
 
 def _mix(z):
-    z = z + _GOLDEN
-    z = (z ^ (z >> 30)) * _MUL1
-    z = (z ^ (z >> 27)) * _MUL2
-    return z ^ (z >> 31)
+    """A cheap bijective scramble of integer bit patterns (int32 or int64)."""
+    z = (z + _GOLDEN) * _MUL1
+    z = (z ^ (z >> 15)) * _MUL2
+    return z ^ (z >> 16)
 
 
 def _bits(t):
-    """Element bit patterns as int64, with -0.0 folded onto 0.0 (``torch.equal`` treats them as equal)."""
+    r"""Element bit patterns as int32 (int64 for 8-byte dtypes), -0.0 folded onto 0.0 as ``torch.equal`` does.
+
+    Hash sums are accumulated in int64 by ``torch.sum``, so int32 working values keep memory traffic low.
+    """
     import torch
 
-    if t.dtype.is_floating_point:
-        t = torch.where(t == 0, torch.zeros((), dtype=t.dtype), t).contiguous()
-        int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
-        return t.view(int_dtype).to(torch.int64)
     if t.is_complex():
         return _bits(torch.view_as_real(t))
-    return t.to(torch.int64)
+    if t.dtype.is_floating_point:
+        t = (t + 0.0).contiguous()  # -0.0 + 0.0 == +0.0
+        size = t.element_size()
+        if size == 8:
+            return t.view(torch.int64)
+        if size == 4:
+            return t.view(torch.int32)
+        return t.view(torch.int16 if size == 2 else torch.int8).to(torch.int32)
+    if t.dtype in (torch.int64, torch.uint64):
+        return t.view(torch.int64) if t.dtype == torch.uint64 else t
+    return t.to(torch.int32)
 
 
 def _castable(src_dtype, dst_dtype) -> bool:
@@ -448,7 +457,7 @@ def _position_hash(t) -> int:
     total = torch.zeros((), dtype=torch.int64)
     for start in range(0, flat.numel(), _BLOCK):
         block = flat[start : start + _BLOCK]
-        salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int64))
+        salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int32))
         total += _mix(_bits(block) ^ salt).sum()
     return int(total)
 
@@ -457,7 +466,7 @@ def _row_keys(m):
     """One layout-sensitive hash per row of a 2-D tensor."""
     import torch
 
-    salt = _mix(torch.arange(m.shape[1], dtype=torch.int64) * 7919)
+    salt = _mix(torch.arange(m.shape[1], dtype=torch.int32) * 7919)
     return _mix(_bits(m) ^ salt[None, :]).sum(1).tolist()
 
 
@@ -595,31 +604,70 @@ def _numbers(name: str) -> list[str]:
     return _DIGITS.findall(name)
 
 
+def _layer_indices(name: str) -> tuple[str, ...]:
+    # layer indices are whole dotted components; "norm1" is a name, not an index
+    return tuple(c for c in name.split(".") if c.isdigit())
+
+
+def _ancestors(name: str, depth: int = 3) -> list[str]:
+    parts = name.split(".")[:-1]
+    return [".".join(parts[:n]) for n in range(len(parts), max(0, len(parts) - depth), -1)]
+
+
+def _words_match(a: str, b: str) -> bool:
+    return a == b or a.startswith(b) or b.startswith(a)  # q ~ query, attn ~ attention
+
+
 class _NameScorer:
-    """Ranks candidate sources for a target: naming patterns already proven, layer numbers, shared words."""
+    r"""Ranks candidate sources for a target whose values several sources share.
+
+    In order: the (source, target) naming pattern was already proven by a value-unique match; the layer
+    indices agree; the candidate sits in a source module that value-unique matches already tie to the
+    target's parent modules; shared words (prefixes count: ``q`` ~ ``query``); not yet used; similar tails.
+    """
 
     def __init__(self) -> None:
         self.pairs: set[tuple[str, str]] = set()
         self.used: set[str] = set()
+        self.votes: dict[tuple[str, str], int] = defaultdict(int)
+        self.totals: dict[str, int] = defaultdict(int)
 
     def learn(self, source: str, target: str) -> None:
         self.pairs.add((_skeleton(source), _skeleton(target)))
         self.used.add(source)
+        for t_anc in _ancestors(target):
+            self.totals[t_anc] += 1
+            for s_anc in _ancestors(source):
+                self.votes[(t_anc, s_anc)] += 1
 
-    def key(self, source: str, target: str) -> tuple:
+    def key(self, source: str, target: str, cheap: bool = False) -> tuple:
         known = (_skeleton(source), _skeleton(target)) in self.pairs
-        # layer indices are whole dotted components; "norm1" is a name, not an index
-        si = [c for c in source.split(".") if c.isdigit()]
-        ti = [c for c in target.split(".") if c.isdigit()]
+        si, ti = _layer_indices(source), _layer_indices(target)
         indices = sum(a == b for a, b in zip(si, ti)) / max(1, len(si), len(ti))
-        sw, tw = set(_WORDS.findall(source.lower())), set(_WORDS.findall(target.lower()))
-        words = len(sw & tw) / max(1, len(sw | tw))
+        context = 0.0
+        for t_anc in _ancestors(target):
+            if self.totals.get(t_anc):
+                hits = max((self.votes.get((t_anc, s_anc), 0) for s_anc in _ancestors(source)), default=0)
+                context += hits / self.totals[t_anc]
+        sw = set(_WORDS.findall(source.lower()))
+        tw = set(_WORDS.findall(target.lower()))
+        common = sum(any(_words_match(w, v) for v in sw) for w in tw)
+        words = common / max(1, len(sw | tw))
+        head = (known, indices, round(context, 6), round(words, 6), source not in self.used)
+        if cheap:
+            return head
         tail = difflib.SequenceMatcher(
             None, ".".join(source.split(".")[-2:]), ".".join(target.split(".")[-2:])
         )
-        return (known, indices, source not in self.used, words, tail.ratio())
+        return (*head, tail.ratio())
 
-    def rank(self, target: str, candidates: Iterable[str]) -> list[str]:
+    def rank(self, target: str, candidates: Iterable[str], *, keep: int = 64) -> list[str]:
+        r"""Best candidates first; the costlier string comparison only runs on the ``keep`` best."""
+        candidates = list(candidates)
+        if len(candidates) > keep:
+            candidates = sorted(candidates, key=lambda s: self.key(s, target, cheap=True), reverse=True)[
+                :keep
+            ]
         return sorted(candidates, key=lambda s: self.key(s, target), reverse=True)
 
 
@@ -763,9 +811,29 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
     return rules
 
 
+_TEMPLATE_PART = re.compile(r"\\g<(\d+)>|\\(\d+)|\\(\\)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _template_parts(template: str) -> tuple[str | int, ...]:
+    parts: list[str | int] = []
+    pos = 0
+    for m in _TEMPLATE_PART.finditer(template):
+        parts.append(template[pos : m.start()])
+        parts.append(int(m.group(1) or m.group(2)) if m.group(3) is None else "\\")
+        pos = m.end()
+    parts.append(template[pos:])
+    return tuple(parts)
+
+
+def _fill(match: re.Match[str], template: str) -> str:
+    """``match.expand(template)`` for the templates rules use, without re-parsing the template every call."""
+    return "".join(p if isinstance(p, str) else match.group(p) for p in _template_parts(template))
+
+
 def _expand(regex: re.Pattern[str], key: str, template: str) -> str | None:
     m = regex.fullmatch(key)
-    return m.expand(template) if m else None
+    return _fill(m, template) if m else None
 
 
 def _origins(rules: list[ConversionRule], mapping: list[MappingEntry]) -> list[list[MappingEntry]]:
@@ -795,8 +863,8 @@ def _bad_rules(rules: list[ConversionRule], expected: dict, keys: list[str]) -> 
             m = re.fullmatch(r.pattern, key)
             if m is None:
                 continue
-            names = (key, *(m.expand(s) for s in r.sources[1:]))
-            if expected.get(m.expand(r.target)) != (names, json.dumps([r.op, r.args], sort_keys=True)):
+            names = (key, *(_fill(m, s) for s in r.sources[1:]))
+            if expected.get(_fill(m, r.target)) != (names, json.dumps([r.op, r.args], sort_keys=True)):
                 bad.add(k)
     return bad
 
@@ -873,6 +941,7 @@ class _Matcher:
         self.scorer = _NameScorer()
         self.chosen: dict[str, _Found] = {}
         self.ambiguous: dict[str, list[str]] = {}
+        self.n_candidates: dict[str, int] = {}
         self._poshash: dict[tuple, int] = {}
         self._resolved: dict[tuple, list[dict[str, Any]] | None] = {}
         self._cast_cache: dict[tuple[str, Any], Any] = {}
@@ -1062,13 +1131,18 @@ class _Matcher:
                 self.chosen[tkey] = fs[0]
                 for s in fs[0].sources:
                     self.scorer.learn(s, tkey)
-        for tkey in sorted((k for k in self.found if k not in self.chosen), key=natural_key):
+        for tkey in (k for k in self.target if k in self.found and k not in self.chosen):
             fs = self.found[tkey]
             by_first = {f.sources[0]: f for f in fs}
-            ranked = self.scorer.rank(tkey, by_first)
+            # candidates in the same layer first: keeps the ranking linear for big buckets of constants
+            indices = _layer_indices(tkey)
+            near = [s for s in by_first if _layer_indices(s) == indices] or list(by_first)
+            ranked = self.scorer.rank(tkey, near)
+            rest = [s for s in by_first if s not in set(ranked)][: max(0, _MAX_CANDIDATES - len(ranked))]
             best = by_first[ranked[0]]
             self.chosen[tkey] = best
-            self.ambiguous[tkey] = ranked
+            self.ambiguous[tkey] = ranked + rest
+            self.n_candidates[tkey] = len(by_first)
             for s in best.sources:
                 self.scorer.learn(s, tkey)
 
@@ -1115,7 +1189,7 @@ def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
     ]
     used = {s for e in mapping for s in e.sources}
     ambiguous = [
-        AmbiguousTarget(k, m.ambiguous[k][:_MAX_CANDIDATES], m.chosen[k].sources[0], len(m.ambiguous[k]))
+        AmbiguousTarget(k, m.ambiguous[k][:_MAX_CANDIDATES], m.chosen[k].sources[0], m.n_candidates[k])
         for k in tgt
         if k in m.ambiguous
     ]
