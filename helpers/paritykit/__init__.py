@@ -45,6 +45,10 @@ _EXPORTS: dict[str, str] = {
     "load_config": "paritykit.configs",
     "read_safetensors_header": "paritykit.safetensors_header",
     "infer_conversion_map": "paritykit.convert",
+    "ConversionMap": "paritykit.convert",
+    "emit_rules": "paritykit.convert",
+    "apply_rules_to_state_dict": "paritykit.convert",
+    "match_modules": "paritykit.convert",
     # culprit search
     "capture": "paritykit.trace",
     "align_modules": "paritykit.align",
