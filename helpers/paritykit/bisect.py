@@ -1,0 +1,824 @@
+r"""Name the module where a port parts from its reference, and say why.
+
+Both models run once under :func:`paritykit.trace.capture`; :func:`paritykit.align.align_modules` pairs their
+modules. Then, from the top level down, every aligned module is tested:
+
+* **replay** (primary): the reference module's captured inputs are fed to the aligned port module *and* to the
+  reference module, and the two outputs are compared. A module that fails on identical inputs is itself wrong,
+  whatever happened upstream. Arguments are matched by path, else by order and shape, so ``forward(x, c)``
+  replays into ``forward(hidden_states, conditioning_embedding)``.
+* **error jump** (fallback, when replay is impossible: no models, no matching signature, a non-reproducible
+  reference call): the module is blamed when its inputs agree within tolerance but its outputs do not, or
+  when its relative output error is more than ``ratio`` (10) times its relative input error.
+
+The culprit is the deepest aligned call that fails while none of its aligned children does. When it has
+aligned children and all of them pass, the divergence is in its own ``forward`` (``inline``). At the culprit,
+input-aware hints come first: ``remix`` (each side's output fitted as a linear combination of the module's
+tensor inputs and its children's outputs; different coefficients mean one knob may stand for two concepts)
+and ``constant-scale``, then the core hints of :func:`paritykit.diagnose.diagnose`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.align import Alignment, align_modules
+from paritykit.errors import ParityKitError
+from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
+
+JUMP_RATIO = 10.0
+# a least-squares fit "explains" an output when its relative residual is below this
+FIT_RESIDUAL = 1e-3
+# coefficients closer than this are the same mixture
+COEF_TOLERANCE = 5e-3
+_FIT_SAMPLES = 1 << 18
+_MAX_FIT_COLUMNS = 8
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class ModuleTest:
+    r"""The verdict on one aligned call: ``status`` is ``pass``, ``fail`` or ``untestable``."""
+
+    reference: str
+    port: str
+    test: str  # replay | jump | output
+    status: str
+    max_abs: float | None = None
+    cosine: float | None = None
+    input_error: float | None = None
+    output_error: float | None = None
+    note: str = ""
+    comparison: Any = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "reference": self.reference,
+            "port": self.port,
+            "test": self.test,
+            "status": self.status,
+            "max_abs": self.max_abs,
+            "cosine": self.cosine,
+        }
+        if self.test == "jump":
+            out["input_error"] = self.input_error
+            out["output_error"] = self.output_error
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+@dataclass
+class ModuleFinding:
+    r"""A named divergence: the culprit, or the first aligned module whose captured outputs differ."""
+
+    reference: str
+    port: str
+    how_aligned: str
+    test: str
+    max_abs: float | None
+    cosine: float | None
+    inline: bool = False
+    hints: list[Any] = field(default_factory=list)
+    confidence: str = "high"
+    children_passed: int = 0
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "port": self.port,
+            "how_aligned": self.how_aligned,
+            "confidence": self.confidence,
+            "test": self.test,
+            "max_abs": self.max_abs,
+            "cosine": self.cosine,
+            "inline": self.inline,
+            "children_passed": self.children_passed,
+            "hints": [{"id": h.id, "message": h.message, "evidence": dict(h.evidence)} for h in self.hints],
+            "note": self.note,
+        }
+
+
+@dataclass
+class BisectReport:
+    r"""What ``paritykit bisect`` prints; one object, two faces (``to_dict`` and ``render``)."""
+
+    verdict: str
+    culprit: ModuleFinding | None
+    first_output_divergence: ModuleFinding | None
+    output: Any
+    alignment: Alignment
+    tested: list[ModuleTest] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.verdict == "match" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        al = self.alignment.to_dict()
+        return {
+            "verdict": self.verdict,
+            "culprit": self.culprit.to_dict() if self.culprit else None,
+            "first_output_divergence": (
+                self.first_output_divergence.to_dict() if self.first_output_divergence else None
+            ),
+            "aligned": al["aligned"],
+            "unaligned_reference": al["unaligned_reference"],
+            "unaligned_port": al["unaligned_port"],
+            "output": _comparison_summary(self.output),
+            "alignment": {"by": al["by"], "pairs": al["pairs"]},
+            "tested": [t.to_dict() for t in self.tested],
+            "environment": self.environment,
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        out = _comparison_summary(self.output) or {}
+        lines = [
+            f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
+            f"cosine {format_number(out.get('cosine'), 6)})"
+        ]
+        if self.culprit:
+            lines += _render_finding("culprit", self.culprit)
+        elif self.verdict == "diverge":
+            lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
+        if self.first_output_divergence:
+            f = self.first_output_divergence
+            lines.append(
+                f"first aligned module whose outputs differ: {_shown(f.reference)} <-> {_shown(f.port)} "
+                f"(max_abs {format_number(f.max_abs)}; errors there may be inherited from upstream)"
+            )
+        rows = [
+            [_shown(t.reference), _shown(t.port), t.test, t.status, t.max_abs, t.cosine, t.note]
+            for t in self.tested
+        ]
+        if rows:
+            lines.append("")
+            lines.append(
+                render_table(["reference", "port", "test", "status", "max_abs", "cosine", "note"], rows, limit=limit)
+            )
+        lines.append("")
+        lines.append(self.alignment.render(limit=min(limit, 10) if limit else 10).splitlines()[-1])
+        al = self.alignment
+        for side, names in (("reference", al.unaligned_reference), ("port", al.unaligned_port)):
+            if names:
+                lines.append(f"unaligned {side} ({len(names)}): {', '.join(_shown(n) for n in names[:10])}"
+                             + (" …" if len(names) > 10 else ""))
+        return "\n".join(lines)
+
+
+def _render_finding(label: str, f: ModuleFinding) -> list[str]:
+    low = "" if f.confidence == "high" else ", low confidence"
+    lines = [
+        f"{label}: reference {_shown(f.reference)}  <->  port {_shown(f.port)}",
+        f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
+        f"cosine {format_number(f.cosine, 6)}",
+    ]
+    if f.inline:
+        lines.append(
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in this "
+            "module's own forward code, not in a submodule"
+        )
+    elif f.children_passed == 0:
+        lines.append("  no aligned submodules: the module's own computation or configuration differs")
+    if f.note:
+        lines.append(f"  note: {f.note}")
+    for i, hint in enumerate(f.hints, 1):
+        lines.append(f"  hint {i}: [{hint.id}] {hint.message}")
+    return lines
+
+
+def _shown(name: str) -> str:
+    return name if name else "(top level)"
+
+
+def _comparison_summary(cmp: Any) -> dict[str, Any] | None:
+    if cmp is None:
+        return None
+    return {
+        "status": cmp.status,
+        "max_abs": cmp.max_abs,
+        "cosine": cmp.cosine,
+        "shape_reference": list(cmp.shape_a),
+        "shape_port": list(cmp.shape_b),
+        "atol": cmp.atol,
+        "rtol": cmp.rtol,
+    }
+
+
+# ------------------------------------------------------------------------------------------ tensor helpers
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]:
+    """``(path, tensor)`` for every tensor in a nested value (tuples, lists, dicts, ``BaseOutput``)."""
+    if _is_tensor(value):
+        return [(prefix, value)]
+    out: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += flatten_tensors(v, f"{prefix}.{k}")
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            out += flatten_tensors(v, f"{prefix}.{i}")
+    return out
+
+
+def _pair_leaves(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> list[tuple[int, int]] | None:
+    """Index pairs matching two leaf lists: by path when the paths agree, else in order with equal shapes,
+    else by unique shape. ``None`` when no consistent pairing exists."""
+    if not a or not b:
+        return None
+    paths_a = [p for p, _ in a]
+    paths_b = [p for p, _ in b]
+    if paths_a == paths_b and all(ta.shape == tb.shape for (_, ta), (_, tb) in zip(a, b)):
+        return list(zip(range(len(a)), range(len(b))))
+    if len(a) == len(b) and all(ta.shape == tb.shape for (_, ta), (_, tb) in zip(a, b)):
+        return list(zip(range(len(a)), range(len(b))))
+    pairs = []
+    used: set[int] = set()
+    for j, (_, tb) in enumerate(b):
+        hits = [i for i, (_, ta) in enumerate(a) if ta.shape == tb.shape and i not in used]
+        if len(hits) != 1:
+            return None
+        used.add(hits[0])
+        pairs.append((hits[0], j))
+    return pairs
+
+
+def _rel_error(a: Any, b: Any) -> float:
+    import torch
+
+    a64, b64 = a.detach().double().flatten().cpu(), b.detach().double().flatten().cpu()
+    finite = torch.isfinite(a64) & torch.isfinite(b64)
+    if not bool(finite.all()):
+        return math.inf
+    denom = float(a64.norm())
+    diff = float((a64 - b64).norm())
+    if denom == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / denom
+
+
+def _module_device(module: Any) -> Any:
+    import torch
+
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------- search
+
+
+class _Bisector:
+    def __init__(
+        self,
+        ref_trace: Any,
+        port_trace: Any,
+        alignment: Alignment,
+        *,
+        reference: Any = None,
+        port: Any = None,
+        atol: float | None,
+        rtol: float | None,
+        ratio: float,
+    ):
+        self.rt = ref_trace
+        self.pt = port_trace
+        self.alignment = alignment
+        self.ref_modules = dict(reference.named_modules()) if reference is not None else {}
+        self.port_modules = dict(port.named_modules()) if port is not None else {}
+        self.atol = atol
+        self.rtol = rtol
+        self.ratio = ratio
+        self.results: dict[str, ModuleTest] = {}
+        self.why_not_replayed: dict[str, str] = {}
+        self.replays: dict[str, tuple[Any, Any, list]] = {}
+        self.children_of: dict[str, list[Any]] = {}
+        for record in ref_trace.records:
+            self.children_of.setdefault(record.parent, []).append(record)
+
+    # pairing ---------------------------------------------------------------------------------------
+    def port_record(self, ref_record: Any) -> Any:
+        pair = self.alignment.pair_of(ref_record.module)
+        if pair is None or pair.layout:
+            return None
+        port_module = pair.port
+        name = port_module if ref_record.call == 0 else f"{port_module}#{ref_record.call}"
+        return self.pt[name] if name in self.pt else None
+
+    def frontier(self, record: Any) -> list[Any]:
+        """The nearest aligned calls below ``record`` (unaligned calls in between are looked through)."""
+        out = []
+        for child in self.children_of.get(record.name, []):
+            if self.port_record(child) is not None:
+                out.append(child)
+            else:
+                out += self.frontier(child)
+        return out
+
+    # tests -----------------------------------------------------------------------------------------
+    def compare(self, a: Any, b: Any, name: str, diagnose: bool = False) -> Any:
+        from paritykit.compare import compare_tensors
+
+        return compare_tensors(a, b, atol=self.atol, rtol=self.rtol, name=name, diagnose=diagnose)
+
+    def compare_leaves(self, a: list, b: list, name: str) -> Any:
+        """Worst comparison over paired output leaves (``None`` when the outputs cannot be paired)."""
+        pairs = _pair_leaves(a, b)
+        if pairs is None:
+            return None
+        worst = None
+        for i, j in pairs:
+            cmp = self.compare(a[i][1], b[j][1], f"{name}:{a[i][0]}")
+            if worst is None or (worst.passed and not cmp.passed):
+                worst = cmp
+            elif not cmp.passed and not worst.passed and (cmp.max_abs or 0) > (worst.max_abs or 0):
+                worst = cmp
+        return worst
+
+    def test(self, ref_record: Any) -> ModuleTest:
+        if ref_record.name in self.results:
+            return self.results[ref_record.name]
+        port_record = self.port_record(ref_record)
+        result = self.replay(ref_record, port_record)
+        if result is None:
+            result = self.jump(ref_record, port_record)
+        self.results[ref_record.name] = result
+        return result
+
+    def adapt_inputs(self, ref_record: Any, port_record: Any, device: Any = None) -> tuple[tuple, dict] | None:
+        """The port call's own arguments with the reference's tensors put in place of its tensors."""
+        from paritykit.trace import _unpack
+
+        if not ref_record.replayable or not port_record.replayable:
+            return None
+        ref_leaves = list(ref_record.inputs.items())
+        port_leaves = list(port_record.inputs.items())
+        if not port_leaves:
+            return None
+        pairs = _pair_leaves(ref_leaves, port_leaves)
+        if pairs is None:
+            return None
+        port_keys = list(port_record.input_keys.values())
+        swap = {}
+        for i, j in pairs:
+            tensor = ref_leaves[i][1]
+            own = port_leaves[j][1]
+            if tensor.is_floating_point() and own.is_floating_point():
+                tensor = tensor.to(own.dtype)
+            swap[port_keys[j]] = tensor.to(device) if device is not None else tensor
+        if len(swap) != len(port_keys):
+            return None
+        args, kwargs = _unpack(port_record.inputs_skeleton, lambda key: swap[key])
+        return tuple(args), dict(kwargs)
+
+    def run_replay(self, ref_record: Any, port_record: Any) -> tuple[list, list] | str:
+        """Outputs of both modules on the reference's captured inputs, or the reason replay is impossible."""
+        port_module = self.port_modules.get(port_record.module)
+        if port_module is None:
+            return "no port model to replay on"
+        if not ref_record.replayable:
+            return "reference inputs not replayable"
+        adapted = self.adapt_inputs(ref_record, port_record, _module_device(port_module))
+        if adapted is None:
+            return "signatures differ (inputs cannot be paired by path, order or shape)"
+        ref_module = self.ref_modules.get(ref_record.module)
+        if ref_module is not None:
+            args, kwargs = ref_record.call_inputs()
+            device = _module_device(ref_module)
+            args = tuple(a.to(device) if _is_tensor(a) else a for a in args)
+            kwargs = {k: v.to(device) if _is_tensor(v) else v for k, v in kwargs.items()}
+            ref_out = flatten_tensors(ref_module(*args, **kwargs))
+            # A reference call that does not reproduce its own captured output (randomness, hidden state)
+            # cannot be replayed meaningfully.
+            captured = list(ref_record.outputs.items())
+            check = self.compare_leaves(captured, ref_out, ref_record.name)
+            if check is None or not check.passed:
+                return "the reference call does not reproduce its captured output"
+        else:
+            ref_out = list(ref_record.outputs.items())
+        try:
+            port_out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+        except Exception as exc:  # the port's own signature rejects the reference's inputs
+            return f"port call failed on reference inputs ({type(exc).__name__})"
+        return ref_out, port_out
+
+    def replay(self, ref_record: Any, port_record: Any) -> ModuleTest | None:
+        outcome = self.run_replay(ref_record, port_record)
+        if isinstance(outcome, str):
+            self.why_not_replayed[ref_record.name] = outcome
+            return None
+        ref_out, port_out = outcome
+        cmp = self.compare_leaves(ref_out, port_out, ref_record.name)
+        if cmp is None:
+            self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
+            return None
+        self.replays[ref_record.name] = (ref_out, port_out, [])
+        return ModuleTest(
+            ref_record.name, port_record.name, "replay", "pass" if cmp.passed else "fail",
+            cmp.max_abs, cmp.cosine, comparison=cmp,
+        )
+
+    def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
+        note = self.why_not_replayed.get(ref_record.name, "")
+        out_cmp = self.compare_leaves(list(ref_record.outputs.items()), list(port_record.outputs.items()), ref_record.name)
+        if out_cmp is None:
+            return ModuleTest(ref_record.name, port_record.name, "jump", "untestable", note=_join(note, "outputs cannot be paired"))
+        base = ModuleTest(ref_record.name, port_record.name, "jump", "pass", out_cmp.max_abs, out_cmp.cosine, note=note, comparison=out_cmp)
+        if out_cmp.passed:
+            return base
+        ref_in = list(ref_record.inputs.items())
+        port_in = list(port_record.inputs.items())
+        pairs = _pair_leaves(ref_in, port_in) if ref_in and port_in else None
+        if pairs is None:
+            base.status = "untestable"
+            base.note = _join(note, "inputs cannot be paired")
+            return base
+        in_pass = all(self.compare(ref_in[i][1], port_in[j][1], "input").passed for i, j in pairs)
+        in_err = max(_rel_error(ref_in[i][1], port_in[j][1]) for i, j in pairs)
+        out_pairs = _pair_leaves(list(ref_record.outputs.items()), list(port_record.outputs.items())) or []
+        ref_outs, port_outs = list(ref_record.outputs.values()), list(port_record.outputs.values())
+        out_err = max((_rel_error(ref_outs[i], port_outs[j]) for i, j in out_pairs), default=math.inf)
+        base.input_error, base.output_error = in_err, out_err
+        if in_pass:
+            base.status = "fail"
+            base.note = _join(note, "inputs agree within tolerance, outputs do not")
+        elif in_err == 0 or out_err / in_err > self.ratio:
+            base.status = "fail"
+            base.note = _join(note, f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}")
+        else:
+            base.note = _join(note, "error inherited from the inputs")
+        return base
+
+    # search ----------------------------------------------------------------------------------------
+    def descend(self, record: Any) -> tuple[Any, int]:
+        """Deepest failing call under a failing ``record``; returns (call, number of aligned children passed)."""
+        children = self.frontier(record)
+        passed = 0
+        for child in children:
+            result = self.test(child)
+            if result.status == "fail":
+                return self.descend(child)
+            if result.status == "untestable":
+                found = self.search_untestable(child)
+                if found is not None:
+                    return found
+            else:
+                passed += 1
+        return record, passed
+
+    def search_untestable(self, record: Any) -> tuple[Any, int] | None:
+        for child in self.frontier(record):
+            result = self.test(child)
+            if result.status == "fail":
+                return self.descend(child)
+            if result.status == "untestable":
+                found = self.search_untestable(child)
+                if found is not None:
+                    return found
+        return None
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+# -------------------------------------------------------------------------------------------- diagnoses
+
+
+def _fit(columns: Any, target: Any) -> tuple[list[float], float]:
+    import torch
+
+    solution = torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.squeeze(1)
+    norm = float(target.norm())
+    residual = float((columns @ solution - target).norm()) / norm if norm else 0.0
+    return [float(w) for w in solution], residual
+
+
+def remix_hint(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]]) -> Any:
+    r"""Fit each side's output as a linear combination of candidate tensors (the module's tensor inputs and its
+    children's outputs, broadcast to the output's shape); a ``remix`` hint when both fit and the mixtures differ.
+
+    One candidate that fits both sides with different factors gives an input-aware ``constant-scale`` hint.
+    """
+    import torch
+
+    from paritykit.diagnose import Hint
+
+    if not (ref_out.is_floating_point() and port_out.is_floating_point()) or ref_out.shape != port_out.shape:
+        return None
+    shape = ref_out.shape
+    n = ref_out.numel()
+    step = max(1, n // _FIT_SAMPLES)
+    columns, names = [], []
+    for name, tensor in candidates:
+        if not _is_tensor(tensor) or not tensor.is_floating_point():
+            continue
+        try:
+            full = torch.broadcast_to(tensor.detach().cpu(), shape)
+        except RuntimeError:
+            continue
+        column = full.reshape(-1)[::step].double()
+        if float(column.norm()) == 0:
+            continue
+        if columns:
+            # Drop columns the earlier ones already explain: collinear columns make coefficients meaningless.
+            basis = torch.stack(columns, 1)
+            _, residual = _fit(basis, column)
+            if residual < 1e-6:
+                continue
+        columns.append(column)
+        names.append(name)
+        if len(columns) == _MAX_FIT_COLUMNS:
+            break
+    if not columns:
+        return None
+    matrix = torch.stack(columns, 1)
+    y_ref = ref_out.detach().cpu().reshape(-1)[::step].double()
+    y_port = port_out.detach().cpu().reshape(-1)[::step].double()
+    w_ref, r_ref = _fit(matrix, y_ref)
+    w_port, r_port = _fit(matrix, y_port)
+    if r_ref > FIT_RESIDUAL or r_port > FIT_RESIDUAL:
+        return None
+    if max(abs(a - b) for a, b in zip(w_ref, w_port)) <= COEF_TOLERANCE:
+        return None
+    evidence = {"inputs": names, "reference": w_ref, "port": w_port, "residual_reference": r_ref,
+                "residual_port": r_port}
+    ref_v, port_v = torch.tensor(w_ref, dtype=torch.float64), torch.tensor(w_port, dtype=torch.float64)
+    k = float(ref_v @ port_v) / float(ref_v @ ref_v) if float(ref_v @ ref_v) else 0.0
+    if k and float((port_v - k * ref_v).abs().max()) <= COEF_TOLERANCE * max(1.0, abs(k)):
+        # Every coefficient scaled by one factor: a single output scale, not a different mixture.
+        evidence["k"] = k
+        terms = ", ".join(names)
+        return Hint(
+            "constant-scale",
+            f"on identical inputs the port's output is {_coef(k)} x the reference's (coefficients "
+            f"({', '.join(_coef(w) for w in w_ref)}) vs ({', '.join(_coef(w) for w in w_port)}) of ({terms})): "
+            "an output scale read from a different place (a default instead of the config, or one knob used for "
+            "two concepts)",
+            evidence,
+            score=0.96,
+        )
+    mix = ", ".join(names)
+    return Hint(
+        "remix",
+        f"reference mixes ({', '.join(_coef(w) for w in w_ref)}), port ({', '.join(_coef(w) for w in w_port)}) "
+        f"of ({mix}): one knob may mean two concepts",
+        evidence,
+        score=0.97,
+    )
+
+
+def _coef(w: float) -> str:
+    value = round(w, 3)
+    return repr(0.0 if value == 0 else value)
+
+
+def culprit_hints(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]], core: Sequence[Any]) -> list:
+    """Input-aware hints first, then the core detectors' hints (one hint per id, best first)."""
+    hints = []
+    extra = remix_hint(ref_out, port_out, candidates)
+    if extra is not None:
+        hints.append(extra)
+    seen = {h.id for h in hints}
+    for hint in sorted(core, key=lambda h: -h.score):
+        if hint.id not in seen:
+            hints.append(hint)
+            seen.add(hint.id)
+    return hints
+
+
+# ------------------------------------------------------------------------------------------------- API
+
+
+def first_divergence(
+    ref_trace: Any,
+    port_trace: Any,
+    alignment: Alignment,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> ModuleFinding | None:
+    r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
+
+    This is where the error first becomes visible, not necessarily where it is made (it may come in with the
+    inputs); :func:`bisect` finds the latter.
+    """
+    from paritykit.compare import compare_tensors
+
+    for record in ref_trace.completion_order():
+        pair = alignment.pair_of(record.module)
+        if pair is None or pair.layout:
+            continue
+        port_name = pair.port
+        port_call = port_name if record.call == 0 else f"{port_name}#{record.call}"
+        if port_call not in port_trace:
+            continue
+        other = port_trace[port_call]
+        a, b = list(record.outputs.items()), list(other.outputs.items())
+        pairs = _pair_leaves(a, b)
+        if pairs is None:
+            continue
+        for i, j in pairs:
+            cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
+            if not cmp.passed:
+                return ModuleFinding(
+                    record.name, port_call, pair.how, "output", cmp.max_abs, cmp.cosine,
+                    hints=list(cmp.hints), confidence=pair.confidence,
+                )
+    return None
+
+
+def bisect_traces(
+    ref_trace: Any,
+    port_trace: Any,
+    alignment: Alignment | None = None,
+    *,
+    reference: Any = None,
+    port: Any = None,
+    rules: Sequence[tuple[str, str]] = (),
+    select_output: Callable[[str, Any], Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ratio: float = JUMP_RATIO,
+    environment: dict[str, Any] | None = None,
+) -> BisectReport:
+    r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
+
+    With ``port`` (and ideally ``reference``) given, calls are replayed; without them every test is an error
+    jump over the captured tensors.
+    """
+    import torch
+
+    if alignment is None:
+        alignment = align_modules(reference, port, ref_trace, port_trace, rules=rules)
+    ref_root, port_root = ref_trace.root, port_trace.root
+    if ref_root is None or port_root is None:
+        raise ParityKitError("both traces must include the top-level call (capture the whole model)")
+    ref_final = _select("reference", ref_root.output_value(), select_output)
+    port_final = _select("port", port_root.output_value(), select_output)
+    from paritykit.compare import compare_tensors
+
+    output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
+    searcher = _Bisector(ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol,
+                         ratio=ratio)
+    first = first_divergence(ref_trace, port_trace, alignment, atol=atol, rtol=rtol)
+    culprit = None
+    verdict = "match" if output.passed else "diverge"
+    if not output.passed:
+        with torch.no_grad():
+            call, passed = searcher.descend(ref_root)
+            culprit = _finding(searcher, call, passed, output)
+    tested = list(searcher.results.values())
+    return BisectReport(
+        verdict=verdict,
+        culprit=culprit,
+        first_output_divergence=first,
+        output=output,
+        alignment=alignment,
+        tested=tested,
+        environment=environment if environment is not None else environment_stamp(),
+    )
+
+
+def _select(side: str, output: Any, select_output: Callable | None) -> Any:
+    if select_output is not None:
+        from paritykit.errors import UserCodeError
+
+        try:
+            return select_output(side, output)
+        except Exception as exc:
+            raise UserCodeError(f"select_output({side!r}, …) raised {type(exc).__name__}: {exc}") from exc
+    leaves = flatten_tensors(output)
+    if not leaves:
+        raise ParityKitError(f"the {side} model returned no tensor; give select_output(side, output)")
+    return leaves[0][1]
+
+
+def _finding(searcher: _Bisector, call: Any, children_passed: int, output: Any) -> ModuleFinding:
+    alignment = searcher.alignment
+    port_call = searcher.port_record(call)
+    pair = alignment.pair_of(call.module)
+    if call.parent is None:
+        # Nothing below the top level fails: the top level's own forward differs.
+        return ModuleFinding(
+            call.name, port_call.name if port_call else "", pair.how if pair else "names", "output",
+            output.max_abs, output.cosine, inline=children_passed > 0, children_passed=children_passed,
+            hints=_hints_at(searcher, call, port_call, None, output),
+        )
+    result = searcher.results[call.name]
+    return ModuleFinding(
+        call.name, port_call.name, pair.how, result.test, result.max_abs, result.cosine,
+        inline=children_passed > 0, children_passed=children_passed,
+        hints=_hints_at(searcher, call, port_call, result, None), confidence=pair.confidence, note=result.note,
+    )
+
+
+def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
+    """Hints on the culprit's output pair, with its inputs and its children's outputs as mixing candidates."""
+    from paritykit.diagnose import diagnose
+
+    if result is not None and result.test == "replay":
+        ref_out, port_out, _ = searcher.replays[call.name]
+        pairs = _pair_leaves(ref_out, port_out) or []
+        worst = None
+        for i, j in pairs:
+            cmp = searcher.compare(ref_out[i][1], port_out[j][1], call.name)
+            if not cmp.passed:
+                worst = (ref_out[i][1], port_out[j][1])
+                break
+    else:
+        ref_leaves = list(call.outputs.items())
+        port_leaves = list(port_call.outputs.items()) if port_call is not None else []
+        pairs = _pair_leaves(ref_leaves, port_leaves) or []
+        worst = next(
+            ((ref_leaves[i][1], port_leaves[j][1]) for i, j in pairs
+             if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed),
+            None,
+        )
+    if worst is None:
+        return []
+    a, b = worst
+    candidates = list(call.inputs.items())
+    for child in searcher.frontier(call):
+        child_out = child.output
+        if child_out is not None:
+            candidates.append((f"{child.name} output", child_out))
+    return culprit_hints(a, b, candidates, diagnose(a, b))
+
+
+def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):
+        return tuple(inputs[0]), dict(inputs[1])
+    raise ParityKitError("inputs must be (args, kwargs) or a kwargs dict")
+
+
+def bisect(
+    reference: Any,
+    port: Any,
+    inputs: Any,
+    *,
+    rules: Sequence[tuple[str, str]] = (),
+    port_inputs: Callable[[tuple, dict], Any] | None = None,
+    select_output: Callable[[str, Any], Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ratio: float = JUMP_RATIO,
+    environment: dict[str, Any] | None = None,
+) -> BisectReport:
+    r"""Run both models on the same inputs and name the module where the port parts from the reference.
+
+    Args:
+        reference: the reference ``nn.Module`` (put it in eval mode first; dropout defeats replay).
+        port: the port ``nn.Module``.
+        inputs: ``(args, kwargs)`` or a kwargs dict, fed to both.
+        rules: ``[(regex, repl), …]`` renaming reference module names into the port's naming.
+        port_inputs: ``port_inputs(args, kwargs) -> (args, kwargs) | kwargs`` adapting the inputs to the port.
+        select_output: ``select_output(side, output) -> Tensor`` picking the comparable tensor of each side
+            (``side`` is ``"reference"`` or ``"port"``); default: the first tensor of the output.
+        atol, rtol: tolerances (default: :func:`paritykit.compare.default_tolerances` of the dtypes).
+        ratio: error-jump threshold (output error over input error) where replay is impossible.
+
+    Returns:
+        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``), ``culprit``, ``first_output_divergence``,
+        the alignment, every module tested, ``exit_code``.
+    """
+    import torch
+
+    from paritykit.trace import capture
+
+    args, kwargs = _split_inputs(inputs)
+    if port_inputs is not None:
+        from paritykit.errors import UserCodeError
+
+        try:
+            adapted = port_inputs(args, kwargs)
+        except Exception as exc:
+            raise UserCodeError(f"port_inputs raised {type(exc).__name__}: {exc}") from exc
+        port_args, port_kwargs = _split_inputs(adapted)
+    else:
+        port_args, port_kwargs = args, kwargs
+    with torch.no_grad():
+        with capture(reference) as ref_trace:
+            reference(*args, **kwargs)
+        with capture(port) as port_trace:
+            port(*port_args, **port_kwargs)
+    return bisect_traces(
+        ref_trace, port_trace, reference=reference, port=port, rules=rules, select_output=select_output,
+        atol=atol, rtol=rtol, ratio=ratio, environment=environment,
+    )
