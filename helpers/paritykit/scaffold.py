@@ -12,6 +12,7 @@ needs with that variable's rule::
       name: identifier
       reference: target
       convert: target?        # a trailing "?" marks an optional variable
+      components: components = unet,scheduler   # "= VALUE" gives a default
     -#}
 
 Rules validate the user's values and turn them into what the template uses (a ``target`` becomes an object
@@ -49,7 +50,6 @@ _TARGET = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)\Z
 
 DENOISERS = ("unet", "transformer")
 COMPONENTS = ("unet", "transformer", "scheduler", "vae", "text_encoder", "tokenizer")
-DEFAULT_COMPONENTS = "unet,scheduler,vae,text_encoder,tokenizer"
 
 
 # --------------------------------------------------------------------------------------------------- values
@@ -115,7 +115,7 @@ class TemplateSpec:
         output: output file name pattern; ``{name}`` and ``{snake}`` (NAME in snake_case) are filled in.
         run: how to run the generated file; ``{filename}`` is filled in.
         variables: variable name -> rule (``identifier``, ``camel``, ``target``, ``class``, ``path``,
-            ``components``); optional ones are listed in ``optional``.
+            ``components``); optional ones are listed in ``optional``, defaults in ``defaults``.
         path: the template file.
     """
 
@@ -125,6 +125,7 @@ class TemplateSpec:
     run: str
     variables: dict[str, str]
     optional: frozenset[str]
+    defaults: dict[str, str]
     path: Path
     executable: bool = False
 
@@ -143,9 +144,11 @@ def _parse_spec(path: Path) -> TemplateSpec:
         raw = yaml.safe_load(match.group("body"))
     except yaml.YAMLError as exc:
         raise ParityKitError(f"template {path}: spec header is not valid YAML ({exc})") from exc
-    variables, optional = {}, set()
+    variables, optional, defaults = {}, set(), {}
     for var, rule in (raw.get("variables") or {}).items():
-        rule = str(rule).strip()
+        rule, _, default = (part.strip() for part in str(rule).partition("="))
+        if default:
+            defaults[var] = default
         if rule.endswith("?"):
             optional.add(var)
             rule = rule[:-1]
@@ -162,6 +165,7 @@ def _parse_spec(path: Path) -> TemplateSpec:
         run=str(raw["run"]),
         variables=variables,
         optional=frozenset(optional),
+        defaults=defaults,
         path=path,
         executable=bool(raw.get("executable", False)),
     )
@@ -177,10 +181,28 @@ def templates(directory: Path | None = None) -> dict[str, TemplateSpec]:
     return _templates(root.resolve())
 
 
+# What every template gets besides its spec's variables (filled in by ``render``).
+PROVIDED = frozenset({"kind", "filename", "command", "run", "version", "snake", "import_line"})
+
+
 @lru_cache(maxsize=8)
 def _templates(root: Path) -> dict[str, TemplateSpec]:
-    specs = [_parse_spec(path) for path in sorted(root.glob(f"*{TEMPLATE_SUFFIX}"))]
-    return {spec.kind: spec for spec in specs}
+    from jinja2 import meta
+
+    env = _environment(root)
+    specs = {}
+    for path in sorted(root.glob(f"*{TEMPLATE_SUFFIX}")):
+        spec = _parse_spec(path)
+        # The spec is the one place that lists a template's variables: hold the template to it.
+        used = meta.find_undeclared_variables(env.parse(path.read_text(encoding="utf-8"))) - PROVIDED
+        undeclared, unused = sorted(used - set(spec.variables)), sorted(set(spec.variables) - used)
+        if undeclared or unused:
+            raise ParityKitError(
+                f"template {path}: spec and template disagree (used but not declared: {undeclared}; "
+                f"declared but not used: {unused})"
+            )
+        specs[spec.kind] = spec
+    return specs
 
 
 def template_list(directory: Path | None = None) -> str:
@@ -391,6 +413,8 @@ def render(
     context: dict[str, Any] = {}
     for var, rule in spec.variables.items():
         value = values.get(var)
+        if value is None and var in spec.defaults:
+            value = values[var] = spec.defaults[var]
         if value is None or value == "":
             if var not in spec.optional:
                 raise ParityKitError(f"template {kind!r} needs {_flag(var)}")

@@ -3,6 +3,8 @@
 Usage: python drive_stub.py WORK_DIR   (WORK_DIR holds pipeline_tiny.py, pipeline_pixel.py, pipeline_dit.py)
 Checks: end-to-end runs, non-destructive saving, stop, injection, latent output, save/from_pretrained and
 the stub's own main() writing checkpoints to disk. Prints OK on success; any failure raises.
+Also saves what the generated component and stage tests load, so one process pays torch's import:
+WORK_DIR/saved_pipeline (the tiny stub pipeline), saved_unet (a faithful port), stale_unet (one weight off).
 """
 
 from __future__ import annotations
@@ -130,4 +132,8 @@ if __name__ == "__main__":
     check_text_pipeline(work_dir)
     check_pixel_pipeline()
     check_transformer_pipeline()
+    from scaffold_parts import save_port
+
+    save_port(work_dir / "saved_unet")
+    save_port(work_dir / "stale_unet", perturb=True)
     print("OK")

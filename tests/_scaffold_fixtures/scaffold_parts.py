@@ -5,9 +5,7 @@
 - Tiny pipeline components (``UNet2DConditionModel``, ``DDIMScheduler``, ``AutoencoderKL``, a CLIP text
   encoder and a tokenizer over a made-up vocabulary) and a hand-written reference loop with checkpoints.
 
-Environment knobs (read at call time, so one module serves several generated files):
-``SCAFFOLD_PIPELINE_DIR`` the saved port pipeline the reference loads its weights from;
-``SCAFFOLD_REFERENCE_BUG=decode`` makes the reference decode with the wrong latent scale.
+``SCAFFOLD_PIPELINE_DIR`` (environment) names the saved port pipeline whose weights the reference loads.
 """
 
 from __future__ import annotations
@@ -152,6 +150,15 @@ def run_reference(_checkpoints=None, seed: int = 0, num_inference_steps: int = 5
 
     Returns decoded images (B, C, H, W) in [0, 1], the layout of the port's output_type="pt".
     """
+    return _reference(_checkpoints, seed, num_inference_steps, prompt, decode_scale_bug=False)
+
+
+def run_reference_with_decode_bug(_checkpoints=None, seed: int = 0, num_inference_steps: int = 50, prompt=""):
+    """The same reference but decoding without the latent scaling factor: only the decode stage differs."""
+    return _reference(_checkpoints, seed, num_inference_steps, prompt, decode_scale_bug=True)
+
+
+def _reference(_checkpoints, seed, num_inference_steps, prompt, decode_scale_bug):
     from transformers import CLIPTextModel, CLIPTokenizer
 
     root = Path(os.environ["SCAFFOLD_PIPELINE_DIR"])
@@ -180,8 +187,6 @@ def run_reference(_checkpoints=None, seed: int = 0, num_inference_steps: int = 5
             latents = maybe_checkpoint(_checkpoints, f"after_step_{i}", latents=latents)["latents"]
 
         latents = maybe_checkpoint(_checkpoints, "post_loop", latents=latents)["latents"]
-        scale = vae.config.scaling_factor
-        if os.environ.get("SCAFFOLD_REFERENCE_BUG") == "decode":
-            scale = 1.0
+        scale = 1.0 if decode_scale_bug else vae.config.scaling_factor
         images = vae.decode(latents / scale).sample
     return (images / 2 + 0.5).clamp(0, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.scaffold import DEFAULT_COMPONENTS, generate, template_list
+from paritykit.scaffold import generate, template_list, templates
 
 out_option = click.option(
     "--out",
@@ -79,14 +79,13 @@ def component_test(name: str, out_dir: str, force: bool, **options) -> None:
 @click.argument("name")
 @click.option(
     "--components",
-    default=DEFAULT_COMPONENTS,
-    show_default=True,
     metavar="LIST",
-    help="Comma list from unet|transformer (one), scheduler, vae, text_encoder+tokenizer.",
+    help="Comma list: unet or transformer, scheduler, and optionally vae, text_encoder+tokenizer "
+    f"[default: {templates()['pipeline-stub'].defaults['components']}].",
 )
 @out_option
 @force_option
-def pipeline_stub(name: str, out_dir: str, force: bool, components: str) -> None:
+def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None) -> None:
     """A DiffusionPipeline subclass with maybe_checkpoint at text_encoding, preloop, after_step_{i}, post_loop.
 
     NAME is a CamelCase model name: the class is NAMEPipeline (NAME as is if it ends in Pipeline), the file
