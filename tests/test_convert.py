@@ -563,3 +563,46 @@ def test_match_modules_accepts_modules():
     b.proj_in.load_state_dict(a[0].state_dict())
     b.proj_out.load_state_dict(a[2].state_dict())
     assert match_modules(a, b) == {"proj_in": ["0"], "proj_out": ["2"]}
+
+
+def test_constant_fused_bias_gives_each_target_its_own_piece():
+    src = {"attn.qkv.bias": torch.zeros(3 * D), "attn.qkv.weight": _rand(3 * D, D)}
+    tgt = {f"attn.to_{n}.bias": torch.zeros(D) for n in "qkv"}
+    cmap = infer_conversion_map(src, tgt)
+    assert [e.args["index"] for e in cmap.mapping] == [0, 1, 2]
+    assert cmap.unused_source == ["attn.qkv.weight"]
+
+
+_OPS_FOR_RANDOM = ("identity", "transpose", "swap", "chunk", "cast", "rows", "reshape")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_conversions_are_inferred_and_reproduced(seed):
+    g = torch.Generator().manual_seed(seed)
+    src, tgt = {}, {}
+    layers = 2 + seed % 3
+    for i in range(layers):
+        for j, op in enumerate(_OPS_FOR_RANDOM):
+            rows = 4 * (1 + (seed + j) % 3)
+            w = torch.randn(rows * (3 if op == "chunk" else 1), 6, generator=g)
+            src[f"model.layers.{i}.{op}.w"] = w
+            name = f"blocks.{i}.m{j}.weight"
+            if op == "identity":
+                tgt[name] = w.clone()
+            elif op == "transpose":
+                tgt[name] = w.t().contiguous()
+            elif op == "swap":
+                tgt[name] = torch.cat(w.chunk(2)[::-1])
+            elif op == "chunk":
+                for k, piece in enumerate(w.chunk(3)):
+                    tgt[f"blocks.{i}.m{j}.{k}.weight"] = piece.clone()
+            elif op == "cast":
+                tgt[name] = w.to(torch.bfloat16)
+            elif op == "rows":
+                tgt[name] = w.view(-1, 2, 2, 6).transpose(1, 2).reshape(w.shape)
+            else:
+                tgt[name] = w.reshape(-1, 2, 3)
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.exit_code == 0 and not cmap.unused_source and not cmap.ambiguous
+    assert all(r.count == layers for r in cmap.rules)
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)

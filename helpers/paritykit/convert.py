@@ -1126,10 +1126,16 @@ class _Matcher:
 
     # -- phase 5: choose among equal candidates -----------------------------------------------------------
     def choose(self) -> None:
-        for tkey, fs in self.found.items():
+        taken: set[str] = set()
+        for tkey in (k for k in self.target if k in self.found):
+            fs = self.found[tkey]
             if len({tuple(f.sources) for f in fs}) == 1:
-                self.chosen[tkey] = fs[0]
-                for s in fs[0].sources:
+                # one source, several equal pieces (a constant fused bias): give each target its own piece
+                ways = [json.dumps([f.sources, f.op, f.args], sort_keys=True) for f in fs]
+                pick = next((i for i, w in enumerate(ways) if w not in taken), 0)
+                taken.add(ways[pick])
+                self.chosen[tkey] = fs[pick]
+                for s in fs[pick].sources:
                     self.scorer.learn(s, tkey)
         for tkey in (k for k in self.target if k in self.found and k not in self.chosen):
             fs = self.found[tkey]
@@ -1358,6 +1364,9 @@ def match_modules(
     module's parameters (by any op :func:`infer_conversion_map` finds). The module of a parameter is its
     name without the last dotted component (``blocks.0.attn.qkv.weight`` -> ``blocks.0.attn.qkv``; a
     top-level parameter belongs to ``""``).
+
+    The two sides must hold the same VALUES (the port loaded with the reference's converted weights, or two
+    checkpoints of one training run); freshly initialised models with independent seeds share nothing.
 
     Fused <-> split layouts give 1:N alignments: a fused ``attn.qkv`` in SOURCE aligns with ``attn.to_q``,
     ``attn.to_k`` and ``attn.to_v`` in TARGET (each of those lists ``[attn.qkv]``); a target module built by

@@ -26,14 +26,18 @@ from paritykit.errors import ParityKitError
 def weights_map(
     source: Path, target: Path, as_json: bool, emit_rules_path: Path | None, force: bool, limit: int
 ) -> None:
-    """Explain every TARGET tensor from SOURCE tensors by value and print the conversion rules.
+    """Explain every TARGET tensor from SOURCE tensors by value; print the rules.
+
+    SOURCE is the research checkpoint, TARGET the converted (e.g. diffusers)
+    weights: .safetensors (or a sharded index), .pt/.pth/.bin/.ckpt, .npz, or
+    a folder holding one.
 
     \b
-    SOURCE is the research checkpoint, TARGET the converted (e.g. diffusers) weights: .safetensors (or a
-    sharded index), .pt/.pth/.bin/.ckpt, .npz, or a folder holding one. Ops found: identity, cast,
-    transpose, permute, reshape, chunk (fused QKV), concat, swap_halves (shift/scale), permute_rows
-    (interleaved heads / rotary). Prints the rule table, then unexplained targets, unused sources and
-    ambiguous targets (equal values in several sources, chosen by name).
+    Ops found: identity, cast, transpose, permute, reshape, chunk (fused QKV),
+    concat, swap_halves (shift/scale order), permute_rows (interleaved heads,
+    rotary layouts). Prints the rule table, then unexplained targets, unused
+    sources and ambiguous targets (equal values in several sources, such as
+    constant norms; the best-named candidate is used).
 
     \b
     Exit codes: 0 every target explained, 1 some unexplained, 2 bad input.
