@@ -42,7 +42,12 @@ class TwoBranch(nn.Module):
 
 def _reference() -> TwoBranch:
     torch.manual_seed(0)
-    return TwoBranch()
+    model = TwoBranch()
+    with torch.no_grad():  # trained-like norms: no two LayerNorms share their values
+        for branch in (model.left, model.right):
+            branch.norm.weight.normal_(1.0, 0.1)
+            branch.norm.bias.normal_(0.0, 0.1)
+    return model
 
 
 # a linear loss keeps each branch's gradients independent of the other branch's output
@@ -167,6 +172,24 @@ def test_differently_named_models_align_by_rules_and_by_mapping():
     by_map = compare_gradients(ref, port, ((_inputs(),), {}), linear_loss, mapping)
     assert by_map.how_aligned == "mapping" and [p.port for p in by_map.pairs] == list(mapping.values())
     assert by_map.exit_code == 0  # only the listed (right-branch) parameters are compared
+
+
+def test_module_alignment_from_align_modules_pairs_parameters():
+    from paritykit.align import align_modules
+
+    ref = _reference()
+    port = _port_from(ref)
+    alignment = align_modules(ref, port)  # by parameter values: the names share nothing
+    result = compare_gradients(ref, port, _inputs(), linear_loss, alignment)
+    assert result.how_aligned == "modules" and result.exit_code == 0, result.render()
+    assert ("left.proj.weight", "branches.0.linear_in.weight") in [
+        (p.reference, p.port) for p in result.pairs
+    ]
+    assert len(result.pairs) == 12
+    port.branches[1].layer_norm.eps = 1e-2
+    broken = compare_gradients(ref, port, _inputs(), linear_loss, alignment)
+    assert "right.norm.weight" in {p.reference for p in broken.failures}
+    assert not any(p.reference.startswith("left.") for p in broken.failures)
 
 
 def test_incomplete_rules_leave_parameters_with_gradients_unaligned():

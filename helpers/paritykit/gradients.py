@@ -24,8 +24,10 @@ HINTED_FAILURES = 5
 
 #: ``alignment`` may be None (same names), a {reference name: port name} mapping, [(regex, repl), …] rules
 #: applied to reference names, a callable converting a reference state dict into the port's naming, or a
-#: ``paritykit.convert.ConversionMap``.
-Alignment = None | Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[dict[str, Any]], dict[str, Any]]
+#: ``paritykit.convert.ConversionMap`` (a ``paritykit.align.Alignment`` is accepted too).
+ParameterAlignment = (
+    None | Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[dict[str, Any]], dict[str, Any]]
+)
 
 
 @dataclass
@@ -234,7 +236,7 @@ def _run_side(model: Any, args, kwargs, loss_fn: Callable, seed: int, side: str)
 
 
 def _align(
-    ref_grads: dict[str, Any], port_names: list[str], alignment: Alignment
+    ref_grads: dict[str, Any], port_names: list[str], alignment: ParameterAlignment
 ) -> tuple[dict[str, Any], dict[str, str], str]:
     r"""Bring the reference gradients into the port's naming.
 
@@ -281,12 +283,31 @@ def _align(
     return {renamed[k]: g for k, g in ref_grads.items()}, {v: k for k, v in renamed.items()}, "rules"
 
 
+def _parameters_of_aligned_modules(reference: Any, port: Any, alignment: Any) -> dict[str, str]:
+    r"""{reference parameter: port parameter} from one-to-one aligned modules: each module's own parameters
+    (not its children's) paired by local name and shape. Fused <-> split groups are left out."""
+    ref_modules, port_modules = dict(reference.named_modules()), dict(port.named_modules())
+    mapping: dict[str, str] = {}
+    for pair in alignment.one_to_one:
+        ref_mod, port_mod = ref_modules.get(pair.reference), port_modules.get(pair.port)
+        if ref_mod is None or port_mod is None:
+            continue
+        port_params = dict(port_mod.named_parameters(recurse=False))
+        for local, param in ref_mod.named_parameters(recurse=False):
+            other = port_params.get(local)
+            if other is not None and other.shape == param.shape:
+                mapping[f"{pair.reference}.{local}" if pair.reference else local] = (
+                    f"{pair.port}.{local}" if pair.port else local
+                )
+    return mapping
+
+
 def compare_gradients(
     reference: Any,
     port: Any,
     inputs: Any,
     loss_fn: Callable[[Any], Any],
-    alignment: Alignment = None,
+    alignment: ParameterAlignment = None,
     *,
     port_inputs: Any = None,
     port_loss_fn: Callable[[Any], Any] | None = None,
@@ -313,7 +334,13 @@ def compare_gradients(
               ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients* — or the
               :class:`paritykit.convert.ConversionMap` that ``infer_conversion_map`` returned. Valid for
               conversions that only rename, split, concatenate, transpose, permute, reshape or cast (all that
-              ``weights map`` infers); a conversion that scales values would need the inverse scale on gradients.
+              ``weights map`` infers); a conversion that scales values would need the inverse scale on gradients;
+            * a :class:`paritykit.align.Alignment` from ``align_modules(reference, port)`` — each one-to-one
+              module pair's own parameters are paired by local name (``weight`` ↔ ``weight``); parameters of
+              fused ↔ split groups stay unaligned (use the ConversionMap form for those).
+
+            Except with an explicit mapping, a parameter left without a partner fails the check when it
+            received a non-zero gradient.
         port_inputs: the port's own inputs when its signature differs: a value in any ``inputs`` form, or a callable
             ``(args, kwargs) -> inputs`` adapting the reference's.
         port_loss_fn: the port's loss when its output differs in type (default: ``loss_fn``).
@@ -350,7 +377,12 @@ def compare_gradients(
     )
 
     port_names = list(grads_port)
-    aligned_ref, origin, how = _align(grads_ref, port_names, alignment)
+    if hasattr(alignment, "one_to_one") and hasattr(alignment, "unaligned_port"):  # paritykit.align.Alignment
+        mapping = _parameters_of_aligned_modules(reference, port, alignment)
+        aligned_ref, origin, _ = _align(grads_ref, port_names, mapping)
+        how = "modules"
+    else:
+        aligned_ref, origin, how = _align(grads_ref, port_names, alignment)
 
     pairs: list[GradientPair] = []
     failed_so_far = 0
@@ -373,19 +405,18 @@ def compare_gradients(
         if cmp.status == "fail" and failed_so_far <= HINTED_FAILURES:
             cmp.hints = diagnose(g_ref, g_port)
 
-    # names (in the reference's own naming where there is one) that found no partner on the other side
-    leftover = [n for n in aligned_ref if n not in grads_port]
-    only_reference = [origin.get(n, n) if how != "conversion" else n for n in leftover]
-    if how not in ("mapping", "conversion"):
+    # parameters that found no partner on the other side (reference names where there are any)
+    if how == "conversion":
+        only_reference = [n for n in aligned_ref if n not in grads_port]
+        ref_unaligned = [n for n in only_reference if _nonzero(aligned_ref[n])]
+    else:
         compared = {origin[n] for n in aligned_ref if n in grads_port}
         only_reference = [n for n in grads_ref if n not in compared]
+        ref_unaligned = [n for n in only_reference if _nonzero(grads_ref[n])]
     only_port = [n for n in port_names if n not in aligned_ref]
     unaligned_with_gradient: list[str] = []
     if how != "mapping":  # a mapping deliberately lists only what to compare
-        unaligned_with_gradient = [
-            n if how == "conversion" else origin.get(n, n) for n in leftover if _nonzero(aligned_ref[n])
-        ]
-        unaligned_with_gradient += [n for n in only_port if _nonzero(grads_port[n])]
+        unaligned_with_gradient = ref_unaligned + [n for n in only_port if _nonzero(grads_port[n])]
 
     loss_cmp = compare_tensors(
         loss_ref.reshape(()), loss_port.reshape(()), atol=atol, rtol=rtol, name="loss", diagnose=False
