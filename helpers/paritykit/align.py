@@ -344,7 +344,11 @@ class _Builder:
                 continue
             if current:
                 lo = port_pos.get(anchors[last_anchor], -1) if last_anchor is not None else -1
-                hi = port_pos.get(anchors[name], len(self.port.order)) if name is not None else len(self.port.order)
+                hi = (
+                    port_pos.get(anchors[name], len(self.port.order))
+                    if name is not None
+                    else len(self.port.order)
+                )
                 if lo < hi:
                     port_run = [p for p in self.port.order[lo + 1 : hi] if p not in self.port_done]
                     runs.append((current, port_run))
@@ -456,7 +460,9 @@ def align_modules(
         builder.by_weights()
     builder.by_order()
     ref_pos, port_pos = ref_side.position, port_side.position
-    pairs = sorted(builder.pairs, key=lambda q: (ref_pos.get(q.reference, 1 << 30), port_pos.get(q.port, 1 << 30)))
+    pairs = sorted(
+        builder.pairs, key=lambda q: (ref_pos.get(q.reference, 1 << 30), port_pos.get(q.port, 1 << 30))
+    )
     return Alignment(
         pairs=pairs,
         unaligned_reference=builder.free_ref(),

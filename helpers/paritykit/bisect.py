@@ -161,15 +161,19 @@ class BisectReport:
         if rows:
             lines.append("")
             lines.append(
-                render_table(["reference", "port", "test", "status", "max_abs", "cosine", "note"], rows, limit=limit)
+                render_table(
+                    ["reference", "port", "test", "status", "max_abs", "cosine", "note"], rows, limit=limit
+                )
             )
         lines.append("")
         lines.append(self.alignment.render(limit=min(limit, 10) if limit else 10).splitlines()[-1])
         al = self.alignment
         for side, names in (("reference", al.unaligned_reference), ("port", al.unaligned_port)):
             if names:
-                lines.append(f"unaligned {side} ({len(names)}): {', '.join(_shown(n) for n in names[:10])}"
-                             + (" …" if len(names) > 10 else ""))
+                lines.append(
+                    f"unaligned {side} ({len(names)}): {', '.join(_shown(n) for n in names[:10])}"
+                    + (" …" if len(names) > 10 else "")
+                )
         return "\n".join(lines)
 
 
@@ -359,7 +363,9 @@ class _Bisector:
         self.results[ref_record.name] = result
         return result
 
-    def adapt_inputs(self, ref_record: Any, port_record: Any, device: Any = None) -> tuple[tuple, dict] | None:
+    def adapt_inputs(
+        self, ref_record: Any, port_record: Any, device: Any = None
+    ) -> tuple[tuple, dict] | None:
         """The port call's own arguments with the reference's tensors put in place of its tensors."""
         from paritykit.trace import _unpack
 
@@ -428,16 +434,38 @@ class _Bisector:
             return None
         self.replays[ref_record.name] = (ref_out, port_out, [])
         return ModuleTest(
-            ref_record.name, port_record.name, "replay", "pass" if cmp.passed else "fail",
-            cmp.max_abs, cmp.cosine, comparison=cmp,
+            ref_record.name,
+            port_record.name,
+            "replay",
+            "pass" if cmp.passed else "fail",
+            cmp.max_abs,
+            cmp.cosine,
+            comparison=cmp,
         )
 
     def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
         note = self.why_not_replayed.get(ref_record.name, "")
-        out_cmp = self.compare_leaves(list(ref_record.outputs.items()), list(port_record.outputs.items()), ref_record.name)
+        out_cmp = self.compare_leaves(
+            list(ref_record.outputs.items()), list(port_record.outputs.items()), ref_record.name
+        )
         if out_cmp is None:
-            return ModuleTest(ref_record.name, port_record.name, "jump", "untestable", note=_join(note, "outputs cannot be paired"))
-        base = ModuleTest(ref_record.name, port_record.name, "jump", "pass", out_cmp.max_abs, out_cmp.cosine, note=note, comparison=out_cmp)
+            return ModuleTest(
+                ref_record.name,
+                port_record.name,
+                "jump",
+                "untestable",
+                note=_join(note, "outputs cannot be paired"),
+            )
+        base = ModuleTest(
+            ref_record.name,
+            port_record.name,
+            "jump",
+            "pass",
+            out_cmp.max_abs,
+            out_cmp.cosine,
+            note=note,
+            comparison=out_cmp,
+        )
         if out_cmp.passed:
             return base
         ref_in = list(ref_record.inputs.items())
@@ -458,7 +486,10 @@ class _Bisector:
             base.note = _join(note, "inputs agree within tolerance, outputs do not")
         elif in_err == 0 or out_err / in_err > self.ratio:
             base.status = "fail"
-            base.note = _join(note, f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}")
+            base.note = _join(
+                note,
+                f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}",
+            )
         else:
             base.note = _join(note, "error inherited from the inputs")
         return base
@@ -555,8 +586,13 @@ def remix_hint(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]
         return None
     if max(abs(a - b) for a, b in zip(w_ref, w_port)) <= COEF_TOLERANCE:
         return None
-    evidence = {"inputs": names, "reference": w_ref, "port": w_port, "residual_reference": r_ref,
-                "residual_port": r_port}
+    evidence = {
+        "inputs": names,
+        "reference": w_ref,
+        "port": w_port,
+        "residual_reference": r_ref,
+        "residual_port": r_port,
+    }
     ref_v, port_v = torch.tensor(w_ref, dtype=torch.float64), torch.tensor(w_port, dtype=torch.float64)
     k = float(ref_v @ port_v) / float(ref_v @ ref_v) if float(ref_v @ ref_v) else 0.0
     if k and float((port_v - k * ref_v).abs().max()) <= COEF_TOLERANCE * max(1.0, abs(k)):
@@ -587,7 +623,9 @@ def _coef(w: float) -> str:
     return repr(0.0 if value == 0 else value)
 
 
-def culprit_hints(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]], core: Sequence[Any]) -> list:
+def culprit_hints(
+    ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]], core: Sequence[Any]
+) -> list:
     """Input-aware hints first, then the core detectors' hints (one hint per id, best first)."""
     hints = []
     extra = remix_hint(ref_out, port_out, candidates)
@@ -636,8 +674,14 @@ def first_divergence(
             cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
             if not cmp.passed:
                 return ModuleFinding(
-                    record.name, port_call, pair.how, "output", cmp.max_abs, cmp.cosine,
-                    hints=list(cmp.hints), confidence=pair.confidence,
+                    record.name,
+                    port_call,
+                    pair.how,
+                    "output",
+                    cmp.max_abs,
+                    cmp.cosine,
+                    hints=list(cmp.hints),
+                    confidence=pair.confidence,
                 )
     return None
 
@@ -673,8 +717,9 @@ def bisect_traces(
     from paritykit.compare import compare_tensors
 
     output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
-    searcher = _Bisector(ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol,
-                         ratio=ratio)
+    searcher = _Bisector(
+        ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
+    )
     first = first_divergence(ref_trace, port_trace, alignment, atol=atol, rtol=rtol)
     culprit = None
     verdict = "match" if output.passed else "diverge"
@@ -700,6 +745,8 @@ def _select(side: str, output: Any, select_output: Callable | None) -> Any:
 
         try:
             return select_output(side, output)
+        except ParityKitError:
+            raise
         except Exception as exc:
             raise UserCodeError(f"select_output({side!r}, …) raised {type(exc).__name__}: {exc}") from exc
     leaves = flatten_tensors(output)
@@ -715,15 +762,29 @@ def _finding(searcher: _Bisector, call: Any, children_passed: int, output: Any) 
     if call.parent is None:
         # Nothing below the top level fails: the top level's own forward differs.
         return ModuleFinding(
-            call.name, port_call.name if port_call else "", pair.how if pair else "names", "output",
-            output.max_abs, output.cosine, inline=children_passed > 0, children_passed=children_passed,
+            call.name,
+            port_call.name if port_call else "",
+            pair.how if pair else "names",
+            "output",
+            output.max_abs,
+            output.cosine,
+            inline=children_passed > 0,
+            children_passed=children_passed,
             hints=_hints_at(searcher, call, port_call, None, output),
         )
     result = searcher.results[call.name]
     return ModuleFinding(
-        call.name, port_call.name, pair.how, result.test, result.max_abs, result.cosine,
-        inline=children_passed > 0, children_passed=children_passed,
-        hints=_hints_at(searcher, call, port_call, result, None), confidence=pair.confidence, note=result.note,
+        call.name,
+        port_call.name,
+        pair.how,
+        result.test,
+        result.max_abs,
+        result.cosine,
+        inline=children_passed > 0,
+        children_passed=children_passed,
+        hints=_hints_at(searcher, call, port_call, result, None),
+        confidence=pair.confidence,
+        note=result.note,
     )
 
 
@@ -745,8 +806,11 @@ def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []
         pairs = _pair_leaves(ref_leaves, port_leaves) or []
         worst = next(
-            ((ref_leaves[i][1], port_leaves[j][1]) for i, j in pairs
-             if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed),
+            (
+                (ref_leaves[i][1], port_leaves[j][1])
+                for i, j in pairs
+                if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed
+            ),
             None,
         )
     if worst is None:
@@ -819,6 +883,276 @@ def bisect(
         with capture(port) as port_trace:
             port(*port_args, **port_kwargs)
     return bisect_traces(
-        ref_trace, port_trace, reference=reference, port=port, rules=rules, select_output=select_output,
-        atol=atol, rtol=rtol, ratio=ratio, environment=environment,
+        ref_trace,
+        port_trace,
+        reference=reference,
+        port=port,
+        rules=rules,
+        select_output=select_output,
+        atol=atol,
+        rtol=rtol,
+        ratio=ratio,
+        environment=environment,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ specs
+
+SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
+
+
+@dataclass
+class Spec:
+    r"""A loaded ``SPEC.py``: its builders and options, every call into it guarded by :func:`call_user`."""
+
+    path: Any
+    module: Any
+
+    def has(self, name: str) -> bool:
+        return callable(getattr(self.module, name, None))
+
+    def call(self, name: str, *args: Any) -> Any:
+        if not self.has(name):
+            raise ParityKitError(f"{self.path}: defines no {name}(); see `paritykit bisect --help`")
+        return call_user(getattr(self.module, name), *args, what=f"{name}() in {self.path.name}", spec=self)
+
+    @property
+    def name_map(self) -> list[tuple[str, str]]:
+        rules = getattr(self.module, "NAME_MAP", None) or []
+        try:
+            return [(str(a), str(b)) for a, b in rules]
+        except (TypeError, ValueError):
+            raise ParityKitError(
+                f"{self.path}: NAME_MAP must be a list of (regex, replacement) pairs"
+            ) from None
+
+    @property
+    def tolerance(self) -> dict[str, float]:
+        tol = getattr(self.module, "TOLERANCE", None) or {}
+        if not isinstance(tol, dict) or set(tol) - {"atol", "rtol"}:
+            raise ParityKitError(f"{self.path}: TOLERANCE must be a dict with 'atol' and/or 'rtol'")
+        return {k: float(v) for k, v in tol.items()}
+
+    def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
+        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
+        if side == "port" and self.has("port_inputs"):
+            args, kwargs = _split_spec_inputs(
+                self.call("port_inputs", args, kwargs), self.path, "port_inputs()"
+            )
+        if device is not None:
+            args, kwargs = _to_device((args, kwargs), device)
+        return args, kwargs
+
+    def build(self, side: str, device: Any = None) -> Any:
+        model = self.call(f"build_{side}")
+        if not hasattr(model, "named_modules") or not callable(model):
+            raise ParityKitError(
+                f"{self.path}: build_{side}() returned {type(model).__name__}, not a torch module"
+            )
+        if device is not None:
+            model = model.to(device)
+        return model.eval()
+
+    def select(self) -> Callable | None:
+        if not self.has("select_output"):
+            return None
+        fn = self.module.select_output
+        return lambda side, output: call_user(
+            fn, side, output, what=f"select_output() in {self.path.name}", spec=self
+        )
+
+
+def _split_spec_inputs(value: Any, path: Any, what: str) -> tuple[tuple, dict]:
+    try:
+        return _split_inputs(value)
+    except ParityKitError:
+        raise ParityKitError(f"{path}: {what} must return (args, kwargs) or a kwargs dict") from None
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    if _is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _user_frames(exc: BaseException, spec: Spec | None) -> str:
+    """The traceback of ``exc`` trimmed to the frames in the spec's folder (the user's own files)."""
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if spec is not None:
+        folder = Path(spec.path).resolve().parent
+        mine = [f for f in frames if Path(f.filename).resolve().is_relative_to(folder)]
+    else:
+        mine = []
+    kept = mine or frames[-3:]
+    lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)]
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
+
+
+def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> Any:
+    r"""Call user code; any exception becomes a :class:`paritykit.errors.UserCodeError` naming ``what`` and
+    carrying the traceback trimmed to the user's frames."""
+    from paritykit.errors import UserCodeError
+
+    try:
+        return fn(*args)
+    except (ParityKitError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise UserCodeError(
+            f"{what} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, spec)
+        ) from exc
+
+
+def load_spec(path: Any) -> Spec:
+    r"""Import ``SPEC.py`` with its own folder on ``sys.path`` (so it may import sibling files)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ParityKitError(f"SPEC {str(path)!r}: no such file")
+    if path.suffix != ".py":
+        raise ParityKitError(f"SPEC {str(path)!r}: expected a .py file")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = f"_paritykit_spec_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    spec = Spec(path, module)
+    sys.modules[name] = module
+    call_user(module_spec.loader.exec_module, module, what=f"importing {path.name}", spec=spec)
+    return spec
+
+
+def _run_forward(spec: Spec, model: Any, side: str, args: tuple, kwargs: dict) -> Any:
+    return call_user(lambda: model(*args, **kwargs), what=f"the {side} model's forward", spec=spec)
+
+
+def bisect_spec(
+    spec_path: Any = None,
+    *,
+    traces: tuple[Any, Any] | None = None,
+    rules: Sequence[tuple[str, str]] = (),
+    atol: float | None = None,
+    rtol: float | None = None,
+    device: str | None = None,
+) -> BisectReport:
+    r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
+    spec whose builders make replay possible)."""
+    import torch
+
+    from paritykit.trace import Trace, capture
+
+    spec = load_spec(spec_path) if spec_path is not None else None
+    tol = spec.tolerance if spec is not None else {}
+    atol = atol if atol is not None else tol.get("atol")
+    rtol = rtol if rtol is not None else tol.get("rtol")
+    rules = [*(spec.name_map if spec is not None else []), *rules]
+    environment = environment_stamp(device=device or "cpu", spec=str(spec_path) if spec_path else None)
+    select = spec.select() if spec is not None else None
+    with torch.no_grad():
+        if traces is not None:
+            ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
+            reference = (
+                spec.build("reference", device) if spec is not None and spec.has("build_reference") else None
+            )
+            port = spec.build("port", device) if spec is not None and spec.has("build_port") else None
+            environment["traces"] = [str(traces[0]), str(traces[1])]
+        else:
+            if spec is None:
+                raise ParityKitError("give SPEC.py, or --traces REF_DIR PORT_DIR")
+            reference, port = spec.build("reference", device), spec.build("port", device)
+            ref_args, ref_kwargs = spec.inputs("reference", device)
+            port_args, port_kwargs = spec.inputs("port", device)
+            with capture(reference) as ref_trace:
+                _run_forward(spec, reference, "reference", ref_args, ref_kwargs)
+            with capture(port) as port_trace:
+                _run_forward(spec, port, "port", port_args, port_kwargs)
+        return bisect_traces(
+            ref_trace,
+            port_trace,
+            reference=reference,
+            port=port,
+            rules=rules,
+            select_output=select,
+            atol=atol,
+            rtol=rtol,
+            environment=environment,
+        )
+
+
+@dataclass
+class TraceSummary:
+    r"""What ``paritykit trace`` wrote."""
+
+    side: str
+    directory: str
+    calls: int
+    modules: int
+    tensors: int
+    weights: int
+    environment: dict[str, Any] = field(default_factory=dict)
+    exit_code: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "side": self.side,
+            "directory": self.directory,
+            "calls": self.calls,
+            "modules": self.modules,
+            "tensors": self.tensors,
+            "weights": self.weights,
+            "environment": self.environment,
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        return (
+            f"traced the {self.side}: {self.calls} calls of {self.modules} modules, {self.tensors} tensors and "
+            f"{self.weights} weights written to {self.directory}\n"
+            f"next: trace the other side, then `paritykit bisect --traces REF_DIR PORT_DIR [SPEC.py]`"
+        )
+
+
+def trace_spec(spec_path: Any, *, side: str, out: Any, device: str | None = None) -> TraceSummary:
+    r"""What ``paritykit trace`` runs: build one side from the spec, capture it into ``out`` (tensors,
+    manifest, and the model's weights so the other environment can align by value)."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from paritykit.trace import MANIFEST, WEIGHTS_FILE, capture
+
+    if side not in ("reference", "port"):
+        raise ParityKitError(f"--side {side!r}: expected 'reference' or 'port'")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
+        raise ParityKitError(f"--out {str(out)!r}: exists and is not an empty folder or an earlier trace")
+    spec = load_spec(spec_path)
+    model = spec.build(side, device)
+    args, kwargs = spec.inputs(side, device)
+    with torch.no_grad():
+        with capture(model, to_dir=out) as trace:
+            _run_forward(spec, model, side, args, kwargs)
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(weights, str(out / WEIGHTS_FILE))
+    info = trace.summary()
+    return TraceSummary(
+        side,
+        str(out),
+        info["calls"],
+        info["modules"],
+        info["tensors"],
+        len(weights),
+        environment_stamp(device=device or "cpu", spec=str(spec_path)),
     )

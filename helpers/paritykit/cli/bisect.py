@@ -1,0 +1,91 @@
+"""`paritykit bisect` and `paritykit trace`: thin shells over :mod:`paritykit.bisect`."""
+
+from __future__ import annotations
+
+import click
+
+from paritykit.cli._common import emit, json_option, limit_option, map_option
+
+SPEC_HELP = """
+\b
+SPEC.py is imported with its own folder on sys.path and defines:
+  build_reference()          -> the reference nn.Module
+  build_port()               -> the port nn.Module
+  make_inputs()              -> (args, kwargs) or a kwargs dict, fed to both
+optionally:
+  NAME_MAP = [(regex, repl)] -> rename reference module names into the port's
+  port_inputs(args, kwargs)  -> (args, kwargs) adapted to the port's signature
+  select_output(side, out)   -> the comparable tensor of each side ("reference"/"port")
+  TOLERANCE = {"atol": ..., "rtol": ...}
+Both models run in eval mode under torch.no_grad().
+"""
+
+
+@click.command(
+    help="Name the first module where a port diverges from its reference, and why.\n"
+    + SPEC_HELP
+    + """
+\b
+Exit codes: 0 match, 1 diverge, 2 bad spec or arguments (an exception in SPEC
+code is shown with the traceback trimmed to your files).
+"""
+)
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "--traces",
+    nargs=2,
+    type=click.Path(file_okay=False),
+    metavar="REF_DIR PORT_DIR",
+    help="Compare two folders written by `paritykit trace` (give SPEC too to replay on the port model).",
+)
+@click.option(
+    "--atol", type=float, default=None, help="Absolute tolerance (default: by dtype, or the spec's)."
+)
+@click.option(
+    "--rtol", type=float, default=None, help="Relative tolerance (default: by dtype, or the spec's)."
+)
+@map_option
+@click.option("--device", default=None, help="Device for both models and inputs, e.g. cpu or cuda.")
+@json_option
+@limit_option
+def bisect(spec, traces, atol, rtol, maps, device, as_json, limit):
+    from paritykit.bisect import bisect_spec
+    from paritykit.naming import parse_map_options
+
+    if spec is None and not traces:
+        raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
+    report = bisect_spec(
+        spec,
+        traces=tuple(traces) if traces else None,
+        rules=parse_map_options(maps),
+        atol=atol,
+        rtol=rtol,
+        device=device,
+    )
+    emit(report, as_json=as_json, limit=limit)
+
+
+@click.command(
+    help="Capture one side's module inputs and outputs to a folder.\n"
+    + SPEC_HELP
+    + """
+\b
+The spec may define only the builder of the side traced, so each side can be traced
+in its own environment; then run `paritykit bisect --traces REF_DIR PORT_DIR [SPEC.py]`.
+"""
+)
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--side", type=click.Choice(["reference", "port"]), required=True, help="Which model to trace.")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(),
+    required=True,
+    help="Folder for the trace (an earlier trace is replaced).",
+)
+@click.option("--device", default=None, help="Device for the model and inputs, e.g. cpu or cuda.")
+@json_option
+def trace(spec, side, out, device, as_json):
+    from paritykit.bisect import trace_spec
+
+    emit(trace_spec(spec, side=side, out=out, device=device), as_json=as_json)
