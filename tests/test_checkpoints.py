@@ -188,18 +188,25 @@ def test_save_and_load_round_trip_in_execution_order(tmp_path, reference):
 
 
 def test_non_tensor_values_go_to_the_manifest(tmp_path):
-    data = {"latents": torch.randn(2, dtype=torch.bfloat16), "scale": 7.5, "mask": None, "sizes": (64, 64)}
+    data = {
+        "latents": torch.randn(2, dtype=torch.bfloat16),
+        "scale": 7.5,
+        "mask": None,
+        "sizes": (64, 64),
+        "floor": float("-inf"),
+    }
     checkpoints = {"text_encoding": Checkpoint(data={**data, "generator": torch.Generator()})}
     manifest = json.loads(save_checkpoints(tmp_path, checkpoints).read_text())
     entry = manifest["checkpoints"][0]
     assert entry["values"] == {"scale": 7.5, "mask": None, "sizes": [64, 64]}
-    assert entry["skipped"] == {"generator": "Generator"}
+    assert entry["skipped"] == {"generator": "Generator"} and entry["nonfinite"] == {"floor": "-inf"}
     assert entry["tensors"] == {"latents": {"dtype": "bfloat16", "shape": [2]}}
     assert list(load_file(tmp_path / "text_encoding.safetensors")) == ["latents"]
 
     restored = load_checkpoints(tmp_path)["text_encoding"].data
-    assert list(restored) == ["latents", "scale", "mask", "sizes"]
+    assert list(restored) == ["latents", "scale", "mask", "sizes", "floor"]
     assert torch.equal(restored["latents"], data["latents"]) and restored["scale"] == 7.5
+    assert restored["floor"] == float("-inf")
 
 
 def test_disk_errors_name_the_path(tmp_path):

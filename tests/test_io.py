@@ -413,3 +413,10 @@ def test_cli_refuses_a_malicious_pickle_with_one_line_and_exit_2(tmp_path, cli):
     result = cli("weights", "diff", tmp_path / "cut.pt", tmp_path / "good.safetensors", "--quiet", "--json")
     assert result.returncode == 2
     assert "cut.pt" in json.loads(result.stdout)["error"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script is deprecated; old files remain
+def test_torchscript_archive_is_refused(tmp_path):
+    torch.jit.script(torch.nn.Linear(2, 2)).save(str(tmp_path / "scripted.pt"))
+    with pytest.raises(ParityKitError, match=r"scripted\.pt: a TorchScript archive"):
+        load_state_dict(tmp_path / "scripted.pt")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -159,8 +160,8 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
     r"""Write every checkpoint that holds data to ``directory``, in execution order.
 
     Each checkpoint's tensors go to ``<name>.safetensors`` (on CPU, contiguous); ``paritykit.json`` records
-    the order, every key (tensor or not) in its original order, the non-tensor values that JSON can hold, the
-    keys it could not, and the environment (paritykit, torch, diffusers versions). Existing files of the same
+    the order, every key (tensor or not) in its original order, the non-tensor values that JSON can hold
+    (non-finite floats under ``nonfinite``), the keys it could not (``skipped``), and the environment (paritykit, torch, diffusers versions). Existing files of the same
     names are overwritten; other files are left alone.
 
     Returns:
@@ -184,11 +185,14 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
         if not _SAFE_NAME.match(name):
             raise ParityKitError(f"checkpoint name {name!r}: use letters, digits, '_', '-' and '.' only")
         tensors: dict[str, torch.Tensor] = {}
-        keys, values, skipped = [], {}, {}
+        keys, values, skipped, nonfinite = [], {}, {}, {}
         for key, value in checkpoint.data.items():
             keys.append(key)
             if isinstance(value, torch.Tensor):
                 tensors[key] = value.detach().to("cpu").contiguous().clone()
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                nonfinite[key] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
                 continue
             ok, as_json = _json_value(value)
             if ok:
@@ -210,10 +214,12 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
                     for k, t in tensors.items()
                 },
                 "values": values,
+                "nonfinite": nonfinite,
                 "skipped": skipped,
             }
         )
     manifest = {
+        "schema_version": 1,
         "format": MANIFEST_FORMAT,
         "order": [entry["name"] for entry in entries],
         "checkpoints": entries,
@@ -246,7 +252,8 @@ def load_checkpoints(directory: str | Path) -> dict[str, Checkpoint]:
                 f"{directory / MANIFEST_NAME}: malformed checkpoint entry {entry!r}"
             ) from None
         tensors = _read_safetensors(directory / file)
-        values = entry.get("values", {})
+        values = dict(entry.get("values", {}))
+        values.update({key: float(text) for key, text in entry.get("nonfinite", {}).items()})
         keys = entry.get("keys") or [*tensors, *values]
         data = {
             key: tensors[key] if key in tensors else values[key]

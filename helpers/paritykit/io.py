@@ -316,6 +316,11 @@ def safe_torch_load(path: str | Path) -> SafeLoad:
     path = Path(path)
     _require_file(path)
     use_mmap = zipfile.is_zipfile(path)
+    if use_mmap and _is_torchscript(path):
+        raise ParityKitError(
+            f"{path}: a TorchScript archive, which runs code when loaded; save its state_dict() instead "
+            "(or load it with torch.jit.load if you trust it)"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -341,6 +346,18 @@ def safe_torch_load(path: str | Path) -> SafeLoad:
     except Exception as exc:
         raise ParityKitError(f"{path}: not a readable torch checkpoint ({_first_line(exc)})") from None
     return SafeLoad(obj, stubbed)
+
+
+def _is_torchscript(path: Path) -> bool:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(
+                name.endswith("/constants.pkl") or name == "constants.pkl" for name in archive.namelist()
+            )
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _first_line(exc: BaseException) -> str:
