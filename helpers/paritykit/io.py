@@ -178,6 +178,7 @@ _TENSOR_REBUILD_FUNCTIONS = (
 
 def _allowed_globals() -> dict[str, Any]:
     r"""The globals a checkpoint may name, by dotted name: containers, torch types and rebuild functions."""
+    import builtins
     import collections
     import copyreg
     from codecs import encode
@@ -199,7 +200,7 @@ def _allowed_globals() -> dict[str, Any]:
     }
     for name in ("set", "frozenset", "bytearray", "complex", "slice", "range", "object", "list", "dict",
                  "tuple", "int", "float", "bool", "str", "bytes"):  # fmt: skip
-        allowed[f"builtins.{name}"] = getattr(__import__("builtins"), name)
+        allowed[f"builtins.{name}"] = getattr(builtins, name)
     for name in _TENSOR_REBUILD_FUNCTIONS:
         if hasattr(torch._utils, name):
             allowed[f"torch._utils.{name}"] = getattr(torch._utils, name)
