@@ -301,7 +301,9 @@ def test_cli_steps_exit_codes_json_and_plot(runs, cli, tmp_path):
     assert Image.open(plot).format == "PNG"
     same = cli("steps", root / "ref", root / "same", "--limit", "2")
     assert same.returncode == 0, same.stderr
-    assert "more" in same.stdout and "within tolerance" in same.stdout
+    assert "4 more" in same.stdout and "within tolerance" in same.stdout
+    table = same.stdout.splitlines()
+    assert table[3].startswith("0 ") and table[4].startswith("…") and table[5].startswith(f"{STEPS - 1} ")
     bad = cli("steps", tmp_path / "missing", root / "port")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "missing" in bad.stderr

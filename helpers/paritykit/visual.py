@@ -308,7 +308,17 @@ class StepCurve:
                 row += [p.sigma, p.inv_sigma, p.max_abs_times_sigma]
             rows.append(row)
         lines = [f"steps: {self.a} vs {self.b} (key {self.key!r}, {len(self.points)} steps)"]
-        lines.append(render_table(headers, rows, limit=limit))
+        if limit and len(rows) > limit:
+            # the last steps matter most: keep both ends, elide the middle
+            tail = max(1, limit // 2)
+            head = limit - tail
+            hidden = len(rows) - limit
+            gap = ["…", f"{hidden} more"] + [""] * (len(headers) - 2)
+            rows = rows[:head] + [gap] + rows[-tail:]
+            lines.append(render_table(headers, rows, limit=None))
+            lines.append("(raise --limit, or use --json for every step)")
+        else:
+            lines.append(render_table(headers, rows, limit=limit))
         g = self.growth
         lines.append(f"growth: {g.growth} — {g.reason}")
         if self.sigma_scaled_growth is not None:
