@@ -494,7 +494,7 @@ def capture(
 class _ShardWriter:
     """Buffers tensors and writes them as numbered safetensors shards of about ``shard_bytes`` each."""
 
-    def __init__(self, directory: Path, shard_bytes: int = _SHARD_BYTES):
+    def __init__(self, directory: Path, shard_bytes: int | None = None):
         if directory.exists() and not directory.is_dir():
             raise ParityKitError(f"{directory}: exists and is not a folder")
         directory.mkdir(parents=True, exist_ok=True)
@@ -502,7 +502,7 @@ class _ShardWriter:
             old.unlink()
         (directory / MANIFEST).unlink(missing_ok=True)
         self.directory = directory
-        self.shard_bytes = shard_bytes
+        self.shard_bytes = shard_bytes or _SHARD_BYTES
         self.pending: dict[str, Any] = {}
         self.pending_bytes = 0
         self.shard_of: dict[str, str] = {}

@@ -1,0 +1,359 @@
+"""Planted-bug model pairs for the trace / align / bisect tests.
+
+Each family has a research-style REFERENCE (plain torch modules, its own names) and a PORT built from real
+diffusers modules with diffusers names; weights go across through an explicit conversion (renames, a fused
+QKV split, a shift/scale swap), so the two sides share no module name below the top level. ``bug=None`` gives a
+faithful port; every other ``bug`` plants one real-world mistake.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.activations import get_activation
+from diffusers.models.attention_processor import Attention
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps, get_timestep_embedding
+from diffusers.models.normalization import AdaLayerNormContinuous
+from diffusers.models.resnet import ResnetBlock2D
+from torch import nn
+
+DIM, HEADS, COND, TOKENS, HIDDEN = 32, 4, 16, 6, 64
+
+
+def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Distinct random values everywhere, so value matching has no ties (LayerNorm ones, zero biases)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module.eval()
+
+
+# --------------------------------------------------------------------------------- transformer family
+
+
+class ResearchAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class ResearchMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class ResearchBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm_a = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = ResearchAttention(dim, heads)
+        self.norm_m = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = ResearchMLP(dim, HIDDEN)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm_a(x))
+        return x + self.mlp(self.norm_m(x))
+
+
+class ResearchAdaLN(nn.Module):
+    """Final modulation: shift first, then scale (the research layout)."""
+
+    def __init__(self, dim: int, cond: int):
+        super().__init__()
+        self.emb = nn.Linear(cond, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, c):
+        shift, scale = self.emb(F.silu(c)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class ResearchDiT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList([ResearchBlock(DIM, HEADS) for _ in range(2)])
+        self.final_norm = ResearchAdaLN(DIM, COND)
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x, c):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x, c))
+
+
+class SwappedAdaLayerNormContinuous(AdaLayerNormContinuous):
+    """The planted bug: the forward reads shift and scale in the research order, but the weights were
+    converted into diffusers' (scale, shift) order."""
+
+    def forward(self, x, conditioning_embedding):
+        emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+        shift, scale = torch.chunk(emb, 2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class PortBlock(nn.Module):
+    def __init__(
+        self, dim: int, heads: int, *, eps: float = 1e-6, act_fn: str = "gelu_tanh", inline_bug=False
+    ):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn1 = Attention(query_dim=dim, heads=heads, dim_head=dim // heads, bias=True, out_bias=True)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.ff = TimestepEmbedding(dim, HIDDEN, act_fn="silu", out_dim=dim)
+        self.ff.act = nn.GELU(approximate="tanh") if act_fn == "gelu_tanh" else get_activation("gelu")
+        self.inline_bug = inline_bug
+
+    def forward(self, hidden_states):
+        normed = self.norm1(hidden_states)
+        # The planted inline bug: the residual is taken from the normalised input.
+        residual = normed if self.inline_bug else hidden_states
+        hidden_states = residual + self.attn1(normed)
+        return hidden_states + self.ff(self.norm2(hidden_states))
+
+
+class PortDiT(nn.Module):
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.proj_in = nn.Linear(DIM, DIM)
+        self.transformer_blocks = nn.ModuleList(
+            [
+                PortBlock(
+                    DIM,
+                    HEADS,
+                    eps=1e-5 if bug == "eps" else 1e-6,
+                    act_fn="gelu" if bug == "gelu" else "gelu_tanh",
+                    inline_bug=bug == "inline" and i == 1,
+                )
+                for i in range(2)
+            ]
+        )
+        norm_cls = SwappedAdaLayerNormContinuous if bug == "adaln" else AdaLayerNormContinuous
+        self.norm_out = norm_cls(DIM, COND, elementwise_affine=False, eps=1e-6)
+        self.proj_out = nn.Linear(DIM, DIM)
+
+    def forward(self, hidden_states, conditioning):
+        hidden_states = self.proj_in(hidden_states)
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states)
+        return self.proj_out(self.norm_out(hidden_states, conditioning))
+
+
+def convert_dit(sd: dict) -> dict:
+    out = {}
+    for key, value in sd.items():
+        new = (
+            key.replace("embed.", "proj_in.")
+            .replace("head.", "proj_out.")
+            .replace("blocks.", "transformer_blocks.")
+        )
+        new = new.replace(".norm_a.", ".norm1.").replace(".norm_m.", ".norm2.")
+        new = new.replace(".mlp.fc1.", ".ff.linear_1.").replace(".mlp.fc2.", ".ff.linear_2.")
+        new = new.replace(".attn.proj.", ".attn1.to_out.0.")
+        if ".attn.qkv." in new:
+            for part, name in zip(value.chunk(3, dim=0), ("to_q", "to_k", "to_v")):
+                out[new.replace(".attn.qkv.", f".attn1.{name}.")] = part.clone()
+            continue
+        if new.startswith("final_norm.emb."):
+            shift, scale = value.chunk(2, dim=0)
+            out[new.replace("final_norm.emb.", "norm_out.linear.")] = torch.cat([scale, shift])
+            continue
+        out[new] = value
+    return out
+
+
+def dit_pair(bug: str | None = None, seed: int = 0):
+    """(reference, port, inputs) for the transformer family; ``inputs`` is ``(args, kwargs)``."""
+    reference = randomize(ResearchDiT(), seed)
+    port = PortDiT(bug).eval()
+    port.load_state_dict(convert_dit(reference.state_dict()))
+    g = torch.Generator().manual_seed(seed + 1)
+    # Small activations make a LayerNorm eps change visible, as it is in real activations of small variance.
+    x = torch.randn(2, TOKENS, DIM, generator=g) * 0.05
+    c = torch.randn(2, COND, generator=g)
+    return reference, port, ((x, c), {})
+
+
+# ---------------------------------------------------------------------------------------- time family
+
+
+class ResearchSinusoid(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, t):
+        return get_timestep_embedding(t, self.dim, flip_sin_to_cos=True, downscale_freq_shift=0)
+
+
+class ResearchMix(nn.Module):
+    """Time mixture of the control and base branches, with its own knob."""
+
+    def __init__(self, weight: float):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ctrl, base):
+        return self.weight * ctrl + (1 - self.weight) * base
+
+
+class ResearchTime(nn.Module):
+    """Two knobs, as in the research code: connection strength 0.95 and time mixture 1.0."""
+
+    def __init__(self, connection_strength: float = 0.95, time_mixture: float = 1.0):
+        super().__init__()
+        self.freq = ResearchSinusoid(DIM)
+        self.base_mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN))
+        self.ctrl_mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.SiLU(), nn.Linear(HIDDEN, HIDDEN))
+        self.mix = ResearchMix(time_mixture)
+        self.connection_strength = connection_strength
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, t):
+        emb = self.freq(t)
+        base = self.base_mlp(emb)
+        ctrl = self.ctrl_mlp(emb) * self.connection_strength
+        return self.out(self.mix(ctrl, base))
+
+
+class BF16Timesteps(Timesteps):
+    """The planted bug: the sinusoidal table is rounded to bfloat16."""
+
+    def forward(self, timesteps):
+        return super().forward(timesteps).to(torch.bfloat16).float()
+
+
+class PortTimeMix(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, control, base):
+        return self.scale * control + (1 - self.scale) * base
+
+
+class PortTime(nn.Module):
+    def __init__(self, bug: str | None = None, control_scale: float = 0.95):
+        super().__init__()
+        self.time_proj = (BF16Timesteps if bug == "bf16" else Timesteps)(DIM, True, 0)
+        self.time_embedding = TimestepEmbedding(DIM, HIDDEN)
+        self.control_time_embedding = TimestepEmbedding(DIM, HIDDEN)
+        # The planted bug of reference 000: one control_scale for two concepts.
+        self.time_mixer = PortTimeMix(control_scale**3 if bug == "remix" else 1.0)
+        self.control_scale = control_scale
+        self.time_out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, timestep):
+        emb = self.time_proj(timestep)
+        base = self.time_embedding(emb)
+        control = self.control_time_embedding(emb) * self.control_scale
+        return self.time_out(self.time_mixer(control, base))
+
+
+def convert_time(sd: dict) -> dict:
+    names = {
+        "base_mlp.0": "time_embedding.linear_1",
+        "base_mlp.2": "time_embedding.linear_2",
+        "ctrl_mlp.0": "control_time_embedding.linear_1",
+        "ctrl_mlp.2": "control_time_embedding.linear_2",
+        "out": "time_out",
+    }
+    out = {}
+    for key, value in sd.items():
+        module, param = key.rsplit(".", 1)
+        out[f"{names[module]}.{param}"] = value
+    return out
+
+
+def time_pair(bug: str | None = None, seed: int = 0):
+    reference = randomize(ResearchTime(), seed)
+    port = PortTime(bug).eval()
+    port.load_state_dict(convert_time(reference.state_dict()))
+    t = torch.tensor([999.0, 421.0])
+    return reference, port, ((t,), {})
+
+
+# -------------------------------------------------------------------------------------- resnet family
+
+
+class ResearchResBlock(nn.Module):
+    def __init__(self, channels: int, groups: int = 8, skip_scale: float = 2.0):
+        super().__init__()
+        self.in_norm = nn.GroupNorm(groups, channels, eps=1e-6)
+        self.act = nn.SiLU()
+        self.in_conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.out_norm = nn.GroupNorm(groups, channels, eps=1e-6)
+        self.out_conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.skip_scale = skip_scale  # from the model config
+
+    def forward(self, x):
+        h = self.in_conv(self.act(self.in_norm(x)))
+        h = self.out_conv(self.act(self.out_norm(h)))
+        return (x + h) / self.skip_scale
+
+
+class ResearchConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(4, 16, 3, padding=1)
+        self.res = ResearchResBlock(16)
+        self.to_out = nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.to_out(self.res(self.stem(x)))
+
+
+class PortConvNet(nn.Module):
+    def __init__(self, bug: str | None = None):
+        super().__init__()
+        self.conv_in = nn.Conv2d(4, 16, 3, padding=1)
+        # The planted bug: output_scale_factor left at its default (1.0) instead of the config's 2.0.
+        scale = 1.0 if bug == "scale" else 2.0
+        self.resnet = ResnetBlock2D(
+            in_channels=16, temb_channels=None, groups=8, eps=1e-6, output_scale_factor=scale
+        )
+        self.conv_out = nn.Conv2d(16, 4, 3, padding=1)
+
+    def forward(self, sample):
+        return self.conv_out(self.resnet(self.conv_in(sample), None))
+
+
+def convert_conv(sd: dict) -> dict:
+    names = {
+        "stem": "conv_in",
+        "to_out": "conv_out",
+        "res.in_norm": "resnet.norm1",
+        "res.in_conv": "resnet.conv1",
+        "res.out_norm": "resnet.norm2",
+        "res.out_conv": "resnet.conv2",
+    }
+    out = {}
+    for key, value in sd.items():
+        module, param = key.rsplit(".", 1)
+        out[f"{names[module]}.{param}"] = value
+    return out
+
+
+def conv_pair(bug: str | None = None, seed: int = 0):
+    reference = randomize(ResearchConvNet(), seed)
+    port = PortConvNet(bug).eval()
+    port.load_state_dict(convert_conv(reference.state_dict()))
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
+    return reference, port, ((x,), {})
