@@ -606,3 +606,32 @@ def test_random_conversions_are_inferred_and_reproduced(seed):
     assert cmap.exit_code == 0 and not cmap.unused_source and not cmap.ambiguous
     assert all(r.count == layers for r in cmap.rules)
     _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+def test_sharded_safetensors_are_read_as_one_state_dict(tmp_path):
+    from safetensors.torch import save_file
+
+    qkv, proj = _rand(3 * D, D, seed=5), _rand(D, D, seed=6)
+    save_file({"blocks.0.qkv.weight": qkv}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"blocks.0.proj.weight": proj}, tmp_path / "model-00002-of-00002.safetensors")
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "blocks.0.qkv.weight": "model-00001-of-00002.safetensors",
+            "blocks.0.proj.weight": "model-00002-of-00002.safetensors",
+        },
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    # a bool tensor no source explains, next to tensors read from memory-mapped shards
+    save_file(
+        {
+            "a_mask": torch.tensor([True, False, True]),
+            "b.to_k": qkv[D : 2 * D].clone(),
+            "b.to_out": proj.t().contiguous(),
+        },
+        tmp_path / "target.safetensors",
+    )
+    cmap = infer_conversion_map(tmp_path / "model.safetensors.index.json", tmp_path / "target.safetensors")
+    assert cmap.unmapped_target == ["a_mask"]
+    entries = _entries(cmap)
+    assert entries["b.to_k"].args["index"] == 1 and entries["b.to_out"].op == "transpose"

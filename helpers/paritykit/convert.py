@@ -878,6 +878,47 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _load_path(path: Path) -> Mapping[str, Any]:
+    if path.is_file() and path.name.endswith((".safetensors", ".safetensors.index.json")):
+        mapped = _map_safetensors(path)
+        if mapped is not None:
+            return mapped
+    from paritykit.io import load_state_dict
+
+    return load_state_dict(path)
+
+
+def _map_safetensors(path: Path) -> dict[str, Any] | None:
+    r"""Safetensors tensors as views of privately memory-mapped files, or ``None`` to use the full loader.
+
+    Pages are read when hashing reaches them and stay reclaimable file cache, so checkpoints larger than RAM
+    stream through the fingerprint pass. The header is validated first (byte ranges against the file size);
+    anything unusual (an unaligned offset, an unknown dtype) falls back to :func:`paritykit.io.load_state_dict`.
+    """
+    import torch
+
+    from paritykit.safetensors_header import read_safetensors_header
+
+    try:
+        header = read_safetensors_header(path)
+        storages: dict[Path, Any] = {}
+        out = {}
+        for name, info in header.tensors.items():
+            dtype = getattr(torch, info.dtype, None)
+            if not isinstance(dtype, torch.dtype) or info.start % info.itemsize:
+                return None
+            if info.file not in storages:
+                size = info.file.stat().st_size
+                storages[info.file] = torch.UntypedStorage.from_file(
+                    str(info.file), shared=False, nbytes=size
+                )
+            view = torch.empty(0, dtype=dtype)
+            out[name] = view.set_(storages[info.file], info.start // info.itemsize, info.shape)
+        return out
+    except Exception:
+        return None  # the full loader reports the problem with its own one-line error
+
+
 def _as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
     import torch
 
@@ -885,9 +926,7 @@ def _as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
         path = Path(obj)
         if not path.exists():
             raise ParityKitError(f"{label} {str(path)!r}: no such file or directory")
-        from paritykit.io import load_state_dict
-
-        tensors, name = load_state_dict(path), str(path)
+        tensors, name = _load_path(path), str(path)
     elif isinstance(obj, Mapping):
         tensors, name = obj, label
     elif hasattr(obj, "state_dict"):
