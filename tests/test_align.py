@@ -1,0 +1,142 @@
+"""paritykit.align: differently named modules are paired by names, rules, weights and order."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from paritykit.align import align_modules
+from paritykit.report import to_json
+from paritykit.trace import Trace, capture
+
+from tests.bisect_pairs import conv_pair, dit_pair, randomize, time_pair
+
+
+def traced(model, inputs):
+    args, kwargs = inputs
+    with torch.no_grad(), capture(model) as trace:
+        model(*args, **kwargs)
+    return trace
+
+
+def aligned(reference, port, inputs, **kw):
+    return align_modules(reference, port, traced(reference, inputs), traced(port, inputs), **kw)
+
+
+@pytest.fixture(scope="module")
+def dit_alignment():
+    reference, port, inputs = dit_pair()
+    return aligned(reference, port, inputs)
+
+
+def test_weights_pair_leaves_and_containers_across_naming(dit_alignment):
+    al = dit_alignment
+    assert al.port_of("embed") == "proj_in"
+    assert al.port_of("blocks.0.norm_a") == "transformer_blocks.0.norm1"
+    assert al.port_of("blocks.1.mlp.fc2") == "transformer_blocks.1.ff.linear_2"
+    # containers pair when the parameters under them map onto each other
+    assert al.port_of("blocks.0") == "transformer_blocks.0"
+    assert al.port_of("blocks.0.attn") == "transformer_blocks.0.attn1"
+    assert al.port_of("blocks.0.mlp") == "transformer_blocks.0.ff"
+    assert al.port_of("final_norm") == "norm_out"
+    assert al.pair_of("blocks.0.attn").how == "weights"
+
+
+def test_fused_qkv_gives_a_one_to_many_group(dit_alignment):
+    group = [p for p in dit_alignment.pairs if p.reference == "blocks.0.attn.qkv"]
+    assert sorted(p.port for p in group) == [f"transformer_blocks.0.attn1.to_{x}" for x in "kqv"]
+    assert all(p.group and p.how == "weights" for p in group)
+    assert dit_alignment.port_of("blocks.0.attn.qkv") is None  # not one-to-one
+
+
+def test_row_permuted_weights_are_flagged_as_a_layout(dit_alignment):
+    pair = dit_alignment.pair_of("final_norm.emb")
+    assert pair.port == "norm_out.linear" and pair.layout == "swap_halves"
+
+
+def test_parameterless_modules_align_by_order_and_class(dit_alignment):
+    al = dit_alignment
+    act = al.pair_of("blocks.1.mlp.act")
+    assert act.port == "transformer_blocks.1.ff.act" and act.how == "order" and act.confidence == "high"
+    assert al.port_of("final_norm.norm") == "norm_out.norm"
+    # modules with no counterpart are listed, per side
+    assert set(al.unaligned_port) == {
+        "transformer_blocks.0.attn1.to_out.1",
+        "transformer_blocks.1.attn1.to_out.1",
+        "norm_out.silu",
+    }
+    assert al.unaligned_reference == []
+
+
+def test_parameterless_modules_of_different_classes_pair_when_alone_between_neighbours():
+    reference, port, inputs = time_pair("bf16")
+    al = aligned(reference, port, inputs)
+    assert al.pair_of("freq").port == "time_proj" and al.pair_of("freq").how == "order"
+    assert al.pair_of("mix").port == "time_mixer"
+    assert al.pair_of("base_mlp.1").port == "time_embedding.act"
+
+
+def test_identical_names_come_first():
+    reference, _, inputs = conv_pair()
+    twin = copy.deepcopy(reference)
+    al = aligned(reference, twin, inputs)
+    assert {p.how for p in al.pairs} == {"names"}
+    assert len(al.pairs) == len({r.module for r in traced(reference, inputs)})
+    assert al.exit_code == 0
+
+
+def test_map_rules_rename_reference_names():
+    reference, port, inputs = conv_pair()
+    rules = [(r"^stem$", "conv_in"), (r"^res\.in_conv$", "resnet.conv1"), (r"^res$", "resnet")]
+    al = aligned(reference, port, inputs, rules=rules)
+    for ref_name, port_name in (("stem", "conv_in"), ("res.in_conv", "resnet.conv1"), ("res", "resnet")):
+        pair = al.pair_of(ref_name)
+        assert pair.port == port_name and pair.how == "map"
+    assert al.pair_of("res.in_norm").how == "weights"
+
+
+def test_fallback_by_order_and_shape_is_low_confidence():
+    reference, port, inputs = conv_pair()
+    randomize(port, seed=7)  # unrelated weights: value matching finds nothing
+    al = aligned(reference, port, inputs)
+    stem = al.pair_of("stem")
+    assert stem.port == "conv_in" and stem.how == "order" and stem.confidence == "low"
+    assert al.port_of("res.in_conv") == "resnet.conv1"
+    assert al.port_of("to_out") == "conv_out"
+
+
+def test_without_weights_pass_the_order_fallback_still_pairs(dit_alignment):
+    reference, port, inputs = dit_pair()
+    al = aligned(reference, port, inputs, use_weights=False)
+    assert "weights" not in {p.how for p in al.pairs}
+    assert al.port_of("blocks.0.norm_a") == "transformer_blocks.0.norm1"
+
+
+def test_alignment_from_trace_folders_uses_their_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    reference, port, inputs = time_pair()
+    for side, model in (("r", reference), ("p", port)):
+        args, kwargs = inputs
+        with torch.no_grad(), capture(model, to_dir=tmp_path / side):
+            model(*args, **kwargs)
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()},
+            str(tmp_path / side / "weights.safetensors"),
+        )
+    al = align_modules(None, None, Trace.load(tmp_path / "r"), Trace.load(tmp_path / "p"))
+    assert al.pair_of("ctrl_mlp").port == "control_time_embedding"
+    assert al.pair_of("ctrl_mlp").how == "weights"
+    assert al.pair_of("mix").port == "time_mixer"
+
+
+def test_report_faces(dit_alignment):
+    payload = json.loads(to_json(dit_alignment.to_dict()))
+    assert payload["aligned"] == len(dit_alignment.pairs)
+    assert payload["by"]["weights"] > 0 and payload["by"]["order"] > 0
+    assert {"reference", "port", "how", "confidence", "group"} <= set(payload["pairs"][0])
+    text = dit_alignment.render(limit=5)
+    assert "more" in text and "unaligned port:" in text
+    assert "(top level)" in dit_alignment.render(limit=0)
