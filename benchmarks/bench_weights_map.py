@@ -10,6 +10,7 @@ grow) and WIDTH (heads x1, x2: bytes x4 at a fixed key count). Median of 3 runs 
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -61,6 +62,27 @@ def measure(label: str, layers: int, singles: int, heads: int) -> str:
     )
 
 
+def measure_files(label: str, layers: int, singles: int, heads: int, folder: Path) -> str:
+    from safetensors.torch import save_file
+
+    target = build(layers, singles, heads)
+    source = _research_layout(target)
+    save_file({k: v.contiguous() for k, v in source.items()}, folder / "research.safetensors")
+    save_file(target, folder / "diffusers.safetensors")
+    mb = sum(t.numel() * t.element_size() for t in target.values()) / 2**20
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        cmap = infer_conversion_map(folder / "research.safetensors", folder / "diffusers.safetensors")
+        times.append(time.perf_counter() - started)
+        assert cmap.exit_code == 0
+    t = statistics.median(times)
+    return (
+        f"{label:<11} {len(source):>5} -> {len(target):>5} tensors  {mb:7.1f} MB  {t:6.3f} s  "
+        f"{1000 * t / mb:6.2f} ms/MB  {1000 * t / len(target):6.2f} ms/tensor  (read from .safetensors, memory-mapped)"
+    )
+
+
 def main() -> None:
     torch.set_num_threads(1)
     lines = [
@@ -75,6 +97,12 @@ def main() -> None:
     for label, heads in (("width x1", 4), ("width x2", 8)):
         lines.append(measure(label, 4, 8, heads))
         print(lines[-1], flush=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lines.append(measure_files("files x4", 16, 32, 4, Path(tmp)))
+        print(lines[-1], flush=True)
+    lines += ["", "load average during the run: " + ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     out = REPO / "benchmarks" / "results" / "weights_map.txt"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
