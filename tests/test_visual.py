@@ -407,6 +407,24 @@ def test_video_gets_per_frame_figures_and_chosen_frames(tmp_path):
     assert again.worst.frame == 3 and len(again.frames) == 6
 
 
+def test_animated_gif_is_a_video(tmp_path):
+    frames = [Image.fromarray((_photo(seed=i) * 255).round().astype(np.uint8)) for i in range(3)]
+    frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    result = compare_images(tmp_path / "clip.gif", tmp_path / "clip.gif")
+    assert result.video and len(result.frames) == 3 and result.exit_code == 0
+
+
+def test_truncated_checkpoint_is_one_line_naming_the_file(runs, tmp_path):
+    import shutil
+
+    root, _, _ = runs
+    shutil.copytree(root / "port", tmp_path / "port")
+    broken = tmp_path / "port" / "after_step_2.safetensors"
+    broken.write_bytes(broken.read_bytes()[:40])
+    with pytest.raises(ParityKitError, match="after_step_2.safetensors"):
+        step_curve(root / "ref", tmp_path / "port")
+
+
 def test_shape_mismatch_and_bad_inputs(tmp_path):
     result = compare_images(_photo(24, 32), _photo(32, 32))
     assert result.status == "shape_mismatch" and result.exit_code == 1 and result.psnr is None

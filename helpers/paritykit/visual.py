@@ -432,6 +432,16 @@ def _step_files(folder: str | Path) -> dict[int, Path]:
 
 
 def _load_step_tensor(path: Path, key: str):
+    if path.suffix == ".safetensors" and path.is_file():
+        # read only the one tensor: checkpoints often hold more (noise_pred, timesteps, …)
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if key in f.keys():
+                    return f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ParityKitError(f"{path}: not a readable safetensors file ({exc})") from None
     from paritykit.io import load_tensors
 
     tensors = load_tensors(path)
