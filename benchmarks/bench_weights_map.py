@@ -83,6 +83,30 @@ def measure_files(label: str, layers: int, singles: int, heads: int, folder: Pat
     )
 
 
+def measure_constants(n: int) -> str:
+    # the worst case for value matching: every tensor has the same value as n others (fresh norms)
+    source = {
+        f"blocks.{i}.norm.{kind}": torch.full((64,), float(kind == "weight"))
+        for i in range(n)
+        for kind in ("weight", "bias")
+    }
+    target = {
+        f"layers.{i}.ln.{kind}": torch.full((64,), float(kind == "weight"))
+        for i in range(n)
+        for kind in ("weight", "bias")
+    }
+    started = time.perf_counter()
+    cmap = infer_conversion_map(source, target)
+    t = time.perf_counter() - started
+    assert cmap.exit_code == 0 and all(
+        a.chosen.split(".")[1] == a.target.split(".")[1] for a in cmap.ambiguous
+    )
+    return (
+        f"constants  {len(source):>5} -> {len(target):>5} tensors, all {len(cmap.ambiguous)} ambiguous "
+        f"(buckets of {n})  {t:6.3f} s  {1000 * t / len(target):6.2f} ms/tensor  {len(cmap.rules)} rules"
+    )
+
+
 def main() -> None:
     torch.set_num_threads(1)
     lines = [
@@ -96,6 +120,9 @@ def main() -> None:
         print(lines[-1], flush=True)
     for label, heads in (("width x1", 4), ("width x2", 8)):
         lines.append(measure(label, 4, 8, heads))
+        print(lines[-1], flush=True)
+    for n in (500, 1000, 2000):
+        lines.append(measure_constants(n))
         print(lines[-1], flush=True)
     import tempfile
 

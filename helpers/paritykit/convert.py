@@ -64,6 +64,8 @@ _BLOCK = 1 << 20
 _MAX_PIECES = 64
 # candidates listed per ambiguous target (the JSON also carries the total)
 _MAX_CANDIDATES = 10
+# candidates ranked per ambiguous target when none sits in the same layer
+_MAX_FALLBACK = 1024
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -952,6 +954,15 @@ class _Found:
     sources: list[str]
     op: str
     args: dict[str, Any]
+    # sources with byte-identical values (a class of constants): any of them builds the target the same way;
+    # the list is shared between targets, so a big bucket of constants costs no per-target copies
+    members: list[str] | None = None
+
+    def candidates(self) -> list[str]:
+        return self.members if self.members else [self.sources[0]]
+
+    def using(self, source: str) -> _Found:
+        return self if source == self.sources[0] else _Found([source], self.op, self.args)
 
 
 def _entry_from_steps(source: str, steps: list[dict[str, Any]], cast: str | None) -> _Found:
@@ -983,6 +994,7 @@ class _Matcher:
         self.n_candidates: dict[str, int] = {}
         self._poshash: dict[tuple, int] = {}
         self._resolved: dict[tuple, list[dict[str, Any]] | None] = {}
+        self._classes: dict[tuple, dict[tuple, list[str]]] = {}
         self._cast_cache: dict[tuple[str, Any], Any] = {}
 
     # -- helpers ------------------------------------------------------------------------------------------
@@ -999,7 +1011,7 @@ class _Matcher:
         if (side, key, dtype) not in self._poshash:
             t = self.cast(key, dtype) if side == "s" else tensors[key]
             self._poshash[(side, key, dtype)] = _position_hash(t)
-        return (tuple(tensors[key].shape), self._poshash[(side, key, dtype)])
+        return (tuple(tensors[key].shape), tensors[key].dtype, self._poshash[(side, key, dtype)])
 
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
@@ -1022,9 +1034,15 @@ class _Matcher:
             if len(bucket) == 1:
                 classes = {None: bucket}
             else:
-                classes = defaultdict(list)
-                for s in bucket:
-                    classes[self.position_class("s", s, t.dtype)].append(s)
+                # sources with byte-identical values form one class, built once per bucket and resolved once
+                # per (target class, source class): buckets of constants cost linear time
+                bucket_key = (t.dtype, t.numel(), self.tgt_hash[key])
+                if bucket_key not in self._classes:
+                    grouped: dict[tuple, list[str]] = defaultdict(list)
+                    for s in bucket:
+                        grouped[self.position_class("s", s, t.dtype)].append(s)
+                    self._classes[bucket_key] = grouped
+                classes = self._classes[bucket_key]
             for cls, members in classes.items():
                 cache_key = (cls, self.position_class("t", key, t.dtype)) if cls is not None else None
                 if cache_key is not None and cache_key in self._resolved:
@@ -1035,9 +1053,10 @@ class _Matcher:
                         self._resolved[cache_key] = steps
                 if steps is None:
                     continue
-                for s in members:
-                    cast = _dtype_name(t.dtype) if self.source[s].dtype != t.dtype else None
-                    results.append(_entry_from_steps(s, steps, cast))
+                cast = _dtype_name(t.dtype) if self.source[members[0]].dtype != t.dtype else None
+                found = _entry_from_steps(members[0], steps, cast)
+                found.members = members if len(members) > 1 else None
+                results.append(found)
             if results:
                 self.found[key] = results
 
@@ -1052,7 +1071,8 @@ class _Matcher:
             t = self.target[k]
             table[(t.dtype, t.numel(), self.tgt_hash[k])].append(k)
             numels[t.dtype].add(t.numel())
-        used = {s for fs in self.found.values() for f in fs for s in f.sources}
+        pools = {id(p): p for fs in self.found.values() for f in fs for p in (f.sources, f.members or [])}
+        used = {s for pool in pools.values() for s in pool}
         candidates: dict[str, list[_Found]] = defaultdict(list)
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
@@ -1168,7 +1188,7 @@ class _Matcher:
         taken: set[str] = set()
         for tkey in (k for k in self.target if k in self.found):
             fs = self.found[tkey]
-            if len({tuple(f.sources) for f in fs}) == 1:
+            if not any(f.members for f in fs) and len({tuple(f.sources) for f in fs}) == 1:
                 # one source, several equal pieces (a constant fused bias): give each target its own piece
                 ways = [json.dumps([f.sources, f.op, f.args], sort_keys=True) for f in fs]
                 pick = next((i for i, w in enumerate(ways) if w not in taken), 0)
@@ -1176,20 +1196,36 @@ class _Matcher:
                 self.chosen[tkey] = fs[pick]
                 for s in fs[pick].sources:
                     self.scorer.learn(s, tkey)
+        by_layer: dict[int, dict[tuple[str, ...], list[str]]] = {}
         for tkey in (k for k in self.target if k in self.found and k not in self.chosen):
             fs = self.found[tkey]
-            by_first = {f.sources[0]: f for f in fs}
-            # candidates in the same layer first: keeps the ranking linear for big buckets of constants
+            # candidates in the same layer first; each shared pool is indexed once, so a big bucket of
+            # constants is ranked in time linear in its size, not in (targets x sources)
             indices = _layer_indices(tkey)
-            near = [s for s in by_first if _layer_indices(s) == indices] or list(by_first)
+            near: dict[str, _Found] = {}
+            for f in fs:
+                pool = f.candidates()
+                if id(pool) not in by_layer:
+                    index: dict[tuple[str, ...], list[str]] = defaultdict(list)
+                    for name in pool:
+                        index[_layer_indices(name)].append(name)
+                    by_layer[id(pool)] = index
+                for name in by_layer[id(pool)].get(indices, ()):
+                    near.setdefault(name, f)
+            if not near:
+                near = {name: f for f in fs for name in f.candidates()[:_MAX_FALLBACK]}
             ranked = self.scorer.rank(tkey, near)
-            rest = [s for s in by_first if s not in set(ranked)][: max(0, _MAX_CANDIDATES - len(ranked))]
-            best = by_first[ranked[0]]
+            shown = ranked[:_MAX_CANDIDATES]
+            for f in fs:
+                for name in f.candidates()[:_MAX_CANDIDATES]:
+                    if len(shown) < _MAX_CANDIDATES and name not in shown:
+                        shown.append(name)
+            best = near[ranked[0]].using(ranked[0])
             self.chosen[tkey] = best
-            self.ambiguous[tkey] = ranked + rest
-            self.n_candidates[tkey] = len(by_first)
-            for s in best.sources:
-                self.scorer.learn(s, tkey)
+            self.ambiguous[tkey] = shown
+            self.n_candidates[tkey] = sum(len(f.candidates()) for f in fs)  # classes are disjoint
+            for name in best.sources:
+                self.scorer.learn(name, tkey)
 
 
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
