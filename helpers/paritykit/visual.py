@@ -768,7 +768,7 @@ class ImageComparison:
         axes = fig.subplots(len(rows), 3, squeeze=False)
         for r, ((frame, why), diff) in enumerate(zip(rows, diffs)):
             stats = self.frames[frame]
-            label = f"frame {frame} ({why})" if self.video else "image"
+            label = f"frame {frame} ({why})"
             for c, (img, title) in enumerate(((pa[frame], "reference"), (pb[frame], "port"))):
                 ax = axes[r][c]
                 ax.imshow(
@@ -778,7 +778,7 @@ class ImageComparison:
                     vmax=1,
                     interpolation="nearest",
                 )
-                ax.set_title(f"{title} — {label}" if c == 0 else title, fontsize=9)
+                ax.set_title(f"{title} — {label}" if c == 0 and self.video else title, fontsize=9)
                 ax.axis("off")
             ax = axes[r][2]
             shown = ax.imshow(
