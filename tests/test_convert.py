@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +40,16 @@ def _import(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _assert_lint_clean(path):
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed")
+    config = str(Path(__file__).resolve().parents[1] / "pyproject.toml")
+    for args in (["check"], ["format", "--check"]):
+        proc = subprocess.run([ruff, *args, "--config", config, str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _assert_reproduces(converted, target):
@@ -425,6 +439,7 @@ def test_real_flux_research_layout_is_mapped_back_exactly(tmp_path):
 
     # the emitted module, imported and run on SOURCE, reproduces TARGET exactly
     path = emit_rules(cmap, tmp_path / "convert_flux.py")
+    _assert_lint_clean(path)
     module = _import(path)
     _assert_reproduces(module.convert(source), target)
     _assert_reproduces(apply_rules_to_state_dict(cmap.to_dict()["rules"], source), target)

@@ -1355,17 +1355,23 @@ def _py_str(value: str) -> str:
     return repr(value)
 
 
+def _py_literal(value: Any) -> str:
+    """Python source for rule data, spelt the way ``ruff format`` leaves it (double quotes)."""
+    if isinstance(value, str):
+        return _py_str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py_literal(k)}: {_py_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_py_literal(v) for v in value) + "]"
+    return repr(value)
+
+
 def _format_rule(rule: dict[str, Any]) -> str:
     lines = ["    {"]
-    for key in ("pattern", "sources", "target", "op", "args"):
-        value = rule[key]
-        if key in ("pattern", "target"):
-            text = _py_str(value)
-        elif key == "sources":
-            text = "[" + ", ".join(_py_str(v) for v in value) + "]"
-        else:
-            text = repr(value)
-        lines.append(f'        "{key}": {text},')
+    lines += [
+        f'        "{key}": {_py_literal(rule[key])},'
+        for key in ("pattern", "sources", "target", "op", "args")
+    ]
     lines.append("    },")
     return "\n".join(lines)
 
@@ -1382,8 +1388,8 @@ def render_rules_module(conversion_map: ConversionMap, module_name: str = "conve
         module=module_name,
         rules="\n".join(f"    # {r.text}\n" + _format_rule(d) for r, d in zip(conversion_map.rules, rules)),
     )
-    runtime = "\n\n".join(inspect.getsource(fn).rstrip() for fn in _RUNTIME)
-    return header + runtime + "\n" + _MODULE_FOOTER
+    runtime = "\n\n\n".join(inspect.getsource(fn).rstrip() for fn in _RUNTIME)
+    return header + "\n" + runtime + "\n" + _MODULE_FOOTER
 
 
 def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bool = False) -> Path:
