@@ -1,0 +1,286 @@
+"""paritykit.diagnose: each detector on its own, then property tests that the right hint ranks first."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import paritykit.diagnose as D
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from paritykit.diagnose import Hint, diagnose
+
+PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+IDS = {"bf16-cast", "fp16-cast", "constant-scale", "offset", "transpose", "permute", "swapped-halves", "zeroed",
+       "sign-flip", "timestep-rounding", "nonfinite"}  # fmt: skip
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def first_id(a, b):
+    hints = diagnose(a, b)
+    assert hints, "expected at least one hint"
+    assert all(isinstance(h, Hint) and h.id in IDS for h in hints)
+    assert [h.score for h in hints] == sorted((h.score for h in hints), reverse=True)
+    return hints[0].id
+
+
+# hypothesis inputs: a shape with every dim >= 2 and at least 16 elements, and a seed
+shapes = st.lists(st.integers(2, 7), min_size=1, max_size=4).filter(lambda s: math.prod(s) >= 16)
+seeds = st.integers(0, 2**31 - 1)
+scales = st.floats(0.05, 8.0)
+
+
+# ------------------------------------------------------------------------------------------ the contract
+
+
+def test_hint_to_dict_and_render():
+    hint = Hint("offset", "B ≈ A + 1 everywhere.", {"c": 1.0}, score=0.8)
+    assert hint.to_dict() == {"id": "offset", "message": "B ≈ A + 1 everywhere.", "evidence": {"c": 1.0},
+                              "score": 0.8}  # fmt: skip
+    assert hint.render() == "[offset] B ≈ A + 1 everywhere."
+
+
+@given(shapes, seeds, scales)
+@PROPERTY
+def test_equal_inputs_get_no_hint(shape, seed, scale):
+    a = randn(*shape, seed=seed, scale=scale)
+    assert diagnose(a, a.clone()) == []
+    # within the default float32 tolerance is "equal" too
+    assert diagnose(a, a * (1 + 1e-7)) == []
+
+
+def test_equal_inputs_with_nans_and_integers_get_no_hint():
+    a = randn(4, 4)
+    a[1, 1] = float("nan")
+    assert diagnose(a, a.clone()) == []
+    t = torch.arange(10)
+    assert diagnose(t, t.clone()) == []
+
+
+def test_symmetric_matrix_with_noise_gets_no_transpose_hint():
+    m = randn(6, 6)
+    m = m + m.T
+    assert all(h.id != "transpose" for h in diagnose(m, m + 1e-3 * randn(6, 6, seed=1)))
+
+
+def test_package_level_diagnose_is_callable_whichever_import_came_first():
+    import paritykit
+
+    a = randn(20)
+    assert paritykit.diagnose(a, -a)[0].id == "sign-flip"
+
+
+# --------------------------------------------------------------------------------- property: right hint first
+
+
+@given(shapes, seeds, st.one_of(st.floats(0.05, 0.98), st.floats(1.02, 20.0), st.floats(-20.0, -1.05),
+                                st.floats(-0.95, -0.05)))  # fmt: skip
+@PROPERTY
+def test_constant_scale_ranks_first(shape, seed, k):
+    a = randn(*shape, seed=seed)
+    hints = diagnose(a, a * k)
+    assert hints[0].id == "constant-scale"
+    assert hints[0].evidence["k"] == pytest.approx(k, rel=1e-5)
+
+
+@given(shapes, seeds, st.one_of(st.floats(0.01, 10.0), st.floats(-10.0, -0.01)))
+@PROPERTY
+def test_offset_ranks_first(shape, seed, c):
+    a = randn(*shape, seed=seed)
+    hints = diagnose(a, a + c)
+    assert hints[0].id == "offset" and hints[0].evidence["c"] == pytest.approx(c, rel=1e-4, abs=1e-6)
+
+
+@given(shapes, seeds, scales)
+@PROPERTY
+def test_sign_flip_ranks_first(shape, seed, scale):
+    a = randn(*shape, seed=seed, scale=scale)
+    assert first_id(a, -a) == "sign-flip"
+
+
+@given(shapes, seeds, scales, st.booleans())
+@PROPERTY
+def test_bf16_cast_ranks_first(shape, seed, scale, rounded_is_b):
+    a = randn(*shape, seed=seed, scale=scale)
+    cast = a.to(torch.bfloat16).float()
+    hints = diagnose(a, cast) if rounded_is_b else diagnose(cast, a)
+    assert hints[0].id == "bf16-cast"
+    assert hints[0].evidence["rounded_side"] == ("b" if rounded_is_b else "a")
+
+
+@given(shapes, seeds, scales)
+@PROPERTY
+def test_fp16_cast_ranks_first(shape, seed, scale):
+    a = randn(*shape, seed=seed, scale=scale)
+    assert first_id(a, a.half().float()) == "fp16-cast"
+
+
+@given(shapes, seeds, scales)
+@PROPERTY
+def test_zeroed_ranks_first(shape, seed, scale):
+    a = randn(*shape, seed=seed, scale=scale)
+    assert first_id(a, torch.zeros_like(a)) == "zeroed"
+    assert first_id(torch.zeros_like(a), a) == "zeroed"
+
+
+@given(shapes.filter(lambda s: len(s) >= 2), seeds, st.data())
+@PROPERTY
+def test_transpose_ranks_first(shape, seed, data):
+    a = randn(*shape, seed=seed)
+    i, j = data.draw(st.lists(st.integers(0, len(shape) - 1), min_size=2, max_size=2, unique=True))
+    b = a.transpose(i, j)
+    assume(not (b.shape == a.shape and torch.equal(a, b)))
+    hints = diagnose(a, b)
+    assert hints[0].id == "transpose" and sorted(hints[0].evidence["axes"]) == sorted([i, j])
+
+
+@given(shapes.filter(lambda s: len(s) >= 3), seeds, st.data())
+@PROPERTY
+def test_permute_ranks_first(shape, seed, data):
+    a = randn(*shape, seed=seed)
+    moving = [
+        p for p in itertools.permutations(range(len(shape))) if sum(p[k] != k for k in range(len(p))) >= 3
+    ]
+    perm = data.draw(st.sampled_from(moving))
+    hints = diagnose(a, a.permute(*perm))
+    assert hints[0].id == "permute"
+    assert a.permute(*hints[0].evidence["dims"]).equal(a.permute(*perm))
+
+
+@given(shapes, seeds, st.data())
+@PROPERTY
+def test_swapped_halves_ranks_first(shape, seed, data):
+    even_dims = [d for d, s in enumerate(shape) if s % 2 == 0]
+    assume(even_dims)
+    dim = data.draw(st.sampled_from(even_dims))
+    a = randn(*shape, seed=seed)
+    first, second = a.chunk(2, dim)
+    hints = diagnose(a, torch.cat([second, first], dim))
+    assert hints[0].id == "swapped-halves" and hints[0].evidence["chunks"] == 2
+
+
+@given(seeds, st.integers(1, 8), st.sampled_from(["round", "trunc", "floor"]))
+@PROPERTY
+def test_timestep_rounding_ranks_first(seed, n, mode):
+    g = torch.Generator().manual_seed(seed)
+    t = 1 + 998 * torch.rand(n + 1, generator=g)
+    rounded = {"round": torch.round, "trunc": torch.trunc, "floor": torch.floor}[mode](t)
+    hints = diagnose(t, rounded.long() if mode == "trunc" else rounded)
+    assert hints[0].id == "timestep-rounding"
+
+
+@given(shapes, seeds, st.data(), st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+@PROPERTY
+def test_nonfinite_ranks_first_even_on_top_of_another_bug(shape, seed, data, bad):
+    a = randn(*shape, seed=seed)
+    b = a * 0.5
+    position = data.draw(st.integers(0, a.numel() - 1))
+    b.view(-1)[position] = bad
+    hints = diagnose(a, b)
+    assert hints[0].id == "nonfinite"
+    assert hints[0].evidence["first_index"] == list(torch.unravel_index(torch.tensor(position), a.shape))
+    assert "constant-scale" in [h.id for h in hints[1:]]
+
+
+# ------------------------------------------------------------------------------------ detectors one by one
+
+
+def test_detect_nonfinite_names_the_side_and_first_position():
+    a = randn(3, 4)
+    b = a.clone()
+    b[1, 2] = float("nan")
+    a[2, 3] = float("inf")
+    hint = D.detect_nonfinite(a, b)
+    assert hint.evidence["first_index"] == [1, 2]
+    assert (hint.evidence["a_only"], hint.evidence["b_only"]) == (1, 1)
+    both = a.clone()
+    both[0, 0] = float("nan")
+    other = a.clone()
+    other[0, 0] = float("nan")
+    assert D.detect_nonfinite(both, other) is None
+
+
+def test_detect_zeroed_only_for_one_all_zero_side():
+    a = randn(10)
+    assert D.detect_zeroed(a, torch.zeros(10)).evidence["zero_side"] == "b"
+    assert D.detect_zeroed(torch.zeros(10), torch.zeros(10)) is None
+    partly = a.clone()
+    partly[:5] = 0
+    assert D.detect_zeroed(a, partly) is None
+
+
+def test_detect_transpose_across_shapes_and_not_on_unrelated_tensors():
+    a = randn(2, 3, 5, 4)
+    assert D.detect_transpose(a, a.transpose(1, 2)).evidence["axes"] == [1, 2]
+    assert D.detect_transpose(a, a.permute(0, 2, 3, 1)).id == "permute"
+    assert D.detect_transpose(a, randn(2, 5, 3, 4, seed=1)) is None
+    assert D.detect_transpose(a, a.reshape(2, 5, 3, 4)) is None  # a reshape is not a transpose
+
+
+def test_swapped_halves_generalises_to_chunk_orders():
+    shift, scale, gate = randn(2, 8, seed=1), randn(2, 8, seed=2), randn(2, 8, seed=3)
+    a = torch.cat([shift, scale, gate], dim=1)
+    b = torch.cat([scale, shift, gate], dim=1)
+    hint = D.detect_swapped_halves(a, b)
+    assert hint.evidence == {"dim": 1, "size": 24, "chunks": 3, "order": [1, 0, 2]}
+    uncond, cond = randn(1, 4, seed=4), randn(1, 4, seed=5)
+    cfg = D.detect_swapped_halves(torch.cat([uncond, cond]), torch.cat([cond, uncond]))
+    assert cfg.evidence["dim"] == 0 and "uncond, cond" in cfg.message
+    repeated = torch.cat([shift, shift], dim=1)
+    assert D.detect_swapped_halves(repeated, repeated + 1) is None
+
+
+def test_detect_sign_flip_whole_and_partial():
+    x = randn(100, seed=1).double()
+    assert D.detect_sign_flip(x, -x).evidence["flipped_fraction"] == 1.0
+    partial = x.clone()
+    partial[50:] *= -1
+    hint = D.detect_sign_flip(x, partial)
+    assert hint.evidence["flipped_fraction"] == pytest.approx(0.5, abs=0.02) and "rotate-half" in hint.message
+    assert D.detect_sign_flip(x, x * 2) is None
+
+
+def test_constant_scale_names_a_power_and_the_two_concepts_pitfall():
+    x = randn(1280, seed=2).double()
+    hint = D.detect_constant_scale(x, x * 0.95**3)
+    assert hint.evidence["power_form"] == "0.95^3" and "two concepts" in hint.message
+    assert D.detect_constant_scale(x, x + 0.3) is None
+    assert D.detect_constant_scale(x, -x) is None  # that is a sign flip
+    assert D.detect_constant_scale(x, x * 0) is None  # that is zeroed
+    noisy = x * 1.5 + 0.5 * randn(1280, seed=3).double()
+    assert D.detect_constant_scale(x, noisy) is None
+
+
+def test_detect_offset_rejects_noise():
+    x = randn(500, seed=4).double()
+    assert D.detect_offset(x, x - 0.25).evidence["c"] == pytest.approx(-0.25)
+    assert D.detect_offset(x, x + 0.1 * randn(500, seed=5).double()) is None
+
+
+def test_cast_detectors_tell_bf16_from_fp16_and_grade_their_confidence():
+    x = randn(4096, seed=6).double()
+    bf16 = x.to(torch.bfloat16).double()
+    fp16 = x.to(torch.float16).double()
+    assert D.detect_bf16_cast(x, bf16).evidence["exact_fraction"] == 1.0
+    assert D.detect_fp16_cast(x, bf16) is None
+    assert D.detect_fp16_cast(x, fp16).id == "fp16-cast" and D.detect_bf16_cast(x, fp16) is None
+    # rounding noise from a cast earlier in the computation: softer, lower-ranked evidence
+    upstream = (x.float().to(torch.bfloat16).float() * 1.0).double() + 1e-9
+    soft = D.detect_bf16_cast(x, upstream)
+    assert soft is not None and soft.score < 0.5 and soft.evidence["max_rel"] <= 2**-8 * 1.001
+    # the max_abs the issue quotes for unit-variance noise
+    assert float((x - bf16).abs().max()) == pytest.approx(8e-3, rel=0.25)
+
+
+def test_detect_timestep_rounding_needs_fractional_positions():
+    t = torch.tensor([999.0, 979.5, 959.25, 500.0], dtype=torch.float64)
+    hint = D.detect_timestep_rounding(t, torch.round(t))
+    assert hint.evidence["count"] == 2 and hint.evidence["mode"] == "round"
+    assert D.detect_timestep_rounding(t, t + 0.5) is None  # integers changed too
+    assert D.detect_timestep_rounding(t, t + 3) is None
+    assert D.detect_timestep_rounding(torch.round(t), t).evidence["rounded_side"] == "a"
