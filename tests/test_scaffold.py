@@ -29,6 +29,8 @@ def _env(*paths: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "helpers"), *map(str, paths), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"  # tiny local models only; never wait on the network
+    # Tiny models run fastest on one thread; on a busy machine torch's spinning workers cost 10-50x here.
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
