@@ -106,7 +106,7 @@ def run_measured(cmd: list[str], *, limit_bytes: int | None = None) -> dict:
     """Run a process, sampling its RssAnon every 5 ms.
 
     Returns wall seconds, CPU seconds (user + sys from wait4: the figure other load on the machine disturbs
-    least), peak anonymous MB, peak RSS MB (ru_maxrss: includes mapped file pages), exit code and output.
+    least), peak anonymous MB, peak RSS MB (VmHWM: includes mapped file pages), exit code and output.
     """
     if limit_bytes:
         cmd = ["prlimit", f"--as={limit_bytes}", "--", *cmd]
@@ -114,7 +114,7 @@ def run_measured(cmd: list[str], *, limit_bytes: int | None = None) -> dict:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-        peak = 0
+        peak = hwm = 0
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
@@ -124,6 +124,8 @@ def run_measured(cmd: list[str], *, limit_bytes: int | None = None) -> dict:
                     for line in handle:
                         if line.startswith("RssAnon:"):
                             peak = max(peak, int(line.split()[1]))
+                        elif line.startswith("VmHWM:"):
+                            hwm = max(hwm, int(line.split()[1]))
             except (FileNotFoundError, ProcessLookupError):
                 pass
             time.sleep(0.005)
@@ -135,7 +137,8 @@ def run_measured(cmd: list[str], *, limit_bytes: int | None = None) -> dict:
             "seconds": seconds,
             "cpu": usage.ru_utime + usage.ru_stime,
             "peak_anon_mb": peak / 1024,
-            "peak_rss_mb": usage.ru_maxrss / 1024,
+            # VmHWM of the process itself: ru_maxrss would carry over this parent's RSS across fork + exec
+            "peak_rss_mb": hwm / 1024,
             "code": proc.returncode,
             "out": out.read().decode(),
             "err": err.read().decode(errors="replace"),

@@ -576,7 +576,7 @@ def _progress_bar(total: int, progress: bool | None):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="comparing", file=sys.stderr, leave=False)
+    return tqdm(total=total, unit="param", unit_scale=True, desc="comparing", file=sys.stderr, leave=False)
 
 
 def weights_diff(
@@ -654,7 +654,16 @@ def weights_diff(
         report.seconds = time.perf_counter() - started
         return report
 
-    results = _compare_all(pairs, progress=progress, workers=workers)
+    # read in file order so a cold cache or a spinning disk sees sequential reads, then report in key order
+    def file_order(index: int) -> tuple[str, int, int]:
+        info = pairs[index][1].info
+        return (str(info.file), info.start, index) if info is not None else ("", 0, index)
+
+    order = sorted(range(len(pairs)), key=file_order)
+    computed = _compare_all([pairs[i] for i in order], progress=progress, workers=workers)
+    results: list[dict[str, float] | None] = [None] * len(pairs)
+    for index, values in zip(order, computed):
+        results[index] = values
     for (key, ea, eb), values in zip(pairs, results):
         stats = group(key, eb)
         report.bytes_compared += (ea.info.nbytes if ea.info else 0) + (eb.info.nbytes if eb.info else 0)
