@@ -80,13 +80,20 @@ def test_fused_qkv_weight_and_bias_are_split_into_chunks_with_layer_rules():
     assert entry.sources == ["net.blocks.2.attn.qkv.bias"]
     assert entry.op == "chunk"
     assert (entry.args["index"], entry.args["count"], entry.args["dim"]) == (2, 3, 0)
-    texts = {r.text for r in cmap.rules}
+    # weight and bias rules with the same op share one rule
+    assert [r.text for r in cmap.rules] == [
+        rf"net\.blocks\.(\d+)\.attn\.qkv\.(weight|bias) [chunk {j}/3 dim 0] -> transformer_blocks.\1.attn.to_{n}.\2"
+        for j, n in enumerate("qkv")
+    ]
+    assert all(r.count == 6 for r in cmap.rules)
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+    # weights alone: the rule exactly as the issue spells it
+    weights_only = {k: v for k, v in tgt.items() if k.endswith("weight")}
+    texts = {r.text for r in infer_conversion_map(src, weights_only).rules}
     assert (
         r"net\.blocks\.(\d+)\.attn\.qkv\.weight [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.weight"
         in texts
     )
-    assert len(cmap.rules) == 6 and all(r.count == 3 for r in cmap.rules)
-    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
 
 
 def test_swapped_shift_scale_is_swap_halves():
@@ -432,10 +439,15 @@ def test_real_flux_research_layout_is_mapped_back_exactly(tmp_path):
     # the rules generalise over layer indices
     texts = {r.text for r in cmap.rules}
     assert (
-        r"double_blocks\.(\d+)\.img_attn\.qkv\.weight [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.weight"
+        r"double_blocks\.(\d+)\.img_attn\.qkv\.(weight|bias) [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.\2"
         in texts
     )
-    assert all(r.count == 2 for r in cmap.rules if "blocks" in r.target)
+    assert (
+        r"single_blocks\.(\d+)\.linear1\.(weight|bias) [slice 96:224 dim 0] -> single_transformer_blocks.\1.proj_mlp.\2"
+        in texts
+    )
+    assert all(r.count in (2, 4) for r in cmap.rules if "blocks" in r.target)
+    assert len(cmap.rules) < len(cmap.mapping) / 3
 
     # the emitted module, imported and run on SOURCE, reproduces TARGET exactly
     path = emit_rules(cmap, tmp_path / "convert_flux.py")

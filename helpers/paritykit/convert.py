@@ -810,7 +810,57 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
         id(r): min((position[e.target] for e in o), default=len(position)) for r, o in zip(rules, origin)
     }
     rules.sort(key=lambda r: first[id(r)])
-    return rules
+    return _merge_suffixes(rules)
+
+
+_LAST = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _merge_suffixes(rules: list[ConversionRule]) -> list[ConversionRule]:
+    r"""Merge rules that differ only in a last name component kept as is (``weight``/``bias``) into one.
+
+    ``…\.qkv\.weight -> ….to_q.weight`` and ``…\.qkv\.bias -> ….to_q.bias`` (same op and args) become
+    ``…\.qkv\.(weight|bias) -> ….to_q.``. The merged pattern matches exactly the union of what the
+    verified rules matched, so it needs no new check.
+    """
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, r in enumerate(rules):
+        last = r.target.rsplit(".", 1)[-1]
+        if (
+            len(r.sources) != 1
+            or "." not in r.target
+            or not _LAST.fullmatch(last)
+            or not r.pattern.endswith("\\." + last)
+            or not r.sources[0].endswith("." + last)
+        ):
+            continue
+        key = (
+            r.pattern[: -len(last)],
+            r.sources[0][: -len(last)],
+            r.target[: -len(last)],
+            r.op,
+            json.dumps(r.args, sort_keys=True),
+        )
+        groups[key].append(k)
+    merged: dict[int, ConversionRule] = {}
+    dropped: set[int] = set()
+    for (pattern, source, target, _, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        lasts = [rules[k].target.rsplit(".", 1)[-1] for k in members]
+        group = re.compile(pattern).groups + 1
+        ref = f"\\{group}"
+        first = rules[members[0]]
+        merged[members[0]] = ConversionRule(
+            pattern + "(" + "|".join(lasts) + ")",
+            [source + ref],
+            target + ref,
+            first.op,
+            first.args,
+            sum(rules[k].count for k in members),
+        )
+        dropped.update(members[1:])
+    return [merged.get(k, r) for k, r in enumerate(rules) if k not in dropped]
 
 
 _TEMPLATE_PART = re.compile(r"\\g<(\d+)>|\\(\d+)|\\(\\)")
