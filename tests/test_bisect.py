@@ -1,0 +1,311 @@
+"""paritykit.bisect: planted bugs in differently named ports are named exactly, with the right hint first."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from paritykit.bisect import bisect, bisect_traces, first_divergence, remix_hint
+from paritykit.errors import ParityKitError
+from paritykit.report import to_json
+from paritykit.trace import Trace, capture
+
+from tests.bisect_pairs import conv_pair, dit_pair, time_pair
+
+PAIRS = {"dit": dit_pair, "time": time_pair, "conv": conv_pair}
+
+# (family, bug, reference culprit, port culprit, inline, first hint id or None)
+PLANTED = [
+    ("dit", "eps", "blocks.0.norm_a", "transformer_blocks.0.norm1", False, None),
+    ("dit", "gelu", "blocks.0.mlp.act", "transformer_blocks.0.ff.act", False, None),
+    ("dit", "inline", "blocks.1", "transformer_blocks.1", True, None),
+    ("dit", "adaln", "final_norm", "norm_out", True, None),
+    ("time", "remix", "mix", "time_mixer", False, "remix"),
+    ("time", "bf16", "freq", "time_proj", False, "bf16-cast"),
+    ("conv", "scale", "res", "resnet", True, "constant-scale"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "bug", "ref_name", "port_name", "inline", "hint"),
+    PLANTED,
+    ids=[f"{f}-{b}" for f, b, *_ in PLANTED],
+)
+def test_planted_bug_is_named_exactly(family, bug, ref_name, port_name, inline, hint):
+    reference, port, inputs = PAIRS[family](bug)
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "diverge" and report.exit_code == 1
+    culprit = report.culprit
+    assert (culprit.reference, culprit.port) == (ref_name, port_name)
+    assert culprit.test == "replay"
+    assert culprit.inline is inline
+    if hint is not None:
+        assert culprit.hints and culprit.hints[0].id == hint, [h.id for h in culprit.hints]
+    # the replayed pair really differs, and every module tested before it on the way down passes or was entered
+    assert culprit.max_abs > 0
+
+
+@pytest.mark.parametrize("family", sorted(PAIRS))
+def test_faithful_ports_match(family):
+    reference, port, inputs = PAIRS[family](None)
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "match" and report.exit_code == 0
+    assert report.culprit is None
+
+
+def test_remix_hint_states_both_mixtures():
+    reference, port, inputs = time_pair("remix")
+    hint = bisect(reference, port, inputs).culprit.hints[0]
+    assert "reference mixes (1.0, 0.0), port (0.857, 0.143)" in hint.message
+    assert "one knob may mean two concepts" in hint.message
+    assert hint.evidence["port"][0] == pytest.approx(0.95**3, abs=1e-6)
+
+
+def test_remix_hint_on_plain_tensors():
+    torch.manual_seed(0)
+    a, b = torch.randn(64), torch.randn(64)
+    hint = remix_hint(0.857 * a + 0.143 * b, a, [("a", a), ("b", b)])
+    assert hint.id == "remix" and "(0.857, 0.143)" in hint.message and "(1.0, 0.0)" in hint.message
+    # a common factor on every term is a constant scale, not a remix
+    assert remix_hint(a + b, 2 * (a + b), [("a", a), ("b", b)]).id == "constant-scale"
+    # nothing to report when the mixtures agree or the output is not a mixture of the inputs
+    assert remix_hint(a + b, a + b, [("a", a), ("b", b)]) is None
+    assert remix_hint(torch.tanh(a), a, [("a", a), ("b", b)]) is None
+
+
+def test_constant_scale_evidence_names_the_factor():
+    reference, port, inputs = conv_pair("scale")
+    hint = bisect(reference, port, inputs).culprit.hints[0]
+    assert hint.id == "constant-scale"
+    assert hint.evidence["k"] == pytest.approx(2.0, rel=1e-4)  # port divides by 1.0, reference by 2.0
+
+
+def test_inline_culprit_counts_its_passing_children():
+    reference, port, inputs = dit_pair("inline")
+    report = bisect(reference, port, inputs)
+    assert report.culprit.children_passed >= 2
+    tested = {(t.reference, t.status) for t in report.tested}
+    assert ("blocks.1.attn", "pass") in tested and ("blocks.0", "pass") in tested
+    assert "own forward code" in report.render()
+
+
+def test_first_output_divergence_can_differ_from_the_culprit():
+    reference, port, inputs = time_pair("bf16")
+    report = bisect(reference, port, inputs)
+    first = report.first_output_divergence
+    assert first.reference == "freq" and first.test == "output"
+    # downstream modules inherit the error but replay clears them
+    statuses = {t.reference: t.status for t in report.tested}
+    assert statuses["freq"] == "fail"
+
+
+def test_first_divergence_api():
+    reference, port, (args, kwargs) = time_pair("remix")
+    from paritykit.align import align_modules
+
+    with torch.no_grad(), capture(reference) as rt:
+        reference(*args)
+    with torch.no_grad(), capture(port) as pt:
+        port(*args)
+    found = first_divergence(rt, pt, align_modules(reference, port, rt, pt))
+    assert (found.reference, found.port) == ("mix", "time_mixer")
+    assert first_divergence(rt, rt, align_modules(reference, reference, rt, rt)) is None
+
+
+def _trace_dirs(tmp_path, family, bug):
+    reference, port, (args, kwargs) = PAIRS[family](bug)
+    with torch.no_grad(), capture(reference, to_dir=tmp_path / "ref"):
+        reference(*args, **kwargs)
+    with torch.no_grad(), capture(port, to_dir=tmp_path / "port"):
+        port(*args, **kwargs)
+    return reference, port, Trace.load(tmp_path / "ref"), Trace.load(tmp_path / "port")
+
+
+@pytest.mark.parametrize(
+    ("family", "bug", "ref_name", "hint"),
+    [("time", "remix", "mix", "remix"), ("time", "bf16", "freq", "bf16-cast")],
+)
+def test_error_jump_without_models(tmp_path, family, bug, ref_name, hint):
+    reference, port, rt, pt = _trace_dirs(tmp_path, family, bug)
+    from paritykit.align import align_modules
+
+    alignment = align_modules(reference, port, rt, pt)  # the weights stay with their own environments
+    report = bisect_traces(rt, pt, alignment)
+    assert report.culprit.reference == ref_name and report.culprit.test == "jump"
+    assert report.culprit.hints[0].id == hint
+    assert all(t.test == "jump" for t in report.tested)
+
+
+def test_replay_from_trace_folders_with_the_port_model(tmp_path):
+    reference, port, rt, pt = _trace_dirs(tmp_path, "dit", "gelu")
+    report = bisect_traces(rt, pt, reference=reference, port=port)
+    assert report.culprit.port == "transformer_blocks.0.ff.act" and report.culprit.test == "replay"
+
+
+def test_jump_ratio_separates_made_errors_from_inherited_ones(tmp_path):
+    from paritykit.align import align_modules
+    from paritykit.bisect import _Bisector
+
+    reference, port, rt, pt = _trace_dirs(tmp_path, "dit", "eps")
+    report = bisect_traces(rt, pt, reference=reference, port=None)
+    assert report.culprit.port == "transformer_blocks.0.norm1" and report.culprit.test == "jump"
+    assert "inputs agree within tolerance" in report.culprit.note
+
+    searcher = _Bisector(rt, pt, align_modules(reference, port, rt, pt), atol=None, rtol=None, ratio=10.0)
+    downstream = searcher.test(rt["head"])  # the last Linear only carries the error it is given
+    assert downstream.test == "jump" and downstream.status == "pass"
+    assert downstream.input_error > 0 and "inherited" in downstream.note
+    strict = _Bisector(rt, pt, searcher.alignment, atol=None, rtol=None, ratio=1e-3)
+    assert strict.test(rt["head"]).status == "fail"
+
+
+def test_report_json_schema():
+    reference, port, inputs = time_pair("remix")
+    payload = json.loads(to_json(bisect(reference, port, inputs).to_dict()))
+    assert payload["schema_version"] == 1 and payload["verdict"] == "diverge"
+    culprit = payload["culprit"]
+    for key in ("reference", "port", "how_aligned", "test", "max_abs", "cosine", "inline", "hints"):
+        assert key in culprit
+    assert {"id", "message"} <= set(culprit["hints"][0])
+    assert set(payload["first_output_divergence"]) >= {"reference", "port", "how_aligned", "test"}
+    assert isinstance(payload["aligned"], int)
+    assert payload["unaligned_reference"] == [] and payload["unaligned_port"] == []
+    assert payload["environment"]["torch"]
+
+
+def test_select_output_and_port_inputs():
+    reference, port, ((t,), _) = time_pair("remix")
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *, timestep):
+            return {"sample": self.inner(timestep), "extra": timestep}
+
+    report = bisect(
+        reference,
+        Wrapped(port),
+        ((t,), {}),
+        port_inputs=lambda args, kwargs: {"timestep": args[0]},
+        select_output=lambda side, out: out if side == "reference" else out["sample"],
+    )
+    assert report.culprit.port == "inner.time_mixer"
+    with pytest.raises(ParityKitError, match="inputs must be"):
+        bisect(reference, port, [t])
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+SPEC = """
+import sys
+sys.path.insert(0, {tests!r})
+from bisect_pairs import time_pair
+
+BUG = {bug!r}
+
+def build_reference():
+    return time_pair(BUG)[0]
+
+def build_port():
+    return time_pair(BUG)[1]
+
+def make_inputs():
+    return time_pair(BUG)[2]
+"""
+
+
+def write_spec(tmp_path, bug, extra="", name="SPEC.py"):
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    path = tmp_path / name
+    path.write_text(SPEC.format(tests=tests, bug=bug) + textwrap.dedent(extra))
+    return path
+
+
+def run(*args):
+    """The CLI in this process (torch is already imported); returns click's Result (exit_code, stdout, stderr)."""
+    from click.testing import CliRunner
+    from paritykit.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_cli_exit_codes_and_json_in_a_real_process(tmp_path, cli):
+    diverge = cli("bisect", write_spec(tmp_path, "remix"), "--json")
+    assert diverge.returncode == 1, diverge.stderr
+    payload = json.loads(diverge.stdout)
+    assert payload["culprit"]["port"] == "time_mixer" and payload["culprit"]["hints"][0]["id"] == "remix"
+
+    broken = write_spec(
+        tmp_path,
+        "remix",
+        name="BROKEN.py",
+        extra="""
+        def build_port():
+            return helper()
+
+        def helper():
+            raise RuntimeError("cannot build the port")
+    """,
+    )
+    result = cli("bisect", broken)
+    assert result.returncode == 2
+    assert "build_port() in BROKEN.py raised RuntimeError: cannot build the port" in result.stderr
+    assert "BROKEN.py" in result.stderr and "helper" in result.stderr
+    assert "paritykit/bisect.py" not in result.stderr
+
+
+def test_cli_match_and_bad_specs(tmp_path):
+    match = run("bisect", write_spec(tmp_path, None, name="OK.py"))
+    assert match.exit_code == 0, match.output
+    assert "verdict: match" in match.stdout
+
+    missing = tmp_path / "EMPTY.py"
+    missing.write_text("x = 1\n")
+    result = run("bisect", missing, "--json")
+    assert result.exit_code == 2 and "defines no build_reference()" in json.loads(result.stdout)["error"]
+
+    failing_import = tmp_path / "IMPORT.py"
+    failing_import.write_text("import no_such_module_here\n")
+    result = run("bisect", failing_import)
+    assert result.exit_code == 2 and "importing IMPORT.py raised ModuleNotFoundError" in result.stderr
+
+    assert run("bisect", tmp_path / "nope.py").exit_code == 2
+    assert run("bisect").exit_code == 2
+    assert run("bisect", write_spec(tmp_path, "remix"), "--map", "no-equals-sign").exit_code == 2
+
+
+def test_cli_two_environment_flow(tmp_path):
+    only_ref = write_spec(
+        tmp_path,
+        "remix",
+        name="REF.py",
+        extra="""
+        del build_port
+    """,
+    )
+    assert run("trace", only_ref, "--side", "reference", "--out", tmp_path / "r").exit_code == 0
+    spec = write_spec(tmp_path, "remix")
+    result = run("trace", spec, "--side", "port", "--out", tmp_path / "p", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["calls"] > 0
+    assert (tmp_path / "p" / "weights.safetensors").is_file()
+
+    by_jump = run("bisect", "--traces", tmp_path / "r", tmp_path / "p", "--json")
+    assert by_jump.exit_code == 1, by_jump.output
+    culprit = json.loads(by_jump.stdout)["culprit"]
+    assert culprit["port"] == "time_mixer" and culprit["test"] == "jump"
+
+    by_replay = run("bisect", "--traces", tmp_path / "r", tmp_path / "p", spec, "--json")
+    assert json.loads(by_replay.stdout)["culprit"]["test"] == "replay"
+
+    # a folder holding other files is never overwritten
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    refused = run("trace", spec, "--side", "port", "--out", tmp_path / "mine")
+    assert refused.exit_code == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
