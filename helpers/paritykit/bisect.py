@@ -385,7 +385,8 @@ class _Bisector:
             own = port_leaves[j][1]
             if tensor.is_floating_point() and own.is_floating_point():
                 tensor = tensor.to(own.dtype)
-            swap[port_keys[j]] = tensor.to(device) if device is not None else tensor
+            # a copy: an in-place op in the port module must not change the trace
+            swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
         if len(swap) != len(port_keys):
             return None
         args, kwargs = _unpack(port_record.inputs_skeleton, lambda key: swap[key])
@@ -405,9 +406,12 @@ class _Bisector:
         if ref_module is not None:
             args, kwargs = ref_record.call_inputs()
             device = _module_device(ref_module)
-            args = tuple(a.to(device) if _is_tensor(a) else a for a in args)
-            kwargs = {k: v.to(device) if _is_tensor(v) else v for k, v in kwargs.items()}
-            ref_out = flatten_tensors(ref_module(*args, **kwargs))
+            args = tuple(a.to(device, copy=True) if _is_tensor(a) else a for a in args)
+            kwargs = {k: v.to(device, copy=True) if _is_tensor(v) else v for k, v in kwargs.items()}
+            try:
+                ref_out = flatten_tensors(ref_module(*args, **kwargs))
+            except Exception as exc:  # e.g. state its parent sets up before calling it
+                return f"reference call failed on its own captured inputs ({type(exc).__name__})"
             # A reference call that does not reproduce its own captured output (randomness, hidden state)
             # cannot be replayed meaningfully.
             captured = list(ref_record.outputs.items())
