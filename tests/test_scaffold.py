@@ -8,7 +8,10 @@ read from a JUnit report.
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import random
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -111,6 +114,18 @@ def test_generated_files_lint_clean_with_headers_and_no_markers(tmp_path):
         assert filename in header or "PIPELINE_DIR" in header
         for marker in ("{{", "}}", "{%", "%}", "{#", "#}"):
             assert marker not in text, (filename, marker)
+
+
+def test_string_literals_round_trip_and_keep_ruffs_quote_style(tmp_path):
+    rng = random.Random(0)
+    alphabet = "ab/ .-_" + "\"'\\" + "üé漢" + "\t\n\x00"
+    values = ["", "plain", 'we"ird', "it's", "\\\\server\\share"]
+    values += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    source = "".join(f"V{i} = {scaffold.python_str(value)}\n" for i, value in enumerate(values))
+    tree = ast.parse(source)
+    assert [node.value.value for node in tree.body] == values
+    (tmp_path / "literals.py").write_text(source, encoding="utf-8")
+    _ruff(tmp_path)
 
 
 def test_relative_paths_are_anchored_at_the_generated_file(tmp_path, cli):
@@ -227,24 +242,31 @@ def test_new_imports_neither_torch_nor_diffusers(tmp_path):
 
 
 def test_config_diff_script_exit_codes(tmp_path):
-    (tmp_path / "a.json").write_text('{"in_channels": 4, "block_out_channels": [32, 64], "_class_name": "X"}')
-    (tmp_path / "same.json").write_text('{"in_channels": 4.0, "block_out_channels": [32, 64]}')
-    (tmp_path / "other.json").write_text('{"in_channels": 8, "block_out_channels": [32, 64]}')
+    # quotes, a backslash and non-ASCII in the path must survive into the generated string literals
+    odd = tmp_path / 'we"ird \\ dir ü'
+    odd.mkdir()
+    (odd / "a.json").write_text('{"in_channels": 4, "block_out_channels": [32, 64], "_class_name": "X"}')
+    (odd / "same.json").write_text('{"in_channels": 4.0, "block_out_channels": [32, 64]}')
+    (odd / "other.json").write_text('{"in_channels": 8, "block_out_channels": [32, 64]}')
     runs = {}
     for name, other in (("same", "same.json"), ("differ", "other.json"), ("missing", "nope.json")):
-        paths = scaffold.generate(
+        written = scaffold.generate(
             "config-diff",
             name,
             out_dir=tmp_path / "gen",
-            reference=str(tmp_path / "a.json"),
-            diffusers=str(tmp_path / other),
-        ).paths
-        script = paths[0]
+            reference=str(odd / "a.json"),
+            diffusers=str(odd / other),
+        )
+        script = written.paths[0]
         assert os.access(script, os.X_OK)
-        runs[name] = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env())
+        args = [sys.executable, str(script), *(["--json"] if name == "differ" else [])]
+        runs[name] = subprocess.run(args, capture_output=True, text=True, env=_env())
+    _ruff(tmp_path / "gen")
     assert runs["same"].returncode == 0, runs["same"].stdout + runs["same"].stderr
     assert runs["differ"].returncode == 1, runs["differ"].stdout + runs["differ"].stderr
-    assert "in_channels" in runs["differ"].stdout
+    report = json.loads(runs["differ"].stdout)
+    assert report["schema_version"] == 1
+    assert [d["key"] for d in report["differences"]] == ["in_channels"]
     assert runs["missing"].returncode == 2 and "nope.json" in runs["missing"].stderr
     assert "Traceback" not in runs["missing"].stderr
 

@@ -298,12 +298,16 @@ _RULES = {
 
 # ------------------------------------------------------------------------------------------------ filters
 def python_str(value: str) -> str:
-    r"""``value`` as a double-quoted Python string literal (the quote style ``ruff format`` keeps)."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    r"""``value`` as a Python string literal, quoted the way ``ruff format`` leaves it.
+
+    Double quotes, unless the value holds more double than single quotes (then fewer escapes win).
+    """
+    quote = "'" if value.count('"') > value.count("'") else '"'
+    escaped = value.replace("\\", "\\\\").replace(quote, "\\" + quote)
     escaped = "".join(
         ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in escaped
     )
-    return f'"{escaped}"'
+    return f"{quote}{escaped}{quote}"
 
 
 def docstring_text(value: Any) -> str:
