@@ -824,9 +824,8 @@ def compare_paths(
     sides = []
     for path in (a, b):
         tensors = load_tensors(path)
-        if Path(path).is_file():
-            prefix = Path(path).stem + "/"
-            tensors = {name.removeprefix(prefix): t for name, t in tensors.items()}
+        if Path(path).is_file():  # names are "stem" or "stem/key": keep what pairs across two files
+            tensors = {name.split("/", 1)[-1]: t for name, t in tensors.items()}
         if not tensors:
             raise ParityKitError(f"{path}: holds no tensors")
         sides.append(tensors)
