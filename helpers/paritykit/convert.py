@@ -611,13 +611,27 @@ def _layer_indices(name: str) -> tuple[str, ...]:
     return tuple(c for c in name.split(".") if c.isdigit())
 
 
-def _ancestors(name: str, depth: int = 3) -> list[str]:
+def _ancestors(name: str, depth: int = 8) -> list[str]:
     parts = name.split(".")[:-1]
     return [".".join(parts[:n]) for n in range(len(parts), max(0, len(parts) - depth), -1)]
 
 
+# words that name the same thing across research and diffusers naming (the text stream of dual-stream blocks
+# is "txt"/"context" in research code and "added"/"context" in diffusers; norms and MLPs have many names)
+_SYNONYMS = [
+    {"txt", "text", "context", "added", "add", "encoder", "cond"},
+    {"img", "image", "sample", "hidden"},
+    {"ln", "norm", "layernorm", "groupnorm", "rmsnorm"},
+    {"ff", "ffn", "mlp", "feedforward"},
+    {"scale", "weight", "gamma", "g"},
+    {"shift", "bias", "beta", "b"},
+]
+_SYNONYM_OF = {w: frozenset(group) for group in _SYNONYMS for w in group}
+
+
 def _words_match(a: str, b: str) -> bool:
-    return a == b or a.startswith(b) or b.startswith(a)  # q ~ query, attn ~ attention
+    # prefixes count: q ~ query, attn ~ attention
+    return a == b or a.startswith(b) or b.startswith(a) or b in _SYNONYM_OF.get(a, ())
 
 
 class _NameScorer:
@@ -634,9 +648,12 @@ class _NameScorer:
         self.votes: dict[tuple[str, str], int] = defaultdict(int)
         self.totals: dict[str, int] = defaultdict(int)
 
-    def learn(self, source: str, target: str) -> None:
-        self.pairs.add((_skeleton(source), _skeleton(target)))
+    def learn(self, source: str, target: str, *, evidence: bool = True) -> None:
+        r"""Record a match; only value-unique matches (``evidence``) teach naming patterns and module ties."""
         self.used.add(source)
+        if not evidence:
+            return
+        self.pairs.add((_skeleton(source), _skeleton(target)))
         for t_anc in _ancestors(target):
             self.totals[t_anc] += 1
             for s_anc in _ancestors(source):
@@ -1275,7 +1292,7 @@ class _Matcher:
             self.ambiguous[tkey] = shown
             self.n_candidates[tkey] = sum(len(f.candidates()) for f in fs)  # classes are disjoint
             for name in best.sources:
-                self.scorer.learn(name, tkey)
+                self.scorer.learn(name, tkey, evidence=False)
 
 
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
