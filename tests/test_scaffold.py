@@ -215,6 +215,21 @@ def test_existing_file_is_refused_byte_identical_until_force(tmp_path, cli):
     assert [p.name for p in tmp_path.iterdir()] == [target.name], "no temp file may be left behind"
 
 
+def test_new_without_a_template_prints_help(cli):
+    result = cli("new")
+    assert result.returncode == 0 and "--list" in result.stdout
+    for kind in KINDS:
+        assert kind in result.stdout
+
+
+def test_out_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ParityKitError, match="cannot create the folder"):
+        scaffold.generate(
+            "pipeline-stub", "P", out_dir=tmp_path / "file" / "sub", components="unet,scheduler"
+        )
+
+
 def test_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ParityKitError, match="is a file"):

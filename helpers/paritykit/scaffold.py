@@ -476,7 +476,10 @@ def write_files(files: list[RenderedFile], out_dir: str | os.PathLike, *, force:
         raise ParityKitError(f"--out {out}: cannot create the folder ({exc.strerror})") from exc
     result = Generated(overwritten=existing)
     for item, path in zip(files, targets):
-        _atomic_write(path, item.text, executable=item.executable)
+        try:
+            _atomic_write(path, item.text, executable=item.executable)
+        except OSError as exc:
+            raise ParityKitError(f"cannot write {path} ({exc.strerror or exc})") from exc
         result.paths.append(path)
     return result
 
