@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -25,6 +26,8 @@ from tests.conftest import REPO
 
 FIXTURES = REPO / "tests" / "_scaffold_fixtures"
 RUFF = Path(sys.executable).with_name("ruff")
+if not RUFF.exists():
+    RUFF = Path(shutil.which("ruff") or "ruff")
 KINDS = ("component-test", "config-diff", "pipeline-stub", "stage-test")
 
 
@@ -47,7 +50,7 @@ def _ruff(folder: Path) -> None:
 
 
 def _render_all(out: Path) -> dict[str, str]:
-    """Every template in several variants (absolute paths; relative ones are covered separately)."""
+    """Every template in several variants; none of the paths exists (the user may render before converting)."""
     variants = [
         ("component-test", "unet", {"reference": "pkg.ref:build", "diffusers": "UNet2DModel"}),
         (
@@ -291,69 +294,27 @@ def test_config_diff_script_exit_codes(tmp_path):
 def executed(tmp_path_factory):
     """Render everything into one folder, drive the stubs, then run every generated test in one pytest."""
     work = tmp_path_factory.mktemp("scaffold_run")
+    unet = {
+        "reference": "scaffold_parts:build_reference",
+        "diffusers": "UNet2DModel",
+        "convert": "scaffold_parts:convert",
+        "pretrained": "saved_unet",
+    }
+    stages = {
+        "pipeline": "pipeline_tiny:TinyPipeline",
+        "pretrained": "saved_pipeline",
+        "reference": "scaffold_parts:run_reference",
+    }
     render = [
         ("pipeline-stub", "Tiny", {}),
         ("pipeline-stub", "Pixel", {"components": "unet,scheduler"}),
         ("pipeline-stub", "DiT", {"components": "transformer,scheduler,vae"}),
-        (
-            "component-test",
-            "unet",
-            {
-                "reference": "scaffold_parts:build_reference",
-                "diffusers": "UNet2DModel",
-                "convert": "scaffold_parts:convert",
-                "pretrained": "saved_unet",
-            },
-        ),
-        (
-            "component-test",
-            "stale",
-            {
-                "reference": "scaffold_parts:build_reference",
-                "diffusers": "UNet2DModel",
-                "convert": "scaffold_parts:convert",
-                "pretrained": "stale_unet",
-            },
-        ),
-        (
-            "component-test",
-            "badconv",
-            {
-                "reference": "scaffold_parts:build_reference",
-                "diffusers": "UNet2DModel",
-                "convert": "scaffold_parts:convert_with_bug",
-                "pretrained": "saved_unet",
-            },
-        ),
-        (
-            "component-test",
-            "custom",
-            {
-                "reference": "scaffold_parts:build_reference",
-                "diffusers": "UNet2DModel",
-                "convert": "scaffold_parts:convert",
-                "inputs": "scaffold_parts:unet_inputs",
-                "pretrained": "saved_unet",
-            },
-        ),
-        (
-            "stage-test",
-            "tiny",
-            {
-                "pipeline": "pipeline_tiny:TinyPipeline",
-                "pretrained": "saved_pipeline",
-                "reference": "scaffold_parts:run_reference",
-            },
-        ),
-        (
-            "stage-test",
-            "buggy",
-            {
-                "pipeline": "pipeline_tiny:TinyPipeline",
-                "pretrained": "saved_pipeline",
-                "reference": "scaffold_parts:run_reference_with_decode_bug",
-            },
-        ),
+        ("component-test", "unet", unet),
+        ("component-test", "stale", {**unet, "pretrained": "stale_unet"}),
+        ("component-test", "badconv", {**unet, "convert": "scaffold_parts:convert_with_bug"}),
+        ("component-test", "custom", {**unet, "inputs": "scaffold_parts:unet_inputs"}),
+        ("stage-test", "tiny", stages),
+        ("stage-test", "buggy", {**stages, "reference": "scaffold_parts:run_reference_with_decode_bug"}),
     ]
     cwd = os.getcwd()
     os.chdir(work)  # relative --pretrained paths, as a user in that folder would type them
