@@ -490,38 +490,82 @@ def test_real_flux_fresh_init_norms_are_ambiguous_but_rules_still_reproduce(tmp_
     assert modules["transformer_blocks.0.attn.to_q"] == ["double_blocks.0.img_attn.qkv"]
 
 
-def test_real_autoencoder_ldm_attention_1x1_convs(tmp_path):
+def _tiny_vae(randomise=True):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
     vae = AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
         latent_channels=4,
         norm_num_groups=4,
         layers_per_block=1,
     )
-    target = {k: torch.randn_like(v) for k, v in vae.state_dict().items()}
-    names = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out", "group_norm": "norm"}
-    source = {}
-    for key, value in target.items():
-        m = re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)\.(weight|bias)", key)
-        if m:
-            side, mod, kind = m.groups()
-            if kind == "weight" and value.ndim == 2:
-                value = value[:, :, None, None]  # LDM stores attention projections as 1x1 convs
-            source[f"first_stage_model.{side}.mid.attn_1.{names[mod]}.{kind}"] = value
-        else:
-            source[f"first_stage_model.{key}"] = value
-    cmap = infer_conversion_map(source, target)
-    assert cmap.exit_code == 0 and not cmap.unused_source
-    e = _entries(cmap)["decoder.mid_block.attentions.0.to_k.weight"]
-    assert (e.sources, e.op, e.args) == (
-        ["first_stage_model.decoder.mid.attn_1.k.weight"],
-        "reshape",
-        {"shape": [16, 16]},
+    sd = vae.state_dict()
+    return {k: torch.randn_like(v) for k, v in sd.items()} if randomise else sd
+
+
+_LDM_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
+
+
+def _ldm_name(key: str, n_blocks: int = 3) -> str:
+    r"""The original latent-diffusion name of a diffusers AutoencoderKL key (test helper).
+
+    Note the decoder: diffusers' ``up_blocks.0`` is LDM's ``up.2`` (reversed), so layer numbers do not carry over.
+    """
+    name = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", key)
+    name = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", name)
+    name = re.sub(r"^decoder\.up_blocks\.(\d+)\.", lambda m: f"decoder.up.{n_blocks - 1 - int(m[1])}.", name)
+    name = re.sub(r"^(decoder\.up\.\d+\.)resnets\.", r"\1block.", name)
+    name = re.sub(r"^(decoder\.up\.\d+\.)upsamplers\.0\.", r"\1upsample.", name)
+    name = re.sub(r"mid_block\.resnets\.(\d+)\.", lambda m: f"mid.block_{int(m[1]) + 1}.", name)
+    name = name.replace("mid_block.attentions.0.", "mid.attn_1.")
+    for new, old in _LDM_ATTENTION.items():
+        name = name.replace(f"attn_1.{new}.", f"attn_1.{old}.")
+    return "first_stage_model." + name.replace("conv_shortcut", "nin_shortcut").replace(
+        "conv_norm_out", "norm_out"
     )
+
+
+def _ldm_layout(sd):
+    out = {}
+    for key, value in sd.items():
+        if ".attentions." in key and key.endswith("weight") and value.ndim == 2:
+            value = value[:, :, None, None]  # LDM stores attention projections as 1x1 convs
+        out[_ldm_name(key)] = value
+    return out
+
+
+def test_real_autoencoder_in_ldm_layout_reversed_up_blocks_and_1x1_convs(tmp_path):
+    target = _tiny_vae()
+    source = _ldm_layout(target)
+    cmap = infer_conversion_map(source, target)
+    assert cmap.exit_code == 0 and not cmap.unused_source and not cmap.ambiguous
+    for e in cmap.mapping:
+        assert e.sources == [_ldm_name(e.target)], e
+    e = _entries(cmap)["decoder.mid_block.attentions.0.to_k.weight"]
+    assert (e.op, e.args) == ("reshape", {"shape": [16, 16]})
+    # reversed block numbers cannot become back-references; the rules spell them out and stay exact
+    texts = {r.text for r in cmap.rules}
+    assert (
+        r"first_stage_model\.decoder\.up\.2\.block\.(\d+)\.conv(\d+)\.(weight|bias) -> decoder.up_blocks.0.resnets.\1.conv\2.\3"
+        in texts
+    )
+    path = emit_rules(cmap, tmp_path / "vae.py")
+    _assert_lint_clean(path)
+    _assert_reproduces(_import(path).convert(source), target)
+
+
+def test_real_autoencoder_fresh_init_norms_follow_their_blocks(tmp_path):
+    target = _tiny_vae(randomise=False)  # GroupNorm weights are ones, biases zeros
+    source = _ldm_layout(target)
+    cmap = infer_conversion_map(source, target)
+    assert cmap.exit_code == 0 and len(cmap.ambiguous) > 20
+    # the value-unique convolutions of each block tie its norms to the right block, even where the layer
+    # numbers of the two namings disagree (the decoder's reversed up blocks)
+    for a in cmap.ambiguous:
+        assert a.chosen == _ldm_name(a.target), a
     _assert_reproduces(_import(emit_rules(cmap, tmp_path / "vae.py")).convert(source), target)
 
 

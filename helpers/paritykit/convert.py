@@ -637,15 +637,17 @@ def _words_match(a: str, b: str) -> bool:
 class _NameScorer:
     r"""Ranks candidate sources for a target whose values several sources share.
 
-    In order: the (source, target) naming pattern was already proven by a value-unique match; the layer
-    indices agree; the candidate sits in a source module that value-unique matches already tie to the
-    target's parent modules; shared words (prefixes count: ``q`` ~ ``query``); not yet used; similar tails.
+    In order: the (source, target) naming pattern was already proven by a value-unique match; the candidate
+    sits in a source module that value-unique matches tie to the target's parent modules (their context);
+    the layer indices agree; shared words (prefixes and synonyms count: ``q`` ~ ``query``, ``added`` ~
+    ``txt``); not yet used; similar tails.
     """
 
     def __init__(self) -> None:
         self.pairs: set[tuple[str, str]] = set()
         self.used: set[str] = set()
-        self.votes: dict[tuple[str, str], int] = defaultdict(int)
+        # target ancestor module -> source ancestor module -> value-unique matches under both
+        self.partners: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.totals: dict[str, int] = defaultdict(int)
 
     def learn(self, source: str, target: str, *, evidence: bool = True) -> None:
@@ -656,8 +658,18 @@ class _NameScorer:
         self.pairs.add((_skeleton(source), _skeleton(target)))
         for t_anc in _ancestors(target):
             self.totals[t_anc] += 1
+            partners = self.partners[t_anc]
             for s_anc in _ancestors(source):
-                self.votes[(t_anc, s_anc)] += 1
+                partners[s_anc] += 1
+
+    def homes(self, target: str) -> list[str]:
+        r"""For each parent module of ``target`` (deepest first), the source module most tied to it."""
+        out = []
+        for t_anc in _ancestors(target):
+            partners = self.partners.get(t_anc)
+            if partners:
+                out.append(max(partners.items(), key=lambda kv: (kv[1], kv[0].count(".")))[0])
+        return out
 
     def key(self, source: str, target: str, cheap: bool = False) -> tuple:
         known = (_skeleton(source), _skeleton(target)) in self.pairs
@@ -665,14 +677,15 @@ class _NameScorer:
         indices = sum(a == b for a, b in zip(si, ti)) / max(1, len(si), len(ti))
         context = 0.0
         for t_anc in _ancestors(target):
-            if self.totals.get(t_anc):
-                hits = max((self.votes.get((t_anc, s_anc), 0) for s_anc in _ancestors(source)), default=0)
+            partners = self.partners.get(t_anc)
+            if partners:
+                hits = max((partners.get(s_anc, 0) for s_anc in _ancestors(source)), default=0)
                 context += hits / self.totals[t_anc]
         sw = set(_WORDS.findall(source.lower()))
         tw = set(_WORDS.findall(target.lower()))
         common = sum(any(_words_match(w, v) for v in sw) for w in tw)
         words = common / max(1, len(sw | tw))
-        head = (known, indices, round(context, 6), round(words, 6), source not in self.used)
+        head = (known, round(context, 6), indices, round(words, 6), source not in self.used)
         if cheap:
             return head
         tail = difflib.SequenceMatcher(
@@ -1264,21 +1277,34 @@ class _Matcher:
                 for s in fs[pick].sources:
                     self.scorer.learn(s, tkey)
         by_layer: dict[int, dict[tuple[str, ...], list[str]]] = {}
+        by_module: dict[int, dict[str, list[str]]] = {}
         for tkey in (k for k in self.target if k in self.found and k not in self.chosen):
             fs = self.found[tkey]
-            # candidates in the same layer first; each shared pool is indexed once, so a big bucket of
-            # constants is ranked in time linear in its size, not in (targets x sources)
-            indices = _layer_indices(tkey)
-            near: dict[str, _Found] = {}
+            # a short list first: candidates inside the source module that value-unique matches tie to the
+            # target's parent modules, else candidates in the same layer. Each shared pool is indexed once,
+            # so a big bucket of constants is ranked in time linear in its size, not in targets x sources.
             for f in fs:
                 pool = f.candidates()
                 if id(pool) not in by_layer:
-                    index: dict[tuple[str, ...], list[str]] = defaultdict(list)
+                    layers: dict[tuple[str, ...], list[str]] = defaultdict(list)
+                    modules: dict[str, list[str]] = defaultdict(list)
                     for name in pool:
-                        index[_layer_indices(name)].append(name)
-                    by_layer[id(pool)] = index
-                for name in by_layer[id(pool)].get(indices, ()):
-                    near.setdefault(name, f)
+                        layers[_layer_indices(name)].append(name)
+                        for anc in _ancestors(name):
+                            modules[anc].append(name)
+                    by_layer[id(pool)], by_module[id(pool)] = layers, modules
+            near: dict[str, _Found] = {}
+            for home in self.scorer.homes(tkey):
+                for f in fs:
+                    for name in by_module[id(f.candidates())].get(home, ()):
+                        near.setdefault(name, f)
+                if near:
+                    break
+            if not near:
+                indices = _layer_indices(tkey)
+                for f in fs:
+                    for name in by_layer[id(f.candidates())].get(indices, ()):
+                        near.setdefault(name, f)
             if not near:
                 near = {name: f for f in fs for name in f.candidates()[:_MAX_FALLBACK]}
             ranked = self.scorer.rank(tkey, near)
