@@ -4,18 +4,20 @@ Research checkpoints and diffusers weights rarely share names, and the conversio
 ports silently break (a fused QKV split in the wrong order, shift/scale swapped, a transposed projection).
 :func:`infer_conversion_map` explains every TARGET tensor from SOURCE tensors by value:
 
-1. Every tensor gets a layout-insensitive fingerprint: a multiset hash of its element bit patterns (a sum of
-   mixed 64-bit hashes, wrapping), computed in the target's dtype. Equal multisets give equal hashes under
-   any transpose, reshape or row permutation; a cast is covered because rounding is monotone, so the source
-   is hashed after casting to the target dtype. Hashes are bucketed, so matching is linear in total bytes
-   and never quadratic in the number of keys.
+1. Every tensor gets a layout-insensitive fingerprint: a multiset hash of its element bit patterns (the
+   sum of one scrambled integer per element), computed in the target's dtype. Equal multisets give equal
+   hashes under any transpose, reshape or row permutation, and the hash is exact (no tolerance to tune);
+   a cast is covered because the source is hashed after casting to the target dtype. Tensors are read in
+   blocks (``.safetensors`` inputs through memory maps) and bucketed by hash, so matching is linear in
+   total bytes and never quadratic in the number of keys.
 2. Candidates sharing a bucket are confirmed exactly (``torch.equal``), which also finds the layout op:
    identity, cast, reshape, transpose/permute, swap_halves, permute_rows.
 3. Targets still unexplained are searched among *pieces* of unused sources (equal chunks along each dim
    whose size matches some target, then the leftover ranges: fused QKV, QKV + MLP), and as *concatenations*
    of source tensors (the target's pieces looked up in the source buckets).
 4. A target matched equally well by several sources (constants, fresh initialisation) is ``ambiguous``; the
-   candidate whose name fits best (naming patterns already seen, equal layer numbers, shared words) is used.
+   candidate that fits best is used: inside the source module its value-unique neighbours map to, then by
+   naming patterns already proven, layer numbers and shared words (with prefixes and a few synonyms).
 5. The mapping is collapsed into regex rules over layer indices and checked: applying the rules to the
    source key names must give exactly the mapping, otherwise the offending rule is spelt out key by key.
 
