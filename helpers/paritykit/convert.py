@@ -439,11 +439,11 @@ def _multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
         if block.dtype != dtype:
             block = block.to(dtype)
         h = _mix(_bits(block))
-        total += h.sum()
+        per_row = h.reshape(h.shape[0], -1).sum(1)
+        total += per_row.sum()
         for dim, count in splits:
             if dim == 0:
                 size = rows // count
-                per_row = h.reshape(h.shape[0], -1).sum(1)
                 which = torch.arange(r0, r0 + h.shape[0]) // size
                 pieces[(dim, count)].index_add_(0, which, per_row)
             else:
