@@ -55,6 +55,27 @@ def test_faithful_ports_match(family):
     assert report.culprit is None
 
 
+OPS = [
+    ("dit", "eps", "layer_norm", "eps=1e-05", "eps=1e-06"),
+    ("dit", "gelu", "gelu", "approximate='none'", "approximate='tanh'"),
+    ("time", "remix", "mul", "0.857", "1.0"),
+    ("time", "bf16", "Tensor.to", "torch.bfloat16", None),
+    ("conv", "scale", "div", "1.0", "2.0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "bug", "op", "port_arg", "ref_arg"), OPS, ids=[f"{f}-{b}" for f, b, *_ in OPS]
+)
+def test_ops_names_the_first_differing_op(family, bug, op, port_arg, ref_arg):
+    reference, port, inputs = PAIRS[family](bug)
+    found = bisect(reference, port, inputs, ops=True).culprit.op
+    assert op in found.port_op and port_arg in found.port_args
+    if ref_arg is not None:
+        assert ref_arg in found.reference_args
+    assert found.port_ops > found.index >= 0
+
+
 def test_remix_hint_states_both_mixtures():
     reference, port, inputs = time_pair("remix")
     hint = bisect(reference, port, inputs).culprit.hints[0]
@@ -301,8 +322,9 @@ def test_cli_two_environment_flow(tmp_path):
     culprit = json.loads(by_jump.stdout)["culprit"]
     assert culprit["port"] == "time_mixer" and culprit["test"] == "jump"
 
-    by_replay = run("bisect", "--traces", tmp_path / "r", tmp_path / "p", spec, "--json")
-    assert json.loads(by_replay.stdout)["culprit"]["test"] == "replay"
+    by_replay = run("bisect", "--traces", tmp_path / "r", tmp_path / "p", spec, "--json", "--ops")
+    culprit = json.loads(by_replay.stdout)["culprit"]
+    assert culprit["test"] == "replay" and "0.857" in culprit["op"]["port_args"]
 
     # a folder holding other files is never overwritten
     (tmp_path / "mine").mkdir()

@@ -46,9 +46,14 @@ code is shown with the traceback trimmed to your files).
 )
 @map_option
 @click.option("--device", default=None, help="Device for both models and inputs, e.g. cpu or cuda.")
+@click.option(
+    "--ops",
+    is_flag=True,
+    help="Re-run the culprit on both sides under an op logger and name the first op whose result differs.",
+)
 @json_option
 @limit_option
-def bisect(spec, traces, atol, rtol, maps, device, as_json, limit):
+def bisect(spec, traces, atol, rtol, maps, device, ops, as_json, limit):
     from paritykit.bisect import bisect_spec
     from paritykit.naming import parse_map_options
 
@@ -61,6 +66,7 @@ def bisect(spec, traces, atol, rtol, maps, device, as_json, limit):
         atol=atol,
         rtol=rtol,
         device=device,
+        ops=ops,
     )
     emit(report, as_json=as_json, limit=limit)
 
