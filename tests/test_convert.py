@@ -714,3 +714,24 @@ def test_sharded_safetensors_are_read_as_one_state_dict(tmp_path):
     assert cmap.unmapped_target == ["a_mask"]
     entries = _entries(cmap)
     assert entries["b.to_k"].args["index"] == 1 and entries["b.to_out"].op == "transpose"
+
+
+def test_values_rounded_through_bf16_are_a_cast_round_trip():
+    w, q = _rand(8, 4, seed=7), _rand(4, 4, seed=8)
+    src = {"w": w, "q": q}
+    tgt = {
+        "w": w.to(torch.bfloat16).float(),
+        "q_t": q.t().half().float(),
+    }  # saved in half precision, loaded as fp32
+    cmap = infer_conversion_map(src, tgt)
+    entries = _entries(cmap)
+    assert (entries["w"].op, entries["w"].args) == (
+        "cast",
+        {"dtype": "bfloat16", "then": [{"op": "cast", "dtype": "float32"}]},
+    )
+    assert entries["q_t"].op == "transpose"
+    assert entries["q_t"].args["then"] == [
+        {"op": "cast", "dtype": "float16"},
+        {"op": "cast", "dtype": "float32"},
+    ]
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)

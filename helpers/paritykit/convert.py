@@ -1142,6 +1142,43 @@ class _Matcher:
             if results:
                 self.found[key] = results
 
+    # -- phase 2b: values rounded through a lower precision ------------------------------------------------
+    def match_rounded(self) -> None:
+        r"""Targets whose values sit on a bf16/fp16 grid while their dtype is wider: a conversion that went
+        through the lower precision (saved in bf16, loaded as fp32). Matched against sources rounded the same way.
+        """
+        import torch
+
+        lows = (torch.bfloat16, torch.float16)
+        open_targets = [
+            k
+            for k, t in self.target.items()
+            if k not in self.found and t.dtype.is_floating_point and t.element_size() >= 4 and t.numel()
+        ]
+        for low in lows:
+            wanted = []
+            for k in open_targets:
+                t = self.target[k]
+                if k not in self.found and _equal(t.to(low).to(t.dtype), t):
+                    wanted.append(k)
+            if not wanted:
+                continue
+            table: dict[tuple[int, int], list[str]] = defaultdict(list)
+            for skey, src in self.source.items():
+                if src.dtype.is_floating_point and src.dtype != low:
+                    table[(src.numel(), _multiset_hashes(src, low)[0])].append(skey)
+            for k in wanted:
+                t = self.target[k]
+                t_low = t.to(low)
+                for skey in table.get((t.numel(), _multiset_hashes(t_low, low)[0]), []):
+                    steps = _resolve(self.source[skey].to(low), t_low)
+                    if steps is not None:
+                        casts = [
+                            {"op": "cast", "dtype": _dtype_name(low)},
+                            {"op": "cast", "dtype": _dtype_name(t.dtype)},
+                        ]
+                        self.found.setdefault(k, []).append(_entry_from_steps(skey, [*steps, *casts], None))
+
     # -- phase 3: pieces of fused sources -----------------------------------------------------------------
     def match_pieces(self) -> None:
         open_targets = [k for k in self.target if k not in self.found]
@@ -1356,6 +1393,7 @@ def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
     m = _Matcher(src, tgt)
     m.fingerprint()
     m.match_whole()
+    m.match_rounded()
     m.match_pieces()
     m.match_concat()
     m.choose()
