@@ -31,7 +31,13 @@ _GROWTH_HELP = (
 @click.argument("b")
 @click.option("--key", default="latents", show_default=True, help="Tensor of each checkpoint to compare.")
 @click.option("--sigmas", metavar="FILE", help="The sigma of each step (.json, .txt, .npy or a tensor file).")
-@click.option("--plot", "plot_path", metavar="OUT.png", help="Write the curve (log y) as a PNG.")
+@click.option(
+    "--plot",
+    "plot_path",
+    metavar="OUT.png",
+    type=click.Path(dir_okay=False),
+    help="Write the curve (log y) as a PNG.",
+)
 @click.option("--atol", type=float, help="Absolute tolerance (default: from the dtypes).")
 @click.option("--rtol", type=float, help="Relative tolerance (default: from the dtypes).")
 @json_option
@@ -56,7 +62,11 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 @click.argument("a")
 @click.argument("b")
 @click.option(
-    "--out", "out", metavar="DIFF.png", help="Write reference | port | amplified diff heatmap (PNG)."
+    "--out",
+    "out",
+    metavar="DIFF.png",
+    type=click.Path(dir_okay=False),
+    help="Write reference | port | amplified diff heatmap (PNG).",
 )
 @click.option("--psnr-min", type=float, default=40.0, show_default=True, help="Pass threshold in dB.")
 @click.option(
