@@ -284,3 +284,15 @@ def test_detect_timestep_rounding_needs_fractional_positions():
     assert D.detect_timestep_rounding(t, t + 0.5) is None  # integers changed too
     assert D.detect_timestep_rounding(t, t + 3) is None
     assert D.detect_timestep_rounding(torch.round(t), t).evidence["rounded_side"] == "a"
+
+
+def test_strided_views_get_the_same_hints_as_contiguous_copies():
+    base = randn(12, 10)
+    a = base.T  # a strided view: scanned chunk by chunk, never copied whole
+    b = a * 0.5
+    b[3, 7] = float("nan")
+    view_hints = diagnose(a, b)
+    copy_hints = diagnose(a.contiguous(), b.contiguous())
+    assert [(h.id, h.message) for h in view_hints] == [(h.id, h.message) for h in copy_hints]
+    assert view_hints[0].evidence["first_index"] == [3, 7] and len(view_hints) > 1
+    assert diagnose(a, torch.zeros_like(a))[0].id == "zeroed"

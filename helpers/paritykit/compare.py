@@ -680,7 +680,12 @@ class SetComparison:
             summary += " (pass* = outside tolerance, within the fp64-oracle rule)"
         lines = [render_table(headers, [p.table_row() for p in self.pairs], limit=limit, summary=summary)]
         for p in self.pairs:
-            if p.note:
+            if p.status == "shape_mismatch":
+                lines.append(
+                    f"shape mismatch: {p.name}: A {p.shape_a} vs B {p.shape_b}"
+                    + (f"; {p.note}" if p.note else "")
+                )
+            elif p.note:
                 lines.append(f"note: {p.name}: {p.note}")
         for label, names in (("only in A", self.only_a), ("only in B", self.only_b)):
             if names:
@@ -757,7 +762,7 @@ def compare_tensor_sets(
         b_names = [n for n in b_names if fnmatch.fnmatchcase(n, only)]
 
     report = SetComparison(atol=atol, rtol=rtol)
-    if len(a_named) == 1 and len(b_names) == 1 and next(iter(a_named)) != b_names[0]:
+    if len(a) == 1 and len(b) == 1 and a_named and b_names and next(iter(a_named)) != b_names[0]:
         (name, (original, value)), name_b = next(iter(a_named.items())), b_names[0]
         name_a = original if original != name else None
         report.pairs.append(

@@ -4,19 +4,17 @@ Each detector is a small function that either recognises one signature of a port
 :func:`diagnose` runs them all and ranks what they found. The ids are stable: the skill pack maps its pitfalls
 to them, so rename nothing.
 
-========================  ===============================================================================
-id                        signature
-========================  ===============================================================================
-``nonfinite``             NaN/Inf on one side only (first position reported)
-``zeroed``                one side is all zeros (a branch disabled or scaled by 0)
-``transpose``/``permute`` B is A with two axes swapped / its axes reordered (also across differing shapes)
-``swapped-halves``        B is A with the halves (or k chunks) along one dim reordered (shift/scale order)
-``bf16-cast``/``fp16-cast``  one side is the other rounded to that dtype, or differs at its rounding level
-``timestep-rounding``     differences only where values have a fractional part, one side rounded
-``sign-flip``             magnitudes agree, signs differ (everywhere or on part of the tensor)
-``constant-scale``        B ≈ k·A (a scale knob differs; one knob may stand for two concepts)
-``offset``                B ≈ A + c
-========================  ===============================================================================
+Ids, roughly in rank order:
+
+- ``nonfinite``: NaN/Inf on one side only (first position reported).
+- ``transpose`` / ``permute``: B is A with two axes swapped / its axes reordered (also across differing shapes).
+- ``swapped-halves``: B is A with the halves (or k chunks) along one dim reordered (shift/scale order).
+- ``zeroed``: one side is all zeros (a branch disabled or scaled by 0).
+- ``timestep-rounding``: differences only where values have a fractional part, one side rounded there.
+- ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or differs at its rounding level.
+- ``sign-flip``: magnitudes agree, signs differ (everywhere or on part of the tensor).
+- ``constant-scale``: B ≈ k·A (a scale knob differs; one knob may stand for two concepts).
+- ``offset``: B ≈ A + c.
 
 Every detector demands that its transform *explains* the difference: the transformed A must be much closer to
 B than A itself is, so two nearly equal tensors never get a structural hint by coincidence.
@@ -28,7 +26,7 @@ import itertools
 import math
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +39,8 @@ EXPLAINED = 0.1
 MATCH_REL = 1e-3
 # Elementwise detectors look at an evenly strided sample of at most this many elements.
 SAMPLE = 1 << 18
+# Whole-tensor scans walk flat chunks of this many elements.
+CHUNK = 1 << 18
 # Structural detectors confirm a candidate on a leading block of at most this many elements.
 BLOCK = 1 << 20
 
@@ -102,18 +102,36 @@ def _as_real(t: Any) -> torch.Tensor:
     return t.detach()
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1)
+def _gather(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    r"""Elements at row-major ``positions``, without the full-size copy ``reshape(-1)`` makes of a strided view."""
+    import torch
+
+    if t.is_contiguous():
+        return t.reshape(-1)[positions]
+    return t[torch.unravel_index(positions, t.shape)]
+
+
+def _chunks(t: torch.Tensor, size: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+    r"""``(start, flat chunk)`` pairs covering ``t`` in row-major order."""
+    import torch
+
+    n = t.numel()
+    flat = t.reshape(-1) if t.is_contiguous() else None
+    for start in range(0, n, size):
+        if flat is not None:
+            yield start, flat[start : start + size]
+        else:
+            yield start, _gather(t, torch.arange(start, min(start + size, n), device=t.device))
 
 
 def _sample(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The same evenly strided positions of both tensors in float64, restricted to where both are finite."""
     import torch
 
-    fa, fb = _flat(a), _flat(b)
-    step = max(1, math.ceil(fa.numel() / SAMPLE))
-    x = fa[::step].to(torch.float64)
-    y = fb[::step].to(device=x.device, dtype=torch.float64)
+    step = max(1, math.ceil(a.numel() / SAMPLE))
+    positions = torch.arange(0, a.numel(), step, device=a.device)
+    x = _gather(a, positions).to(torch.float64)
+    y = _gather(b, positions.to(b.device)).to(device=x.device, dtype=torch.float64)
     finite = torch.isfinite(x) & torch.isfinite(y)
     if not bool(finite.all()):
         x, y = x[finite], y[finite]
@@ -167,13 +185,11 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
 
     if a.shape != b.shape:
         return None
-    fa, fb = _flat(a), _flat(b)
     counts = {"a_only": 0, "b_only": 0}
     first: int | None = None
-    chunk = 1 << 18
-    for start in range(0, fa.numel(), chunk):
-        ok_a = torch.isfinite(fa[start : start + chunk])
-        ok_b = torch.isfinite(fb[start : start + chunk].to(ok_a.device))
+    for (start, ca), (_, cb) in zip(_chunks(a), _chunks(b)):
+        ok_a = torch.isfinite(ca)
+        ok_b = torch.isfinite(cb.to(ok_a.device))
         only_a = ~ok_a & ok_b
         only_b = ok_a & ~ok_b
         n_a, n_b = int(only_a.sum()), int(only_b.sum())
@@ -184,7 +200,7 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     if first is None:
         return None
     index = _unravel(first, tuple(a.shape))
-    va, vb = float(fa[first]), float(fb[first])
+    va, vb = float(a[index]), float(b[index])
     if counts["b_only"] and not counts["a_only"]:
         where = f"B has {counts['b_only']} NaN/Inf values where A is finite"
     elif counts["a_only"] and not counts["b_only"]:
@@ -212,12 +228,12 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
 
     if a.shape != b.shape or a.numel() == 0:
         return None
-    zero_a = int(torch.count_nonzero(a)) == 0
-    zero_b = int(torch.count_nonzero(b)) == 0
+    zero_a = all(int(torch.count_nonzero(c)) == 0 for _, c in _chunks(a))
+    zero_b = all(int(torch.count_nonzero(c)) == 0 for _, c in _chunks(b))
     if zero_a == zero_b:
         return None
     side, other, t = ("B", "A", a) if zero_b else ("A", "B", b)
-    peak = float(_as_real(t).abs().nan_to_num(0.0).max())
+    peak = max(float(c.abs().nan_to_num(0.0).max()) for _, c in _chunks(t))
     return Hint(
         "zeroed",
         f"{side} is all zeros while {other} is not (max |{other}| = {_num(peak)}): a branch is disabled or "
@@ -517,18 +533,13 @@ ELEMENTWISE: tuple[Callable[[torch.Tensor, torch.Tensor], Hint | None], ...] = (
 )
 
 
-def _close_everywhere(a: torch.Tensor, b: torch.Tensor) -> bool:
-    r"""Whether A and B agree within their default tolerances (matching NaN/Inf positions count as agreement)."""
+def _close_everywhere(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    r"""Whether A and B agree within the given tolerances (matching NaN/Inf positions count as agreement)."""
     import torch
 
-    from paritykit.compare import default_tolerances
-
-    rtol, atol = default_tolerances(a.dtype, b.dtype)
-    fa, fb = _flat(a), _flat(b)
-    chunk = 1 << 18
-    for start in range(0, fa.numel(), chunk):
-        ca = fa[start : start + chunk].to(torch.float64)
-        cb = fb[start : start + chunk].to(device=ca.device, dtype=torch.float64)
+    for (_, ca), (_, cb) in zip(_chunks(a), _chunks(b)):
+        ca = ca.to(torch.float64)
+        cb = cb.to(device=ca.device, dtype=torch.float64)
         if not bool(torch.isclose(ca, cb, rtol=rtol, atol=atol, equal_nan=True).all()):
             return False
     return True
@@ -545,14 +556,15 @@ def diagnose(a: Any, b: Any) -> list[Hint]:
     """
     import torch
 
-    from paritykit.compare import walk_threads
+    from paritykit.compare import default_tolerances, walk_threads
 
     with torch.no_grad(), walk_threads():
         a_t, b_t = _as_real(a), _as_real(b)
         if a_t.shape != b_t.shape:
             hints = [h for h in (detect_transpose(a_t, b_t),) if h is not None]
             return hints
-        if _close_everywhere(a_t, b_t):
+        rtol, atol = default_tolerances(torch.as_tensor(a).dtype, torch.as_tensor(b).dtype)
+        if _close_everywhere(a_t, b_t, rtol, atol):
             return []
         hints = [h for h in (det(a_t, b_t) for det in WHOLE_TENSOR) if h is not None]
         x, y = _sample(a_t, b_t)
