@@ -751,8 +751,11 @@ def plot_weights_diff(report: WeightsDiff, path: str | os.PathLike) -> Path:
             ax.set_xlabel(report.metric)
             ax.set_ylabel("tensors")
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=100)
+        except OSError as exc:
+            raise ParityKitError(f"{path}: cannot write the plot ({exc.strerror or exc})") from None
     finally:
         plt.close(fig)
     return path
