@@ -497,7 +497,12 @@ class _ShardWriter:
     def __init__(self, directory: Path, shard_bytes: int | None = None):
         if directory.exists() and not directory.is_dir():
             raise ParityKitError(f"{directory}: exists and is not a folder")
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ParityKitError(
+                f"{directory}: cannot create the trace folder ({exc.strerror or exc})"
+            ) from None
         for old in directory.glob("tensors-*.safetensors"):
             old.unlink()
         (directory / MANIFEST).unlink(missing_ok=True)
