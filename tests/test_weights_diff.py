@@ -362,3 +362,12 @@ def test_pickled_checkpoints_via_safe_loader(cli, tmp_path):
     _one_line_error(cli("weights", "diff", tmp_path / "list.pt", tmp_path / "b.safetensors"), "list.pt")
     torch.save({"state_dict": a, "bad": subprocess.Popen}, tmp_path / "code.ckpt")
     _one_line_error(cli("weights", "diff", tmp_path / "code.ckpt", tmp_path / "b.safetensors"), "code.ckpt")
+
+
+def test_unwritable_plot_path_is_a_one_line_error(cli, tmp_path):
+    save_file(ldm_state(), tmp_path / "a.safetensors")
+    save_file(ldm_state(1), tmp_path / "b.safetensors")
+    (tmp_path / "file.txt").write_text("not a folder")
+    target = tmp_path / "file.txt" / "out.png"
+    result = cli("weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--plot", target)
+    _one_line_error(result, "out.png")
