@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
-from PIL import Image
-
 from paritykit.demo.conversion import convert_reference_state_dict
-from paritykit.demo.port import FixedTinyControlDenoiserModel, TinyControlDenoiserModel, port_config_from_reference
+from paritykit.demo.port import TinyControlDenoiserModel, port_config_from_reference
 from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
 from paritykit.demo.run import run_demo
 from paritykit.errors import ParityKitError
+from PIL import Image
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +31,8 @@ def test_buggy_port_differs_and_fixed_port_matches_exactly():
     state = convert_reference_state_dict(reference.state_dict())
     x, hint, t = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8), torch.tensor([900.0, 10.0])
     outputs = {}
-    for fixed, cls in ((False, TinyControlDenoiserModel), (True, FixedTinyControlDenoiserModel)):
-        port = cls(**port_config_from_reference(REFERENCE_CONFIG, fixed)).eval()
+    for fixed in (False, True):
+        port = TinyControlDenoiserModel(**port_config_from_reference(REFERENCE_CONFIG, fixed)).eval()
         port.load_state_dict(state)
         with torch.no_grad():
             outputs[fixed] = port(x, t, hint).sample

@@ -34,7 +34,9 @@ class TinyControlPipeline(DiffusionPipeline):
         latents = seeded_noise(tuple(hint.shape), seed)
         self.scheduler.set_timesteps(num_inference_steps)
         timesteps = self.scheduler.timesteps
-        loop_inputs = maybe_checkpoint(_checkpoints, "preloop", latents=latents, hint=hint, timesteps=timesteps)
+        loop_inputs = maybe_checkpoint(
+            _checkpoints, "preloop", latents=latents, hint=hint, timesteps=timesteps
+        )
         latents, hint = loop_inputs["latents"], loop_inputs["hint"]
         for i, t in enumerate(self.progress_bar(timesteps)):
             noise_pred = self._predict(latents, t, hint)

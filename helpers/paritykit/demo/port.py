@@ -1,7 +1,7 @@
 """The diffusers-style port: ``ModelMixin`` + ``ConfigMixin``, diffusers naming and building blocks.
 
-``TinyControlDenoiserModel`` is the port as first written: one ``control_scale`` drives both the connection
-strength and the time mixture. ``FixedTinyControlDenoiserModel`` gives the mixture its own config field.
+As first written the port had one ``control_scale`` for both the connection strength and the time mixture;
+the fix gives the mixture its own config field, ``time_mixture``.
 """
 
 from __future__ import annotations
@@ -65,11 +65,13 @@ class TinyControlBlock(nn.Module):
 
 
 class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
-    r"""Tiny control denoiser, as first ported.
+    r"""Tiny control denoiser in diffusers style.
 
     Args:
-        control_scale: strength of the control branch. The port uses it for the connection strength *and* the
-            time-embedding mixture, which the research code keeps apart.
+        control_scale: strength of the connection from the control branch into the base branch.
+        time_mixture: weight of the base branch's time embedding when mixing it with the control branch's.
+            As first ported the field did not exist and the mixer reused ``control_scale``; ``None`` keeps that
+            behaviour, which is the bug ``paritykit demo`` hunts down.
     """
 
     @register_to_config
@@ -81,6 +83,7 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
         time_embed_dim: int = 32,
         num_layers: int = 2,
         control_scale: float = 0.95,
+        time_mixture: float | None = None,
     ):
         super().__init__()
         self.conv_in = nn.Conv2d(in_channels, hidden_dim, 3, padding=1)
@@ -88,20 +91,21 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
         self.time_proj = Timesteps(time_proj_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
         self.time_embedding = TimestepEmbedding(time_proj_dim, time_embed_dim)
         self.control_time_embedding = TimestepEmbedding(time_proj_dim, time_embed_dim)
-        self.time_mixer = TimeMixer(self._time_mixture())
+        self.time_mixer = TimeMixer(control_scale if time_mixture is None else time_mixture)
         self.transformer_blocks = nn.ModuleList(
             TinyControlBlock(hidden_dim, time_embed_dim) for _ in range(num_layers)
         )
         self.conv_out = nn.Conv2d(hidden_dim, in_channels, 3, padding=1)
 
-    def _time_mixture(self) -> float:
-        return self.config.control_scale
-
-    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, controlnet_cond: torch.Tensor, return_dict=True):
+    def forward(
+        self, sample: torch.Tensor, timestep: torch.Tensor, controlnet_cond: torch.Tensor, return_dict=True
+    ):
         timestep = timestep.reshape(-1).expand(sample.shape[0]) if timestep.numel() == 1 else timestep
         t_freq = self.time_proj(timestep)
         temb = self.time_mixer(self.time_embedding(t_freq), self.control_time_embedding(t_freq))
-        hidden = self.conv_in(sample) + self.config.control_scale * self.controlnet_cond_embedding(controlnet_cond)
+        hidden = self.conv_in(sample) + self.config.control_scale * self.controlnet_cond_embedding(
+            controlnet_cond
+        )
         batch, channels, height, width = hidden.shape
         hidden = hidden.flatten(2).transpose(1, 2)
         for block in self.transformer_blocks:
@@ -110,28 +114,8 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
 
-class FixedTinyControlDenoiserModel(TinyControlDenoiserModel):
-    """The fix: the time mixture is its own config field, as in the research code."""
-
-    @register_to_config
-    def __init__(
-        self,
-        in_channels: int = 3,
-        hidden_dim: int = 16,
-        time_proj_dim: int = 16,
-        time_embed_dim: int = 32,
-        num_layers: int = 2,
-        control_scale: float = 0.95,
-        time_mixture: float = 1.0,
-    ):
-        super().__init__(in_channels, hidden_dim, time_proj_dim, time_embed_dim, num_layers, control_scale)
-
-    def _time_mixture(self) -> float:
-        return self.config.time_mixture
-
-
 def port_config_from_reference(cfg: dict, fixed: bool) -> dict:
-    """The config a porter would write for the reference: the buggy port has nowhere to put ``time_mix``."""
+    """The config a porter writes for the reference; the first port had nowhere to put ``time_mix``."""
     config = {
         "in_channels": cfg["img_channels"],
         "hidden_dim": cfg["width"],

@@ -67,14 +67,15 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     from paritykit.demo.pipeline import make_hint, make_pipeline
     from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
     from paritykit.demo.specs import build_port_model, make_inputs, select_output
-    from paritykit.visual import compare_images, step_curve
-
     from paritykit.errors import ParityKitError
+    from paritykit.visual import compare_images, step_curve
 
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
-            raise ParityKitError(f"--out {out}: exists and was not written by paritykit demo; pick another folder")
+            raise ParityKitError(
+                f"--out {out}: exists and was not written by paritykit demo; pick another folder"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / MARKER).write_text("written by paritykit demo; the whole folder is replaced on the next run\n")
@@ -91,7 +92,9 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     import yaml
 
     (ref_dir / "config.yaml").write_text(yaml.safe_dump(REFERENCE_CONFIG, sort_keys=False))
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(ref_dir / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in reference.state_dict().items()}, str(ref_dir / "model.safetensors")
+    )
     buggy, fixed = build_port_model(fixed=False), build_port_model(fixed=True)
     buggy.save_pretrained(out / "port")
     fixed.save_pretrained(out / "port_fixed")
@@ -101,11 +104,19 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
 
     # 1. Config diff: the field names differ, so map them; what remains is the knob the port has no room for.
     maps = [
-        ("^img_channels$", "in_channels"), ("^width$", "hidden_dim"), ("^t_freq_dim$", "time_proj_dim"),
-        ("^t_dim$", "time_embed_dim"), ("^depth$", "num_layers"), ("^connection_strength$", "control_scale"),
+        ("^img_channels$", "in_channels"),
+        ("^width$", "hidden_dim"),
+        ("^t_freq_dim$", "time_proj_dim"),
+        ("^t_dim$", "time_embed_dim"),
+        ("^depth$", "num_layers"),
+        ("^connection_strength$", "control_scale"),
     ]
     map_flags = " ".join(f"--map '{p}={r}'" for p, r in maps)
-    _section(1, "Diff the configs first", f"paritykit config-diff {ref_dir}/config.yaml {out}/port {map_flags} --ignore '_*'")
+    _section(
+        1,
+        "Diff the configs first",
+        f"paritykit config-diff {ref_dir}/config.yaml {out}/port {map_flags} --ignore '_*'",
+    )
     cfg = config_diff(ref_dir / "config.yaml", out / "port", rules=maps, ignore=["_*"])
     echo(_indent(cfg.render()))
     _write_report(out, "1_config_diff", cfg)
@@ -114,13 +125,19 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
 
     # 2. Weights map: every port tensor explained by a reference tensor.
     port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
-    _section(2, "Infer the weight conversion from values", f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py")
+    _section(
+        2,
+        "Infer the weight conversion from values",
+        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py",
+    )
     cmap = infer_conversion_map(ref_dir / "model.safetensors", port_weights)
     echo(_indent(cmap.render(limit=12)))
     emit_rules(cmap, out / "convert_rules.py", force=True)
     _write_report(out, "2_weights_map", cmap)
     result.checks["weights map explains every port tensor"] = cmap.exit_code == 0
-    echo("  -> the conversion is right (qkv split, shift/scale swap, renames): the bug is not in the weights.")
+    echo(
+        "  -> the conversion is right (qkv split, shift/scale swap, renames): the bug is not in the weights."
+    )
 
     # 3. Bisect the buggy port.
     args, kwargs = make_inputs()
@@ -141,7 +158,11 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
         checkpoints = {f"after_step_{i}": Checkpoint(save=True) for i in range(8)}
         images[side] = make_pipeline(model)(hint, num_inference_steps=8, seed=0, _checkpoints=checkpoints)
         save_checkpoints(out / "steps" / side, checkpoints)
-    _section(4, "Watch the error grow step by step", f"paritykit steps {out}/steps/reference {out}/steps/port --plot {out}/steps.png")
+    _section(
+        4,
+        "Watch the error grow step by step",
+        f"paritykit steps {out}/steps/reference {out}/steps/port --plot {out}/steps.png",
+    )
     curve = step_curve(out / "steps" / "reference", out / "steps" / "port")
     curve.plot(out / "steps.png")
     echo(_indent(curve.render()))
@@ -151,7 +172,11 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     # 5. Images.
     for side, image in images.items():
         torch.save(image[0], out / f"image_{side}.pt")
-    _section(5, "Look at the outputs", f"paritykit images {out}/image_reference.pt {out}/image_port.pt --out {out}/images.png")
+    _section(
+        5,
+        "Look at the outputs",
+        f"paritykit images {out}/image_reference.pt {out}/image_port.pt --out {out}/images.png",
+    )
     visual = compare_images(images["reference"][0], images["port"][0], out=out / "images.png")
     echo(_indent(visual.render()))
     _write_report(out, "5_images", visual)
@@ -171,7 +196,9 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     click.secho("Summary", bold=True)
     for check, ok in result.checks.items():
         echo(f"  [{'ok' if ok else 'FAILED'}] {check}")
-    (out / "summary.json").write_text(json.dumps({"schema_version": 1, "checks": result.checks}, indent=2) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps({"schema_version": 1, "checks": result.checks}, indent=2) + "\n"
+    )
     echo(f"PNGs: {out}/steps.png, {out}/images.png")
     echo(f"JSON reports: {out}/*.json")
     return result

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from paritykit.demo.conversion import convert_reference_state_dict
-from paritykit.demo.port import FixedTinyControlDenoiserModel, TinyControlDenoiserModel, port_config_from_reference
+from paritykit.demo.port import TinyControlDenoiserModel, port_config_from_reference
 from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
 
 
 def build_port_model(fixed: bool) -> TinyControlDenoiserModel:
-    cls = FixedTinyControlDenoiserModel if fixed else TinyControlDenoiserModel
-    port = cls(**port_config_from_reference(REFERENCE_CONFIG, fixed))
+    port = TinyControlDenoiserModel(**port_config_from_reference(REFERENCE_CONFIG, fixed))
     port.load_state_dict(convert_reference_state_dict(build_reference().state_dict()))
     return port.eval()
 
