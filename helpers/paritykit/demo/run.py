@@ -121,7 +121,7 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     echo(_indent(cfg.render()))
     _write_report(out, "1_config_diff", cfg)
     result.checks["config-diff shows time_mix only in the reference"] = "time_mix" in cfg.to_dict()["only_a"]
-    echo("  -> `time_mix` exists only in the reference. The port has one control_scale; it looks harmless.")
+    echo("  -> the reference has a `time_mix` knob (1.0) the port never set; its mixer quietly reuses control_scale.")
 
     # 2. Weights map: every port tensor explained by a reference tensor.
     port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
