@@ -371,3 +371,20 @@ def test_unwritable_plot_path_is_a_one_line_error(cli, tmp_path):
     target = tmp_path / "file.txt" / "out.png"
     result = cli("weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--plot", target)
     _one_line_error(result, "out.png")
+
+
+def test_folder_picks_the_full_precision_file_and_refuses_ambiguity(tmp_path):
+    state = {"w": torch.ones(4)}
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    save_file(state, folder / "diffusion_pytorch_model.safetensors")
+    save_file({"w": torch.ones(4).half()}, folder / "diffusion_pytorch_model.fp16.safetensors")
+    save_file(state, tmp_path / "ref.safetensors")
+    assert weights_diff(tmp_path / "ref.safetensors", folder, progress=False).exit_code == 0
+
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file(state, other / "first.safetensors")
+    save_file(state, other / "second.safetensors")
+    with pytest.raises(ParityKitError, match="several checkpoints"):
+        weights_diff(other, folder, keys_only=True)

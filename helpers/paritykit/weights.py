@@ -87,6 +87,9 @@ def _safetensors_in(folder: Path) -> Path | None:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if len(indexes) == 1:
         return indexes[0]
+    for preferred in ("diffusion_pytorch_model.safetensors.index.json", "model.safetensors.index.json"):
+        if indexes and (folder / preferred).is_file():
+            return folder / preferred  # the full-precision set, not a variant such as .fp16
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
         return files[0]
