@@ -15,6 +15,9 @@ needs with that variable's rule::
       components: components = unet,scheduler   # "= VALUE" gives a default
     -#}
 
+A template may also be a *set*: a folder ``templates/<kind>/`` of ``*.py.j2`` files rendered together into one
+output folder (``output: modular_{snake}/``); the spec sits in its ``__init__.py.j2`` and covers every file.
+
 Rules validate the user's values and turn them into what the template uses (a ``target`` becomes an object
 with ``.module`` and ``.attr``; a ``path`` becomes a Python expression). Rendering uses ``StrictUndefined``,
 so a template can only use what its spec declares; files are written atomically and never overwrite an
@@ -116,7 +119,9 @@ class TemplateSpec:
         run: how to run the generated file; ``{filename}`` is filled in.
         variables: variable name -> rule (``identifier``, ``camel``, ``target``, ``class``, ``path``,
             ``components``); optional ones are listed in ``optional``, defaults in ``defaults``.
-        path: the template file.
+        path: the template file (for a set: its ``__init__.py.j2``, which holds the spec).
+        members: every template file rendered (one, or a set's files).
+        command: the ``paritykit new`` words that select this template (default: ``kind``).
     """
 
     kind: str
@@ -127,13 +132,22 @@ class TemplateSpec:
     optional: frozenset[str]
     defaults: dict[str, str]
     path: Path
+    members: tuple[Path, ...]
+    command: str
     executable: bool = False
 
     def filename(self, name: str) -> str:
         return self.output.format(name=name, snake=snake_case(_strip_pipeline(name)))
 
+    def filenames(self, name: str) -> list[str]:
+        r"""Output paths relative to ``--out``: the file, or ``folder/member`` for each file of a set."""
+        target = self.filename(name)
+        if len(self.members) == 1 and not target.endswith("/"):
+            return [target]
+        return [target + member.name[: -len(".j2")] for member in self.members]
 
-def _parse_spec(path: Path) -> TemplateSpec:
+
+def _parse_spec(path: Path, members: tuple[Path, ...] | None = None) -> TemplateSpec:
     import yaml
 
     text = path.read_text(encoding="utf-8")
@@ -158,8 +172,10 @@ def _parse_spec(path: Path) -> TemplateSpec:
     missing = [key for key in ("summary", "output", "run") if not raw.get(key)]
     if missing or "name" not in variables:
         raise ParityKitError(f"template {path}: spec needs summary, output, run and a 'name' variable")
+    stem = path.parent.name if members else path.name[: -len(TEMPLATE_SUFFIX)]
+    kind = stem.replace("_", "-")
     return TemplateSpec(
-        kind=path.name[: -len(TEMPLATE_SUFFIX)].replace("_", "-"),
+        kind=kind,
         summary=" ".join(str(raw["summary"]).split()),
         output=str(raw["output"]),
         run=str(raw["run"]),
@@ -167,6 +183,8 @@ def _parse_spec(path: Path) -> TemplateSpec:
         optional=frozenset(optional),
         defaults=defaults,
         path=path,
+        members=members or (path,),
+        command=str(raw.get("command") or kind),
         executable=bool(raw.get("executable", False)),
     )
 
@@ -191,10 +209,20 @@ def _templates(root: Path) -> dict[str, TemplateSpec]:
 
     env = _environment(root)
     specs = {}
-    for path in sorted(root.glob(f"*{TEMPLATE_SUFFIX}")):
-        spec = _parse_spec(path)
+    found = [(path, None) for path in root.glob(f"*{TEMPLATE_SUFFIX}")]
+    for folder in root.iterdir():
+        if folder.is_dir() and (folder / f"__init__{TEMPLATE_SUFFIX}").is_file():
+            members = (folder / f"__init__{TEMPLATE_SUFFIX}",)
+            members += tuple(sorted(set(folder.glob(f"*{TEMPLATE_SUFFIX}")) - set(members)))
+            found.append((members[0], members))
+    for path, members in sorted(found, key=lambda item: str(item[0])):
+        spec = _parse_spec(path, members)
         # The spec is the one place that lists a template's variables: hold the template to it.
-        used = meta.find_undeclared_variables(env.parse(path.read_text(encoding="utf-8"))) - PROVIDED
+        # a set's partials (``_*.j2``, included by its members) count as part of it
+        parts = spec.members if members is None else sorted(path.parent.glob("*.j2"))
+        sources = (part.read_text(encoding="utf-8") for part in parts)
+        used = set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
+        used -= PROVIDED
         undeclared, unused = sorted(used - set(spec.variables)), sorted(set(spec.variables) - used)
         if undeclared or unused:
             raise ParityKitError(
@@ -206,10 +234,10 @@ def _templates(root: Path) -> dict[str, TemplateSpec]:
 
 
 def template_list(directory: Path | None = None) -> str:
-    r"""One line per template: its command name and summary (what ``paritykit new --list`` prints)."""
+    r"""One line per template: the command that selects it and its summary (``paritykit new --list``)."""
     specs = templates(directory)
-    width = max((len(kind) for kind in specs), default=0)
-    return "\n".join(f"{kind.ljust(width)}  {spec.summary}" for kind, spec in specs.items())
+    width = max((len(spec.command) for spec in specs.values()), default=0)
+    return "\n".join(f"{spec.command.ljust(width)}  {spec.summary}" for spec in specs.values())
 
 
 # ------------------------------------------------------------------------------------------------- rules
@@ -392,7 +420,7 @@ def render(
     out_dir: str | os.PathLike = ".",
     template_dir: Path | None = None,
     **options: Any,
-) -> RenderedFile:
+) -> list[RenderedFile]:
     r"""Render one template into text, validating every value against the template's spec.
 
     Args:
@@ -403,7 +431,8 @@ def render(
         **options: the template's other variables (``reference="pkg.mod:build"``, …); ``None`` = not given.
 
     Returns:
-        A ``RenderedFile`` (file name, text). Raises ``ParityKitError`` naming the argument that breaks a rule.
+        The ``RenderedFile``s (path relative to ``out_dir``, text): one, or one per file of a set.
+        Raises ``ParityKitError`` naming the argument that breaks a rule.
     """
     specs = templates(template_dir)
     spec = specs.get(kind)
@@ -431,22 +460,26 @@ def render(
     context.update(
         kind=kind,
         filename=filename,
-        command=command_line(kind, name, shown),
-        run=spec.run.format(filename=filename),
+        command=command_line(spec.command, name, shown),
+        run=spec.run.format(filename=filename, package=filename.rstrip("/")),
         version=__version__,
         snake=snake_case(_strip_pipeline(name)),
     )
-    text = _environment(spec.path.parent).get_template(spec.path.name).render(context)
-    text = text.lstrip("\n")
-    _check_rendered(spec, text, [str(value) for value in values.values() if value is not None])
-    return RenderedFile(filename=filename, text=text, executable=spec.executable)
+    env = _environment(spec.path.parent)
+    user_values = [str(value) for value in values.values() if value is not None]
+    rendered = []
+    for member, target in zip(spec.members, spec.filenames(name)):
+        text = env.get_template(member.name).render(context).lstrip("\n")
+        _check_rendered(member, text, user_values)
+        rendered.append(RenderedFile(filename=target, text=text, executable=spec.executable))
+    return rendered
 
 
-def _check_rendered(spec: TemplateSpec, text: str, user_values: list[str]) -> None:
+def _check_rendered(template: Path, text: str, user_values: list[str]) -> None:
     # A marker that survives rendering is a template bug, unless the user's own value carried it.
     if _MARKERS.search(text) and not any(_MARKERS.search(value) for value in user_values):
-        raise RuntimeError(f"template {spec.path} left an unrendered marker in its output")
-    compile(text, spec.filename("x"), "exec")  # a template bug, not the user's: let it raise
+        raise RuntimeError(f"template {template} left an unrendered marker in its output")
+    compile(text, str(template), "exec")  # a template bug, not the user's: let it raise
 
 
 # -------------------------------------------------------------------------------------------------- write
@@ -457,7 +490,7 @@ def write_files(files: list[RenderedFile], out_dir: str | os.PathLike, *, force:
 
     Args:
         files: what ``render`` returned.
-        out_dir: the folder (created if missing); files are flat inside it.
+        out_dir: the folder (created if missing); files are flat inside it, a set's in one sub-folder.
         force: replace existing files; without it an existing file is a ``ParityKitError`` (exit 2).
     """
     out = Path(out_dir)
@@ -471,7 +504,8 @@ def write_files(files: list[RenderedFile], out_dir: str | os.PathLike, *, force:
     if existing and not force:
         raise ParityKitError(f"{existing[0]} already exists; pass --force to overwrite it")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        for folder in dict.fromkeys(path.parent for path in targets):
+            folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ParityKitError(f"--out {out}: cannot create the folder ({exc.strerror})") from exc
     result = Generated(overwritten=existing)
@@ -521,4 +555,4 @@ def generate(
         ``Generated`` with the written paths.
     """
     rendered = render(kind, name, out_dir=out_dir, template_dir=template_dir, **options)
-    return write_files([rendered], out_dir, force=force)
+    return write_files(rendered, out_dir, force=force)

@@ -1,8 +1,9 @@
 """Drive generated pipeline stubs with tiny real components, as the stub's docstring documents.
 
-Usage: python drive_stub.py WORK_DIR   (WORK_DIR holds pipeline_tiny.py, pipeline_pixel.py, pipeline_dit.py)
-Checks: end-to-end runs, non-destructive saving, stop, injection, latent output, save/from_pretrained and
-the stub's own main() writing checkpoints to disk. Prints OK on success; any failure raises.
+Usage: python drive_stub.py WORK_DIR   (the generated stubs must be importable, e.g. on PYTHONPATH)
+Checks: end-to-end runs, non-destructive saving, stop, injection, latent output, save/from_pretrained, the
+stub's own main() writing checkpoints to disk, and the --modular file sets (modular_tiny/, modular_pixel/)
+computing exactly what the standard stubs compute. Prints "CHECK <name> OK" or "CHECK <name> FAILED" + why.
 Also saves what the generated component and stage tests load, so one process pays torch's import:
 WORK_DIR/saved_pipeline (the tiny stub pipeline), saved_unet (a faithful port), stale_unet (one weight off).
 """
@@ -89,6 +90,74 @@ def check_text_pipeline(work: Path) -> None:
     assert on_disk["post_loop"].data["latents"].shape == (1, 4, 8, 8)
 
 
+def check_modular_pipelines(work: Path) -> None:
+    """The --modular file sets compute what the standard stubs compute, with the same checkpoints."""
+    from modular_pixel import PixelBlocks, PixelModularPipeline
+    from modular_tiny import TinyBlocks, TinyModularPipeline
+    from pipeline_pixel import PixelPipeline
+    from pipeline_tiny import TinyPipeline
+    from scaffold_parts import UNET_CONFIG, tiny_components
+
+    standard = TinyPipeline(**tiny_components(work))
+    standard.set_progress_bar_config(disable=True)
+    modular = TinyModularPipeline(blocks=TinyBlocks())
+    modular.update_components(**tiny_components(work))
+
+    names = ["text_encoding", "preloop", *(f"after_step_{i}" for i in range(STEPS)), "post_loop"]
+    expected = {name: Checkpoint(save=True) for name in names}
+    images = standard(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+        _checkpoints=expected,
+    ).images
+    actual = {name: Checkpoint(save=True) for name in names}
+    modular_images = modular(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+        _checkpoints=actual,
+        output="images",
+    )
+    assert torch.equal(modular_images, images), "modular and standard stubs differ"
+    for name in names:
+        assert actual[name].data.keys() == expected[name].data.keys(), name
+        for key, value in expected[name].data.items():
+            assert torch.equal(actual[name].data[key], value), (name, key)
+
+    stop = {"preloop": Checkpoint(save=True, stop=True)}
+    generator = torch.Generator().manual_seed(0)
+    assert (
+        run_until_stop(
+            modular, prompt="a cat", num_inference_steps=STEPS, generator=generator, _checkpoints=stop
+        )
+        is None
+    )
+    assert torch.equal(stop["preloop"].data["latents"], expected["preloop"].data["latents"])
+    injected = modular(
+        prompt="a cat",
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(1),
+        output_type="pt",
+        _checkpoints={"preloop": Checkpoint(load=True, data=expected["preloop"].data)},
+        output="images",
+    )
+    assert torch.equal(injected, images), "injecting preloop into the modular pipeline must reproduce it"
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(**UNET_CONFIG).eval()
+    pixel = PixelPipeline(unet=unet, scheduler=DDIMScheduler())
+    pixel.set_progress_bar_config(disable=True)
+    pixel_modular = PixelModularPipeline(blocks=PixelBlocks())
+    pixel_modular.update_components(unet=unet, scheduler=DDIMScheduler())
+    kwargs = {"batch_size": 2, "num_inference_steps": 3, "output_type": "np"}
+    a = pixel(generator=torch.Generator().manual_seed(0), **kwargs).images
+    b = pixel_modular(generator=torch.Generator().manual_seed(0), output="images", **kwargs)
+    assert a.shape == b.shape == (2, 8, 8, 3) and (a == b).all()
+
+
 def check_pixel_pipeline() -> None:
     from pipeline_pixel import PixelPipeline
     from scaffold_parts import UNET_CONFIG
@@ -127,13 +196,26 @@ def check_transformer_pipeline() -> None:
 
 
 if __name__ == "__main__":
+    import traceback
+
     work_dir = Path(sys.argv[1])
     sys.path.insert(0, str(work_dir))
-    check_text_pipeline(work_dir)
-    check_pixel_pipeline()
-    check_transformer_pipeline()
+    checks = {
+        "text": lambda: check_text_pipeline(work_dir),
+        "pixel": check_pixel_pipeline,
+        "transformer": check_transformer_pipeline,
+        "modular": lambda: check_modular_pipelines(work_dir),
+    }
+    failed = False
+    for name, check in checks.items():
+        try:
+            check()
+            print(f"CHECK {name} OK")
+        except Exception:  # report every check, then fail the process
+            failed = True
+            print(f"CHECK {name} FAILED\n{traceback.format_exc()}")
     from scaffold_parts import save_port
 
     save_port(work_dir / "saved_unet")
     save_port(work_dir / "stale_unet", perturb=True)
-    print("OK")
+    sys.exit(1 if failed else 0)

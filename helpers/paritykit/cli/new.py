@@ -29,7 +29,8 @@ def new(ctx: click.Context, show_list: bool) -> None:
 
     \b
     Order of work: config-diff first, then a component-test per component, a pipeline-stub with
-    named checkpoints, and stage-test (encode, decode, denoise).
+    named checkpoints (pipeline-stub --modular: the modular file set), and stage-test (encode, decode,
+    denoise).
     """
     if show_list:
         click.echo(template_list())
@@ -83,15 +84,19 @@ def component_test(name: str, out_dir: str, force: bool, **options) -> None:
     help="Comma list: unet or transformer, scheduler, and optionally vae, text_encoder+tokenizer "
     f"[default: {templates()['pipeline-stub'].defaults['components']}].",
 )
+@click.option(
+    "--modular", is_flag=True, help="Render the modular-pipeline file set into modular_<name>/ instead."
+)
 @out_option
 @force_option
-def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None) -> None:
+def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None, modular: bool) -> None:
     """A DiffusionPipeline subclass with maybe_checkpoint at text_encoding, preloop, after_step_{i}, post_loop.
 
     NAME is a CamelCase model name: the class is NAMEPipeline (NAME as is if it ends in Pipeline), the file
     pipeline_<name in snake_case>.py.
     """
-    _generate("pipeline-stub", name, out_dir, force, components=components)
+    kind = "pipeline-stub-modular" if modular else "pipeline-stub"
+    _generate(kind, name, out_dir, force, components=components)
 
 
 @new.command("stage-test")
