@@ -223,7 +223,8 @@ class _Builder:
     def by_names(self, rules: Sequence[tuple[str, str]]) -> None:
         port_free = set(self.free_port())
         for r in self.free_ref():
-            if r in port_free and self.compatible(r, r):
+            # the two top levels always correspond: they are the two models being compared
+            if r in port_free and (r == "" or self.compatible(r, r)):
                 self.add(r, r, "names")
                 port_free.discard(r)
         if not rules:
