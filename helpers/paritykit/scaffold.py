@@ -402,8 +402,12 @@ def _environment(root: Path):
 
 
 def command_line(kind: str, name: str, options: Mapping[str, Any]) -> str:
-    r"""The ``paritykit new …`` command that reproduces a rendering (quoted for a POSIX shell)."""
-    words = ["paritykit", "new", kind, name]
+    r"""The ``paritykit new …`` command that reproduces a rendering (quoted for a POSIX shell).
+
+    ``kind`` is the spec's command, e.g. ``"pipeline-stub --modular"``: its first word comes before NAME.
+    """
+    command, *flags = kind.split()
+    words = ["paritykit", "new", command, name, *flags]
     for var, value in options.items():
         if value is None or value is False:
             continue

@@ -144,6 +144,23 @@ def tiny_components(work_dir: str | os.PathLike, text: bool = True, conditional:
     return components
 
 
+def build_modular_port():
+    """The generated modular stub (modular_tiny/) over the saved components: a zero-argument factory."""
+    from modular_tiny import TinyBlocks, TinyModularPipeline
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    root = Path(os.environ["SCAFFOLD_PIPELINE_DIR"])
+    pipe = TinyModularPipeline(blocks=TinyBlocks())
+    pipe.update_components(
+        unet=UNet2DConditionModel.from_pretrained(root / "unet"),
+        scheduler=DDIMScheduler.from_pretrained(root / "scheduler"),
+        vae=AutoencoderKL.from_pretrained(root / "vae"),
+        text_encoder=CLIPTextModel.from_pretrained(root / "text_encoder"),
+        tokenizer=CLIPTokenizer.from_pretrained(root / "tokenizer"),
+    )
+    return pipe
+
+
 # ------------------------------------------------------------------------------------ reference pipeline
 def run_reference(_checkpoints=None, seed: int = 0, num_inference_steps: int = 50, prompt: str = ""):
     """A hand-written reference loop over the saved components, instrumented like the stub.
