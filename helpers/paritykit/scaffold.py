@@ -158,6 +158,8 @@ def _parse_spec(path: Path, members: tuple[Path, ...] | None = None) -> Template
         raw = yaml.safe_load(match.group("body"))
     except yaml.YAMLError as exc:
         raise ParityKitError(f"template {path}: spec header is not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ParityKitError(f"template {path}: spec header must be a YAML mapping")
     variables, optional, defaults = {}, set(), {}
     for var, rule in (raw.get("variables") or {}).items():
         rule, _, default = (part.strip() for part in str(rule).partition("="))
@@ -190,7 +192,7 @@ def _parse_spec(path: Path, members: tuple[Path, ...] | None = None) -> Template
 
 
 def templates(directory: Path | None = None) -> dict[str, TemplateSpec]:
-    r"""Every template in the pack (``templates/*.py.j2``), keyed by kind, sorted by name.
+    r"""Every template in the pack (``templates/*.py.j2`` and sets ``templates/<kind>/``), keyed by kind.
 
     Args:
         directory: another template folder (tests); default: the pack's, via ``paritykit.data.data_dir``.
@@ -217,8 +219,8 @@ def _templates(root: Path) -> dict[str, TemplateSpec]:
             found.append((members[0], members))
     for path, members in sorted(found, key=lambda item: str(item[0])):
         spec = _parse_spec(path, members)
-        # The spec is the one place that lists a template's variables: hold the template to it.
-        # a set's partials (``_*.j2``, included by its members) count as part of it
+        # The spec is the one place that lists a template's variables: hold the template to it (a set's
+        # partials, the ``_*.j2`` its members import, count as part of the set).
         parts = spec.members if members is None else sorted(path.parent.glob("*.j2"))
         sources = (part.read_text(encoding="utf-8") for part in parts)
         used = set().union(*(meta.find_undeclared_variables(env.parse(source)) for source in sources))
@@ -428,7 +430,8 @@ def render(
     r"""Render one template into text, validating every value against the template's spec.
 
     Args:
-        kind: template name as listed by ``paritykit new --list`` (e.g. ``"component-test"``).
+        kind: the template's kind, its file or folder name with dashes (``"component-test"``,
+            ``"pipeline-stub-modular"``); ``paritykit new --list`` shows the command for each.
         name: the NAME argument (identifier or CamelCase, as the template's spec says).
         out_dir: where the file will be written; relative paths in ``options`` are re-anchored there.
         template_dir: another template folder (tests); default: the pack's.
