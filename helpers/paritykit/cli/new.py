@@ -27,7 +27,6 @@ def _generate(kind: str, name: str, out_dir: str, force: bool, **options) -> Non
 def new(ctx: click.Context, show_list: bool) -> None:
     """Render a template into code that runs as generated (never overwrites without --force).
 
-    \b
     Order of work: config-diff first, then a component-test per component, a pipeline-stub with
     named checkpoints (pipeline-stub --modular: the modular file set), and stage-test (encode, decode,
     denoise).
