@@ -351,6 +351,26 @@ def executed(tmp_path_factory):
         ("component-test", "stale", {**unet, "pretrained": "stale_unet"}),
         ("component-test", "badconv", {**unet, "convert": "scaffold_parts:convert_with_bug"}),
         ("component-test", "custom", {**unet, "inputs": "scaffold_parts:unet_inputs"}),
+        (
+            "component-test",
+            "cond",
+            {
+                **unet,
+                "reference": "scaffold_parts:build_reference_cond_unet",
+                "diffusers": "UNet2DConditionModel",
+                "pretrained": "saved_cond_unet",
+            },
+        ),
+        (
+            "component-test",
+            "vae",
+            {
+                **unet,
+                "reference": "scaffold_parts:build_reference_vae",
+                "diffusers": "AutoencoderKL",
+                "pretrained": "saved_vae",
+            },
+        ),
         ("stage-test", "tiny", stages),
         ("stage-test", "buggy", {**stages, "reference": "scaffold_parts:run_reference_with_decode_bug"}),
         (
@@ -427,10 +447,11 @@ def test_modular_pipeline_stub_matches_the_standard_stub(executed):
 
 
 def test_component_test_passes_on_a_faithful_port(executed):
-    assert _outcome(executed, "test_unet_fresh") == "passed", executed["messages"].get("test_unet_fresh")
-    assert _outcome(executed, "test_unet_saved") == "passed", executed["messages"].get("test_unet_saved")
-    assert _outcome(executed, "test_custom_fresh") == "passed", executed["messages"].get("test_custom_fresh")
-    assert _outcome(executed, "test_custom_saved") == "passed", executed["messages"].get("test_custom_saved")
+    # default inputs for UNet2DModel, UNet2DConditionModel and the generic one-tensor case; then --inputs
+    for name in ("unet", "cond", "vae", "custom"):
+        for mode in ("fresh", "saved"):
+            test = f"test_{name}_{mode}"
+            assert _outcome(executed, test) == "passed", executed["messages"].get(test, "")[-3000:]
 
 
 def test_component_test_fails_readably_on_one_perturbed_weight(executed):

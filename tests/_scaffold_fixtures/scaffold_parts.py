@@ -1,7 +1,8 @@
 """Tiny real models the scaffolder tests point generated files at (imported inside generated code).
 
-- A "research" UNet: the same network as a tiny ``UNet2DModel`` but under LDM-style names
-  (``diffusion_model.*``) and returning a bare tensor; ``convert`` maps its weights to diffusers names.
+- "Research" models: tiny ``UNet2DModel`` / ``UNet2DConditionModel`` / ``AutoencoderKL`` networks under
+  LDM-style names (``diffusion_model.*``, ``first_stage_model.*``) returning a bare tensor; ``convert``
+  maps their weights to diffusers names.
 - Tiny pipeline components (``UNet2DConditionModel``, ``DDIMScheduler``, ``AutoencoderKL``, a CLIP text
   encoder and a tokenizer over a made-up vocabulary) and a hand-written reference loop with checkpoints.
 
@@ -28,28 +29,62 @@ UNET_CONFIG = {
     "up_block_types": ("UpBlock2D", "UpBlock2D"),
     "norm_num_groups": 4,
 }
-PREFIX = "diffusion_model."
+COND_UNET_CONFIG = {
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "layers_per_block": 1,
+    "block_out_channels": (8, 16),
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+    "cross_attention_dim": 16,
+    "attention_head_dim": 2,
+    "norm_num_groups": 4,
+}
+VAE_CONFIG = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    "block_out_channels": (8, 16),
+    "latent_channels": 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "sample_size": 16,
+}
 
 
 # ------------------------------------------------------------------------------------- component test
-class ResearchUNet(torch.nn.Module):
-    """The reference side: LDM-style parameter names, forward(x, t) -> tensor."""
+class ResearchModel(torch.nn.Module):
+    """The reference side: a network under an LDM-style prefix, returning a bare tensor."""
 
-    def __init__(self):
+    def __init__(self, prefix: str, inner: torch.nn.Module):
         super().__init__()
-        self.diffusion_model = UNet2DModel(**UNET_CONFIG)
+        self.prefix = prefix
+        self.add_module(prefix, inner)
 
-    def forward(self, x, t):
-        return self.diffusion_model(x, t).sample
+    def forward(self, *args):
+        return getattr(self, self.prefix)(*args)[0]
 
 
-def build_reference() -> ResearchUNet:
+def build_reference() -> ResearchModel:
     torch.manual_seed(0)
-    return ResearchUNet()
+    return ResearchModel("diffusion_model", UNet2DModel(**UNET_CONFIG))
+
+
+def build_reference_cond_unet() -> ResearchModel:
+    torch.manual_seed(0)
+    return ResearchModel("diffusion_model", UNet2DConditionModel(**COND_UNET_CONFIG))
+
+
+def build_reference_vae() -> ResearchModel:
+    torch.manual_seed(0)
+    return ResearchModel("first_stage_model", AutoencoderKL(**VAE_CONFIG))
 
 
 def convert(state_dict: dict) -> dict:
-    return {key.removeprefix(PREFIX): value for key, value in state_dict.items()}
+    """Drop the LDM-style prefix (``diffusion_model.`` / ``first_stage_model.``)."""
+    return {key.split(".", 1)[1]: value for key, value in state_dict.items()}
 
 
 def convert_with_bug(state_dict: dict) -> dict:
@@ -59,10 +94,12 @@ def convert_with_bug(state_dict: dict) -> dict:
     return converted
 
 
-def save_port(directory: str | os.PathLike, perturb: bool = False) -> None:
+def save_port(directory: str | os.PathLike, build=build_reference, perturb: bool = False) -> None:
     """Save the converted port; ``perturb`` plants a stale weight the saved-mode test must catch."""
-    model = UNet2DModel(**UNET_CONFIG)
-    model.load_state_dict(convert(build_reference().state_dict()))
+    reference = build()
+    inner = getattr(reference, reference.prefix)
+    model = type(inner).from_config(inner.config)
+    model.load_state_dict(convert(reference.state_dict()))
     if perturb:
         with torch.no_grad():
             model.conv_out.weight[0, 0, 0, 0] += 0.5
@@ -111,31 +148,10 @@ def tiny_components(work_dir: str | os.PathLike, text: bool = True, conditional:
     """Tiny real components for the generated pipeline stub (deterministic weights)."""
     torch.manual_seed(0)
     if conditional:
-        unet = UNet2DConditionModel(
-            sample_size=8,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=1,
-            block_out_channels=(8, 16),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=16,
-            attention_head_dim=2,
-            norm_num_groups=4,
-        )
+        unet = UNet2DConditionModel(**COND_UNET_CONFIG)
     else:
         unet = UNet2DModel(**{**UNET_CONFIG, "in_channels": 4, "out_channels": 4})
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=16,
-    )
+    vae = AutoencoderKL(**VAE_CONFIG)
     # eval(), as from_pretrained leaves them, so a saved and reloaded pipeline computes the same thing
     components = {"unet": unet.eval(), "scheduler": DDIMScheduler(), "vae": vae.eval()}
     if text:
