@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from paritykit.convert import (
     OPS,
     _multiset_hashes,
@@ -735,3 +737,33 @@ def test_values_rounded_through_bf16_are_a_cast_round_trip():
         {"op": "cast", "dtype": "float32"},
     ]
     _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(list(range(12))) | st.permutations(list(range(16))))
+def test_any_row_permutation_is_described_compactly_and_exactly(perm):
+    from paritykit.convert import _describe_permutation, _row_index
+
+    description = _describe_permutation(perm)
+    assert _row_index(description, len(perm)).tolist() == perm
+    if description["pattern"] == "ranges":
+        assert len(description["ranges"]) <= len(perm)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 7),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int64]),
+    seed=st.integers(0, 1000),
+)
+def test_fingerprint_ignores_layout_and_sees_one_changed_element(rows, cols, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=g) * 100).to(dtype)
+    h = _multiset_hashes(w, dtype)[0]
+    assert h == _multiset_hashes(w.t().contiguous(), dtype)[0]
+    assert h == _multiset_hashes(w.reshape(-1)[torch.randperm(w.numel(), generator=g)], dtype)[0]
+    changed = w.clone()
+    changed.view(-1)[0] = changed.view(-1)[0] + 1
+    if not torch.equal(changed, w):
+        assert h != _multiset_hashes(changed, dtype)[0]
