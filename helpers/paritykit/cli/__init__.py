@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# click >= 8.2 raises this for a group called without a sub-command; click 8.1 prints the help and exits 0
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class LazyGroup(click.Group):
     """A click group that imports a sub-command's module only when that sub-command runs."""
 
@@ -58,6 +62,11 @@ class LazyGroup(click.Group):
             sys.exit(exc.exit_code)
         except click.exceptions.Abort:
             _fail("aborted", as_json, 1)
+        except _NO_ARGS_IS_HELP as exc:
+            # a group run without its sub-command (`paritykit`, `paritykit weights`): show its help, as click 8.1
+            # and `paritykit new` do, instead of squeezing the whole help text into one error line
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
         except click.ClickException as exc:
             _fail(exc.format_message(), as_json, exc.exit_code)
         except UserCodeError as exc:
