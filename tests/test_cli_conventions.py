@@ -123,7 +123,9 @@ def invoke(cwd: Path, *args: str) -> Run:
     """``paritykit ARGS`` in ``cwd`` through the real entry point; an escaping exception shows as a traceback."""
     runner = CliRunner()
     with contextlib.chdir(cwd):
-        result = runner.invoke(paritykit_cli, [str(a) for a in args], catch_exceptions=True)
+        result = runner.invoke(
+            paritykit_cli, [str(a) for a in args], catch_exceptions=True, prog_name="paritykit"
+        )
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         shown = "".join(traceback.format_exception(*result.exc_info))
         return Run(1, result.stdout, result.stderr + shown)
@@ -611,3 +613,13 @@ def test_light_paths_never_import_torch(files, args):
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("HEAVY= EXIT="), result.stdout[-500:] + result.stderr
     assert last.split("EXIT=")[1] in ("0", "1", "None"), last
+
+
+@pytest.mark.parametrize(
+    "group", [[], ["weights"], ["skills"], ["new"]], ids=lambda g: " ".join(["paritykit", *g])
+)
+def test_group_without_subcommand_shows_its_help(files, group):
+    run = invoke(files, *group)
+    assert run.code == 0, run.stderr
+    assert run.stderr == ""
+    assert run.stdout.startswith("Usage: paritykit") and run.stdout.count("\n") > 5, run.stdout
