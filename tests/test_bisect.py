@@ -331,3 +331,23 @@ def test_cli_two_environment_flow(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     refused = run("trace", spec, "--side", "port", "--out", tmp_path / "mine")
     assert refused.exit_code == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_a_whole_tiny_unet_with_one_changed_resnet():
+    import copy
+
+    from tests.test_trace import tiny_unet
+
+    reference = tiny_unet()
+    port = copy.deepcopy(reference)
+    port.down_blocks[1].resnets[0].output_scale_factor = 0.5
+    inputs = (
+        (torch.randn(2, 4, 16, 16), torch.tensor([10, 20])),
+        {"encoder_hidden_states": torch.randn(2, 5, 16)},
+    )
+    report = bisect(reference, port, inputs)
+    culprit = report.culprit
+    assert (culprit.reference, culprit.port) == ("down_blocks.1.resnets.0", "down_blocks.1.resnets.0")
+    assert culprit.how_aligned == "names" and culprit.inline
+    assert culprit.hints[0].id == "constant-scale"
+    assert report.alignment.unaligned_reference == [] and report.to_dict()["aligned"] > 100

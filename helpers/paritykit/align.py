@@ -241,16 +241,21 @@ class _Builder:
     def by_weights(self) -> None:
         if not self.ref.state_dict or not self.port.state_dict:
             return
+        ref_sd = _restrict(self.ref.state_dict, self.free_ref())
+        port_sd = _restrict(self.port.state_dict, self.free_port())
+        if not ref_sd or not port_sd:
+            return
         from paritykit.convert import infer_conversion_map, match_modules
 
-        cmap = infer_conversion_map(self.ref.state_dict, self.port.state_dict)
+        # Only what is still unaligned takes part: value matching is the expensive pass.
+        cmap = infer_conversion_map(ref_sd, port_sd)
         ambiguous = {a.target for a in cmap.ambiguous}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
 
         # Containers and leaves alike: a module pairs with another when the value-unique parameters under
         # them map onto each other exactly.
-        ref_keys = list(self.ref.state_dict)
-        port_keys = list(self.port.state_dict)
+        ref_keys = list(ref_sd)
+        port_keys = list(port_sd)
         ref_sig: dict[frozenset, list[str]] = defaultdict(list)
         image_of: dict[str, frozenset] = {}
         port_by_set: dict[frozenset, list[str]] = defaultdict(list)
@@ -290,7 +295,7 @@ class _Builder:
             pair.layout = layout.get(pair.port, "")
 
         # Fused <-> split (1:N) and leaves whose evidence is only ambiguous (constant initialisations).
-        modules = match_modules(self.ref.state_dict, self.port.state_dict, conversion_map=cmap)
+        modules = match_modules(ref_sd, port_sd, conversion_map=cmap)
         ref_free, port_free = set(self.free_ref()), set(self.free_port())
         split: dict[str, list[str]] = defaultdict(list)
         for p, refs in modules.items():
@@ -406,6 +411,14 @@ def _output_layouts(mapping: Sequence[Any]) -> dict[str, str]:
                 module = entry.target.rsplit(".", 1)[0] if "." in entry.target else ""
                 out[module] = step["op"]
     return out
+
+
+def _restrict(state_dict: dict[str, Any], modules: list[str]) -> dict[str, Any]:
+    """The entries of ``state_dict`` under any of ``modules`` (all of them when the top level is among them)."""
+    if "" in modules:
+        return state_dict
+    prefixes = tuple(m + "." for m in modules)
+    return {k: v for k, v in state_dict.items() if k.startswith(prefixes)}
 
 
 def _under(module: str, keys: list[str]) -> set[str]:
