@@ -353,6 +353,11 @@ def executed(tmp_path_factory):
         ("component-test", "custom", {**unet, "inputs": "scaffold_parts:unet_inputs"}),
         (
             "component-test",
+            "module",
+            {**unet, "convert": "scaffold_parts:convert_to_model", "pretrained": None},
+        ),
+        (
+            "component-test",
             "cond",
             {
                 **unet,
@@ -452,6 +457,9 @@ def test_component_test_passes_on_a_faithful_port(executed):
         for mode in ("fresh", "saved"):
             test = f"test_{name}_{mode}"
             assert _outcome(executed, test) == "passed", executed["messages"].get(test, "")[-3000:]
+    # a conversion that returns the model itself needs no saved config; the saved test skips until one exists
+    assert _outcome(executed, "test_module_fresh") == "passed", executed["messages"].get("test_module_fresh")
+    assert _outcome(executed, "test_module_saved") == "skipped"
 
 
 def test_component_test_fails_readably_on_one_perturbed_weight(executed):

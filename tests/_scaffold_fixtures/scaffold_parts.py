@@ -87,6 +87,13 @@ def convert(state_dict: dict) -> dict:
     return {key.split(".", 1)[1]: value for key, value in state_dict.items()}
 
 
+def convert_to_model(state_dict: dict) -> UNet2DModel:
+    """A conversion that returns the port model itself, so no saved config.json is needed."""
+    model = UNet2DModel(**UNET_CONFIG)
+    model.load_state_dict(convert(state_dict))
+    return model
+
+
 def convert_with_bug(state_dict: dict) -> dict:
     """A conversion that perturbs one weight: the fresh-mode test must catch it."""
     converted = convert(state_dict)
