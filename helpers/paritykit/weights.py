@@ -207,14 +207,16 @@ _KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "self-attention",
         re.compile(
-            r"attn1|self_?attn|selfattention|(^|\.)attn(_\d+)?(\.|$)|attention|(^|\.)(to_[qkv]|to_out|[qkv]_proj|out_proj|"
+            r"attn1|self_?attn|selfattention|(^|[._])attn(_\d+)?(\.|$)|attention|(^|\.)(to_[qkv]|to_out|[qkv]_proj|out_proj|"
             r"qkv|in_proj_(weight|bias)|q|k|v)(\.|$)",
             re.I,
         ),
     ),
     (
         "feed-forward",
-        re.compile(r"(^|\.)(ff|ff_net|mlp|feed_forward|fc[12]|c_fc|densereludense|ffn)(\.|$)", re.I),
+        re.compile(
+            r"(^|[._])(ff|ff_net|ff_context|mlp|feed_forward|fc[12]|c_fc|densereludense|ffn)([._]|$)", re.I
+        ),
     ),
     ("norm", re.compile(r"norm|(^|\.)ln(_\w+)?(\.|$)|(in|out)_layers\.0\.", re.I)),
     ("embedding", re.compile(r"emb|embed|(^|\.)shared\.", re.I)),
