@@ -420,6 +420,20 @@ def test_json_report_has_environment_stamp(files, args):
     assert isinstance(stamp, dict) and stamp.get("paritykit"), payload.keys()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="images: a NaN/Inf pixel is treated as bad input (exit 2, 'contains NaN or Inf pixels') although a port "
+    "that renders NaN is the commonest way to differ; compare and steps report non-finite values as a difference (1)",
+)
+def test_images_a_port_rendering_nan_differs(files, tmp_path):
+    import torch
+
+    torch.save(torch.full((8, 8, 3), float("nan")), tmp_path / "port.pt")
+    run = invoke(files, "images", "i1.png", tmp_path / "port.pt", "--json")
+    assert run.code == 1, run.stdout
+    strict_json(run.stdout)
+
+
 def test_nonfinite_values_reach_json_as_null_and_are_listed(files):
     payload = strict_json(invoke(files, "compare", "nan1.safetensors", "nan2.safetensors", "--json").stdout)
     assert payload.get("nonfinite"), "NaN/Inf in the report should be listed under 'nonfinite'"
@@ -586,6 +600,22 @@ LIGHT = [
     ["new", "--list"],
     ["new", "--help"],
     ["weights", "diff", "a.safetensors", "c.safetensors", "--keys-only"],
+    ["--version"],
+    ["skills", "validate"],
+    ["skills", "install", "--agent", "claude", "--target", "adir", "--dry-run"],
+    ["skills", "show", "nonesuch"],
+    [
+        "new",
+        "component-test",
+        "vae",
+        "--reference",
+        "r:b",
+        "--diffusers",
+        "UNet2DModel",
+        "--out",
+        "gen_light",
+    ],
+    ["new", "pipeline-stub", "lower_case"],
 ]
 
 
@@ -612,7 +642,7 @@ def test_light_paths_never_import_torch(files, args):
     )
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("HEAVY= EXIT="), result.stdout[-500:] + result.stderr
-    assert last.split("EXIT=")[1] in ("0", "1", "None"), last
+    assert last.split("EXIT=")[1] in ("0", "1", "2"), last
 
 
 @pytest.mark.parametrize(
