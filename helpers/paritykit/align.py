@@ -98,17 +98,20 @@ class Alignment:
             "unaligned_port": list(self.unaligned_port),
         }
 
+    def summary(self) -> str:
+        """One line: how many modules were aligned, by which pass, and how many were not."""
+        by = ", ".join(f"{n} by {how}" for how, n in self.to_dict()["by"].items() if n)
+        return (
+            f"{len(self.pairs)} aligned ({by}); unaligned: {len(self.unaligned_reference)} reference, "
+            f"{len(self.unaligned_port)} port"
+        )
+
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         rows = [
             [_shown(p.reference), _shown(p.port), p.how + ("" if p.confidence == "high" else " (low)")]
             for p in self.pairs
         ]
-        by = ", ".join(f"{n} by {how}" for how, n in self.to_dict()["by"].items() if n)
-        summary = (
-            f"{len(self.pairs)} aligned ({by}); unaligned: {len(self.unaligned_reference)} reference, "
-            f"{len(self.unaligned_port)} port"
-        )
-        lines = [render_table(["reference", "port", "how"], rows, limit=limit, summary=summary)]
+        lines = [render_table(["reference", "port", "how"], rows, limit=limit, summary=self.summary())]
         for side, names in (("reference", self.unaligned_reference), ("port", self.unaligned_port)):
             if names:
                 shown = names if not limit else names[:limit]

@@ -211,7 +211,7 @@ class BisectReport:
                 )
             )
         lines.append("")
-        lines.append(self.alignment.render(limit=min(limit, 10) if limit else 10).splitlines()[-1])
+        lines.append(self.alignment.summary())
         al = self.alignment
         for side, names in (("reference", al.unaligned_reference), ("port", al.unaligned_port)):
             if names:
