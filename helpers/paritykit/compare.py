@@ -44,9 +44,13 @@ _TOLERANCES: dict[str, tuple[float, float]] = {
 ORACLE_SLACK = 1e-5
 
 
+# Intra-op threads for the chunk walks of compare_tensors and diagnose (see walk_threads).
+WALK_THREADS = 1
+
+
 @contextmanager
-def walk_threads(threads: int = 1) -> Iterator[None]:
-    r"""Run torch's CPU ops with ``threads`` intra-op threads inside the block, restoring the setting after.
+def walk_threads(threads: int | None = None) -> Iterator[None]:
+    r"""Run torch's CPU ops with ``threads`` (default :data:`WALK_THREADS`) intra-op threads inside the block.
 
     A chunked walk issues thousands of small ops; with several intra-op threads each op ends at a barrier,
     and on a busy machine one descheduled thread stalls every op for a whole time slice (a 20-30x slowdown
@@ -54,6 +58,7 @@ def walk_threads(threads: int = 1) -> Iterator[None]:
     """
     import torch
 
+    threads = WALK_THREADS if threads is None else threads
     previous = torch.get_num_threads()
     if previous != threads:
         torch.set_num_threads(threads)
