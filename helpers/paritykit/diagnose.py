@@ -91,6 +91,10 @@ def _num(value: float) -> str:
     return f"{value:.4g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.3e}"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _as_real(t: Any) -> torch.Tensor:
     import torch
 
@@ -202,9 +206,9 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     index = _unravel(first, tuple(a.shape))
     va, vb = float(a[index]), float(b[index])
     if counts["b_only"] and not counts["a_only"]:
-        where = f"B has {counts['b_only']} NaN/Inf values where A is finite"
+        where = f"B has {_count(counts['b_only'], 'NaN/Inf value')} where A is finite"
     elif counts["a_only"] and not counts["b_only"]:
-        where = f"A has {counts['a_only']} NaN/Inf values where B is finite"
+        where = f"A has {_count(counts['a_only'], 'NaN/Inf value')} where B is finite"
     else:
         where = f"A and B have NaN/Inf in different places ({counts['a_only']} in A only, {counts['b_only']} in B only)"
     return Hint(
@@ -506,7 +510,8 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
                 other = "A" if side == "B" else "B"
                 return Hint(
                     "timestep-rounding",
-                    f"A and B differ only at the {n} values with a fractional part, where {side} = {mode}({other}) "
+                    f"A and B differ only at the {_count(n, 'value')} with a fractional part, "
+                    f"where {side} = {mode}({other}) "
                     f"(e.g. A={_num(float(x[i]))}, B={_num(float(y[i]))}): one side rounds or casts to int "
                     "(timesteps as int64 vs float).",
                     {"mode": mode, "rounded_side": side.lower(), "count": n, "share": share},
