@@ -653,3 +653,29 @@ def test_group_without_subcommand_shows_its_help(files, group):
     assert run.code == 0, run.stderr
     assert run.stderr == ""
     assert run.stdout.startswith("Usage: paritykit") and run.stdout.count("\n") > 5, run.stdout
+
+
+def test_every_help_is_torch_free():
+    helps = [
+        ["--help"], ["compare", "--help"], ["config-diff", "--help"], ["weights", "--help"],
+        ["weights", "diff", "--help"], ["weights", "map", "--help"], ["bisect", "--help"], ["trace", "--help"],
+        ["steps", "--help"], ["images", "--help"], ["new", "--help"], ["new", "component-test", "--help"],
+        ["new", "pipeline-stub", "--help"], ["new", "stage-test", "--help"], ["new", "config-diff", "--help"],
+        ["skills", "--help"], ["skills", "install", "--help"], ["demo", "--help"],
+    ]  # fmt: skip
+    code = (
+        "import sys\n"
+        "from paritykit.cli import cli\n"
+        f"for argv in {helps!r}:\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code in (0, None), (argv, exc.code)\n"
+        "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers', 'matplotlib') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "HEAVY=", result.stdout[-300:] + result.stderr
