@@ -2,8 +2,15 @@
 
 A real diffusers FluxTransformer2DModel (fresh init, so RMSNorm scales are constant and ambiguous) is
 written into the original repository's layout (fused QKV and QKV+MLP, swapped shift/scale, renamed
-prefixes) by the test helper, then mapped back. Two series: DEPTH (blocks x1, x2, x4: keys and bytes both
-grow) and WIDTH (heads x1, x2: bytes x4 at a fixed key count). Median of 3 runs each.
+prefixes) by the test helper, then mapped back. Series:
+
+- DEPTH (blocks x1, x2, x4): keys and bytes both grow;
+- WIDTH (heads x1, x2): bytes x4 at a fixed key count;
+- CONSTANTS: every tensor shares its value with n others (the worst case for value matching);
+- FILES: the DEPTH x4 pair read from .safetensors (memory-mapped) instead of dicts in memory.
+
+Figures are the median CPU seconds of this process (one torch thread) over 5 runs (constants: 3): the
+machine is shared, and wall time moves with everyone else's load (wall medians are shown too).
 
     /work/venv/bin/python benchmarks/bench_weights_map.py  # writes benchmarks/results/weights_map.txt
 """
@@ -14,8 +21,11 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +34,17 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from paritykit.convert import infer_conversion_map  # noqa: E402
 from test_convert import _research_layout  # noqa: E402  (the same research layout the tests map back)
+
+
+def timed(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, float, Any]:
+    """Median wall and CPU seconds over ``repeats`` calls, and the last result."""
+    walls, cpus, result = [], [], None
+    for _ in range(repeats):
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        result = fn()
+        walls.append(time.perf_counter() - wall0)
+        cpus.append(time.process_time() - cpu0)
+    return statistics.median(walls), statistics.median(cpus), result
 
 
 def build(layers: int, singles: int, heads: int, head_dim: int = 64) -> dict[str, torch.Tensor]:
@@ -44,21 +65,22 @@ def build(layers: int, singles: int, heads: int, head_dim: int = 64) -> dict[str
     return model.state_dict()
 
 
+def _line(label: str, source: dict, target: dict, wall: float, cpu: float, note: str) -> str:
+    mb = sum(t.numel() * t.element_size() for t in target.values()) / 2**20
+    return (
+        f"{label:<9} {len(source):>4} -> {len(target):>4} tensors {mb:6.1f} MB  cpu {cpu:6.3f} s "
+        f"{f'{1000 * cpu / mb:5.2f}' if mb >= 1 else '    -'} ms/MB {1000 * cpu / len(target):5.2f} ms/tensor  "
+        f"(wall {wall:.3f} s)  {note}"
+    )
+
+
 def measure(label: str, layers: int, singles: int, heads: int) -> str:
     target = build(layers, singles, heads)
     source = _research_layout(target)
-    mb = sum(t.numel() * t.element_size() for t in target.values()) / 2**20
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        cmap = infer_conversion_map(source, target)
-        times.append(time.perf_counter() - started)
-        assert cmap.exit_code == 0
-    t = statistics.median(times)
-    return (
-        f"{label:<11} {len(source):>5} -> {len(target):>5} tensors  {mb:7.1f} MB  {t:6.3f} s  "
-        f"{1000 * t / mb:6.2f} ms/MB  {1000 * t / len(target):6.2f} ms/tensor  "
-        f"{len(cmap.rules)} rules, {len(cmap.ambiguous)} ambiguous"
+    wall, cpu, cmap = timed(lambda: infer_conversion_map(source, target))
+    assert cmap.exit_code == 0
+    return _line(
+        label, source, target, wall, cpu, f"{len(cmap.rules)} rules, {len(cmap.ambiguous)} ambiguous"
     )
 
 
@@ -69,53 +91,41 @@ def measure_files(label: str, layers: int, singles: int, heads: int, folder: Pat
     source = _research_layout(target)
     save_file({k: v.contiguous() for k, v in source.items()}, folder / "research.safetensors")
     save_file(target, folder / "diffusers.safetensors")
-    mb = sum(t.numel() * t.element_size() for t in target.values()) / 2**20
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        cmap = infer_conversion_map(folder / "research.safetensors", folder / "diffusers.safetensors")
-        times.append(time.perf_counter() - started)
-        assert cmap.exit_code == 0
-    t = statistics.median(times)
-    return (
-        f"{label:<11} {len(source):>5} -> {len(target):>5} tensors  {mb:7.1f} MB  {t:6.3f} s  "
-        f"{1000 * t / mb:6.2f} ms/MB  {1000 * t / len(target):6.2f} ms/tensor  (read from .safetensors, memory-mapped)"
-    )
+    paths = (folder / "research.safetensors", folder / "diffusers.safetensors")
+    wall, cpu, cmap = timed(lambda: infer_conversion_map(*paths))
+    assert cmap.exit_code == 0
+    return _line(label, source, target, wall, cpu, "read from .safetensors (memory-mapped)")
 
 
 def measure_constants(n: int) -> str:
-    # the worst case for value matching: every tensor has the same value as n others (fresh norms)
+    # every tensor has the same value as n others, as in a freshly initialised model's norms
     source = {
-        f"blocks.{i}.norm.{kind}": torch.full((64,), float(kind == "weight"))
+        f"blocks.{i}.norm.{k}": torch.full((64,), float(k == "weight"))
         for i in range(n)
-        for kind in ("weight", "bias")
+        for k in ("weight", "bias")
     }
     target = {
-        f"layers.{i}.ln.{kind}": torch.full((64,), float(kind == "weight"))
+        f"layers.{i}.ln.{k}": torch.full((64,), float(k == "weight"))
         for i in range(n)
-        for kind in ("weight", "bias")
+        for k in ("weight", "bias")
     }
-    started = time.perf_counter()
-    cmap = infer_conversion_map(source, target)
-    t = time.perf_counter() - started
-    assert cmap.exit_code == 0 and all(
-        a.chosen.split(".")[1] == a.target.split(".")[1] for a in cmap.ambiguous
-    )
-    return (
-        f"constants  {len(source):>5} -> {len(target):>5} tensors, all {len(cmap.ambiguous)} ambiguous "
-        f"(buckets of {n})  {t:6.3f} s  {1000 * t / len(target):6.2f} ms/tensor  {len(cmap.rules)} rule(s)"
+    wall, cpu, cmap = timed(lambda: infer_conversion_map(source, target), repeats=3)
+    assert cmap.exit_code == 0
+    assert all(a.chosen.split(".")[1] == a.target.split(".")[1] for a in cmap.ambiguous)
+    return _line(
+        "constants", source, target, wall, cpu, f"all {len(cmap.ambiguous)} ambiguous, buckets of {n}"
     )
 
 
 def main() -> None:
     torch.set_num_threads(1)
     lines = [
-        "paritykit weights map: infer_conversion_map on a real FluxTransformer2DModel state dict",
-        f"(research layout -> diffusers layout), median of 3, 1 torch thread, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}",
+        "paritykit weights map: infer_conversion_map, research layout -> diffusers layout of a real",
+        "FluxTransformer2DModel state dict; median CPU seconds of 5 runs (constants: 3), 1 torch thread, "
+        f"{platform.machine()}, torch {torch.__version__}",
         "",
     ]
-    warm = build(1, 1, 2)  # first-call costs (imports, allocator) stay out of the figures
+    warm = build(4, 8, 4)  # first-call costs (imports, allocator growth) stay out of the figures
     infer_conversion_map(_research_layout(warm), warm)
     for label, scale in (("depth x1", 1), ("depth x2", 2), ("depth x4", 4)):
         lines.append(measure(label, 4 * scale, 8 * scale, 4))
@@ -126,8 +136,6 @@ def main() -> None:
     for n in (500, 1000, 2000):
         lines.append(measure_constants(n))
         print(lines[-1], flush=True)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         lines.append(measure_files("files x4", 16, 32, 4, Path(tmp)))
         print(lines[-1], flush=True)
