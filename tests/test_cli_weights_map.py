@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +104,14 @@ def test_bad_input_with_json_is_a_json_error(cli, checkpoints, tmp_path):
     assert proc.returncode == 2
     payload = json.loads(proc.stdout)
     assert payload["schema_version"] == 1 and "junk.safetensors" in payload["error"]
+
+
+def test_importing_the_command_and_library_is_torch_free():
+    code = (
+        "import sys, paritykit.convert, paritykit.cli.weights_map; "
+        "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "helpers"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
