@@ -759,8 +759,10 @@ def plot_weights_diff(report: WeightsDiff, path: str | os.PathLike) -> Path:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(path, dpi=100)
-        except OSError as exc:
-            raise ParityKitError(f"{path}: cannot write the plot ({exc.strerror or exc})") from None
+        except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib cannot write, e.g. .ckpt
+            raise ParityKitError(
+                f"{path}: cannot write the plot ({getattr(exc, 'strerror', None) or exc})"
+            ) from None
     finally:
         plt.close(fig)
     return path
