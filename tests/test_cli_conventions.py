@@ -89,6 +89,7 @@ def files(tmp_path_factory) -> Path:
     (root / "c1.json").write_text(json.dumps({"sample_size": 32, "layers": 2}))
     (root / "c2.json").write_text(json.dumps({"sample_size": 32, "layers": 3}))
     (root / "bad.json").write_text("{not json")
+    (root / "sigmas.json").write_text("[1.0, 0.75, 0.5, 0.25]")
     pixels = (np.random.RandomState(0).rand(8, 8, 3) * 255).astype("uint8")
     Image.fromarray(pixels).save(root / "i1.png")
     Image.fromarray(255 - pixels).save(root / "i2.png")
@@ -225,6 +226,12 @@ BAD_INPUT = [
         True,
     ),
     (
+        "wdiff-plot-unwritable-format",
+        ["weights", "diff", "a.safetensors", "b.safetensors", "--quiet", "--plot", "a.safetensors"],
+        ["a.safetensors"],
+        True,
+    ),
+    (
         "wdiff-plot-keys-only",
         ["weights", "diff", "a.safetensors", "b.safetensors", "--keys-only", "--plot", "p.png"],
         ["--plot"],
@@ -268,6 +275,7 @@ BAD_INPUT = [
     ("steps-unknown-key", ["steps", "steps_a", "steps_b", "--key", "noise"], ["noise"], True),
     ("steps-plot-is-dir", ["steps", "steps_a", "steps_b", "--plot", "adir"], ["adir"], True),
     ("steps-plot-under-file", ["steps", "steps_a", "steps_b", "--plot", "a.pt/x.png"], ["a.pt"], True),
+    ("steps-plot-is-an-input", ["steps", "steps_a", "steps_b", "--sigmas", "sigmas.json", "--plot", "sigmas.json"], ["--plot"], True),
     # images
     ("images-missing", ["images", "missing.png", "i1.png"], ["missing.png"], True),
     ("images-not-an-image", ["images", "notimg.png", "i1.png"], ["notimg.png"], True),
@@ -278,6 +286,7 @@ BAD_INPUT = [
     ("images-bad-psnr", ["images", "i1.png", "i2.png", "--psnr-min", "abc"], ["--psnr-min"], True),
     ("images-out-is-dir", ["images", "i1.png", "i2.png", "--out", "adir"], ["adir"], True),
     ("images-out-under-file", ["images", "i1.png", "i2.png", "--out", "a.pt/d.png"], ["a.pt"], True),
+    ("images-out-is-an-input", ["images", "i1.png", "i2.png", "--out", "./i2.png"], ["--out", "i2.png"], True),
     # new (torch-free, no --json)
     ("new-name-digit", ["new", "component-test", "1vae", "--reference", "r:b", "--diffusers", "UNet2DModel"], ["1vae"], False),
     ("new-name-keyword", ["new", "component-test", "class", "--reference", "r:b", "--diffusers", "UNet2DModel"], ["class"], False),
@@ -493,6 +502,29 @@ def test_reports_asked_for_are_overwritten(files, tmp_path, args):
     run = invoke(files, *args, report)
     assert run.code == 1, run.stderr
     assert report.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("args", "victim"),
+    [
+        pytest.param(["images", "ref.png", "port.png", "--out", "port.png"], "port.png", id="images-out-port"),
+        pytest.param(["images", "ref.png", "port.png", "--out", "./ref.png"], "ref.png", id="images-out-ref"),
+        pytest.param(["steps", "sa", "sb", "--sigmas", "s.json", "--plot", "s.json"], "s.json", id="steps-plot-sigmas"),
+        pytest.param(["weights", "diff", "w.safetensors", "b.safetensors", "--plot", "w.safetensors"], "w.safetensors", id="wdiff-plot-input"),
+    ],
+)  # fmt: skip
+def test_a_report_path_never_destroys_an_input(files, tmp_path, args, victim):
+    import shutil
+
+    for name, source in {"ref.png": "i1.png", "port.png": "i2.png", "s.json": "sigmas.json", "w.safetensors": "a.safetensors", "b.safetensors": "b.safetensors"}.items():  # fmt: skip
+        shutil.copy(files / source, tmp_path / name)
+    for name, source in {"sa": "steps_a", "sb": "steps_b"}.items():
+        shutil.copytree(files / source, tmp_path / name)
+    before = (tmp_path / victim).read_bytes()
+    assert_one_line_error(
+        invoke(tmp_path, *args, "--quiet" if args[0] == "weights" else "--limit=40"), victim
+    )
+    assert (tmp_path / victim).read_bytes() == before
 
 
 def test_trace_refuses_a_folder_holding_a_users_file(files, tmp_path):
