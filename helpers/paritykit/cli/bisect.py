@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from paritykit.cli._common import emit, json_option, limit_option, map_option
+from paritykit.errors import ParityKitError
 
 SPEC_HELP = """
 \b
@@ -19,6 +20,19 @@ optionally:
   TOLERANCE = {"atol": ..., "rtol": ...}
 Both models run in eval mode under torch.no_grad().
 """
+
+
+def _check_device(device: str | None) -> None:
+    """--device must name a device this torch can allocate on (not `cuda` on a CPU-only build, not `gpu`)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, AssertionError) as exc:  # AssertionError: "Torch not compiled with CUDA enabled"
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ParityKitError(f"--device {device!r}: not usable here ({reason})") from None
 
 
 @click.command(
@@ -59,6 +73,7 @@ def bisect(spec, traces, atol, rtol, maps, device, ops, as_json, limit):
 
     if spec is None and not traces:
         raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
+    _check_device(device)
     report = bisect_spec(
         spec,
         traces=tuple(traces) if traces else None,
@@ -94,4 +109,5 @@ in its own environment; then run `paritykit bisect --traces REF_DIR PORT_DIR [SP
 def trace(spec, side, out, device, as_json):
     from paritykit.bisect import trace_spec
 
+    _check_device(device)
     emit(trace_spec(spec, side=side, out=out, device=device), as_json=as_json)
