@@ -259,10 +259,12 @@ BAD_INPUT = [
     ("bisect-bad-rtol", ["bisect", "spec_ok.py", "--rtol", "abc"], ["--rtol"], True),
     ("bisect-bad-map", ["bisect", "spec_ok.py", "--map", "(=x"], ["--map"], True),
     ("bisect-nothing", ["bisect"], ["SPEC"], True),
+    ("bisect-bad-device", ["bisect", "spec_ok.py", "--device", "gpu"], ["--device", "gpu"], True),
     ("bisect-traces-not-traces", ["bisect", "--traces", "adir", "adir"], ["adir"], True),
     # trace
     ("trace-missing-spec", ["trace", "missing_spec.py", "--side", "port", "--out", "t"], ["missing_spec.py"], True),
     ("trace-bad-side", ["trace", "spec_ok.py", "--side", "both", "--out", "t"], ["--side"], True),
+    ("trace-bad-device", ["trace", "spec_ok.py", "--side", "port", "--out", "t", "--device", "gpu"], ["--device"], True),
     ("trace-out-is-file", ["trace", "spec_ok.py", "--side", "port", "--out", "a.pt"], ["a.pt"], True),
     ("trace-out-under-file", ["trace", "spec_ok.py", "--side", "port", "--out", "a.pt/t"], ["a.pt"], True),
     # steps
