@@ -328,6 +328,20 @@ def test_bad_input_is_one_line_exit_2(files, args, names, mode):
         assert_one_line_error(invoke(files, *args), *names)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["compare", "evil.pt", "a.safetensors"], id="compare-pickle"),
+        pytest.param(["weights", "diff", "trunc.safetensors", "a.safetensors", "--keys-only", "--json"], id="keys-only-json"),
+    ],
+)  # fmt: skip
+def test_in_process_runs_match_a_real_process(files, cli, args):
+    """The harness above is faithful: ``python -m paritykit`` prints the same bytes and exits the same."""
+    process = cli(*args, cwd=files)
+    here = invoke(files, *args)
+    assert (process.returncode, process.stdout, process.stderr) == (here.code, here.stdout, here.stderr)
+
+
 def test_dangerous_pickle_is_never_run(files, capfd):
     for command in (["compare"], ["weights", "diff"], ["weights", "map"], ["images"]):
         assert_one_line_error(invoke(files, *command, "evil.pt", "a.safetensors"), "evil.pt")
