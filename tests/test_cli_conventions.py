@@ -469,23 +469,24 @@ def test_nonfinite_values_reach_json_as_null_and_are_listed(files):
 
 
 NEW_CASES = {
-    "component-test": (["vae", "--reference", "ref.model:build", "--diffusers", "AutoencoderKL"], "test_vae_component.py"),
-    "pipeline-stub": (["MyModel"], "pipeline_my_model.py"),
-    "stage-test": (["my", "--pipeline", "port.pipe:MyPipeline", "--reference", "ref.run:run"], "test_my_stages.py"),
-    "config-diff": (["my", "--reference", "c1.json", "--diffusers", "c2.json"], "config_diff_my.py"),
+    "component-test": ("component-test", ["vae", "--reference", "ref.model:build", "--diffusers", "AutoencoderKL"], "test_vae_component.py"),
+    "pipeline-stub": ("pipeline-stub", ["MyModel"], "pipeline_my_model.py"),
+    "pipeline-stub-modular": ("pipeline-stub", ["MyModel", "--modular"], "modular_my_model/modular_pipeline.py"),
+    "stage-test": ("stage-test", ["my", "--pipeline", "port.pipe:MyPipeline", "--reference", "ref.run:run"], "test_my_stages.py"),
+    "config-diff": ("config-diff", ["my", "--reference", "c1.json", "--diffusers", "c2.json"], "config_diff_my.py"),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("template", sorted(NEW_CASES))
-def test_new_never_overwrites_without_force(tmp_path, template):
-    args, filename = NEW_CASES[template]
+@pytest.mark.parametrize("case", sorted(NEW_CASES))
+def test_new_never_overwrites_without_force(tmp_path, case):
+    template, args, filename = NEW_CASES[case]
     command = ["new", template, *args, "--out", "gen"]
     first = invoke(tmp_path, *command)
     assert first.code == 0, first.stderr
     target = tmp_path / "gen" / filename
     assert target.is_file()
     target.write_text("# the user's edits\n")
-    assert_one_line_error(invoke(tmp_path, *command), filename, "--force")
+    assert_one_line_error(invoke(tmp_path, *command), Path(filename).parts[0], "--force")
     assert target.read_text() == "# the user's edits\n"
     forced = invoke(tmp_path, *command, "--force")
     assert forced.code == 0, forced.stderr
