@@ -428,28 +428,13 @@ def test_exit_code_and_strict_json(files, args, code):
     assert "error" not in payload
 
 
-_NO_STAMP = pytest.mark.xfail(
-    strict=True,
-    reason="skills reports (SkillList, ValidationReport, InstallReport.to_dict in paritykit/skills.py) carry no "
-    "'environment' stamp; environment_stamp() is torch-free, so the fix is one key in each to_dict",
-)
-
-
-@pytest.mark.parametrize(
-    "args",
-    [pytest.param(a, id=i, marks=[_NO_STAMP] if a[0] == "skills" else []) for i, a, _ in RESULTS],
-)
+@pytest.mark.parametrize("args", [pytest.param(a, id=i) for i, a, _ in RESULTS])
 def test_json_report_has_environment_stamp(files, args):
     payload = strict_json(invoke(files, *args, "--json").stdout)
     stamp = payload.get("environment")
     assert isinstance(stamp, dict) and stamp.get("paritykit"), payload.keys()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="images: a NaN/Inf pixel is treated as bad input (exit 2, 'contains NaN or Inf pixels') although a port "
-    "that renders NaN is the commonest way to differ; compare and steps report non-finite values as a difference (1)",
-)
 def test_images_a_port_rendering_nan_differs(files, tmp_path):
     import torch
 
@@ -627,11 +612,6 @@ def test_demo_refuses_a_folder_holding_a_users_file(demo_runs):
     assert run.precious.read_text() == "precious\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="demo/run.py replaces (rmtree) any --out folder holding its .paritykit-demo marker, so a user's file "
-    "saved into an earlier demo-output/ is deleted; it should refuse when the folder holds files it did not write",
-)
 def test_demo_rerun_keeps_a_users_file_added_to_its_folder(demo_runs):
     run = demo_runs["earlier-demo-folder"]
     result = run.result()

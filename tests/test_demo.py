@@ -86,3 +86,16 @@ def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
     with pytest.raises(ParityKitError, match="--out"):
         run_demo(precious, echo=lambda _line: None)
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_rerun_replaces_its_own_files_and_keeps_a_users(demo_dir):
+    users = demo_dir / "my-notes.txt"
+    users.write_text("mine")
+    stale = demo_dir / "steps.png"
+    stale.write_bytes(b"stale")
+    result = run_demo(demo_dir, echo=lambda _line: None)
+    assert result.exit_code == 0
+    assert users.read_text() == "mine"
+    with Image.open(stale) as image:  # rewritten, not the stale bytes
+        assert image.format == "PNG"
+    assert "my-notes.txt" not in json.loads((demo_dir / ".paritykit-demo").read_text())["written"]

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from paritykit.errors import ParityKitError
-from paritykit.report import DEFAULT_LIMIT, render_table
+from paritykit.report import DEFAULT_LIMIT, environment_stamp, render_table
 
 MANIFEST_NAME = ".paritykit-manifest.json"
 BACKUP_FOLDER = "paritykit-backups"
@@ -144,7 +144,7 @@ class SkillList:
     exit_code: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pack": self.pack, "skills": [vars(s) for s in self.skills]}
+        return {"pack": self.pack, "skills": [vars(s) for s in self.skills], "environment": environment_stamp()}
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         rows = [(s.name, s.description) for s in self.skills]
@@ -224,6 +224,7 @@ class ValidationReport:
                 {"name": s.name, "path": s.path, "valid": s.valid, "problems": [vars(p) for p in s.problems]}
                 for s in self.skills
             ],
+            "environment": environment_stamp(),
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -545,6 +546,7 @@ class InstallReport:
             "counts": self.counts(),
             "warnings": self.warnings,
             "notes": self.notes,
+            "environment": environment_stamp(),
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:

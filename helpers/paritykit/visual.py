@@ -667,6 +667,7 @@ class ImageComparison:
     out_path: str | None = None
     video: bool = False
     range_note: str | None = None
+    nonfinite: tuple[int, int] = (0, 0)  # NaN/Inf pixels in A and B (drawn as 0; any fails the comparison)
     _pixels: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -712,6 +713,7 @@ class ImageComparison:
             "range_a": self.range_a,
             "range_b": self.range_b,
             "range_note": self.range_note,
+            "nonfinite_pixels": {"a": self.nonfinite[0], "b": self.nonfinite[1]},
             "video": self.video,
             "frames": [f.to_dict() for f in self.frames],
             "chosen_frames": [{"frame": i, "why": why} for i, why in self.chosen],
@@ -726,6 +728,9 @@ class ImageComparison:
         )
         if self.range_note:
             lines.append(f"note: {self.range_note}")
+        for side, count in zip("AB", self.nonfinite):
+            if count:
+                lines.append(f"{side} has {count} NaN/Inf pixel values (drawn as 0): the comparison fails")
         if self.status == "shape_mismatch":
             lines.append("SHAPE MISMATCH: the images cannot be compared pixel by pixel")
             return "\n".join(lines)
@@ -915,7 +920,11 @@ _RANGES = {"0..1": (0.0, 1.0), "-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 
 
 def _normalise(x: Any, label: str, value_range: str = "auto"):
-    r"""Any accepted input -> (float32 F×H×W×C in [0, 1], detected range, is_video)."""
+    r"""Any accepted input -> (float32 F×H×W×C in [0, 1], detected range, is_video, non-finite pixel count).
+
+    NaN/Inf pixels are a finding, not bad input (a port that renders NaN is the commonest way to differ): they
+    are counted, drawn as 0 and fail the comparison.
+    """
     import numpy as np
 
     raw, channels_first, is_sequence = _load_image_source(x, label)
@@ -925,6 +934,7 @@ def _normalise(x: Any, label: str, value_range: str = "auto"):
             raw = raw.float()
         raw = raw.numpy()
     arr = np.asarray(raw)
+    nonfinite = 0
     if arr.dtype == np.uint8:
         detected, arr = "0..255 (uint8)", arr.astype(np.float32) / 255.0
     elif arr.dtype == np.uint16:
@@ -933,8 +943,10 @@ def _normalise(x: Any, label: str, value_range: str = "auto"):
         detected, arr = "0..1 (bool)", arr.astype(np.float32)
     elif np.issubdtype(arr.dtype, np.number):
         arr = arr.astype(np.float32)
-        if not np.isfinite(arr).all():
-            raise ParityKitError(f"{label}: contains NaN or Inf pixels")
+        finite = np.isfinite(arr)
+        nonfinite = int(arr.size - np.count_nonzero(finite))
+        if nonfinite:
+            arr = np.where(finite, arr, np.float32(0.0))
         detected = value_range if value_range != "auto" else _detect_range(arr, label)
         if detected not in _RANGES:
             raise ParityKitError(f"{label}: value range {detected!r}: expected auto, 0..1, -1..1 or 0..255")
@@ -944,7 +956,7 @@ def _normalise(x: Any, label: str, value_range: str = "auto"):
         raise ParityKitError(f"{label}: unsupported pixel dtype {arr.dtype}")
     frames = _to_frames(arr, channels_first, label)
     video = is_sequence or frames.shape[0] > 1
-    return np.clip(frames, 0.0, 1.0).astype(np.float32), detected, video
+    return np.clip(frames, 0.0, 1.0).astype(np.float32), detected, video, nonfinite
 
 
 def _detect_range(arr: Any, label: str) -> str:
@@ -993,8 +1005,8 @@ def compare_images(
 
     label_a, label_b = _label(a), _label(b)
     range_a, range_b = (value_range, value_range) if isinstance(value_range, str) else value_range
-    pa, detected_a, video_a = _normalise(a, label_a, range_a)
-    pb, detected_b, video_b = _normalise(b, label_b, range_b)
+    pa, detected_a, video_a, nonfinite_a = _normalise(a, label_a, range_a)
+    pb, detected_b, video_b, nonfinite_b = _normalise(b, label_b, range_b)
     if pa.shape[-1] != pb.shape[-1] and 1 in (pa.shape[-1], pb.shape[-1]):
         channels = max(pa.shape[-1], pb.shape[-1])
         pa = np.repeat(pa, channels, axis=-1) if pa.shape[-1] == 1 else pa
@@ -1009,6 +1021,7 @@ def compare_images(
         range_a=detected_a,
         range_b=detected_b,
         video=video_a or video_b,
+        nonfinite=(nonfinite_a, nonfinite_b),
     )
     if pa.shape != pb.shape:
         return result
@@ -1047,7 +1060,8 @@ def compare_images(
     mse_all = total_sq / len(frames)
     result.frames = frames
     result.psnr_all = math.inf if mse_all == 0 else 10.0 * math.log10(1.0 / mse_all)
-    result.status = "pass" if min(f.psnr for f in frames) >= psnr_min else "fail"
+    passed = min(f.psnr for f in frames) >= psnr_min and not (nonfinite_a or nonfinite_b)
+    result.status = "pass" if passed else "fail"
     worst = min(frames, key=lambda f: f.psnr).frame
     chosen: dict[int, list[str]] = {}
     for frame, why in ((worst, "worst"), (0, "first"), (len(frames) - 1, "last")):

@@ -6,7 +6,6 @@ Each step prints the equivalent `paritykit …` command and writes its JSON repo
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,9 +53,60 @@ def _write_report(out: Path, name: str, report) -> None:
     (out / f"{name}.json").write_text(to_json(report.to_dict()) + "\n")
 
 
+def _prepare_output(out: Path) -> set[Path]:
+    """Make ``out`` ready; remove only what an earlier demo run wrote there (listed in its marker).
+
+    Returns the files already there (a user's), which this run must not claim as its own.
+    """
+    from paritykit.errors import ParityKitError
+
+    marker = out / MARKER
+    if out.exists() and not out.is_dir():
+        raise ParityKitError(f"--out {out}: is a file; pick a folder")
+    if out.exists() and any(out.iterdir()):
+        try:
+            written = json.loads(marker.read_text())["written"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ParityKitError(
+                f"--out {out}: exists and was not written by paritykit demo; pick another folder"
+            ) from None
+        root = out.resolve()
+        for relative in written:
+            path = (out / relative).resolve()
+            if path.is_relative_to(root) and path != root:
+                path.unlink(missing_ok=True)
+        for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            if not any(folder.iterdir()):
+                folder.rmdir()
+    out.mkdir(parents=True, exist_ok=True)
+    before = {p for p in out.rglob("*") if p.is_file()}
+    marker.write_text(json.dumps({"written": []}))
+    return before
+
+
+def _record_written(out: Path, before: set[Path]) -> None:
+    """List in the marker every file this run wrote, so the next run removes those and nothing else."""
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p not in before)
+    (out / MARKER).write_text(json.dumps({"written": [w for w in written if w != MARKER]}, indent=1) + "\n")
+
+
 def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = click.echo) -> DemoResult:
-    r"""Run the six steps, writing artefacts to ``out_dir`` (replaced if it exists). Returns what was checked."""
+    r"""Run the six steps, writing artefacts to ``out_dir``. Returns what was checked.
+
+    A folder from an earlier demo run is refreshed: the files that run wrote are replaced, anything a user added
+    stays. Any other non-empty folder is refused.
+    """
+    out = Path(out_dir)
+    before = _prepare_output(out)
+    try:
+        return _run_steps(out, echo)
+    finally:
+        _record_written(out, before)
+
+
+def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     import torch
+    import yaml
     from safetensors.torch import save_file
 
     from paritykit.bisect import bisect
@@ -67,18 +117,8 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     from paritykit.demo.pipeline import make_hint, make_pipeline
     from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
     from paritykit.demo.specs import build_port_model, make_inputs, select_output
-    from paritykit.errors import ParityKitError
     from paritykit.visual import compare_images, step_curve
 
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists()):
-            raise ParityKitError(
-                f"--out {out}: exists and was not written by paritykit demo; pick another folder"
-            )
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARKER).write_text("written by paritykit demo; the whole folder is replaced on the next run\n")
     result = DemoResult(out)
     torch.set_grad_enabled(False)
 
@@ -88,9 +128,7 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     # The two sides as a porter has them on disk.
     reference = build_reference()
     ref_dir = out / "reference"
-    ref_dir.mkdir()
-    import yaml
-
+    ref_dir.mkdir(exist_ok=True)
     (ref_dir / "config.yaml").write_text(yaml.safe_dump(REFERENCE_CONFIG, sort_keys=False))
     save_file(
         {k: v.contiguous() for k, v in reference.state_dict().items()}, str(ref_dir / "model.safetensors")
@@ -121,7 +159,9 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     echo(_indent(cfg.render()))
     _write_report(out, "1_config_diff", cfg)
     result.checks["config-diff shows time_mix only in the reference"] = "time_mix" in cfg.to_dict()["only_a"]
-    echo("  -> the reference has a `time_mix` knob (1.0) the port never set; its mixer quietly reuses control_scale.")
+    echo(
+        "  -> the reference has a `time_mix` knob (1.0) the port never set; its mixer quietly reuses control_scale."
+    )
 
     # 2. Weights map: every port tensor explained by a reference tensor.
     port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
