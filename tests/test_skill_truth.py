@@ -106,3 +106,18 @@ def test_the_checker_catches_a_stale_command(tmp_path):
     (argv,) = paritykit_commands(stale)
     with pytest.raises(click.ClickException):
         parse_command_line(argv)
+
+
+def test_installing_for_claude_makes_every_skill_visible_where_claude_code_looks(tmp_path):
+    from paritykit.skills import install, validate
+
+    fork = tmp_path / "diffusers"
+    (fork / ".git").mkdir(parents=True)
+    (fork / ".ai" / "skills" / "model-integration").mkdir(parents=True)  # a fork's own tracked skills stay put
+    report = install(agents=["claude"], target=fork)
+    assert report.exit_code == 0
+    for skill in SKILLS.glob("*/SKILL.md"):
+        seen = fork / ".claude" / "skills" / skill.parent.name / "SKILL.md"
+        assert seen.read_text() == skill.read_text()
+    assert validate([fork / ".claude" / "skills" / p.parent.name for p in SKILLS.glob("*/SKILL.md")]).valid
+    assert not (fork / "CLAUDE.md").exists()
