@@ -75,7 +75,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (1 gives steadier figures on a busy machine; default: torch's choice)",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = tiny_unet()
     sample = torch.randn(2, 4, 32, 32)
@@ -127,7 +135,7 @@ def main() -> None:
                 log = tl.trace(model, [sample, timestep], {"encoder_hidden_states": context})
             del log
 
-        lens_best = interleaved_best({"plain": plain, "lens": lens}, max(3, args.repeats // 4))
+        lens_best = interleaved_best({"plain": plain, "lens": lens}, max(5, args.repeats // 3))
         label = f"torchlens {getattr(tl, '__version__', '')} trace (every op saved)"
         rows.append((label, lens_best["lens"], lens_best["lens"] / lens_best["plain"]))
     except ImportError:
