@@ -334,6 +334,8 @@ def _module_device(module: Any) -> Any:
 
 
 class _Bisector:
+    """Tests aligned calls (each at most once) and walks down from the top level to the culprit."""
+
     def __init__(
         self,
         ref_trace: Any,
@@ -356,7 +358,7 @@ class _Bisector:
         self.ratio = ratio
         self.results: dict[str, ModuleTest] = {}
         self.why_not_replayed: dict[str, str] = {}
-        self.replays: dict[str, tuple[Any, Any, list]] = {}
+        self.replays: dict[str, tuple[list, list]] = {}
         self.children_of: dict[str, list[Any]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
@@ -483,7 +485,7 @@ class _Bisector:
         if cmp is None:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
-        self.replays[ref_record.name] = (ref_out, port_out, [])
+        self.replays[ref_record.name] = (ref_out, port_out)
         return ModuleTest(
             ref_record.name,
             port_record.name,
@@ -1028,7 +1030,7 @@ def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest
     from paritykit.diagnose import diagnose
 
     if result is not None and result.test == "replay":
-        ref_out, port_out, _ = searcher.replays[call.name]
+        ref_out, port_out = searcher.replays[call.name]
         pairs = _pair_leaves(ref_out, port_out) or []
         worst = None
         for i, j in pairs:
