@@ -296,6 +296,12 @@ def test_cli_match_and_bad_specs(tmp_path):
     result = run("bisect", failing_import)
     assert result.exit_code == 2 and "importing IMPORT.py raised ModuleNotFoundError" in result.stderr
 
+    syntax = tmp_path / "SYNTAX.py"
+    syntax.write_text("def build_reference(:\n    pass\n")
+    result = run("bisect", syntax)
+    assert result.exit_code == 2 and "SyntaxError" in result.stderr and "SYNTAX.py" in result.stderr
+    assert "<frozen" not in result.stderr and "Traceback" not in result.stderr
+
     assert run("bisect", tmp_path / "nope.py").exit_code == 2
     assert run("bisect").exit_code == 2
     assert run("bisect", write_spec(tmp_path, "remix"), "--map", "no-equals-sign").exit_code == 2

@@ -1227,11 +1227,16 @@ def _user_frames(exc: BaseException, spec: Spec | None) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     if spec is not None:
         folder = Path(spec.path).resolve().parent
-        mine = [f for f in frames if Path(f.filename).resolve().is_relative_to(folder)]
+        mine = [
+            f
+            for f in frames
+            if not f.filename.startswith("<") and Path(f.filename).resolve().is_relative_to(folder)
+        ]
     else:
         mine = []
-    kept = mine or frames[-3:]
-    lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)]
+    # With a spec, only its folder's frames are the user's (a SyntaxError has none: its own lines name the file).
+    kept = mine if spec is not None else frames[-3:]
+    lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)] if kept else []
     lines += traceback.format_exception_only(type(exc), exc)
     return "".join(lines)
 
