@@ -357,3 +357,11 @@ def test_a_whole_tiny_unet_with_one_changed_resnet():
     assert culprit.how_aligned == "names" and culprit.inline
     assert culprit.hints[0].id == "constant-scale"
     assert report.alignment.unaligned_reference == [] and report.to_dict()["aligned"] > 100
+
+
+def test_culprit_names_what_replay_could_not_check_inside_it():
+    reference, port, inputs = dit_pair("adaln")
+    note = bisect(reference, port, inputs).culprit.note
+    assert "final_norm.emb (swap_halves)" in note
+    reference, port, inputs = dit_pair("inline")
+    assert "blocks.1.attn.qkv" in bisect(reference, port, inputs).culprit.note

@@ -998,6 +998,7 @@ def _finding(
             inline=children_passed > 0,
             children_passed=children_passed,
             hints=_hints_at(searcher, call, port_call, None, output),
+            note=_untested_inside(alignment, call.module),
         )
     result = searcher.results[call.name]
     op = None
@@ -1020,9 +1021,23 @@ def _finding(
         children_passed=children_passed,
         hints=_hints_at(searcher, call, port_call, result, None),
         confidence=pair.confidence,
-        note=result.note,
+        note=_join(result.note, _untested_inside(alignment, call.module)),
         op=op,
     )
+
+
+def _untested_inside(alignment: Alignment, module: str) -> str:
+    """Name the correspondences under ``module`` that replay cannot check one-to-one (they may hide the bug)."""
+    prefix = module + "." if module else ""
+    groups = sorted({p.reference for p in alignment.pairs if p.group and p.reference.startswith(prefix)})
+    layouts = [p for p in alignment.pairs if p.layout and p.reference.startswith(prefix)]
+    notes = []
+    if groups:
+        notes.append(f"fused<->split parameters not replayed one-to-one: {', '.join(groups[:4])}")
+    if layouts:
+        shown = ", ".join(f"{p.reference} ({p.layout})" for p in layouts[:4])
+        notes.append(f"outputs reordered by the weight conversion, not compared: {shown}")
+    return "; ".join(notes)
 
 
 def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
