@@ -368,11 +368,6 @@ def test_spec_raising_shows_one_line_then_the_user_traceback(files, tmp_path, co
     assert "_helper" in payload["traceback"] and "paritykit" + os.sep not in payload["traceback"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bisect._user_frames keeps the last importlib frames (<frozen importlib._bootstrap…>) when a "
-    "SyntaxError has no frame in the user's folder; the trimmed traceback should be the syntax error alone",
-)
 def test_spec_syntax_error_traceback_is_the_users_file_only(files):
     run = invoke(files, "bisect", "spec_syntax.py")
     assert run.code == 2, run.stderr
