@@ -12,7 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict | None = None, input: str | None = None):
+def run_cli(
+    *args: str, cwd: str | os.PathLike | None = None, env: dict | None = None, input: str | None = None
+):
     """Run ``python -m paritykit ARGS`` as a separate process; returns the CompletedProcess."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO / "helpers"), full_env.get("PYTHONPATH", "")])
@@ -20,7 +22,12 @@ def run_cli(*args: str, cwd: str | os.PathLike | None = None, env: dict | None =
         full_env.update(env)
     return subprocess.run(
         [sys.executable, "-m", "paritykit", *map(str, args)],
-        cwd=cwd, env=full_env, capture_output=True, text=True, input=input, timeout=600,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=600,
     )
 
 

@@ -52,7 +52,10 @@ def test_help_imports_neither_torch_nor_diffusers(cli):
     from tests.conftest import REPO
 
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
         env={"PYTHONPATH": str(REPO / "helpers"), "PATH": "/usr/bin:/bin"},
     )
     assert "HEAVY=\n" in result.stdout + "\n", result.stdout + result.stderr

@@ -2,7 +2,6 @@ import json
 import math
 
 import pytest
-
 from paritykit.errors import ParityKitError
 from paritykit.naming import apply_rules, natural_key, parse_map_options, rename_all
 from paritykit.report import environment_stamp, render_table, to_json

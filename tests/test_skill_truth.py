@@ -13,9 +13,8 @@ import textwrap
 from pathlib import Path
 
 import click
-import pytest
-
 import paritykit
+import pytest
 from paritykit.cli import cli
 
 SKILLS = Path(__file__).resolve().parents[1] / "skills"
@@ -113,7 +112,9 @@ def test_installing_for_claude_makes_every_skill_visible_where_claude_code_looks
 
     fork = tmp_path / "diffusers"
     (fork / ".git").mkdir(parents=True)
-    (fork / ".ai" / "skills" / "model-integration").mkdir(parents=True)  # a fork's own tracked skills stay put
+    (fork / ".ai" / "skills" / "model-integration").mkdir(
+        parents=True
+    )  # a fork's own tracked skills stay put
     report = install(agents=["claude"], target=fork)
     assert report.exit_code == 0
     for skill in SKILLS.glob("*/SKILL.md"):

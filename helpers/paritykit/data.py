@@ -21,4 +21,6 @@ def data_dir(kind: str) -> Path:
     for candidate in (_PACKAGE / "_data" / kind, _PACKAGE.parent.parent / kind):
         if candidate.is_dir():
             return candidate
-    raise ParityKitError(f"paritykit's {kind} folder is missing from this installation ({_PACKAGE}); reinstall it")
+    raise ParityKitError(
+        f"paritykit's {kind} folder is missing from this installation ({_PACKAGE}); reinstall it"
+    )

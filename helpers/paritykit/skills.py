@@ -144,7 +144,11 @@ class SkillList:
     exit_code: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pack": self.pack, "skills": [vars(s) for s in self.skills], "environment": environment_stamp()}
+        return {
+            "pack": self.pack,
+            "skills": [vars(s) for s in self.skills],
+            "environment": environment_stamp(),
+        }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         rows = [(s.name, s.description) for s in self.skills]

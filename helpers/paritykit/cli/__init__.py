@@ -16,10 +16,19 @@ from paritykit.errors import ParityKitError, UserCodeError
 
 # name -> (module:attribute, one-line help shown by `paritykit --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "compare": ("paritykit.cli.compare:compare", "Compare tensors, tensor files, folders or saved checkpoints."),
+    "compare": (
+        "paritykit.cli.compare:compare",
+        "Compare tensors, tensor files, folders or saved checkpoints.",
+    ),
     "config-diff": ("paritykit.cli.configs:config_diff", "Diff two model/pipeline configs key by key."),
-    "weights": ("paritykit.cli.weights:weights", "Diff two checkpoints, or infer the conversion between them."),
-    "bisect": ("paritykit.cli.bisect:bisect", "Name the first module where a port diverges from its reference."),
+    "weights": (
+        "paritykit.cli.weights:weights",
+        "Diff two checkpoints, or infer the conversion between them.",
+    ),
+    "bisect": (
+        "paritykit.cli.bisect:bisect",
+        "Name the first module where a port diverges from its reference.",
+    ),
     "trace": ("paritykit.cli.bisect:trace", "Capture one side's module inputs/outputs to a folder."),
     "steps": ("paritykit.cli.visual:steps", "Per-step error curve of two denoising runs."),
     "images": ("paritykit.cli.visual:images", "Side-by-side images with a diff heatmap and PSNR."),

@@ -22,11 +22,17 @@ class Report(Protocol):
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the full report as strict JSON.")
 limit_option = click.option(
-    "--limit", type=click.IntRange(min=0), default=DEFAULT_LIMIT, show_default=True,
+    "--limit",
+    type=click.IntRange(min=0),
+    default=DEFAULT_LIMIT,
+    show_default=True,
     help="Rows shown in the table (0 = all); --json is always complete.",
 )
 map_option = click.option(
-    "--map", "maps", multiple=True, metavar="'REGEX=REPL'",
+    "--map",
+    "maps",
+    multiple=True,
+    metavar="'REGEX=REPL'",
     help="Rename the FIRST argument's names into the second's naming (repeatable, applied in order).",
 )
 

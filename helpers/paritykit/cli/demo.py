@@ -8,8 +8,14 @@ import click
 
 
 @click.command()
-@click.option("--out", "out_dir", default="demo-output", show_default=True, type=click.Path(file_okay=False),
-              help="Folder for the PNGs, JSON reports and files the demo writes (replaced on each run).")
+@click.option(
+    "--out",
+    "out_dir",
+    default="demo-output",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the PNGs, JSON reports and files the demo writes (replaced on each run).",
+)
 def demo(out_dir: str) -> None:
     """Port a tiny research model, find a real-world parity bug (one knob meaning two things), verify the fix.
 
