@@ -18,7 +18,8 @@ import pytest
 from paritykit.cli import cli
 
 SKILLS = Path(__file__).resolve().parents[1] / "skills"
-DOCS = sorted(SKILLS.glob("*/SKILL.md")) + sorted(SKILLS.glob("*/references/*.md"))
+README = SKILLS.parent / "README.md"
+DOCS = sorted(SKILLS.glob("*/SKILL.md")) + sorted(SKILLS.glob("*/references/*.md")) + [README]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
@@ -28,7 +29,7 @@ def blocks(path: Path, languages: set[str]) -> list[str]:
 
 
 def doc_id(path: Path) -> str:
-    return str(path.relative_to(SKILLS))
+    return str(path.relative_to(SKILLS.parent))
 
 
 def paritykit_commands(path: Path) -> list[list[str]]:
