@@ -550,30 +550,23 @@ class _Bisector:
     # search ----------------------------------------------------------------------------------------
     def descend(self, record: Any) -> tuple[Any, int]:
         """Deepest failing call under a failing ``record``; returns (call, number of aligned children passed)."""
-        children = self.frontier(record)
-        passed = 0
-        for child in children:
-            result = self.test(child)
-            if result.status == "fail":
-                return self.descend(child)
-            if result.status == "untestable":
-                found = self.search_untestable(child)
-                if found is not None:
-                    return found
-            else:
-                passed += 1
-        return record, passed
+        found, passed = self._failing_below(record)
+        return found if found is not None else (record, passed)
 
-    def search_untestable(self, record: Any) -> tuple[Any, int] | None:
+    def _failing_below(self, record: Any) -> tuple[tuple[Any, int] | None, int]:
+        # Untestable children (no aligned partner to replay) are looked through, not counted as passed.
+        passed = 0
         for child in self.frontier(record):
             result = self.test(child)
             if result.status == "fail":
-                return self.descend(child)
+                return self.descend(child), passed
             if result.status == "untestable":
-                found = self.search_untestable(child)
+                found, _ = self._failing_below(child)
                 if found is not None:
-                    return found
-        return None
+                    return found, passed
+            else:
+                passed += 1
+        return None, passed
 
 
 def _join(*notes: str) -> str:
