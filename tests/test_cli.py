@@ -60,3 +60,15 @@ def test_help_imports_neither_torch_nor_diffusers(cli):
     )
     assert "HEAVY=\n" in result.stdout + "\n", result.stdout + result.stderr
     assert result.stdout.strip().endswith("HEAVY=")
+
+
+def test_every_public_name_resolves_and_every_command_module_loads():
+    import importlib
+
+    import paritykit
+
+    for name in paritykit.__all__:
+        assert getattr(paritykit, name) is not None, name
+    for name, (target, _help) in COMMANDS.items():
+        module, attr = target.split(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name
