@@ -68,13 +68,6 @@ def test_symmetric_matrix_with_noise_gets_no_transpose_hint():
     assert all(h.id != "transpose" for h in diagnose(m, m + 1e-3 * randn(6, 6, seed=1)))
 
 
-def test_package_level_diagnose_is_callable_whichever_import_came_first():
-    import paritykit
-
-    a = randn(20)
-    assert paritykit.diagnose(a, -a)[0].id == "sign-flip"
-
-
 # --------------------------------------------------------------------------------- property: right hint first
 
 

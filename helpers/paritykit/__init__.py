@@ -29,7 +29,6 @@ _EXPORTS: dict[str, str] = {
     "compare_outputs": "paritykit.compare",
     "compare_tensor_sets": "paritykit.compare",
     "assert_parity": "paritykit.compare",
-    "diagnose": "paritykit.diagnose",
     "Hint": "paritykit.diagnose",
     "default_tolerances": "paritykit.compare",
     "OutputComparison": "paritykit.compare",

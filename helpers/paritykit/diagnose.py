@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -576,14 +574,3 @@ def diagnose(a: Any, b: Any) -> list[Hint]:
         hints += [h for h in (det(x, y) for det in ELEMENTWISE) if h is not None]
     hints.sort(key=lambda h: -h.score)
     return hints
-
-
-class _CallableModule(types.ModuleType):
-    r"""``paritykit.diagnose`` names both this module and its main function; once the module is imported the
-    package attribute is the module, so calling it must still mean :func:`diagnose`."""
-
-    def __call__(self, a: Any, b: Any) -> list[Hint]:
-        return diagnose(a, b)
-
-
-sys.modules[__name__].__class__ = _CallableModule
