@@ -420,3 +420,11 @@ def test_torchscript_archive_is_refused(tmp_path):
     torch.jit.script(torch.nn.Linear(2, 2)).save(str(tmp_path / "scripted.pt"))
     with pytest.raises(ParityKitError, match=r"scripted\.pt: a TorchScript archive"):
         load_state_dict(tmp_path / "scripted.pt")
+
+
+def test_a_checkpoint_manifest_path_reads_as_its_folder(tmp_path):
+    from paritykit.checkpoints import Checkpoint, save_checkpoints
+
+    manifest = save_checkpoints(tmp_path / "ckpts", {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
+    assert os.path.basename(manifest) == "paritykit.json"
+    assert list(load_tensors(manifest)) == list(load_tensors(tmp_path / "ckpts")) == ["preloop/latents"]

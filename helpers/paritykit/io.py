@@ -673,6 +673,10 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.exists():
         raise ParityKitError(f"{path}: no such file or directory")
+    if path.name == MANIFEST_NAME and path.is_file():
+        path = (
+            path.parent
+        )  # the manifest stands for its checkpoint folder (save_checkpoints returns its path)
     if path.is_file():
         tensors = _single_file_tensors(path, _stem(Path(path.name)))
         return {name: tensors[name] for name in sorted(tensors, key=natural_key)}
