@@ -833,6 +833,8 @@ def _load_image_source(x: Any, label: str) -> tuple[Any, bool, bool]:
 
     if isinstance(x, (str, Path)):
         path = Path(x)
+        if path.is_dir():
+            raise ParityKitError(f"{path}: is a folder; give an image or tensor file")
         if not path.is_file():
             raise ParityKitError(f"{path}: no such image or tensor file")
         suffix = path.suffix.lower()
