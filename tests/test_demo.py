@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -13,11 +14,13 @@ from paritykit.demo.run import run_demo
 from paritykit.errors import ParityKitError
 from PIL import Image
 
+PRINTED: list[str] = []
+
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo-output"
-    result = run_demo(out, echo=lambda _line: None)
+    result = run_demo(out, echo=PRINTED.append)
     assert result.exit_code == 0, result.checks
     return out
 
@@ -99,3 +102,19 @@ def test_rerun_replaces_its_own_files_and_keeps_a_users(demo_dir):
     with Image.open(stale) as image:  # rewritten, not the stale bytes
         assert image.format == "PNG"
     assert "my-notes.txt" not in json.loads((demo_dir / ".paritykit-demo").read_text())["written"]
+
+
+def test_every_printed_command_runs_and_agrees_with_the_demo(demo_dir):
+    from tests.conftest import run_cli
+
+    commands = [
+        shlex.split(line.strip().removeprefix("$ "))[1:]
+        for line in PRINTED
+        if line.startswith("  $ paritykit")
+    ]
+    assert len(commands) == 6
+    codes = [run_cli(*argv, cwd=demo_dir.parent).returncode for argv in commands]
+    # config-diff: time_mix only in A -> differ (1); weights map: all explained (0); bisect buggy: diverge (1);
+    # steps: diverge (1); images: below threshold (1); bisect fixed: match (0)
+    expected = [1, 0, 1, 1, 1, 0]
+    assert codes == expected

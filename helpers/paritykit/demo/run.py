@@ -37,10 +37,10 @@ class DemoResult:
         return 0 if all(self.checks.values()) else 1
 
 
-def _section(number: int, title: str, command: str) -> None:
-    click.echo("")
-    click.secho(f"[{number}/6] {title}", bold=True)
-    click.echo(f"  $ {command}")
+def _section(echo: Callable[[str], None], number: int, title: str, command: str) -> None:
+    echo("")
+    echo(click.style(f"[{number}/6] {title}", bold=True))
+    echo(f"  $ {command}")
 
 
 def _indent(text: str) -> str:
@@ -151,6 +151,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     ]
     map_flags = " ".join(f"--map '{p}={r}'" for p, r in maps)
     _section(
+        echo,
         1,
         "Diff the configs first",
         f"paritykit config-diff {ref_dir}/config.yaml {out}/port {map_flags} --ignore '_*'",
@@ -166,9 +167,10 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     # 2. Weights map: every port tensor explained by a reference tensor.
     port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
     _section(
+        echo,
         2,
         "Infer the weight conversion from values",
-        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py",
+        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py --force",
     )
     cmap = infer_conversion_map(ref_dir / "model.safetensors", port_weights)
     echo(_indent(cmap.render(limit=12)))
@@ -181,7 +183,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
 
     # 3. Bisect the buggy port.
     args, kwargs = make_inputs()
-    _section(3, "Find the culprit module", f"paritykit bisect {out}/bisect_buggy.py")
+    _section(echo, 3, "Find the culprit module", f"paritykit bisect {out}/bisect_buggy.py")
     report = bisect(reference, buggy, (args, kwargs), select_output=select_output)
     echo(_indent(report.render()))
     _write_report(out, "3_bisect_buggy", report)
@@ -199,6 +201,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
         images[side] = make_pipeline(model)(hint, num_inference_steps=8, seed=0, _checkpoints=checkpoints)
         save_checkpoints(out / "steps" / side, checkpoints)
     _section(
+        echo,
         4,
         "Watch the error grow step by step",
         f"paritykit steps {out}/steps/reference {out}/steps/port --plot {out}/steps.png",
@@ -213,6 +216,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     for side, image in images.items():
         torch.save(image[0], out / f"image_{side}.pt")
     _section(
+        echo,
         5,
         "Look at the outputs",
         f"paritykit images {out}/image_reference.pt {out}/image_port.pt --out {out}/images.png",
@@ -223,7 +227,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     result.checks["images differ"] = visual.exit_code == 1
 
     # 6. The fix: give the time mixture its own config field.
-    _section(6, "Verify the fix", f"paritykit bisect {out}/bisect_fixed.py")
+    _section(echo, 6, "Verify the fix", f"paritykit bisect {out}/bisect_fixed.py")
     fixed_report = bisect(reference, fixed, (args, kwargs), select_output=select_output)
     echo(_indent(fixed_report.render()))
     _write_report(out, "6_bisect_fixed", fixed_report)
@@ -233,7 +237,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     echo(_indent(same.render()))
 
     echo("")
-    click.secho("Summary", bold=True)
+    echo(click.style("Summary", bold=True))
     for check, ok in result.checks.items():
         echo(f"  [{'ok' if ok else 'FAILED'}] {check}")
     (out / "summary.json").write_text(
