@@ -54,9 +54,13 @@ def make_pipeline(denoiser: torch.nn.Module) -> TinyControlPipeline:
     return pipe
 
 
-def make_hint(size: int = 16, batch: int = 1) -> torch.Tensor:
-    """A deterministic control image: a soft disc, the kind of edge/depth map a control branch sees."""
-    coords = torch.linspace(-1, 1, size)
+def make_hint(size: int = 32, batch: int = 1) -> torch.Tensor:
+    """A deterministic control image in [-1, 1]: a sun over hills under a sky gradient."""
+    coords = torch.linspace(0, 1, size)
     yy, xx = torch.meshgrid(coords, coords, indexing="ij")
-    disc = (1 - (xx**2 + yy**2).sqrt()).clamp(min=0) * 2 - 1
-    return torch.stack([disc, xx, yy])[None].repeat(batch, 1, 1, 1)
+    sky = torch.stack([0.35 + 0.4 * yy, 0.55 + 0.3 * yy, torch.full_like(yy, 0.95)])
+    sun = ((xx - 0.7) ** 2 + (yy - 0.3) ** 2 < 0.02).float()
+    hills = (yy > 0.65 + 0.08 * torch.sin(9 * xx)).float()
+    image = sky * (1 - sun) + torch.tensor([1.0, 0.85, 0.2])[:, None, None] * sun
+    image = image * (1 - hills) + torch.stack([0.2 * (1 - yy), 0.45 + 0.3 * (1 - yy), 0.15 * yy]) * hills
+    return (image * 2 - 1)[None].repeat(batch, 1, 1, 1)

@@ -110,8 +110,10 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
         hidden = hidden.flatten(2).transpose(1, 2)
         for block in self.transformer_blocks:
             hidden = block(hidden, temb)
-        out = self.conv_out(hidden.transpose(1, 2).reshape(batch, channels, height, width))
-        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+        x0 = controlnet_cond + self.conv_out(hidden.transpose(1, 2).reshape(batch, channels, height, width))
+        sigma = (timestep.float() / 1000.0).clamp(min=1e-3).view(-1, 1, 1, 1)
+        velocity = (sample - x0) / sigma
+        return Transformer2DModelOutput(sample=velocity) if return_dict else (velocity,)
 
 
 def port_config_from_reference(cfg: dict, fixed: bool) -> dict:

@@ -60,7 +60,11 @@ class Block(nn.Module):
 
 
 class ResearchDenoiser(nn.Module):
-    """``forward(x, t, hint)`` -> predicted noise, with a control branch fed by ``hint``."""
+    """``forward(x, t, hint)`` -> flow velocity.
+
+    The network predicts the clean image as a residual over the control image ``hint`` (x0 = hint + net) and
+    returns the velocity a flow-matching sampler steps with, ``(x - x0) / sigma`` with ``sigma = t / 1000``.
+    """
 
     def __init__(self, cfg: dict = REFERENCE_CONFIG):
         super().__init__()
@@ -83,17 +87,22 @@ class ResearchDenoiser(nn.Module):
         tokens = h.flatten(2).transpose(1, 2)
         for block in self.blocks:
             tokens = block(tokens, temb)
-        return self.head(tokens.transpose(1, 2).reshape(b, w, hh, ww))
+        x0 = hint + self.head(tokens.transpose(1, 2).reshape(b, w, hh, ww))
+        sigma = (t.float() / 1000.0).clamp(min=1e-3).view(-1, 1, 1, 1)
+        return (x - x0) / sigma
 
 
 def build_reference(seed: int = 0) -> ResearchDenoiser:
     torch.manual_seed(seed)
     model = ResearchDenoiser().eval()
-    # Stand in for trained weights: distinct values everywhere, and the large time-embedding and modulation
-    # weights trained models have (which is what makes a mixing error visible in the images).
+    # Stand in for trained weights: distinct values everywhere, the large time-embedding and modulation weights
+    # trained models have (which is what makes a mixing error visible), and a head whose residual over the
+    # control image is small.
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
             if name.startswith("t_mlp_") or ".ada." in name:
                 param.mul_(4.0)
+            elif name.startswith("head."):
+                param.mul_(0.3)
     return model
