@@ -37,7 +37,6 @@ import itertools
 import json
 import os
 import re
-import tempfile
 import textwrap
 import time
 from collections import defaultdict
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.errors import ParityKitError
+from paritykit.files import atomic_write_text
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, render_table
 
 OPS = (
@@ -1560,14 +1560,7 @@ def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bo
     if not path.parent.is_dir():
         raise ParityKitError(f"--emit-rules {str(path)!r}: folder {str(path.parent)!r} does not exist")
     text = render_rules_module(conversion_map, module_name=path.stem)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
     conversion_map.emitted_rules = str(path)
     return path
 

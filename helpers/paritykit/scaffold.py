@@ -30,7 +30,6 @@ import keyword
 import os
 import re
 import shlex
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -40,6 +39,7 @@ from typing import Any
 from paritykit._version import __version__
 from paritykit.data import data_dir
 from paritykit.errors import ParityKitError
+from paritykit.files import atomic_write_text
 
 TEMPLATE_SUFFIX = ".py.j2"
 LINE_LENGTH = 110  # the project's [tool.ruff] line-length; generated code stays within it
@@ -518,28 +518,11 @@ def write_files(files: list[RenderedFile], out_dir: str | os.PathLike, *, force:
     result = Generated(overwritten=existing)
     for item, path in zip(files, targets):
         try:
-            _atomic_write(path, item.text, executable=item.executable)
+            atomic_write_text(path, item.text, executable=item.executable)
         except OSError as exc:
             raise ParityKitError(f"cannot write {path} ({exc.strerror or exc})") from exc
         result.paths.append(path)
     return result
-
-
-def _atomic_write(path: Path, text: str, *, executable: bool) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    mode = (0o777 if executable else 0o666) & ~umask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def generate(

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from paritykit.errors import ParityKitError
+from paritykit.files import atomic_write_text
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, render_table
 
 MANIFEST_NAME = ".paritykit-manifest.json"
@@ -788,9 +789,7 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return  # idempotent: an unchanged manifest is not rewritten
-    tmp = folder / f"{MANIFEST_NAME}.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def _entry_is_intact(path: Path, entry: Mapping[str, Any]) -> bool:

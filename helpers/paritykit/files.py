@@ -1,0 +1,35 @@
+"""Writing files the user keeps (generated code, manifests): atomically, with ordinary permissions."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = False) -> None:
+    r"""Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
+
+    A crash or a full disk leaves either the old file or the new one, never half of either. The file gets the
+    mode a plain ``open(..., "w")`` would give (``mkstemp`` alone makes it private, 0600).
+
+    Args:
+        path: the file to write; its folder must exist.
+        text: the content, written as UTF-8 with ``\n`` line endings.
+        executable: also set the executable bits the umask allows.
+    """
+    path = Path(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = (0o777 if executable else 0o666) & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
