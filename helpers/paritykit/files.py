@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = False) -> None:
@@ -33,3 +34,22 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Path:
+    r"""Save a matplotlib figure a user asked for (``--plot``, ``--out``), creating its folder.
+
+    An unwritable path or a format matplotlib cannot write becomes one line naming the file (exit 2 from the
+    CLI), never a traceback.
+    """
+    from paritykit.errors import ParityKitError
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, **savefig_kwargs)
+    except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib cannot write, e.g. .ckpt
+        raise ParityKitError(
+            f"{path}: cannot write the plot ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
+    return path

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.errors import ParityKitError
+from paritykit.files import save_figure
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 # --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
@@ -351,7 +352,6 @@ class StepCurve:
         from matplotlib.figure import Figure
 
         path = Path(path)
-        _ensure_parent(path)
         fig = Figure(figsize=(7.5, 4.5), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
@@ -385,16 +385,9 @@ class StepCurve:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="upper left")
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        save_figure(fig, path, format="png")
         self.plot_path = str(path)
         return path
-
-
-def _ensure_parent(path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ParityKitError(f"{path}: cannot create its folder ({exc.strerror})") from None
 
 
 def _step_files(folder: str | Path) -> dict[int, Path]:
@@ -760,7 +753,6 @@ class ImageComparison:
         from matplotlib.figure import Figure
 
         path = Path(path)
-        _ensure_parent(path)
         pa, pb = self._pixels
         rows = self.chosen or [(0, "first")]
         diffs = [np.abs(pa[i] - pb[i]).max(axis=-1) for i, _ in rows]
@@ -800,7 +792,7 @@ class ImageComparison:
             fontsize=10,
         )
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        save_figure(fig, path, format="png")
         self.out_path = str(path)
         return path
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.errors import ParityKitError
+from paritykit.files import save_figure
 from paritykit.naming import Rule, natural_key, rename_all
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 from paritykit.safetensors_header import TensorInfo, read_safetensors_header
@@ -756,13 +757,7 @@ def plot_weights_diff(report: WeightsDiff, path: str | os.PathLike) -> Path:
             ax.set_xlabel(report.metric)
             ax.set_ylabel("tensors")
         fig.tight_layout()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(path, dpi=100)
-        except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib cannot write, e.g. .ckpt
-            raise ParityKitError(
-                f"{path}: cannot write the plot ({getattr(exc, 'strerror', None) or exc})"
-            ) from None
+        save_figure(fig, path, dpi=100)
     finally:
         plt.close(fig)
     return path
