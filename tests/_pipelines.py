@@ -44,19 +44,20 @@ class TinyUNetPipeline(DiffusionPipeline):
         return (latents / 2 + 0.5).clamp(0, 1)
 
 
-def make_tiny_unet(seed: int = 0, sample_size: int = TINY_SAMPLE_SIZE) -> UNet2DModel:
-    r"""A two-level ``UNet2DModel`` (one attention block) with weights drawn from ``seed``."""
+def make_tiny_unet(seed: int = 0, sample_size: int = TINY_SAMPLE_SIZE, attention: bool = True) -> UNet2DModel:
+    r"""A two-level ``UNet2DModel`` (one attention block unless ``attention=False``), weights drawn from ``seed``."""
     torch.manual_seed(seed)
+    blocks = {"attention_head_dim": 4} if attention else {}
     return UNet2DModel(
         sample_size=sample_size,
         in_channels=3,
         out_channels=3,
         layers_per_block=1,
         block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D" if attention else "DownBlock2D"),
+        up_block_types=("AttnUpBlock2D" if attention else "UpBlock2D", "UpBlock2D"),
         norm_num_groups=4,
-        attention_head_dim=4,
+        **blocks,
     ).eval()
 
 

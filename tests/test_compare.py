@@ -300,14 +300,9 @@ def test_render_and_table_row_read_the_same_numbers():
 
 
 def tiny_unet():
-    from diffusers import UNet2DModel
+    from tests._pipelines import make_tiny_unet
 
-    torch.manual_seed(0)
-    return UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-        block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4,
-    ).eval()  # fmt: skip
+    return make_tiny_unet(sample_size=8, attention=False)
 
 
 def test_compare_outputs_on_a_real_unet_base_output():

@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from diffusers import UNet2DModel
 from paritykit.errors import ParityKitError, UserCodeError
 from paritykit.gradients import compare_gradients
 from paritykit.report import to_json
 from torch import nn
+
+from tests._pipelines import make_tiny_unet
 
 
 class Branch(nn.Module):
@@ -268,17 +269,7 @@ def test_fused_qkv_aligns_with_split_projections_through_the_conversion():
 
 # --- real diffusers model ------------------------------------------------------------------------------------
 def test_tiny_unet_groupnorm_eps_is_caught_and_state_is_left_untouched():
-    torch.manual_seed(0)
-    unet = UNet2DModel(
-        sample_size=8,
-        in_channels=3,
-        out_channels=3,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-        norm_num_groups=4,
-    )
+    unet = make_tiny_unet(sample_size=8, attention=False)
     port = copy.deepcopy(unet)
     sample = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     inputs = {"sample": sample, "timestep": torch.tensor([10, 500])}

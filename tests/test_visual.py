@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from diffusers import DDIMScheduler, DiffusionPipeline, UNet2DModel
+from diffusers import DDIMScheduler, DiffusionPipeline
 from paritykit.checkpoints import (
     Checkpoint,
     load_checkpoints,
@@ -28,6 +28,8 @@ from paritykit.visual import (
     step_curve,
 )
 from PIL import Image
+
+from tests._pipelines import make_tiny_unet
 
 STEPS = 6
 
@@ -51,17 +53,7 @@ class TinyDDIMPipeline(DiffusionPipeline):
 
 
 def _pipeline() -> TinyDDIMPipeline:
-    torch.manual_seed(0)
-    unet = UNet2DModel(
-        sample_size=16,
-        in_channels=3,
-        out_channels=3,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "UpBlock2D"),
-        norm_num_groups=4,
-    ).eval()
+    unet = make_tiny_unet(sample_size=16, attention=False)
     return TinyDDIMPipeline(unet=unet, scheduler=DDIMScheduler(num_train_timesteps=1000))
 
 
