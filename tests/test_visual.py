@@ -452,3 +452,14 @@ def test_cli_images(tmp_path, cli):
     assert Image.open(tmp_path / "d.png").format == "PNG"
     bad = cli("images", tmp_path / "a.png", tmp_path / "zzz.png")
     assert bad.returncode == 2 and "zzz.png" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_a_report_path_naming_an_input_is_refused_by_the_library(tmp_path):
+    image = Image.new("RGB", (8, 8), (10, 20, 30))
+    a, b = tmp_path / "ref.png", tmp_path / "port.png"
+    image.save(a)
+    image.save(b)
+    before = b.read_bytes()
+    with pytest.raises(ParityKitError, match="--out"):
+        compare_images(str(a), str(b), out=b)
+    assert b.read_bytes() == before

@@ -53,3 +53,21 @@ def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> 
             f"{path}: cannot write the plot ({getattr(exc, 'strerror', None) or exc})"
         ) from None
     return path
+
+
+def refuse_overwriting_an_input(label: str, out: Any, *inputs: Any) -> None:
+    r"""Refuse a report path that names one of the command's input files.
+
+    ``images ref.png port.png --out port.png`` would otherwise replace the port's image with the report.
+    ``label`` names the argument in the one-line error (``--out``, ``--plot``); non-path inputs are ignored.
+    """
+    from paritykit.errors import ParityKitError
+
+    if not isinstance(out, (str, os.PathLike)):
+        return
+    target = Path(out).resolve()
+    for given in inputs:
+        if isinstance(given, (str, os.PathLike)) and Path(given).resolve() == target:
+            raise ParityKitError(
+                f"{label} {out}: is an input of this command; write the report to another file"
+            )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.errors import ParityKitError
-from paritykit.files import save_figure
+from paritykit.files import refuse_overwriting_an_input, save_figure
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 # --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
@@ -542,6 +542,7 @@ def step_curve(
     """
     from paritykit.compare import compare_tensors
 
+    refuse_overwriting_an_input("--plot", plot, sigmas)
     files_a, files_b = _step_files(a_dir), _step_files(b_dir)
     common = [s for s in files_a if s in files_b]
     if not common:
@@ -997,6 +998,7 @@ def compare_images(
     """
     import numpy as np
 
+    refuse_overwriting_an_input("--out", out, a, b)
     label_a, label_b = _label(a), _label(b)
     range_a, range_b = (value_range, value_range) if isinstance(value_range, str) else value_range
     pa, detected_a, video_a, nonfinite_a = _normalise(a, label_a, range_a)

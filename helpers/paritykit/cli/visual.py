@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from paritykit.cli._common import emit, json_option, limit_option
-from paritykit.errors import ParityKitError
 
 # the thresholds live in paritykit.visual; quoted here without importing torch or matplotlib
 _GROWTH_HELP = (
@@ -16,18 +13,6 @@ _GROWTH_HELP = (
     "a power law in the step. linear: any other growth (polynomial; exponent reported). All-zero errors are "
     "bounded; fewer than 3 non-zero steps give unknown."
 )
-
-
-def _refuse_overwriting_an_input(option: str, out: str | None, *inputs: str | None) -> None:
-    """Refuse a report path naming an input: `images ref.png port.png --out port.png` would destroy port.png."""
-    if out is None:
-        return
-    target = Path(out).resolve()
-    for given in inputs:
-        if given is not None and Path(given).resolve() == target:
-            raise ParityKitError(
-                f"{option} {out}: is an input of this command; write the report to another file"
-            )
 
 
 @click.command(
@@ -59,8 +44,6 @@ def _refuse_overwriting_an_input(option: str, out: str | None, *inputs: str | No
 @limit_option
 def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
     from paritykit.visual import step_curve
-
-    _refuse_overwriting_an_input("--plot", plot_path, sigmas)
 
     curve = step_curve(a, b, key=key, sigmas=sigmas, atol=atol, rtol=rtol, plot=plot_path)
     emit(curve, as_json=as_json, limit=limit)
@@ -104,8 +87,6 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 @limit_option
 def images(a, b, out, psnr_min, range_a, range_b, as_json, limit):
     from paritykit.visual import compare_images
-
-    _refuse_overwriting_an_input("--out", out, a, b)
 
     result = compare_images(a, b, psnr_min=psnr_min, out=out, value_range=(range_a, range_b))
     emit(result, as_json=as_json, limit=limit)
