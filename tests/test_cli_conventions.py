@@ -192,6 +192,7 @@ BAD_INPUT = [
     ("compare-non-dict", ["compare", "list.pt", "a.safetensors"], ["list.pt"], True),
     ("compare-unknown-suffix", ["compare", "x.unknown", "a.safetensors"], ["x.unknown"], True),
     ("compare-bad-map", ["compare", "a.safetensors", "b.safetensors", "--map", "(=x"], ["--map"], True),
+    ("compare-bad-map-replacement", ["compare", "a.safetensors", "b.safetensors", "--map", "x=\\9"], ["--map", "replacement"], True),
     ("compare-map-no-equals", ["compare", "a.safetensors", "b.safetensors", "--map", "w"], ["--map"], True),
     ("compare-bad-atol", ["compare", "a.safetensors", "b.safetensors", "--atol", "abc"], ["--atol"], True),
     ("compare-negative-atol", ["compare", "a.safetensors", "b.safetensors", "--atol", "-1"], ["atol"], True),
@@ -203,6 +204,7 @@ BAD_INPUT = [
     ("config-not-json", ["config-diff", "bad.json", "c1.json"], ["bad.json"], True),
     ("config-unknown-suffix", ["config-diff", "c1.json", "x.unknown"], ["x.unknown"], True),
     ("config-bad-map", ["config-diff", "c1.json", "c2.json", "--map", "(=x"], ["--map"], True),
+    ("config-bad-map-replacement", ["config-diff", "c1.json", "c2.json", "--map", "x=\\9"], ["--map", "replacement"], True),
     # weights diff
     ("wdiff-missing", ["weights", "diff", "missing.safetensors", "a.safetensors"], ["missing.safetensors"], True),
     ("wdiff-empty-dir", ["weights", "diff", "adir", "a.safetensors"], ["adir"], True),
@@ -217,6 +219,7 @@ BAD_INPUT = [
     ("wdiff-non-dict", ["weights", "diff", "list.pt", "a.safetensors"], ["list.pt"], True),
     ("wdiff-unknown-suffix", ["weights", "diff", "x.unknown", "a.safetensors"], ["x.unknown"], True),
     ("wdiff-bad-map", ["weights", "diff", "a.safetensors", "b.safetensors", "--map", "(=x"], ["--map"], True),
+    ("wdiff-bad-map-replacement", ["weights", "diff", "a.safetensors", "b.safetensors", "--map", "x=\\9"], ["--map", "replacement"], True),
     ("wdiff-bad-metric", ["weights", "diff", "a.safetensors", "b.safetensors", "--metric", "abc"], ["--metric"], True),
     ("wdiff-plot-is-dir", ["weights", "diff", "a.safetensors", "b.safetensors", "--plot", "adir"], ["adir"], True),
     (
@@ -258,6 +261,7 @@ BAD_INPUT = [
     ("bisect-bad-atol", ["bisect", "spec_ok.py", "--atol", "abc"], ["--atol"], True),
     ("bisect-bad-rtol", ["bisect", "spec_ok.py", "--rtol", "abc"], ["--rtol"], True),
     ("bisect-bad-map", ["bisect", "spec_ok.py", "--map", "(=x"], ["--map"], True),
+    ("bisect-bad-map-replacement", ["bisect", "spec_ok.py", "--map", "x=\\9"], ["--map", "replacement"], True),
     ("bisect-nothing", ["bisect"], ["SPEC"], True),
     ("bisect-bad-device", ["bisect", "spec_ok.py", "--device", "gpu"], ["--device", "gpu"], True),
     ("bisect-traces-not-traces", ["bisect", "--traces", "adir", "adir"], ["adir"], True),
@@ -421,6 +425,9 @@ def test_exit_code_and_strict_json(files, args, code):
     payload = strict_json(as_json.stdout)
     assert payload["schema_version"] == 1
     assert "error" not in payload
+    # One verdict field for every report: an agent need not know each command's own vocabulary.
+    assert payload["passed"] is (code == 0), payload.get("passed")
+    assert isinstance(payload["verdict"], str) and payload["verdict"], payload.get("verdict")
 
 
 @pytest.mark.parametrize("args", [pytest.param(a, id=i) for i, a, _ in RESULTS])

@@ -4,7 +4,7 @@ import math
 import pytest
 from paritykit.errors import ParityKitError
 from paritykit.naming import apply_rules, natural_key, parse_map_options, rename_all
-from paritykit.report import environment_stamp, render_table, to_json
+from paritykit.report import environment_stamp, render_table, to_json, with_verdict
 
 
 def test_to_json_is_strict_and_flags_nonfinite():
@@ -40,6 +40,33 @@ def test_map_rules_apply_in_order_to_first_argument_names():
         parse_map_options(["(unclosed=x"])
     with pytest.raises(ParityKitError, match="both"):
         rename_all(["a.x", "b.x"], [(r"^[ab]\.", "")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [r"x=\9", r"(a)=\2", r"(?P<blk>a)=\g<block>", "a=\\", r"(a)=\g<1", r"a=\q"],
+    ids=["no-group-9", "only-one-group", "unknown-name", "trailing-backslash", "unclosed-g", "bad-escape"],
+)
+def test_a_bad_replacement_is_refused_when_parsed(text):
+    # Before any name is renamed: the error names the option and the rule, never a re.error traceback later.
+    with pytest.raises(ParityKitError, match=r"--map .*invalid replacement"):
+        parse_map_options([text])
+
+
+@pytest.mark.parametrize(
+    "text", [r"(a)(?P<n>b)=\1-\g<n>-\g<2>", r"x=", r"^model\.diffusion_model\.=", r"a=b\\c", r"(a)?=\1"]
+)
+def test_valid_replacements_still_parse(text):
+    (rule,) = parse_map_options([text])
+    assert rule == tuple(text.rsplit("=", 1))
+
+
+def test_every_json_report_leads_with_verdict_and_passed():
+    own = with_verdict({"verdict": "diverge", "passed": True, "rows": []}, 1)
+    assert list(own)[:2] == ["verdict", "passed"]
+    assert own == {"verdict": "diverge", "passed": False, "rows": []}  # the exit code decides passed
+    assert with_verdict({"same": []}, 0) == {"verdict": "pass", "passed": True, "same": []}
+    assert with_verdict({"same": []}, 1)["verdict"] == "fail"
 
 
 def test_natural_sort():

@@ -31,10 +31,26 @@ def compile_rules(rules: Sequence[Rule], *, option: str = "--map") -> list[tuple
     compiled = []
     for pattern, repl in rules:
         try:
-            compiled.append((re.compile(pattern), repl))
+            regex = re.compile(pattern)
         except re.error as exc:
             raise ParityKitError(f"{option} {pattern!r}: invalid regular expression ({exc})") from None
+        _check_replacement(regex, repl, option)
+        compiled.append((regex, repl))
     return compiled
+
+
+def _check_replacement(regex: re.Pattern[str], repl: str, option: str) -> None:
+    # A bad replacement (``\9``, ``\g<nope>``) only fails once a name matches, deep inside a command:
+    # expand it now against an empty match with the same groups, so it is one line naming the option.
+    names = {index: name for name, index in regex.groupindex.items()}
+    groups = "".join(f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, regex.groups + 1))
+    try:
+        re.compile(groups).match("").expand(repl)
+    except (re.error, IndexError) as exc:
+        raise ParityKitError(
+            f"{option} '{regex.pattern}={repl}': invalid replacement ({exc}); "
+            r"groups are \1 or \g<name>, a literal backslash is \\"
+        ) from None
 
 
 def apply_rules(name: str, rules: Sequence[Rule] | Sequence[tuple[re.Pattern[str], str]]) -> str:

@@ -65,6 +65,27 @@ def to_json(payload: dict[str, Any], *, indent: int | None = 2) -> str:
     return json.dumps(out, indent=indent, allow_nan=False, default=str)
 
 
+def with_verdict(payload: dict[str, Any], exit_code: int) -> dict[str, Any]:
+    r"""``payload`` led by the fields every JSON report shares: ``"verdict"`` and ``"passed"``.
+
+    ``passed`` is the exit code's answer (0 is a pass), so an agent reads one boolean whatever the command.
+    A report that names its own verdict (``"match"`` / ``"diverge"``) keeps it; any other gets ``"pass"`` or
+    ``"fail"``.
+
+    Args:
+        payload: the report's ``to_dict()``.
+        exit_code: the code the command exits with (0 same / done, 1 differ).
+
+    Returns:
+        A new dict with ``verdict`` and ``passed`` first, then the report's own fields.
+    """
+    verdict = payload.get("verdict")
+    if not isinstance(verdict, str) or not verdict:
+        verdict = "pass" if exit_code == 0 else "fail"
+    rest = {key: value for key, value in payload.items() if key not in ("verdict", "passed")}
+    return {"verdict": verdict, "passed": exit_code == 0, **rest}
+
+
 def format_number(value: Any, digits: int = 3) -> str:
     """Compact human form of a metric: ``1.23e-05``, ``0.999``, ``nan``, ``-``."""
     if value is None:

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import click
 
-from paritykit.report import DEFAULT_LIMIT, to_json
+from paritykit.report import DEFAULT_LIMIT, to_json, with_verdict
 
 
 class Report(Protocol):
@@ -38,9 +38,13 @@ map_option = click.option(
 
 
 def emit(report: Report, *, as_json: bool, limit: int | None = DEFAULT_LIMIT) -> None:
-    """Print a report as a table or JSON, then exit with its code (0 same, 1 differ)."""
+    """Print a report as a table or JSON, then exit with its code (0 same, 1 differ).
+
+    Every JSON report carries ``verdict`` and ``passed`` (from the exit code), added here so that no command,
+    old or new, can leave them out.
+    """
     if as_json:
-        click.echo(to_json(report.to_dict()))
+        click.echo(to_json(with_verdict(report.to_dict(), report.exit_code)))
     else:
         click.echo(report.render(limit=limit or None))
     sys.exit(report.exit_code)
