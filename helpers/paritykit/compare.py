@@ -21,12 +21,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paritykit.diagnose import Hint
 from paritykit.errors import ParityKitError
 from paritykit.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 if TYPE_CHECKING:
     import torch
+
+    # only a type here: diagnose imports this module's tolerances lazily, so neither imports the other at load
+    from paritykit.diagnose import Hint
 
 CHUNK = 1 << 18  # 1 MiB of float32: large enough to amortise dispatch, small enough to stay in cache
 HEAD = 5

@@ -11,7 +11,7 @@ Ids, roughly in rank order:
 - ``swapped-halves``: B is A with the halves (or k chunks) along one dim reordered (shift/scale order).
 - ``zeroed``: one side is all zeros (a branch disabled or scaled by 0).
 - ``timestep-rounding``: differences only where values have a fractional part, one side rounded there.
-- ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or differs at its rounding level.
+- ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or only one side lies on its grid.
 - ``sign-flip``: magnitudes agree, signs differ (everywhere or on part of the tensor).
 - ``constant-scale``: B ≈ k·A (a scale knob differs; one knob may stand for two concepts).
 - ``offset``: B ≈ A + c.
@@ -49,18 +49,30 @@ class Hint:
 
     Args:
         id: stable identifier (``constant-scale``, ``transpose``, …) that skills and tools key on.
-        message: one sentence for a person: what differs and what to check.
-        evidence: the supporting numbers (scale factor, axes, counts, residuals).
+        message: one sentence for a person: what differs, the evidence for it, and what to check.
+        evidence: the supporting numbers (scale factor, axes, counts, residuals, before/after errors).
         score: confidence in [0, 1] used for ranking; higher first.
+        verified: ``True`` when the fix was applied to a copy of the port and the module then matched the
+            reference, ``False`` when that was tried and it did not match, ``None`` when not tried.
+        fix: one line saying what to change (``blocks.0.norm.eps = 1e-06``), when a cause is that concrete.
     """
 
     id: str
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     score: float = 0.5
+    verified: bool | None = None
+    fix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "message": self.message, "evidence": dict(self.evidence), "score": self.score}
+        return {
+            "id": self.id,
+            "message": self.message,
+            "evidence": dict(self.evidence),
+            "score": self.score,
+            "verified": self.verified,
+            "fix": self.fix,
+        }
 
     def render(self) -> str:
         return f"[{self.id}] {self.message}"
@@ -433,9 +445,18 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     )
 
 
-def _make_cast_detector(dtype_name: str, hint_id: str, precision_bits: int) -> Callable:
-    unit = 2.0 ** (-precision_bits)  # unit roundoff: the largest relative error of one rounding
+def _on_grid(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    r"""Elementwise: the value is exactly representable in ``dtype`` (a round trip leaves it unchanged)."""
+    import torch
 
+    return t.to(dtype).to(torch.float64) == t
+
+
+def _grid_share(t: torch.Tensor, dtype: torch.dtype) -> float:
+    return float(_on_grid(t, dtype).double().mean()) if t.numel() else 0.0
+
+
+def _make_cast_detector(dtype_name: str, hint_id: str, coarser: str | None) -> Callable:
     def detect(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
         import torch
 
@@ -451,34 +472,61 @@ def _make_cast_detector(dtype_name: str, hint_id: str, precision_bits: int) -> C
                 other = "A" if side == "B" else "B"
                 return Hint(
                     hint_id,
-                    f"{side} equals {other} rounded to {dtype_name} at {exact:.1%} of elements: {side}'s side "
-                    f"casts this tensor (or its input) to {dtype_name}.",
+                    f"{side} equals {other} rounded to {dtype_name} at {exact:.1%} of elements (evidence: "
+                    f"exact equality after rounding): {side}'s side casts this tensor (or its input) to "
+                    f"{dtype_name}.",
                     {"exact_fraction": exact, "rounded_side": side.lower()},
                     score=0.94,
                 )
-        # Softer: relative differences at exactly this dtype's rounding level, and noise-like (not a steady scale).
-        keep = x.abs() > 1e-4 * float(x.abs().max())
-        if int(keep.sum()) < 8:
-            return None
-        rel = ((y - x).abs() / x.abs())[keep]
-        peak = float(rel.max())
-        if not (unit / 4 < peak <= unit * 1.001) or float(rel.std()) < 0.2 * float(rel.mean()):
-            return None
-        return Hint(
-            hint_id,
-            f"The relative differences (max {_num(peak)}) sit at {dtype_name} rounding level (unit roundoff "
-            f"{_num(unit)}): somewhere one side computes this path in {dtype_name}.",
-            {"max_rel": peak, "unit_roundoff": unit},
-            score=0.45,
-        )
+        return _grid_hint(x, y, dtype, dtype_name, hint_id, coarser)
 
     detect.__name__ = f"detect_{hint_id.replace('-', '_')}"
-    detect.__doc__ = f"One side equals the other rounded to {dtype_name}, or differs at its rounding level."
+    detect.__doc__ = (
+        f"One side equals the other rounded to {dtype_name}, or only one side's values lie on the {dtype_name} "
+        "grid. Relative errors of the order of the unit roundoff alone are not evidence (float noise, GELU "
+        "approximations and eps changes produce them too)."
+    )
     return detect
 
 
-detect_bf16_cast = _make_cast_detector("bfloat16", "bf16-cast", 8)
-detect_fp16_cast = _make_cast_detector("float16", "fp16-cast", 11)
+# the grid test needs this many non-trivial values: a few on-grid numbers happen by chance
+_GRID_MIN = 64
+
+
+def _grid_hint(x, y, dtype, dtype_name: str, hint_id: str, coarser: str | None) -> Hint | None:
+    r"""Every value of one side lies on ``dtype``'s grid, and the other side's values mostly do not.
+
+    Random float32 values land on the bfloat16 grid with probability 2^-16, so a whole tensor of them there is
+    direct evidence of a computation in that dtype. Integers and values on a ``coarser`` grid (bfloat16 values
+    are also float16 values) say nothing about ``dtype``.
+    """
+    import torch
+
+    for side_t, other_t, side in ((y, x, "B"), (x, y, "A")):
+        keep = (side_t != torch.round(side_t)) & torch.isfinite(side_t)
+        if int(keep.sum()) < _GRID_MIN:
+            continue
+        values = side_t[keep]
+        share = _grid_share(values, dtype)
+        other_share = _grid_share(other_t[other_t != torch.round(other_t)], dtype)
+        if share < 0.999 or other_share > 0.5:
+            continue
+        if coarser is not None and _grid_share(values, getattr(torch, coarser)) >= 0.999:
+            continue
+        other = "A" if side == "B" else "B"
+        return Hint(
+            hint_id,
+            f"every non-integer value of {side} ({int(keep.sum())} checked) is exactly representable in "
+            f"{dtype_name}, but only {other_share:.1%} of {other}'s are (evidence: the {dtype_name} grid): "
+            f"{side}'s side computes this tensor in {dtype_name}.",
+            {"grid_fraction": share, "grid_fraction_other": other_share, "grid_side": side.lower()},
+            score=0.9,
+        )
+    return None
+
+
+detect_bf16_cast = _make_cast_detector("bfloat16", "bf16-cast", None)
+detect_fp16_cast = _make_cast_detector("float16", "fp16-cast", "bfloat16")
 
 
 def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
