@@ -326,8 +326,11 @@ def _module_device(module: Any) -> Any:
     import torch
 
     for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
+        # weights offloaded by accelerate sit on "meta"; its hook moves inputs to the execution device itself
+        if tensor.device.type != "meta":
+            return tensor.device
+    hook = getattr(module, "_hf_hook", None)
+    return torch.device(getattr(hook, "execution_device", None) or "cpu")
 
 
 # ------------------------------------------------------------------------------------------------- search
@@ -1090,6 +1093,7 @@ def bisect(
     ratio: float = JUMP_RATIO,
     ops: bool = False,
     environment: dict[str, Any] | None = None,
+    levels: str = "auto",
 ) -> BisectReport:
     r"""Run both models on the same inputs and name the module where the port parts from the reference.
 
@@ -1104,6 +1108,8 @@ def bisect(
         atol, rtol: tolerances (default: :func:`paritykit.compare.default_tolerances` of the dtypes).
         ratio: error-jump threshold (output error over input error) where replay is impossible.
         ops: also name the first op inside a replayed culprit whose result differs.
+        levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
+            (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules.
 
     Returns:
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``), ``culprit``, ``first_output_divergence``,
@@ -1124,6 +1130,22 @@ def bisect(
         port_args, port_kwargs = _split_inputs(adapted)
     else:
         port_args, port_kwargs = args, kwargs
+    from paritykit.zoom import use_zoom, zoom_bisect
+
+    if use_zoom(levels, reference):
+        return zoom_bisect(
+            reference,
+            port,
+            (args, kwargs),
+            (port_args, port_kwargs),
+            rules=rules,
+            select_output=select_output,
+            atol=atol,
+            rtol=rtol,
+            ratio=ratio,
+            ops=ops,
+            environment=environment,
+        )
     with torch.no_grad():
         with capture(reference) as ref_trace:
             reference(*args, **kwargs)

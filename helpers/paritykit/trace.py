@@ -232,6 +232,20 @@ class Trace:
 
         return load_file(str(self.directory / WEIGHTS_FILE))
 
+    def graft(self, call: Record) -> None:
+        r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and depth,
+        so its records join a trace of the level above (:mod:`paritykit.zoom`)."""
+        if not self.records:
+            raise ParityKitError("an empty trace cannot be grafted")
+        top = self.records[0]
+        old = top.name
+        for record in self.records:
+            record.depth += call.depth
+            if record.parent == old:
+                record.parent = call.name
+        top.name, top.call, top.parent, top.depth = call.name, call.call, call.parent, call.depth
+        self._by_name = {r.name: r for r in self.records}
+
     def _add(self, record: Record) -> None:
         record._trace = self
         self.records.append(record)

@@ -1,0 +1,285 @@
+r"""Bisect by levels ("zoom"): capture one level of blocks at a time, so memory follows depth, not size.
+
+A full capture keeps the inputs and outputs of every module call of both models; at a real resolution that
+is tens of gigabytes. The zoom keeps one level at a time:
+
+1. both models run once, capturing only the top-level blocks (the children of the root; the items of a
+   ``ModuleList``/``ModuleDict`` count as blocks themselves, since a list is never called);
+2. the usual tests (:class:`paritykit.bisect._Bisector`: replay, else error jump) run on those blocks and the
+   first aligned block that fails is taken;
+3. that block alone is run again on each side from the inputs its level captured (the reference block on the
+   reference's captured inputs, the port block on the port's own captured inputs, exactly what a full capture
+   would have recorded), capturing its own children only; then step 2 again, one level down.
+
+It stops at a block with no children, or at a block whose children all pass (``inline``). Peak memory is the
+outputs of one level plus the tensors of the one block being entered. The result is an ordinary
+:class:`paritykit.bisect.BisectReport`; its ``first_output_divergence`` is looked for among the top-level
+blocks only, and ``tested`` lists what was tested on the way down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from paritykit.align import AlignedPair, Alignment, align_modules
+from paritykit.errors import ParityKitError
+
+# ``levels="auto"``: zoom when the reference has more modules than this; below it a full capture is small.
+ZOOM_MODULES = 300
+LEVELS = ("auto", "zoom", "full")
+
+
+def use_zoom(levels: str, model: Any) -> bool:
+    r"""Whether ``levels`` (``auto``/``zoom``/``full``) means the zoom for ``model`` (``auto``: more than
+    :data:`ZOOM_MODULES` modules)."""
+    if levels not in LEVELS:
+        raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(LEVELS)}")
+    if levels == "auto":
+        return model is not None and sum(1 for _ in model.named_modules()) > ZOOM_MODULES
+    return levels == "zoom"
+
+
+def level_children(model: Any, name: str = "") -> list[str]:
+    r"""The blocks one level below module ``name`` of ``model``: its children, with the items of a
+    ``ModuleList``/``ModuleDict`` in place of the container (which is never called itself)."""
+    import torch
+
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    out: list[str] = []
+
+    def walk(prefix: str, module: Any) -> None:
+        for child_name, child in module.named_children():
+            full = f"{prefix}.{child_name}" if prefix else child_name
+            if isinstance(child, containers):
+                walk(full, child)
+            else:
+                out.append(full)
+
+    walk(name, model.get_submodule(name) if name else model)
+    return out
+
+
+def level_patterns(model: Any, name: str = "") -> list[str]:
+    r"""What :func:`paritykit.trace.capture` must hook to record block ``name`` and its level children (exact
+    names, with glob characters escaped)."""
+    import glob
+
+    return [glob.escape(n) if n else n for n in (name, *level_children(model, name))]
+
+
+# ---------------------------------------------------------------------------------------------- levels
+
+
+@dataclass
+class _Level:
+    """One captured level: the two traces, the searcher testing its calls, and the call at its top."""
+
+    searcher: Any
+    root: Any
+
+
+class _Zoom:
+    """Walks down level by level; every level's tests live in its own searcher."""
+
+    def __init__(
+        self,
+        reference: Any,
+        port: Any,
+        *,
+        rules: Sequence[tuple[str, str]],
+        atol: float | None,
+        rtol: float | None,
+        ratio: float,
+    ):
+        self.reference = reference
+        self.port = port
+        self.rules = rules
+        self.options = {"atol": atol, "rtol": rtol, "ratio": ratio}
+        self.levels: list[_Level] = []
+        self.alignment = Alignment()
+        self.unaligned: tuple[list[str], list[str]] = ([], [])
+
+    # alignment -------------------------------------------------------------------------------------
+    def merge(self, found: Alignment) -> Alignment:
+        """The pairs known so far plus this level's new ones (an earlier level's pair is never replaced)."""
+        refs = {p.reference for p in self.alignment.pairs}
+        ports = {p.port for p in self.alignment.pairs}
+        pairs: list[AlignedPair] = list(self.alignment.pairs)
+        pairs += [p for p in found.pairs if p.reference not in refs and p.port not in ports]
+        self.alignment = Alignment(pairs=pairs)
+        for names, new in zip(self.unaligned, (found.unaligned_reference, found.unaligned_port)):
+            names += [n for n in new if n not in names]
+        return self.alignment
+
+    def level(self, ref_trace: Any, port_trace: Any, root: Any) -> _Level:
+        from paritykit.bisect import _Bisector
+
+        found = align_modules(self.reference, self.port, ref_trace, port_trace, rules=self.rules)
+        searcher = _Bisector(
+            ref_trace, port_trace, self.merge(found), reference=self.reference, port=self.port, **self.options
+        )
+        level = _Level(searcher, root)
+        self.levels.append(level)
+        return level
+
+    # entering a block ------------------------------------------------------------------------------
+    def can_enter(self, level: _Level, call: Any) -> bool:
+        port_call = level.searcher.port_record(call)
+        return (
+            port_call is not None
+            and bool(level_children(self.reference, call.module))
+            and bool(level_children(self.port, port_call.module))
+            and call.replayable
+            and port_call.replayable
+        )
+
+    def enter(self, level: _Level, call: Any) -> _Level:
+        """Run block ``call`` alone on each side from its captured inputs, capturing one level inside it."""
+        port_call = level.searcher.port_record(call)
+        ref_trace = _rerun(self.reference, call)
+        port_trace = _rerun(self.port, port_call)
+        inner = self.level(ref_trace, port_trace, ref_trace[call.name])
+        # The block itself was tested one level up: its verdict and replayed outputs carry over.
+        for table in ("results", "replays", "why_not_replayed"):
+            source = getattr(level.searcher, table)
+            if call.name in source:
+                getattr(inner.searcher, table)[call.name] = source[call.name]
+        return inner
+
+    # search (the same walk as _Bisector.descend, one level at a time) --------------------------------
+    def descend(self, level: _Level, call: Any) -> tuple[_Level, Any, int]:
+        if not self.can_enter(level, call):
+            return level, call, 0
+        inner = self.enter(level, call)
+        found, passed = self.failing_below(inner, inner.root)
+        return found if found is not None else (inner, inner.root, passed)
+
+    def failing_below(self, level: _Level, record: Any) -> tuple[tuple[_Level, Any, int] | None, int]:
+        passed = 0
+        for child in level.searcher.frontier(record):
+            result = level.searcher.test(child)
+            if result.status == "fail":
+                return self.descend(level, child), passed
+            if result.status == "untestable":
+                # look inside, as a full capture would: a failing call below counts, a pass proves nothing
+                if self.can_enter(level, child):
+                    inner = self.enter(level, child)
+                    found, _ = self.failing_below(inner, inner.root)
+                    if found is not None:
+                        return found, passed
+            else:
+                passed += 1
+        return None, passed
+
+    def tested(self) -> list[Any]:
+        seen: dict[str, Any] = {}
+        for level in self.levels:
+            for name, result in level.searcher.results.items():
+                seen.setdefault(name, result)
+        return list(seen.values())
+
+    def final_alignment(self) -> Alignment:
+        refs = {p.reference for p in self.alignment.pairs}
+        ports = {p.port for p in self.alignment.pairs}
+        return Alignment(
+            pairs=list(self.alignment.pairs),
+            unaligned_reference=[n for n in self.unaligned[0] if n not in refs],
+            unaligned_port=[n for n in self.unaligned[1] if n not in ports],
+        )
+
+
+def _rerun(model: Any, call: Any) -> Any:
+    """Capture block ``call`` of ``model`` and its level children, run alone on the call's captured inputs;
+    the block's record is renamed to ``call``'s name and place so the levels join up."""
+    import torch
+
+    from paritykit.bisect import _module_device, _to_device
+    from paritykit.trace import capture
+
+    module = model.get_submodule(call.module)
+    args, kwargs = _to_device(call.call_inputs(), _module_device(module))
+    with torch.no_grad(), capture(model, modules=level_patterns(model, call.module)) as trace:
+        module(*args, **kwargs)
+    trace.graft(call)
+    return trace
+
+
+def capture_level(model: Any, args: tuple, kwargs: dict, *, run: Callable | None = None) -> Any:
+    r"""Run ``model(*args, **kwargs)`` capturing only the top level and its level children; returns the trace.
+
+    ``run(model, args, kwargs)`` replaces the plain call (the spec runner passes one that guards user code).
+    """
+    import torch
+
+    from paritykit.trace import capture
+
+    with torch.no_grad(), capture(model, modules=level_patterns(model, "")) as trace:
+        if run is not None:
+            run(model, args, kwargs)
+        else:
+            model(*args, **kwargs)
+    return trace
+
+
+def zoom_bisect(
+    reference: Any,
+    port: Any,
+    ref_inputs: tuple[tuple, dict],
+    port_inputs: tuple[tuple, dict],
+    *,
+    rules: Sequence[tuple[str, str]] = (),
+    select_output: Callable[[str, Any], Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ratio: float = 10.0,
+    ops: bool = False,
+    environment: dict[str, Any] | None = None,
+    run: Callable | None = None,
+) -> Any:
+    r""":func:`paritykit.bisect.bisect` by levels: same tests, same :class:`~paritykit.bisect.BisectReport`,
+    peak memory of one level instead of every module.
+
+    Args:
+        reference, port: the two ``nn.Module`` (eval mode).
+        ref_inputs, port_inputs: ``(args, kwargs)`` for each side.
+        rules, select_output, atol, rtol, ratio, ops, environment: as in :func:`paritykit.bisect.bisect`.
+        run: ``run(model, args, kwargs)`` in place of the plain top-level call.
+
+    Returns:
+        A :class:`~paritykit.bisect.BisectReport`; its environment records ``levels: zoom`` and the blocks
+        entered.
+    """
+    import torch
+
+    from paritykit.bisect import BisectReport, _finding, _select, first_divergence
+    from paritykit.compare import compare_tensors
+    from paritykit.report import environment_stamp
+
+    ref_trace = capture_level(reference, *ref_inputs, run=run)
+    port_trace = capture_level(port, *port_inputs, run=run)
+    zoom = _Zoom(reference, port, rules=rules, **{"atol": atol, "rtol": rtol, "ratio": ratio})
+    top = zoom.level(ref_trace, port_trace, ref_trace.root)
+    ref_final = _select("reference", ref_trace.root.output_value(), select_output)
+    port_final = _select("port", port_trace.root.output_value(), select_output)
+    output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
+    first = first_divergence(ref_trace, port_trace, top.searcher.alignment, atol=atol, rtol=rtol)
+    culprit = None
+    if not output.passed:
+        with torch.no_grad():
+            found, passed = zoom.failing_below(top, top.root)
+            level, call, passed = found if found is not None else (top, top.root, passed)
+            culprit = _finding(level.searcher, call, passed, output, ops=ops)
+    environment = dict(environment if environment is not None else environment_stamp())
+    environment["levels"] = "zoom"
+    environment["entered"] = [lv.root.name for lv in zoom.levels[1:]]
+    return BisectReport(
+        verdict="match" if output.passed else "diverge",
+        culprit=culprit,
+        first_output_divergence=first,
+        output=output,
+        alignment=zoom.final_alignment(),
+        tested=zoom.tested(),
+        environment=environment,
+    )

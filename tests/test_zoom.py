@@ -1,0 +1,71 @@
+"""paritykit.zoom: bisect by levels names the same culprit as a full capture, while holding one level only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paritykit.bisect import bisect
+from paritykit.errors import ParityKitError
+from paritykit.trace import capture
+from paritykit.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
+from torch import nn
+
+from tests.test_bisect import PAIRS, PLANTED
+
+
+@pytest.mark.parametrize(
+    ("family", "bug"), [(f, b) for f, b, *_ in PLANTED], ids=[f"{f}-{b}" for f, b, *_ in PLANTED]
+)
+def test_zoom_names_the_same_culprit_as_a_full_capture(family, bug):
+    reference, port, inputs = PAIRS[family](bug)
+    full = bisect(reference, port, inputs, levels="full")
+    zoom = bisect(reference, port, inputs, levels="zoom")
+    assert zoom.verdict == full.verdict == "diverge"
+    a, b = full.culprit, zoom.culprit
+    assert (b.reference, b.port, b.inline, b.test) == (a.reference, a.port, a.inline, a.test)
+    assert b.children_passed == a.children_passed
+    assert [h.id for h in b.hints] == [h.id for h in a.hints]
+    assert b.max_abs == pytest.approx(a.max_abs)
+    assert zoom.environment["levels"] == "zoom"
+    # every block entered is an ancestor of the culprit (or the culprit itself): nothing else was re-run
+    for entered in zoom.environment["entered"]:
+        assert b.reference == entered or b.reference.startswith(entered + ".")
+
+
+@pytest.mark.parametrize("family", sorted(PAIRS))
+def test_zoom_on_faithful_ports_matches(family):
+    reference, port, inputs = PAIRS[family](None)
+    report = bisect(reference, port, inputs, levels="zoom")
+    assert report.verdict == "match" and report.culprit is None
+    assert report.environment["entered"] == []
+
+
+def test_level_capture_holds_the_top_level_blocks_only():
+    reference, _, (args, kwargs) = PAIRS["dit"]("gelu")
+    level = capture_level(reference, args, kwargs)
+    with torch.no_grad(), capture(reference) as full:
+        reference(*args, **kwargs)
+    blocks = level_children(reference)
+    assert {r.module for r in level} == {"", *blocks}
+    assert all(r.depth <= 1 for r in level)
+    assert len(level) < len(full) and level.summary()["tensors"] < full.summary()["tensors"]
+    # the blocks' outputs are the very values a full capture records
+    for record in level:
+        assert torch.equal(record.output, full[record.name].output)
+
+
+def test_level_children_look_through_module_lists():
+    model = nn.Sequential()
+    model.add_module("embed", nn.Linear(2, 2))
+    model.add_module("blocks", nn.ModuleList([nn.Linear(2, 2), nn.ModuleDict({"a": nn.ReLU()})]))
+    assert level_children(model) == ["embed", "blocks.0", "blocks.1.a"]
+    assert level_children(model, "embed") == []
+
+
+def test_levels_rule():
+    small = nn.Sequential(*[nn.Identity() for _ in range(ZOOM_MODULES - 1)])  # with the root: ZOOM_MODULES
+    big = nn.Sequential(*[nn.Identity() for _ in range(ZOOM_MODULES)])
+    assert not use_zoom("auto", small) and use_zoom("auto", big)
+    assert use_zoom("zoom", small) and not use_zoom("full", big)
+    with pytest.raises(ParityKitError, match="--levels"):
+        use_zoom("deep", small)
