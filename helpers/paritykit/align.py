@@ -7,10 +7,18 @@ alignment is built in five passes, each working only on what the earlier ones le
 2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.naming`);
 3. ``weights``: a module corresponds to another when their parameters map onto each other by value
    (:func:`paritykit.convert.infer_conversion_map`); containers pair when the parameters under them do, and
-   a fused tensor split into several gives a 1:N correspondence (``group``);
+   a fused tensor split into several gives a 1:N correspondence (``group``). When several modules hold the
+   same parameters (a wrapper around a layer), the deepest pair first: an embedding table pairs with the
+   port's table, never with a block that holds the table and adds positions in its own forward;
 4. ``order``: parameterless modules (activations, dropout, pooling, positional tables) between two aligned
-   neighbours, by execution order and class, so a GELU variant or a rotary table is named itself;
+   neighbours, by execution order and class, so a GELU variant or a rotary table is named itself
+   (``confidence="medium"``);
 5. ``order`` with ``confidence="low"``: what is left, by execution order and output shape.
+
+A pair by weights whose parameters carry no information (constant tensors such as fresh all-ones norms, or
+values that several modules share) is ``low`` confidence too. Port modules whose parameters the reference
+keeps in a module it does not pair with them (positions added inline by the reference's top level, in an
+``embeddings`` block by the port) are listed in ``split_work`` instead of being paired with unequal work.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class Alignment:
     pairs: list[AlignedPair] = field(default_factory=list)
     unaligned_reference: list[str] = field(default_factory=list)
     unaligned_port: list[str] = field(default_factory=list)
+    split_work: list[SplitWork] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._index()
@@ -96,6 +105,7 @@ class Alignment:
             "pairs": [p.to_dict() for p in self.pairs],
             "unaligned_reference": list(self.unaligned_reference),
             "unaligned_port": list(self.unaligned_port),
+            "split_work": [s.to_dict() for s in self.split_work],
         }
 
     def summary(self) -> str:
@@ -108,7 +118,11 @@ class Alignment:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         rows = [
-            [_shown(p.reference), _shown(p.port), p.how + ("" if p.confidence == "high" else " (low)")]
+            [
+                _shown(p.reference),
+                _shown(p.port),
+                p.how + ("" if p.confidence == "high" else f" ({p.confidence})"),
+            ]
             for p in self.pairs
         ]
         lines = [render_table(["reference", "port", "how"], rows, limit=limit, summary=self.summary())]
@@ -117,7 +131,29 @@ class Alignment:
                 shown = names if not limit else names[:limit]
                 more = f" … {len(names) - len(shown)} more" if len(names) > len(shown) else ""
                 lines.append(f"unaligned {side}: {', '.join(shown)}{more}")
+        lines += [s.render() for s in self.split_work]
         return "\n".join(lines)
+
+
+@dataclass
+class SplitWork:
+    r"""A port module doing work the reference does elsewhere: its parameters are held directly by
+    ``reference`` (a module the port module is not paired with), so the two sides split the computation
+    differently and the port module has no reference counterpart to be compared with."""
+
+    port: str
+    reference: str
+    parameters: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "reference": self.reference, "parameters": list(self.parameters)}
+
+    def render(self) -> str:
+        return (
+            f"split differently: port {_shown(self.port)} holds the reference's {_shown(self.reference)} "
+            f"parameters {', '.join(self.parameters[:4])}, used inline in that module's forward; the port "
+            "module has no reference counterpart and is not compared one-to-one"
+        )
 
 
 def _shown(name: str) -> str:
@@ -200,6 +236,7 @@ class _Builder:
         self.pairs: list[AlignedPair] = []
         self.ref_done: set[str] = set()
         self.port_done: set[str] = set()
+        self.cmap: Any = None
 
     def add(self, r: str, p: str, how: str, confidence: str = "high", group: bool = False) -> None:
         self.pairs.append(AlignedPair(r, p, how, confidence, group))
@@ -252,7 +289,9 @@ class _Builder:
 
         # Only what is still unaligned takes part: value matching is the expensive pass.
         cmap = infer_conversion_map(ref_sd, port_sd)
+        self.cmap = cmap
         ambiguous = {a.target for a in cmap.ambiguous}
+        informative = {t for t in sources_of_all(cmap) if t not in ambiguous and _informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
 
         # Containers and leaves alike: a module pairs with another when the value-unique parameters under
@@ -286,12 +325,15 @@ class _Builder:
             if not ports:
                 continue
             # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one set:
-            # pair outermost first, each with the first compatible partner (same class or output shape).
-            ports = sorted(ports, key=_depth)
-            for r in sorted(refs, key=_depth):
+            # pair innermost first, each with the first compatible partner (same class or output shape), so a
+            # layer never pairs with a block that holds it and does more (an embedding table and the
+            # ``embeddings`` block that also adds positions): the block is left over.
+            ports = sorted(ports, key=_depth, reverse=True)
+            confidence = "high" if image & informative else "low"
+            for r in sorted(refs, key=_depth, reverse=True):
                 for p in ports:
                     if self.compatible(r, p, own_params=False):
-                        self.add(r, p, "weights")
+                        self.add(r, p, "weights", confidence)
                         ports.remove(p)
                         break
         for pair in self.pairs[first_new:]:
@@ -309,16 +351,55 @@ class _Builder:
                 split[refs[0]].append(p)
             elif len(refs) > 1:
                 for r in refs:
-                    self.add(r, p, "weights", group=True)
+                    # a many-to-one guess from constants alone is no correspondence at all
+                    if self._evidence(r, p, port_keys, informative) == "high":
+                        self.add(r, p, "weights", group=True)
         for r, ports in split.items():
             if r in self.ref_done:
                 continue
             if len(ports) == 1:
                 if self._parents_agree(r, ports[0]):
-                    self.add(r, ports[0], "weights")
+                    self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, informative))
             else:
                 for p in ports:
-                    self.add(r, p, "weights", group=True)
+                    if self._evidence(r, p, port_keys, informative) == "high":
+                        self.add(r, p, "weights", group=True)
+
+    def _evidence(self, ref: str, port: str, port_keys: list[str], informative: set[str]) -> str:
+        """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under ``ref``."""
+        prefix = ref + "." if ref else ""
+        sources = {e.target: e.sources for e in self.cmap.mapping}
+        backed = [
+            t
+            for t in _under(port, port_keys) & informative
+            if any(s.startswith(prefix) for s in sources.get(t, ()))
+        ]
+        return "high" if backed else "low"
+
+    def split_work(self) -> list[SplitWork]:
+        """Unaligned port modules whose own parameters equal tensors the reference holds directly in a module
+        paired with something else (the top level adding positions inline, say)."""
+        ref_sd, port_sd = self.ref.state_dict or {}, self.port.state_dict or {}
+        by_shape: dict[tuple, list[str]] = defaultdict(list)
+        for key, value in ref_sd.items():
+            if _informative(value):
+                by_shape[tuple(value.shape)].append(key)
+        paired = {(q.reference, q.port) for q in self.pairs}
+        out = []
+        for p in self.free_port():
+            sources = []
+            for local in self.port.params.get(p, {}):
+                tensor = port_sd.get(f"{p}.{local}" if p else local)
+                if not _informative(tensor):
+                    continue
+                sources += [k for k in by_shape.get(tuple(tensor.shape), []) if _equal(ref_sd[k], tensor)]
+            owners = {k.rsplit(".", 1)[0] if "." in k else "" for k in sources}
+            if len(owners) != 1:
+                continue
+            owner = owners.pop()
+            if owner in self.ref_done and (owner, p) not in paired:
+                out.append(SplitWork(p, owner, sorted(k.rsplit(".", 1)[-1] for k in sources)))
+        return out
 
     def _parents_agree(self, r: str, p: str) -> bool:
         """An alignment from ambiguous evidence is kept only when the nearest aligned ancestors correspond."""
@@ -378,13 +459,13 @@ class _Builder:
             ps = by_type_p.get(type_name, [])
             if len(rs) == len(ps):
                 for r, p in zip(rs, ps):
-                    self.add(r, p, "order")
+                    self.add(r, p, "order", "medium")
         refs = [r for r in refs if r not in self.ref_done]
         ports = [p for p in ports if p not in self.port_done]
         if len(refs) == 1 and len(ports) == 1:
             rs, ps = self.ref.out_shapes.get(refs[0]), self.port.out_shapes.get(ports[0])
             if rs is not None and rs == ps:
-                self.add(refs[0], ports[0], "order")
+                self.add(refs[0], ports[0], "order", "medium")
 
     def _pair_by_shape(self, ref_run: list[str], port_run: list[str]) -> None:
         refs = [r for r in ref_run if r not in self.ref_done]
@@ -402,6 +483,22 @@ class _Builder:
 
 
 _ROW_OPS = ("swap_halves", "permute_rows")
+
+
+def sources_of_all(cmap: Any) -> set[str]:
+    return {e.target for e in cmap.mapping}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and bool((a == b).all())
+
+
+def _informative(tensor: Any) -> bool:
+    """A tensor whose values can identify it: more than one element and not constant (not all ones/zeros)."""
+    if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
+        return False
+    flat = tensor.detach().reshape(-1)
+    return bool((flat != flat[0]).any())
 
 
 def _output_layouts(mapping: Sequence[Any]) -> dict[str, str]:
@@ -484,4 +581,5 @@ def align_modules(
         pairs=pairs,
         unaligned_reference=builder.free_ref(),
         unaligned_port=builder.free_port(),
+        split_work=builder.split_work(),
     )
