@@ -954,6 +954,8 @@ def assert_parity(a: Any, b: Any, **tolerances: Any) -> TensorComparison | Outpu
     Returns:
         The comparison, for further checks when it passed.
     """
+    # pytest hides this frame, so a failure starts at the user's assert_parity line and then the report.
+    __tracebackhide__ = True
     if _is_tensor_like(a) and _is_tensor_like(b):
         result: TensorComparison | OutputComparison = compare_tensors(a, b, name="output", **tolerances)
     else:

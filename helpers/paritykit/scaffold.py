@@ -42,9 +42,13 @@ from paritykit.errors import ParityKitError
 from paritykit.files import atomic_write_text
 
 TEMPLATE_SUFFIX = ".py.j2"
-LINE_LENGTH = 110  # the project's [tool.ruff] line-length; generated code stays within it
+LINE_LENGTH = 88  # ruff's default line-length: generated code passes `ruff format` with no project config
 _SPEC = re.compile(r"\A\{#-?\s*spec\s*\n(?P<body>.*?)\n\s*-?#\}", re.DOTALL)
 _MARKERS = re.compile(r"\{\{|\{%|\{#")
+
+# A path literal longer than this goes on its own line: templates assign paths to top-level names of at
+# most 20 characters (``PRETRAINED_DIR = ``), and ``Path("…")`` adds 6.
+_PATH_INLINE = LINE_LENGTH - 20 - 6
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _CAMEL = re.compile(r"[A-Z][A-Za-z0-9]*\Z")
@@ -293,9 +297,14 @@ def _path(var: str, value: str, out_dir: Path) -> PathValue:
         raise ParityKitError(f"{_flag(var)} must not be empty")
     given = Path(value).expanduser()
     if given.is_absolute():
-        return PathValue(value, f"Path({python_str(str(given))})")
-    relative = os.path.relpath(Path.cwd() / given, out_dir.resolve())
-    return PathValue(value, f"HERE / {python_str(Path(relative).as_posix())}")
+        literal, call = python_str(str(given)), "Path"
+    else:
+        relative = os.path.relpath(Path.cwd() / given, out_dir.resolve())
+        literal, call = python_str(Path(relative).as_posix()), "HERE.joinpath"
+    if len(literal) <= _PATH_INLINE:
+        return PathValue(value, f"Path({literal})" if call == "Path" else f"HERE / {literal}")
+    # Too long for one line after `NAME = `: the magic trailing comma keeps ruff format from joining it back.
+    return PathValue(value, f"{call}(\n    {literal},\n)")
 
 
 def _components(var: str, value: str, out_dir: Path) -> Components:
@@ -468,7 +477,7 @@ def render(
         kind=kind,
         filename=filename,
         command=command_line(spec.command, name, shown),
-        run=spec.run.format(filename=filename, package=filename.rstrip("/")),
+        run=spec.run.format(filename=_from_cwd(out_dir, filename), package=filename.rstrip("/")),
         version=__version__,
         snake=snake_case(_strip_pipeline(name)),
     )
@@ -480,6 +489,18 @@ def render(
         _check_rendered(member, text, user_values)
         rendered.append(RenderedFile(filename=target, text=text, executable=spec.executable))
     return rendered
+
+
+def _from_cwd(out_dir: Path, filename: str) -> str:
+    r"""``filename`` (inside ``out_dir``) as a path from the folder ``paritykit new`` runs in.
+
+    A generated test is run from there, not from ``--out``: the user's modules (``repo.model``) import from
+    that folder (``python -m`` puts it on ``sys.path``), so the header's command must name the file from it.
+    """
+    path = out_dir / filename
+    if not path.is_absolute():
+        path = Path(os.path.normpath(path))
+    return path.as_posix()
 
 
 def _check_rendered(template: Path, text: str, user_values: list[str]) -> None:

@@ -72,6 +72,12 @@ def build_reference() -> ResearchModel:
     return ResearchModel("diffusion_model", UNet2DModel(**UNET_CONFIG))
 
 
+def build_reference_eps6() -> ResearchModel:
+    """The same weights as ``build_reference``, but its GroupNorms use eps 1e-6 where the port's use 1e-5."""
+    torch.manual_seed(0)
+    return ResearchModel("diffusion_model", UNet2DModel(**UNET_CONFIG, norm_eps=1e-6))
+
+
 def build_reference_cond_unet() -> ResearchModel:
     torch.manual_seed(0)
     return ResearchModel("diffusion_model", UNet2DConditionModel(**COND_UNET_CONFIG))
