@@ -215,3 +215,114 @@ def test_load_refuses_a_folder_that_is_not_a_trace(tmp_path):
     (tmp_path / "trace.json").write_text("{broken")
     with pytest.raises(ParityKitError, match="unreadable"):
         Trace.load(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- two machines
+
+DIT_SPEC = """
+import sys
+sys.path.insert(0, {tests!r})
+from bisect_pairs import dit_pair
+
+def build_reference():
+    return dit_pair("gelu")[0]
+
+def build_port():
+    return dit_pair("gelu")[1]
+
+def make_inputs():
+    return dit_pair("gelu")[2]
+"""
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+    from paritykit.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _bisect_json(*args):
+    import json
+
+    result = _cli("bisect", *args, "--json")
+    assert result.exit_code == 1, result.output
+    return json.loads(result.stdout)
+
+
+def test_two_machine_zoom_loop_follows_its_own_printed_commands(tmp_path, monkeypatch):
+    import json
+    import shlex
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    Path("SPEC.py").write_text(DIT_SPEC.format(tests=str(Path(__file__).resolve().parent)))
+    for side, out in (("reference", "ref"), ("port", "port")):
+        result = _cli("trace", "SPEC.py", "--side", side, "--out", out, "--levels", "blocks")
+        assert result.exit_code == 0, result.output
+    # self-describing: what was traced, how, and fingerprints of the weights it ran with
+    about = Trace.load("ref").about
+    assert (about["side"], about["spec"], about["levels"], about["inside"]) == (
+        "reference",
+        "SPEC.py",
+        "blocks",
+        None,
+    )
+    assert about["environment"]["torch"]
+    fingerprints = json.loads(Path("port/weights.json").read_text())
+    assert set(fingerprints) == set(Trace.load("port").weights())
+    assert all(len(r.name.split(".")) <= 2 for r in Trace.load("ref"))  # blocks only: "", "blocks.0", …
+
+    seen = []
+    payload = _bisect_json("--traces", "ref", "port")
+    while payload["next_steps"]:
+        seen.append(payload["culprit"]["reference"])
+        *traces, again = payload["next_steps"]
+        for command in traces:
+            words = shlex.split(command)
+            assert words[:2] == ["paritykit", "trace"] and "--inside" in words
+            result = _cli(*words[1:])
+            assert result.exit_code == 0, result.output
+        words = shlex.split(again)
+        assert words[:3] == ["paritykit", "bisect", "--traces"] and words[-2] == "--zoom"
+        payload = _bisect_json(*words[2:])
+    assert seen == ["blocks.0", "blocks.0.mlp"]
+    assert (payload["culprit"]["reference"], payload["culprit"]["port"]) == (
+        "blocks.0.mlp.act",
+        "transformer_blocks.0.ff.act",
+    )
+    # a full trace names the same culprit in one go, and asks for nothing more
+    for side, out in (("reference", "ref_full"), ("port", "port_full")):
+        assert _cli("trace", "SPEC.py", "--side", side, "--out", out).exit_code == 0
+    full = _bisect_json("--traces", "ref_full", "port_full")
+    assert full["culprit"]["reference"] == "blocks.0.mlp.act" and full["next_steps"] == []
+
+
+def test_zoom_request_must_match_the_folders(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    Path("SPEC.py").write_text(DIT_SPEC.format(tests=str(Path(__file__).resolve().parent)))
+    assert (
+        _cli("trace", "SPEC.py", "--side", "reference", "--out", "r", "--inside", "blocks.1").exit_code == 0
+    )
+    assert _cli("trace", "SPEC.py", "--side", "port", "--out", "p", "--levels", "blocks").exit_code == 0
+    wrong = _cli("bisect", "--traces", "r", "p", "--zoom", "blocks.0")
+    assert wrong.exit_code == 2 and "traced inside 'blocks.1'" in wrong.output
+    unknown = _cli("trace", "SPEC.py", "--side", "port", "--out", "q", "--inside", "no.such")
+    assert unknown.exit_code == 2 and "--inside 'no.such'" in unknown.output
+
+
+def test_comparing_loaded_traces_keeps_no_tensor_in_memory(tmp_path):
+    from paritykit.bisect import bisect_traces
+
+    reference, port, (args, kwargs) = dit_pair("gelu")
+    with torch.no_grad(), capture(reference, to_dir=tmp_path / "r"):
+        reference(*args, **kwargs)
+    with torch.no_grad(), capture(port, to_dir=tmp_path / "p"):
+        port(*args, **kwargs)
+    rt, pt = Trace.load(tmp_path / "r"), Trace.load(tmp_path / "p")
+    report = bisect_traces(rt, pt, reference=reference, port=port)
+    assert report.culprit.reference == "blocks.0.mlp.act"
+    # every tensor was read from its shard when needed and dropped; the traces cache none
+    assert rt.summary()["bytes_in_memory"] == pt.summary()["bytes_in_memory"] == 0

@@ -161,9 +161,19 @@ class BisectReport:
     alignment: Alignment
     tested: list[ModuleTest] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
+    # every independent culprit in execution order (``all_culprits=True``); else just ``[culprit]``
+    culprits: list[ModuleFinding] = field(default_factory=list)
+    allow_masked: bool = False
+    # with all_culprits: the final output once every culprit is replaced by the reference's behaviour
+    output_after: Any = None
+    all_note: str = ""
+    # commands to run next when the culprit is a block the traces did not look inside (paritykit.zoom)
+    next_steps: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
+        if self.verdict == "masked" and self.allow_masked:
+            return 0
         return 0 if self.verdict == "match" else 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,7 +190,14 @@ class BisectReport:
             "output": _comparison_summary(self.output),
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
             "tested": [t.to_dict() for t in self.tested],
+            "culprits": [c.to_dict() for c in self.culprits],
+            "output_after_substitution": _comparison_summary(self.output_after),
+            "matches_after_substitution": (
+                None if self.output_after is None else bool(self.output_after.passed)
+            ),
+            "split_work": al["split_work"],
             "environment": self.environment,
+            "next_steps": self.next_steps,
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -238,6 +255,9 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
         lines.append("  no aligned submodules: the module's own computation or configuration differs")
     if f.note:
         lines.append(f"  note: {f.note}")
+    for hint in f.hints:
+        if hint.verified and hint.fix:
+            lines.append(f"  fix (verified): {hint.fix}")
     for i, hint in enumerate(f.hints, 1):
         lines.append(f"  hint {i}: [{hint.id}] {hint.message}")
     if f.op is not None:
@@ -510,7 +530,7 @@ class _Bisector:
                 port_record.name,
                 "jump",
                 "untestable",
-                note=_join(note, "outputs cannot be paired"),
+                note=_join(note, _unpaired_shapes(ref_record, port_record)),
             )
         base = ModuleTest(
             ref_record.name,
@@ -574,6 +594,15 @@ class _Bisector:
 
 def _join(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
+
+
+def _unpaired_shapes(ref_record: Any, port_record: Any) -> str:
+    """Why two calls' outputs cannot be compared, with both sides' shapes (a shape mismatch, usually)."""
+
+    def shapes(record: Any) -> str:
+        return ", ".join(str(list(t.shape)) for t in record.outputs.values()) or "no tensor"
+
+    return f"outputs cannot be paired: reference {shapes(ref_record)} vs port {shapes(port_record)}"
 
 
 # -------------------------------------------------------------------------------------------- diagnoses
@@ -868,17 +897,18 @@ def first_divergence(
     *,
     atol: float | None = None,
     rtol: float | None = None,
+    confidence: Sequence[str] = ("high", "medium", "low"),
 ) -> ModuleFinding | None:
     r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
 
     This is where the error first becomes visible, not necessarily where it is made (it may come in with the
-    inputs); :func:`bisect` finds the latter.
+    inputs); :func:`bisect` finds the latter. Only pairs aligned with one of ``confidence`` take part.
     """
     from paritykit.compare import compare_tensors
 
     for record in ref_trace.completion_order():
         pair = alignment.pair_of(record.module)
-        if pair is None or pair.layout:
+        if pair is None or pair.layout or pair.confidence not in confidence:
             continue
         port_name = pair.port
         port_call = port_name if record.call == 0 else f"{port_name}#{record.call}"
@@ -919,12 +949,19 @@ def bisect_traces(
     ratio: float = JUMP_RATIO,
     ops: bool = False,
     environment: dict[str, Any] | None = None,
+    allow_masked: bool = False,
+    all_culprits: bool = False,
 ) -> BisectReport:
     r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
 
     With ``port`` (and ideally ``reference``) given, calls are replayed; without them every test is an error
     jump over the captured tensors. ``ops=True`` re-runs a replayed culprit under an op logger on both sides
     and names the first op whose result differs (:func:`op_divergence`).
+
+    When the final output matches, the search still runs: an aligned module (medium or high confidence) that
+    fails on identical inputs makes the verdict ``masked`` (exit 1 unless ``allow_masked``).
+    ``all_culprits=True`` (needs ``port``) replaces each culprit's output in the port by the reference's and
+    searches again, until the port's output matches or no further culprit is found (:func:`every_culprit`).
     """
     import torch
 
@@ -941,15 +978,20 @@ def bisect_traces(
     searcher = _Bisector(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
-    first = first_divergence(ref_trace, port_trace, alignment, atol=atol, rtol=rtol)
+    # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
+    trusted = ("high", "medium", "low") if not output.passed else ("high",)
+    first = first_divergence(ref_trace, port_trace, alignment, atol=atol, rtol=rtol, confidence=trusted)
     culprit = None
     verdict = "match" if output.passed else "diverge"
-    if not output.passed:
-        with torch.no_grad():
-            call, passed = searcher.descend(ref_root)
+    with torch.no_grad():
+        call, passed = searcher.descend(ref_root)
+        if not output.passed:
+            culprit = _finding(searcher, call, passed, output, ops=ops)
+        elif call is not ref_root and _masking(searcher):
+            verdict = "masked"
             culprit = _finding(searcher, call, passed, output, ops=ops)
     tested = list(searcher.results.values())
-    return BisectReport(
+    report = BisectReport(
         verdict=verdict,
         culprit=culprit,
         first_output_divergence=first,

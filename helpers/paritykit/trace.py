@@ -166,6 +166,8 @@ class Trace:
         self.records: list[Record] = []
         self.modules: dict[str, ModuleInfo] = {}
         self.directory = directory
+        # what the folder says about itself: side, spec, levels, the block it was taken inside, environment
+        self.about: dict[str, Any] = {}
         self._by_name: dict[str, Record] = {}
         self._tensors: dict[str, Any] = {}
         self._shard_of: dict[str, str] = {}
@@ -279,6 +281,7 @@ class Trace:
         if manifest.get("format") != FORMAT:
             raise ParityKitError(f"{manifest_path}: not a paritykit trace manifest")
         trace = cls(manifest.get("model_type", ""), directory)
+        trace.about = dict(manifest.get("about") or {})
         trace.modules = {
             name: ModuleInfo(name, info["type"], {k: list(v) for k, v in info.get("params", {}).items()})
             for name, info in manifest.get("modules", {}).items()
@@ -459,6 +462,7 @@ def capture(
     inputs: bool = True,
     to_cpu: bool = True,
     to_dir: str | Path | None = None,
+    about: dict[str, Any] | None = None,
 ) -> Iterator[Trace]:
     r"""Record every module call of ``model`` while the block runs.
 
@@ -471,6 +475,7 @@ def capture(
             changes); ``False`` keeps them on the model's device.
         to_dir: stream tensors into safetensors shards in this folder and write a manifest (``trace.json``) on
             exit; the returned trace then reads tensors lazily from disk.
+        about: JSON-safe facts written into the manifest (``Trace.about``), so a folder describes itself.
 
     Returns:
         A :class:`Trace`, filled in while the block runs. Hooks are removed on exit, also when the block raises,
@@ -482,6 +487,7 @@ def capture(
     writer = _ShardWriter(directory) if directory is not None else None
     trace = Trace(type(model).__name__, directory)
     trace.modules = module_table(model)
+    trace.about = dict(about or {})
     recorder = _Recorder(trace, inputs=inputs, to_cpu=to_cpu, writer=writer)
     handles = []
     try:
@@ -558,6 +564,7 @@ def _write_manifest(directory: Path, trace: Trace, shard_of: dict[str, str]) -> 
         "modules": {name: info.to_dict() for name, info in trace.modules.items()},
         "records": [r.to_dict() for r in trace.records],
         "tensors": shard_of,
+        "about": trace.about,
     }
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, allow_nan=False))
@@ -658,3 +665,40 @@ def tensor_paths(node: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
     elif isinstance(node, (tuple, list)):
         for i, v in enumerate(node):
             yield from tensor_paths(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+# -------------------------------------------------------------------------------------- two machines
+
+
+def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
+    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time,
+    so the other machine can tell whether both sides loaded the same checkpoint without the weights."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type == "meta":
+            out[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype), "offloaded": True}
+            continue
+        values = tensor.detach().double()
+        out[name] = {
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "sum": float(values.sum()) if values.numel() else 0.0,
+            "abs_sum": float(values.abs().sum()) if values.numel() else 0.0,
+        }
+    return out
+
+
+def check_request(ref_trace: Trace, port_trace: Trace, zoom: str | None) -> None:
+    r"""``bisect --traces … --zoom BLOCK``: both folders must have been traced inside that block (reference
+    naming for the reference folder); without ``--zoom`` nothing is checked."""
+    if zoom is None:
+        return
+    inside = ref_trace.about.get("inside")
+    if inside != zoom:
+        where = f"inside {inside!r}" if inside is not None else "without --inside"
+        folder = ref_trace.directory
+        raise ParityKitError(
+            f"--zoom {zoom!r}: {folder} was traced {where}; trace it with `paritykit trace … --inside {zoom}`"
+        )
+    if port_trace.about.get("inside") is None:
+        raise ParityKitError(f"--zoom {zoom!r}: {port_trace.directory} was not traced with --inside")

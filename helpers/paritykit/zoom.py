@@ -283,3 +283,94 @@ def zoom_bisect(
         tested=zoom.tested(),
         environment=environment,
     )
+
+
+# ------------------------------------------------------------------------------------ two machines
+
+TRACE_LEVELS = ("full", "blocks")
+FINGERPRINTS_FILE = "weights.json"
+
+
+def trace_patterns(model: Any, levels: str = "full", inside: str | None = None) -> list[str] | None:
+    r"""What ``paritykit trace`` hooks: everything (``full``), the top level and its blocks (``blocks``), or
+    with ``inside=BLOCK`` the top level, that block and one level inside it (the blocks' outputs only are kept,
+    whatever the model's size)."""
+    if levels not in TRACE_LEVELS:
+        raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(TRACE_LEVELS)}")
+    if inside is not None:
+        if inside not in dict(model.named_modules()):
+            raise ParityKitError(f"--inside {inside!r}: the {type(model).__name__} model has no such module")
+        return list(dict.fromkeys(["", *level_patterns(model, inside)]))
+    return level_patterns(model, "") if levels == "blocks" else None
+
+
+def trace_about(
+    side: str, spec: Any, out: Any, device: str | None, levels: str, inside: str | None
+) -> dict[str, Any]:
+    r"""What a trace folder says about itself (its manifest's ``about``): enough to write the next command."""
+    from paritykit.report import environment_stamp
+
+    return {
+        "side": side,
+        "spec": str(spec),
+        "out": str(out),
+        "device": device,
+        "levels": "full" if levels == "full" and inside is None else "blocks",
+        "inside": inside,
+        "environment": environment_stamp(device=device or "cpu", spec=str(spec)),
+    }
+
+
+def write_fingerprints(model: Any, directory: Any) -> None:
+    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.trace.weight_fingerprints`)."""
+    import json
+    from pathlib import Path
+
+    from paritykit.files import atomic_write_text
+    from paritykit.trace import weight_fingerprints
+
+    atomic_write_text(Path(directory) / FINGERPRINTS_FILE, json.dumps(weight_fingerprints(model), indent=1))
+
+
+def _children_in_table(modules: dict[str, Any], name: str) -> list[str]:
+    prefix = name + "." if name else ""
+    out = []
+    for other, info in modules.items():
+        rest = other[len(prefix) :] if other.startswith(prefix) and other != name else None
+        if rest is None or "." in rest:
+            continue
+        if info.type in ("ModuleList", "ModuleDict"):
+            out += _children_in_table(modules, other)
+        else:
+            out.append(other)
+    return out
+
+
+def next_trace_commands(report: Any, ref_trace: Any, port_trace: Any) -> list[str]:
+    r"""When two traces hold a failing block's outputs but nothing inside it: the ``paritykit trace … --inside
+    BLOCK`` command for each side (from what each folder says about itself) and the ``bisect`` to run next."""
+    import shlex
+
+    culprit = report.culprit
+    if culprit is None or culprit.reference not in ref_trace or culprit.port not in port_trace:
+        return []
+    call = ref_trace[culprit.reference]
+    if ref_trace.about.get("levels", "full") == "full" or any(r.parent == call.name for r in ref_trace):
+        return []
+    if not _children_in_table(ref_trace.modules, call.module):
+        return []
+    blocks = {"reference": call.module, "port": port_trace[culprit.port].module}
+    outs, commands = [], []
+    for side, trace in (("reference", ref_trace), ("port", port_trace)):
+        about = trace.about
+        base = str(about.get("out") or trace.directory).rstrip("/")
+        base = base.rsplit("--inside-", 1)[0]
+        out = f"{base}--inside-{blocks[side]}"
+        outs.append(out)
+        command = ["paritykit", "trace", about.get("spec", "SPEC.py"), "--side", side, "--out", out]
+        command += ["--inside", blocks[side]]
+        if about.get("device"):
+            command += ["--device", about["device"]]
+        commands.append(shlex.join(command))
+    commands.append(shlex.join(["paritykit", "bisect", "--traces", *outs, "--zoom", call.module]))
+    return commands

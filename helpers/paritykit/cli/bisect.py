@@ -65,9 +65,25 @@ code is shown with the traceback trimmed to your files).
     is_flag=True,
     help="Re-run the culprit on both sides under an op logger and name the first op whose result differs.",
 )
+@click.option(
+    "--levels",
+    type=click.Choice(["auto", "zoom", "full"]),
+    default="auto",
+    show_default=True,
+    help="full: capture every module at once. zoom: capture the top-level blocks, then only inside the "
+    "first failing block, one level at a time (memory of one level). auto: zoom when the reference has "
+    "more than 300 modules.",
+)
+@click.option(
+    "--zoom",
+    "zoom",
+    default=None,
+    metavar="BLOCK",
+    help="With --traces: the folders were traced with `paritykit trace … --inside BLOCK` (checked).",
+)
 @json_option
 @limit_option
-def bisect(spec, traces, atol, rtol, maps, device, ops, as_json, limit):
+def bisect(spec, traces, atol, rtol, maps, device, ops, levels, zoom, as_json, limit):
     from paritykit.bisect import bisect_spec
     from paritykit.naming import parse_map_options
 
@@ -82,6 +98,8 @@ def bisect(spec, traces, atol, rtol, maps, device, ops, as_json, limit):
         rtol=rtol,
         device=device,
         ops=ops,
+        levels=levels,
+        zoom=zoom,
     )
     emit(report, as_json=as_json, limit=limit)
 
@@ -105,9 +123,22 @@ in its own environment; then run `paritykit bisect --traces REF_DIR PORT_DIR [SP
     help="Folder for the trace (an earlier trace is replaced).",
 )
 @click.option("--device", default=None, help="Device for the model and inputs, e.g. cpu or cuda.")
+@click.option(
+    "--levels",
+    type=click.Choice(["full", "blocks"]),
+    default="full",
+    show_default=True,
+    help="blocks: record only the top level and its blocks (a ModuleList's items count as blocks).",
+)
+@click.option(
+    "--inside",
+    default=None,
+    metavar="BLOCK",
+    help="Record the top level, BLOCK and one level inside it (what `bisect --traces` asks for next).",
+)
 @json_option
-def trace(spec, side, out, device, as_json):
+def trace(spec, side, out, device, levels, inside, as_json):
     from paritykit.bisect import trace_spec
 
     _check_device(device)
-    emit(trace_spec(spec, side=side, out=out, device=device), as_json=as_json)
+    emit(trace_spec(spec, side=side, out=out, device=device, levels=levels, inside=inside), as_json=as_json)
