@@ -428,3 +428,70 @@ def test_a_checkpoint_manifest_path_reads_as_its_folder(tmp_path):
     manifest = save_checkpoints(tmp_path / "ckpts", {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
     assert os.path.basename(manifest) == "paritykit.json"
     assert list(load_tensors(manifest)) == list(load_tensors(tmp_path / "ckpts")) == ["preloop/latents"]
+
+
+# ------------------------------------------------------------------------------------------ one naming
+
+
+def _research_and_port(tmp_path):
+    """A research checkpoint ({"state_dict": {"model.diffusion_model.…"}}) and its diffusers folder."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    port = {"conv_in.weight": torch.randn(4, 3, generator=gen), "conv_in.bias": torch.randn(4, generator=gen)}
+    research = {"state_dict": {f"model.diffusion_model.{k}": v.clone() for k, v in port.items()}}
+    research["state_dict"]["model.diffusion_model.conv_in.bias"] += 1.0  # one real difference
+    torch.save(research, tmp_path / "research.ckpt")
+    (tmp_path / "port" / "unet").mkdir(parents=True)
+    save_file(port, str(tmp_path / "port" / "unet" / "diffusion_pytorch_model.safetensors"))
+    (tmp_path / "port" / "unet" / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+    return tmp_path / "research.ckpt", tmp_path / "port" / "unet"
+
+
+def test_compare_and_weights_diff_name_tensors_alike_so_one_map_fits_both(tmp_path):
+    from paritykit.compare import compare_paths
+    from paritykit.io import load_named_tensors
+    from paritykit.naming import parse_map_options
+    from paritykit.weights import open_checkpoint, weights_diff
+
+    research, port = _research_and_port(tmp_path)
+    for path in (research, port):
+        assert list(load_named_tensors(path)) == list(open_checkpoint(path).entries), path
+    strip = r"^model\.diffusion_model\.="
+    compared = compare_paths(str(research), str(port), maps=[strip])
+    diffed = weights_diff(research, port, rules=parse_map_options([strip]))
+    assert sorted(pair.name for pair in compared.pairs) == ["conv_in.bias", "conv_in.weight"]
+    assert not compared.only_a and not compared.only_b
+    assert not diffed.only_a and not diffed.only_b
+    assert [pair.name for pair in compared.pairs if not pair.passed] == ["conv_in.bias"]
+    assert [change.key for change in diffed.changed] == ["conv_in.bias"]
+
+
+def test_named_tensors_keep_output_folders_and_single_tensors_as_before(tmp_path):
+    from paritykit.checkpoints import Checkpoint, save_checkpoints
+    from paritykit.io import load_named_tensors
+
+    torch.save(torch.ones(2), tmp_path / "x.pt")
+    np.save(tmp_path / "y.npy", np.zeros(3, dtype=np.float32))
+    assert list(load_named_tensors(tmp_path / "x.pt")) == ["x"]
+    assert list(load_named_tensors(tmp_path / "y.npy")) == ["y"]
+    # a folder of outputs (no config, no conventional weights name) is not a model folder
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    torch.save({"latents": torch.ones(2)}, outputs / "step_1.pt")
+    assert list(load_named_tensors(outputs)) == ["step_1/latents"]
+    saved = save_checkpoints(tmp_path / "ckpts", {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
+    assert list(load_named_tensors(saved)) == ["preloop/latents"]
+
+
+def test_a_pipeline_folder_is_named_component_dot_key(tmp_path):
+    from paritykit.io import load_named_tensors
+    from paritykit.weights import open_checkpoint
+
+    _, port = _research_and_port(tmp_path)
+    pipeline = tmp_path / "port"
+    (pipeline / "model_index.json").write_text("{}")
+    (pipeline / "scheduler").mkdir()
+    (pipeline / "scheduler" / "scheduler_config.json").write_text("{}")
+    assert list(load_named_tensors(pipeline)) == list(open_checkpoint(pipeline).entries)
+    assert list(load_named_tensors(pipeline))[0].startswith("unet.conv_in.")

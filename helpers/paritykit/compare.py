@@ -819,14 +819,13 @@ def compare_paths(
     only: str | None = None,
     broadcast: bool = False,
 ) -> SetComparison:
-    r"""Load two tensor files/folders/checkpoint folders with :func:`paritykit.io.load_tensors` and compare them.
+    r"""Load two tensor files/folders/checkpoint folders and compare them (what ``paritykit compare`` runs).
 
-    A file's own stem is dropped from the names of the tensors it holds, so ``a.safetensors`` and
-    ``b.safetensors`` pair up by key. ``maps`` are ``'REGEX=REPL'`` strings applied to A's names.
+    Names come from :func:`paritykit.io.load_named_tensors`, as in ``weights diff``: a checkpoint file or
+    model folder gives its state dict's keys (wrappers unwrapped, no file stem), so ``a.safetensors`` and
+    ``port/unet`` pair up by key. ``maps`` are ``'REGEX=REPL'`` strings applied to A's names.
     """
-    from pathlib import Path
-
-    from paritykit.io import load_tensors
+    from paritykit.io import load_named_tensors
     from paritykit.naming import parse_map_options
 
     rules = parse_map_options(maps)
@@ -835,9 +834,7 @@ def compare_paths(
             raise ParityKitError(f"{label} must be a non-negative number (got {value})")
     sides = []
     for path in (a, b):
-        tensors = load_tensors(path)
-        if Path(path).is_file():  # names are "stem" or "stem/key": keep what pairs across two files
-            tensors = {name.split("/", 1)[-1]: t for name, t in tensors.items()}
+        tensors = load_named_tensors(path)  # the naming `weights diff` uses too, so one --map fits both
         if not tensors:
             raise ParityKitError(f"{path}: holds no tensors")
         sides.append(tensors)

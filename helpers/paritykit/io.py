@@ -534,15 +534,19 @@ def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
     if suffix == ".npz":
         return _read_npz(path)
     if suffix in PICKLE_SUFFIXES:
-        obj = _unwrap_state_dict(_read_pickle(path))
-        if not isinstance(obj, (Mapping, StubbedGlobal)):
-            raise ParityKitError(f"{path}: holds a {type(obj).__name__}, not a state dict")
-        state = dict(_tensors_in(obj))
-        if not state:
-            raise ParityKitError(f"{path}: no tensors found in this checkpoint")
-        return state
+        return _state_dict_from_pickle(path, _read_pickle(path))
     _require_file(path)
     raise ParityKitError(f"{path}: unknown tensor file suffix (expected one of {', '.join(TENSOR_SUFFIXES)})")
+
+
+def _state_dict_from_pickle(path: Path, obj: Any) -> dict[str, torch.Tensor]:
+    obj = _unwrap_state_dict(obj)
+    if not isinstance(obj, (Mapping, StubbedGlobal)):
+        raise ParityKitError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+    state = dict(_tensors_in(obj))
+    if not state:
+        raise ParityKitError(f"{path}: no tensors found in this checkpoint")
+    return state
 
 
 def _weights_file_in(folder: Path) -> Path:
@@ -583,6 +587,63 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if path.is_dir():
         path = _weights_file_in(path)
     return _state_dict_from_file(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# load_named_tensors: the one naming every comparison shares
+
+
+def _is_model_folder(folder: Path) -> bool:
+    r"""A component folder as diffusers/transformers save it: a config or a conventionally named weights file."""
+    if (folder / MANIFEST_NAME).is_file():
+        return False
+    if any((folder / name).is_file() for name in _STANDARD_WEIGHT_NAMES) or any(
+        folder.glob(f"*{INDEX_SUFFIX}")
+    ):
+        return True
+    weights = (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in TENSOR_SUFFIXES)
+    return (folder / "config.json").is_file() and next(weights, None) is not None
+
+
+def load_named_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    r"""Tensors named the way ``compare`` and ``weights diff`` both name them, so one ``--map`` fits both.
+
+    A checkpoint file or a model folder gives its state dict's own keys, as :func:`load_state_dict` reads
+    them: ``state_dict``/``model``/``module`` wrappers unwrapped, nested dicts joined with dots, no file-stem
+    prefix. A pipeline folder (``model_index.json``) gives ``<component>.<key>``. A single-tensor file
+    (``.npy``, a pickled tensor) is named by its stem. Anything else (a folder of outputs, a checkpoint folder
+    from :func:`paritykit.checkpoints.save_checkpoints`) keeps :func:`load_tensors`' names.
+
+    Args:
+        path: a file or a folder.
+
+    Returns:
+        name -> tensor. Raises ``ParityKitError`` naming the path when it cannot be read.
+    """
+    import torch
+
+    path = Path(path)
+    if not path.exists():
+        raise ParityKitError(f"{path}: no such file or directory")
+    if path.is_file() and path.name != MANIFEST_NAME:
+        stem = _stem(Path(path.name))
+        if path.suffix.lower() == ".npy":
+            return {stem: _read_npy(path)}
+        if path.suffix.lower() in PICKLE_SUFFIXES:
+            obj = _read_pickle(path)
+            return {stem: obj} if isinstance(obj, torch.Tensor) else _state_dict_from_pickle(path, obj)
+        return _state_dict_from_file(path)
+    if path.is_dir() and (path / "model_index.json").is_file():
+        components = [sub for sub in sorted(path.iterdir()) if sub.is_dir() and _is_model_folder(sub)]
+        if components:
+            return {
+                f"{sub.name}.{key}": value
+                for sub in components
+                for key, value in load_state_dict(sub).items()
+            }
+    if path.is_dir() and _is_model_folder(path):
+        return load_state_dict(path)
+    return load_tensors(path)
 
 
 # --------------------------------------------------------------------------------------------------------------
