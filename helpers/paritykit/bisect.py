@@ -236,6 +236,13 @@ class BisectReport:
                     f"unaligned {side} ({len(names)}): {', '.join(_shown(n) for n in names[:10])}"
                     + (" …" if len(names) > 10 else "")
                 )
+        if self.next_steps:
+            lines += [
+                "",
+                "the traces hold this block's outputs only; to look inside it, run the first command where the "
+                "reference runs, the second where the port runs, the third where both folders are:",
+            ]
+            lines += [f"  {command}" for command in self.next_steps]
         return "\n".join(lines)
 
 
@@ -1381,6 +1388,9 @@ def bisect_spec(
     with torch.no_grad():
         if traces is not None:
             ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
+            from paritykit.trace import check_request
+
+            check_request(ref_trace, port_trace, zoom)
             reference = (
                 spec.build("reference", device) if spec is not None and spec.has("build_reference") else None
             )
@@ -1392,11 +1402,27 @@ def bisect_spec(
             reference, port = spec.build("reference", device), spec.build("port", device)
             ref_args, ref_kwargs = spec.inputs("reference", device)
             port_args, port_kwargs = spec.inputs("port", device)
+            from paritykit.zoom import use_zoom, zoom_bisect
+
+            if use_zoom(levels, reference):
+                return zoom_bisect(
+                    reference,
+                    port,
+                    (ref_args, ref_kwargs),
+                    (port_args, port_kwargs),
+                    rules=rules,
+                    select_output=select,
+                    atol=atol,
+                    rtol=rtol,
+                    ops=ops,
+                    environment=environment,
+                    run=lambda m, a, k: _run_forward(spec, m, _side_of(m, reference), a, k),
+                )
             with capture(reference) as ref_trace:
                 _run_forward(spec, reference, "reference", ref_args, ref_kwargs)
             with capture(port) as port_trace:
                 _run_forward(spec, port, "port", port_args, port_kwargs)
-        return bisect_traces(
+        report = bisect_traces(
             ref_trace,
             port_trace,
             reference=reference,
@@ -1407,7 +1433,14 @@ def bisect_spec(
             rtol=rtol,
             ops=ops,
             environment=environment,
+            allow_masked=allow_masked,
+            all_culprits=all_culprits,
         )
+    if traces is not None:
+        from paritykit.zoom import next_trace_commands
+
+        report.next_steps = next_trace_commands(report, ref_trace, port_trace)
+    return report
 
 
 @dataclass
@@ -1442,9 +1475,19 @@ class TraceSummary:
         )
 
 
-def trace_spec(spec_path: Any, *, side: str, out: Any, device: str | None = None) -> TraceSummary:
+def trace_spec(
+    spec_path: Any,
+    *,
+    side: str,
+    out: Any,
+    device: str | None = None,
+    levels: str = "full",
+    inside: str | None = None,
+) -> TraceSummary:
     r"""What ``paritykit trace`` runs: build one side from the spec, capture it into ``out`` (tensors,
-    manifest, and the model's weights so the other environment can align by value)."""
+    manifest, and the model's weights so the other environment can align by value). ``levels="blocks"``
+    records the top-level blocks only; ``inside=BLOCK`` records that block and one level inside it
+    (:func:`paritykit.zoom.trace_patterns`)."""
     from pathlib import Path
 
     import torch
@@ -1460,11 +1503,19 @@ def trace_spec(spec_path: Any, *, side: str, out: Any, device: str | None = None
     spec = load_spec(spec_path)
     model = spec.build(side, device)
     args, kwargs = spec.inputs(side, device)
+    from paritykit.zoom import trace_about, trace_patterns, write_fingerprints
+
+    patterns = trace_patterns(model, levels, inside)
+    about = trace_about(side, spec_path, out, device, levels, inside)
     with torch.no_grad():
-        with capture(model, to_dir=out) as trace:
+        with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    from paritykit.trace import ModelWeights
+
+    # offloaded weights are read from their offload (ModelWeights), not from their meta placeholders
+    weights = {k: v.detach().cpu().contiguous().clone() for k, v in ModelWeights(model).items()}
     save_file(weights, str(out / WEIGHTS_FILE))
+    write_fingerprints(model, out)
     info = trace.summary()
     return TraceSummary(
         side,

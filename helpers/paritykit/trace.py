@@ -18,7 +18,7 @@ import fnmatch
 import json
 import math
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,7 @@ class Trace:
         self.directory = directory
         # what the folder says about itself: side, spec, levels, the block it was taken inside, environment
         self.about: dict[str, Any] = {}
+        self.weight_source: Mapping[str, Any] | None = None
         self._by_name: dict[str, Record] = {}
         self._tensors: dict[str, Any] = {}
         self._shard_of: dict[str, str] = {}
@@ -226,8 +227,11 @@ class Trace:
             self._open[shard] = handle
         return handle.get_tensor(key)
 
-    def weights(self) -> dict[str, Any] | None:
-        """The traced model's state dict, when the trace folder holds one (written by ``paritykit trace``)."""
+    def weights(self) -> Mapping[str, Any] | None:
+        """The traced model's state dict: :attr:`weight_source` when set (an offloaded model's
+        :class:`ModelWeights`), else the trace folder's copy (written by ``paritykit trace``)."""
+        if self.weight_source is not None:
+            return self.weight_source
         if self.directory is None or not (self.directory / WEIGHTS_FILE).is_file():
             return None
         from safetensors.torch import load_file
@@ -670,14 +674,55 @@ def tensor_paths(node: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
 # -------------------------------------------------------------------------------------- two machines
 
 
+class ModelWeights(Mapping):
+    r"""A model's state dict that reads weights offloaded by accelerate (``disk_offload``, ``dispatch_model``
+    with disk or CPU entries: the parameter itself sits on ``meta``) from the offload, one tensor per access.
+
+    Nothing is loaded up front, and nothing is kept: each ``weights[name]`` reads that tensor (memory-mapped
+    from the offload folder for disk entries). Weights that are not offloaded are the model's own tensors.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        # meta tensors for offloaded weights, references (not copies) for the others
+        self._entries = model.state_dict(keep_vars=True)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __getitem__(self, name: str) -> Any:
+        tensor = self._entries[name]
+        if tensor.device.type != "meta":
+            return tensor.detach()
+        owner, _, local = name.rpartition(".")
+        module = self.model.get_submodule(owner) if owner else self.model
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", None) or [hook]:
+            stored = getattr(each, "weights_map", None)
+            if stored is not None:
+                try:
+                    return stored[local]
+                except KeyError:
+                    continue
+        raise ParityKitError(f"weight {name!r} is on 'meta' and no accelerate hook holds its value")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any weight sits on ``meta`` (read from an offload on access)."""
+        return any(t.device.type == "meta" for t in self._entries.values())
+
+
 def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
-    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time,
-    so the other machine can tell whether both sides loaded the same checkpoint without the weights."""
+    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time
+    (offloaded weights too, through :class:`ModelWeights`), so the other machine can tell whether both sides
+    loaded the same checkpoint without the weights."""
     out = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.device.type == "meta":
-            out[name] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype), "offloaded": True}
-            continue
+    weights = ModelWeights(model)
+    for name in weights:
+        tensor = weights[name]
         values = tensor.detach().double()
         out[name] = {
             "shape": list(tensor.shape),

@@ -33,12 +33,18 @@ LEVELS = ("auto", "zoom", "full")
 
 def use_zoom(levels: str, model: Any) -> bool:
     r"""Whether ``levels`` (``auto``/``zoom``/``full``) means the zoom for ``model`` (``auto``: more than
-    :data:`ZOOM_MODULES` modules)."""
+    :data:`ZOOM_MODULES` modules, or weights offloaded to ``meta`` by accelerate)."""
     if levels not in LEVELS:
         raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(LEVELS)}")
     if levels == "auto":
-        return model is not None and sum(1 for _ in model.named_modules()) > ZOOM_MODULES
+        return model is not None and (
+            sum(1 for _ in model.named_modules()) > ZOOM_MODULES or _offloaded(model)
+        )
     return levels == "zoom"
+
+
+def _offloaded(model: Any) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def level_children(model: Any, name: str = "") -> list[str]:
@@ -116,7 +122,7 @@ class _Zoom:
     def level(self, ref_trace: Any, port_trace: Any, root: Any) -> _Level:
         from paritykit.bisect import _Bisector
 
-        found = align_modules(self.reference, self.port, ref_trace, port_trace, rules=self.rules)
+        found = align_modules(*_weights_for_alignment(self, ref_trace, port_trace), rules=self.rules)
         searcher = _Bisector(
             ref_trace, port_trace, self.merge(found), reference=self.reference, port=self.port, **self.options
         )
@@ -188,6 +194,21 @@ class _Zoom:
             unaligned_reference=[n for n in self.unaligned[0] if n not in refs],
             unaligned_port=[n for n in self.unaligned[1] if n not in ports],
         )
+
+
+def _weights_for_alignment(zoom: _Zoom, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
+    """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
+    tensor per access (:class:`paritykit.trace.ModelWeights`), in place of its ``meta`` state dict."""
+    from paritykit.trace import ModelWeights
+
+    models = []
+    for model, trace in ((zoom.reference, ref_trace), (zoom.port, port_trace)):
+        weights = ModelWeights(model)
+        if weights.offloaded:
+            trace.weight_source = weights
+            model = None
+        models.append(model)
+    return models[0], models[1], ref_trace, port_trace
 
 
 def _rerun(model: Any, call: Any) -> Any:

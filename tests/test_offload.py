@@ -1,0 +1,129 @@
+"""Capture and bisect on models whose weights accelerate keeps on `meta` (disk / CPU offload, dispatch_model)
+and on diffusers' group offload (run on the CPU here).
+
+What these tests prove: our hooks coexist with accelerate's and diffusers' (theirs stay in place, ours are
+removed), captured outputs are bit-identical to an uncaptured run, replay on offloaded modules works (their
+hooks load the weights per call), alignment by weights reads offloaded tensors through the hooks, and the
+zoom names the same culprit as on the in-memory models. They do not prove a memory bound: the weights here
+are tiny (see benchmarks/bench_bisect_memory.py for the capture's memory).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paritykit.bisect import bisect
+from paritykit.trace import ModelWeights, capture
+from paritykit.zoom import use_zoom
+
+from tests.bisect_pairs import dit_pair
+
+accelerate = pytest.importorskip("accelerate")
+
+
+def _hooked(model) -> int:
+    return sum(hasattr(m, "_hf_hook") for m in model.modules())
+
+
+def _ours(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def _offload(kind, model, folder):
+    if kind == "disk_offload":
+        accelerate.disk_offload(model, str(folder), execution_device=torch.device("cpu"))
+    else:  # a device map mixing CPU and disk entries
+        names = [n for n, _ in model.named_children()]
+        device_map = {n: ("disk" if i % 2 == 0 else "cpu") for i, n in enumerate(names)}
+        accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(folder))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["disk_offload", "dispatch_model"])
+def test_capture_on_offloaded_weights_is_bit_identical_and_leaves_their_hooks(tmp_path, kind):
+    reference, _, (args, kwargs) = dit_pair("gelu")
+    with torch.no_grad():
+        plain = reference(*args, **kwargs)
+    offloaded = _offload(kind, reference, tmp_path)
+    assert any(p.device.type == "meta" for p in offloaded.parameters())
+    theirs, before = _hooked(offloaded), _ours(offloaded)
+    with torch.no_grad():
+        with capture(offloaded) as trace:
+            captured = offloaded(*args, **kwargs)
+        again = offloaded(*args, **kwargs)
+    assert torch.equal(captured, plain) and torch.equal(again, plain)
+    assert torch.equal(trace.root.output, plain) and len(trace) > 10
+    assert _hooked(offloaded) == theirs and _ours(offloaded) == before
+
+
+@pytest.mark.parametrize("kind", ["disk_offload", "dispatch_model"])
+def test_offloaded_weights_are_read_through_the_hooks_one_at_a_time(tmp_path, kind):
+    reference, _, _ = dit_pair(None)
+    expected = {k: v.clone() for k, v in reference.state_dict().items()}
+    weights = ModelWeights(_offload(kind, reference, tmp_path))
+    assert weights.offloaded and set(weights) == set(expected)
+    # building the mapping loads nothing: its entries are meta placeholders or the model's own tensors
+    assert all(t.device.type == "meta" or t.data_ptr() for t in weights._entries.values())
+    for name in weights:
+        assert torch.equal(weights[name], expected[name]), name
+    assert not ModelWeights(dit_pair(None)[0]).offloaded
+
+
+@pytest.mark.parametrize("kind", ["disk_offload", "dispatch_model"])
+def test_bisect_names_the_culprit_on_offloaded_models(tmp_path, kind):
+    reference, port, inputs = dit_pair("gelu")
+    in_memory = bisect(reference, port, inputs, levels="full").culprit
+    _offload(kind, reference, tmp_path / "ref")
+    _offload(kind, port, tmp_path / "port")
+    assert use_zoom("auto", reference)  # offloaded weights choose the zoom
+    report = bisect(reference, port, inputs)
+    culprit = report.culprit
+    assert (culprit.reference, culprit.port) == (in_memory.reference, in_memory.port)
+    assert culprit.test == "replay" and culprit.max_abs == pytest.approx(in_memory.max_abs)
+    # the two sides name their modules differently: the weights pass paired them from the offloaded values
+    assert any(p.how == "weights" for p in report.alignment.pairs)
+
+
+def tiny_flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    ).eval()
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 4),
+        "encoder_hidden_states": torch.randn(1, 5, 16),
+        "pooled_projections": torch.randn(1, 8),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.zeros(16, 3),
+        "txt_ids": torch.zeros(5, 3),
+    }
+    return model, inputs
+
+
+def test_diffusers_group_offload_on_cpu_coexists_with_capture():
+    model, inputs = tiny_flux()
+    with torch.no_grad():
+        plain = model(**inputs).sample
+    model.enable_group_offload(
+        onload_device=torch.device("cpu"),
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+    )
+    registry = model._diffusers_hook
+    with torch.no_grad():
+        with capture(model) as trace:
+            captured = model(**inputs).sample
+        again = model(**inputs).sample
+    assert torch.equal(captured, plain) and torch.equal(again, plain)
+    assert model._diffusers_hook is registry and "single_transformer_blocks.1" in trace
