@@ -1371,9 +1371,12 @@ def bisect_spec(
     rtol: float | None = None,
     device: str | None = None,
     ops: bool = False,
+    levels: str = "auto",
+    zoom: str | None = None,
 ) -> BisectReport:
     r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
-    spec whose builders make replay possible)."""
+    spec whose builders make replay possible). ``levels`` as in :func:`bisect`; ``zoom`` names the reference
+    block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
     import torch
 
     from paritykit.trace import Trace, capture
