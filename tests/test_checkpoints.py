@@ -9,6 +9,7 @@ import pytest
 import torch
 from paritykit.checkpoints import (
     Checkpoint,
+    CheckpointNotReached,
     PipelineStop,
     load_checkpoints,
     maybe_checkpoint,
@@ -97,6 +98,29 @@ def test_stop_raises_after_saving_and_run_until_stop_returns_none(pipe, referenc
     assert run_until_stop(pipe, seed=0, _checkpoints=again) is None
     assert again["preloop"].data == {}  # stop without save stores nothing
     assert run_until_stop(pipe, seed=0) is not None
+
+
+def test_a_checkpoint_name_never_reached_is_reported_after_the_run(pipe):
+    checkpoints = {"prelop": Checkpoint(save=True), "post_loop": Checkpoint(save=True)}
+    with pytest.warns(CheckpointNotReached, match=r"'prelop' \(did you mean 'preloop'\?\)") as caught:
+        assert run_until_stop(pipe, seed=0, _checkpoints=checkpoints) is not None
+    (warning,) = caught
+    assert "post_loop" not in str(warning.message)  # reached: not reported
+    assert checkpoints["post_loop"].reached and not checkpoints["prelop"].reached
+
+
+def test_names_after_a_stop_are_reported_with_where_the_run_stopped(pipe):
+    checkpoints = {"preloop": Checkpoint(save=True, stop=True), "post_loop": Checkpoint(save=True)}
+    with pytest.warns(CheckpointNotReached, match="'post_loop'.*stopped at 'preloop'"):
+        assert run_until_stop(pipe, seed=0, _checkpoints=checkpoints) is None
+
+
+def test_every_checkpoint_reached_warns_nothing(pipe, recwarn):
+    checkpoints = {name: Checkpoint(save=True) for name in ALL_POINTS}
+    run_until_stop(pipe, seed=0, _checkpoints=checkpoints)
+    stopped = {"preloop": Checkpoint(save=True, stop=True)}
+    run_until_stop(pipe, seed=0, _checkpoints=stopped)
+    assert not [w for w in recwarn if issubclass(w.category, CheckpointNotReached)]
 
 
 # -------------------------------------------------------------------------------------------- maybe_checkpoint

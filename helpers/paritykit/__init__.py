@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     # checkpoints
     "Checkpoint": "paritykit.checkpoints",
     "PipelineStop": "paritykit.checkpoints",
+    "CheckpointNotReached": "paritykit.checkpoints",
     "maybe_checkpoint": "paritykit.checkpoints",
     "run_until_stop": "paritykit.checkpoints",
     "save_checkpoints": "paritykit.checkpoints",
@@ -64,6 +65,10 @@ _EXPORTS: dict[str, str] = {
     "ImageComparison": "paritykit.visual",
     "classify_growth": "paritykit.visual",
     "GradientComparison": "paritykit.gradients",
+    # sampling loops
+    "compare_schedules": "paritykit.schedule",
+    "fit_scheduler": "paritykit.schedule",
+    "record_loop": "paritykit.recording",
 }
 
 __all__ = ["__version__", *_EXPORTS]

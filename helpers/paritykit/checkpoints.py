@@ -13,10 +13,12 @@ environments (research repositories often pin an old torch).
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,12 @@ class Checkpoint:
     data: dict[str, Any] = field(default_factory=dict)
     # when this checkpoint last saved, so save_checkpoints can write execution order
     saved_at: int | None = field(default=None, init=False, repr=False, compare=False)
+    # whether a pipeline called maybe_checkpoint with this name, so a misspelt name is reported, not empty
+    reached: bool = field(default=False, init=False, repr=False, compare=False)
+
+
+class CheckpointNotReached(UserWarning):
+    r"""A checkpoint given to :func:`run_until_stop` that the pipeline never called ``maybe_checkpoint`` for."""
 
 
 class PipelineStop(Exception):
@@ -95,6 +103,7 @@ def maybe_checkpoint(
     checkpoint = None if checkpoints is None else checkpoints.get(name)
     if checkpoint is None:
         return dict(tensors)
+    checkpoint.reached = True
     values = dict(tensors)
     if checkpoint.load:
         if not checkpoint.data:
@@ -119,12 +128,52 @@ def maybe_checkpoint(
     return values
 
 
+_STAGE_NAMES = ("text_encoding", "preloop", "after_step_0", "after_step_1", "post_loop")
+
+
 def run_until_stop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    r"""Call ``fn(*args, **kwargs)``; return its result, or ``None`` when a checkpoint stopped it."""
+    r"""Call ``fn(*args, **kwargs)``; return its result, or ``None`` when a checkpoint stopped it.
+
+    Checkpoints passed as ``_checkpoints=`` that the run never reached are reported after it with a
+    :class:`CheckpointNotReached` warning (a misspelt ``"prelop"`` would otherwise leave its ``data`` silently
+    empty), with the closest name the run did reach and, when it stopped early, where it stopped.
+    """
+    checkpoints = kwargs.get("_checkpoints")
+    watched = dict(checkpoints) if isinstance(checkpoints, Mapping) else {}
+    for checkpoint in watched.values():
+        if isinstance(checkpoint, Checkpoint):
+            checkpoint.reached = False
+    stopped_at = None
     try:
         return fn(*args, **kwargs)
-    except PipelineStop:
+    except PipelineStop as stop:
+        stopped_at = stop.name
         return None
+    finally:
+        _report_unreached(watched, stopped_at)
+
+
+def _report_unreached(checkpoints: Mapping[str, Any], stopped_at: str | None) -> None:
+    missed = [n for n, c in checkpoints.items() if isinstance(c, Checkpoint) and not c.reached]
+    if not missed:
+        return
+    reached = [n for n, c in checkpoints.items() if isinstance(c, Checkpoint) and c.reached]
+    known = list(dict.fromkeys([*reached, *_STAGE_NAMES]))
+    parts = []
+    for name in missed:
+        close = difflib.get_close_matches(name, [k for k in known if k != name], n=1, cutoff=0.75)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    where = (
+        f"; the run stopped at {stopped_at!r} first, so later names are expected to be missing"
+        if stopped_at
+        else ""
+    )
+    warnings.warn(
+        f"checkpoint(s) never reached: {', '.join(parts)}: the pipeline never called maybe_checkpoint with "
+        f"these names, so their data stays empty{where}",
+        CheckpointNotReached,
+        stacklevel=3,
+    )
 
 
 def seeded_noise(
