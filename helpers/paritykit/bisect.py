@@ -1358,6 +1358,10 @@ def load_spec(path: Any) -> Spec:
     return spec
 
 
+def _side_of(model: Any, reference: Any) -> str:
+    return "reference" if model is reference else "port"
+
+
 def _run_forward(spec: Spec, model: Any, side: str, args: tuple, kwargs: dict) -> Any:
     return call_user(lambda: model(*args, **kwargs), what=f"the {side} model's forward", spec=spec)
 
