@@ -91,3 +91,59 @@ def test_readme_component_test_runs_as_its_header_says(tmp_path, cli):
     assert "No module named" not in run.stdout + run.stderr, run.stdout[-3000:]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout, run.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ the words
+
+
+def section(text: str, title: str) -> str:
+    """The body of the ``## title`` section of a markdown text."""
+    match = re.search(rf"^## {re.escape(title)}\n(?P<body>.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"no '## {title}' section"
+    return match.group("body")
+
+
+def test_readme_says_how_to_get_paritykit_on_path_after_make_demo():
+    setup = section(README.read_text(), "Set up")
+    assert setup.index("make demo") < setup.index("source .venv/bin/activate"), setup
+
+
+def test_readme_shows_installing_into_your_own_environment():
+    body = section(README.read_text(), "Install into your own environment")
+    assert re.search(r"^pip install /path/to/paritykit", body, re.M), body
+    assert re.search(r"^pip install \S+\.whl", body, re.M) and "python -m build --wheel" in body, body
+    assert "torch" in body and "diffusers" in body  # what pip keeps, stated
+
+
+def test_every_skill_that_uses_the_cli_says_how_to_get_it_at_the_top():
+    for skill in sorted((REPO / "skills").glob("*/SKILL.md")):
+        text = skill.read_text()
+        if not re.search(r"^paritykit ", text, re.M):
+            continue
+        body = text.split("\n---\n", 1)[1]
+        top = "\n".join(body.strip().splitlines()[:3])  # title, blank line, the note
+        assert "Getting the CLI" in top and "pip install" in top and "paritykit --help" in top, skill
+
+
+def test_the_order_of_work_is_stated_once_in_the_skill_and_linked_from_the_readme():
+    readme = README.read_text()
+    porting = section(readme, "Porting a model with paritykit")
+    assert "skills/parity-testing/SKILL.md#the-order-of-work" in porting
+    assert not re.search(r"^\d+\. ", porting, re.M), (
+        "the README restates the steps; link to the skill instead"
+    )
+    skill = (REPO / "skills" / "parity-testing" / "SKILL.md").read_text()
+    assert "\n## The order of work\n" in skill
+
+
+def test_no_step_uses_convert_rules_before_a_step_writes_it():
+    skill = (REPO / "skills" / "parity-testing" / "SKILL.md").read_text()
+    for text in (skill, README.read_text()):
+        assert text.index("--emit-rules convert_rules.py") < text.index("convert_rules:convert")
+
+
+def test_readme_shows_saving_the_reference_sides_checkpoints():
+    porting = section(README.read_text(), "Porting a model with paritykit")
+    code = "\n".join(re.findall(r"```python\n(.*?)```", porting, re.S))
+    assert "save_checkpoints(" in code and "Checkpoint(save=True)" in code, porting
+    assert "paritykit steps ref_ckpts" in porting
