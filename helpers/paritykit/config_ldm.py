@@ -51,6 +51,7 @@ class LdmDerivation:
         read: dotted YAML paths the helpers (and the image size lookup) read.
         reference_only: YAML leaf keys nothing read: no diffusers counterpart, not compared.
         notes: what could not be derived, in words.
+        underived: the port's keys the YAML should decide but does not (``sample_size`` without an image size).
     """
 
     config: dict[str, Any]
@@ -58,6 +59,7 @@ class LdmDerivation:
     read: set[str] = field(default_factory=set)
     reference_only: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    underived: list[str] = field(default_factory=list)
 
     def reference_only_summary(self, keys: list[str] | None = None) -> list[str]:
         r"""``keys`` (default: all reference-only keys) with every wholly unread subtree folded into ``prefix.*``."""
@@ -160,6 +162,9 @@ def derive_from_ldm(
         read=log["read"],
         notes=notes,
     )
+    for prefix, part in targets.items():
+        if any(note.startswith(f"{part}.sample_size") for note in notes):
+            result.underived.append(f"{prefix}.sample_size" if prefix else "sample_size")
     from paritykit.configs import flatten
 
     result.reference_only = [key for key in flatten(yaml_config) if key not in result.read]

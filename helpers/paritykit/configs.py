@@ -467,8 +467,12 @@ def _bookkeeping(key: str) -> bool:
 def _b_only_reason(
     key: str, side_b: _Side, derivation: LdmDerivation | None, reference_keys: bool, compare_defaults: bool
 ) -> str | None:
-    if derivation is not None and "" not in derivation.parts:
-        if not any(key.startswith(prefix + ".") for prefix in derivation.parts):
+    if derivation is not None:
+        if key in derivation.underived:
+            return NO_COUNTERPART
+        if "" not in derivation.parts and not any(
+            key.startswith(prefix + ".") for prefix in derivation.parts
+        ):
             return NO_COUNTERPART
     if _bookkeeping(key):
         return BOOKKEEPING
