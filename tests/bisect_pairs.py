@@ -357,3 +357,122 @@ def conv_pair(bug: str | None = None, seed: int = 0):
     port.load_state_dict(convert_conv(reference.state_dict()))
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(seed + 1))
     return reference, port, ((x,), {})
+
+
+# ------------------------------------------------------------------------------------------ vit family
+# A research vision transformer (timm-style: fused qkv, positions added inline) against transformers' ViTModel
+# (split q/k/v, positions added inside ViTEmbeddings); weights go across as the upstream conversion does.
+
+VIT = {"dim": 32, "heads": 4, "layers": 2, "patch": 4, "image": 8, "hidden": 64}
+
+
+class ResearchViTAttention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        out = attn.softmax(dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class ResearchViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, act: str):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = ResearchViTAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate=act), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ResearchViT(nn.Module):
+    def __init__(self, act: str = "none"):
+        super().__init__()
+        d, p = VIT["dim"], VIT["patch"]
+        self.patch_embed = nn.Conv2d(3, d, p, stride=p)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, (VIT["image"] // p) ** 2 + 1, d) * 0.02)
+        self.blocks = nn.ModuleList(
+            [ResearchViTBlock(d, VIT["heads"], VIT["hidden"], act) for _ in range(VIT["layers"])]
+        )
+        self.norm = nn.LayerNorm(d, eps=1e-6)
+
+    def forward(self, pixels):
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def vit_port(bug: str | None = None):
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=VIT["dim"],
+        num_hidden_layers=VIT["layers"],
+        num_attention_heads=VIT["heads"],
+        intermediate_size=VIT["hidden"],
+        image_size=VIT["image"],
+        patch_size=VIT["patch"],
+        num_channels=3,
+        layer_norm_eps=1e-12 if bug == "eps" else 1e-6,
+        hidden_act="gelu_pytorch_tanh" if bug in ("gelu", "two") else "gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return ViTModel(config, add_pooling_layer=False).eval()
+
+
+def convert_vit(sd: dict, swap_qk: bool = False) -> dict:
+    """The research names into transformers' ViT names (as the upstream timm conversion script maps them)."""
+    out = {
+        "embeddings.cls_token": sd["cls_token"],
+        "embeddings.position_embeddings": sd["pos_embed"],
+        "embeddings.patch_embeddings.projection.weight": sd["patch_embed.weight"],
+        "embeddings.patch_embeddings.projection.bias": sd["patch_embed.bias"],
+        "layernorm.weight": sd["norm.weight"],
+        "layernorm.bias": sd["norm.bias"],
+    }
+    for i in range(VIT["layers"]):
+        src, dst = f"blocks.{i}.", f"layers.{i}."
+        names = {
+            "norm1": "layernorm_before",
+            "norm2": "layernorm_after",
+            "attn.proj": "attention.o_proj",
+            "mlp.0": "mlp.fc1",
+            "mlp.2": "mlp.fc2",
+        }
+        for a, b in names.items():
+            for kind in ("weight", "bias"):
+                out[f"{dst}{b}.{kind}"] = sd[f"{src}{a}.{kind}"]
+        order = ("k_proj", "q_proj", "v_proj") if swap_qk else ("q_proj", "k_proj", "v_proj")
+        for kind in ("weight", "bias"):
+            for part, name in zip(sd[f"{src}attn.qkv.{kind}"].chunk(3, dim=0), order):
+                out[f"{dst}attention.{name}.{kind}"] = part.clone()
+    return out
+
+
+def vit_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
+    r"""(reference, port, inputs). ``trained=False`` keeps the fresh initialisation (norm weights all ones,
+    biases zero) that makes value matching ambiguous. Bugs: ``eps``, ``gelu``, ``qk`` (q/k swapped in the
+    conversion), ``two`` (``gelu`` plus a changed final-norm eps in the same port)."""
+    torch.manual_seed(seed)
+    reference = ResearchViT()
+    reference = randomize(reference, seed) if trained else reference.eval()
+    port = vit_port(bug)
+    port.load_state_dict(convert_vit(reference.state_dict(), swap_qk=bug == "qk"))
+    if bug == "two":
+        port.layernorm.eps = 1e-2
+    x = torch.randn(2, 3, VIT["image"], VIT["image"], generator=torch.Generator().manual_seed(seed + 1))
+    return reference, port, ((x,), {})

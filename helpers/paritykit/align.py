@@ -476,10 +476,16 @@ class _Builder:
             if shape is None:
                 continue
             for k in range(j, len(ports)):
-                if self.port.out_shapes.get(ports[k]) == shape:
+                if self.port.out_shapes.get(ports[k]) == shape and self._alike(r, ports[k]):
                     self.add(r, ports[k], "order", confidence="low")
                     j = k + 1
                     break
+
+    def _alike(self, r: str, p: str) -> bool:
+        """Same parameter shapes (a norm never pairs with a dropout that happens to return the same shape)."""
+        if self.ref.parameterless(r) and self.port.parameterless(p):
+            return True
+        return self.compatible(r, p)
 
 
 _ROW_OPS = ("swap_halves", "permute_rows")

@@ -206,9 +206,23 @@ class BisectReport:
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
             f"cosine {format_number(out.get('cosine'), 6)})"
         ]
-        if self.culprit:
+        if out.get("status") == "shape_mismatch":
+            lines.append(
+                f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"
+            )
+        if self.verdict == "masked":
+            lines.append(
+                "masked: the final output is within tolerance, but the aligned module below fails on identical "
+                "inputs" + (" (accepted: --allow-masked)" if self.allow_masked else "")
+            )
+        if len(self.culprits) > 1:
+            for i, finding in enumerate(self.culprits, 1):
+                lines += _render_finding(f"culprit {i}", finding)
+        elif self.culprit:
             lines += _render_finding("culprit", self.culprit)
-        elif self.verdict == "diverge":
+        if self.all_note:
+            lines.append(self.all_note)
+        if not self.culprit and self.verdict == "diverge":
             lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
         if self.first_output_divergence:
             f = self.first_output_divergence
@@ -229,6 +243,7 @@ class BisectReport:
             )
         lines.append("")
         lines.append(self.alignment.summary())
+        lines += [s.render() for s in self.alignment.split_work]
         al = self.alignment
         for side, names in (("reference", al.unaligned_reference), ("port", al.unaligned_port)):
             if names:
@@ -246,8 +261,12 @@ class BisectReport:
         return "\n".join(lines)
 
 
+# evidence ids that explain an inline culprit by something other than its forward code
+_NOT_FORWARD_CODE = frozenset({"weights", "module-config", "attention-scale", "norm-eps"})
+
+
 def _render_finding(label: str, f: ModuleFinding) -> list[str]:
-    low = "" if f.confidence == "high" else ", low confidence"
+    low = "" if f.confidence == "high" else f", {f.confidence} confidence"
     lines = [
         f"{label}: reference {_shown(f.reference)}  <->  port {_shown(f.port)}",
         f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
@@ -257,6 +276,9 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
         lines.append(
             f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in this "
             "module's own forward code, not in a submodule"
+            if not any(h.id in _NOT_FORWARD_CODE for h in f.hints)
+            else f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name "
+            "the difference (settings or weights this module holds, which replaying its children cannot see)"
         )
     elif f.children_passed == 0:
         lines.append("  no aligned submodules: the module's own computation or configuration differs")
@@ -1006,7 +1028,21 @@ def bisect_traces(
         alignment=alignment,
         tested=tested,
         environment=environment if environment is not None else environment_stamp(),
+        culprits=[culprit] if culprit is not None else [],
+        allow_masked=allow_masked,
     )
+    if all_culprits and culprit is not None:
+        every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
+    return report
+
+
+def _masking(searcher: _Bisector) -> bool:
+    """Whether a failing test sits on a pair aligned with medium or high confidence."""
+    for test in searcher.results.values():
+        pair = searcher.alignment.pair_of(test.reference.split("#", 1)[0])
+        if test.status == "fail" and pair is not None and pair.confidence != "low":
+            return True
+    return False
 
 
 def _select(side: str, output: Any, select_output: Callable | None) -> Any:
@@ -1069,6 +1105,161 @@ def _finding(
         note=_join(result.note, _untested_inside(alignment, call.module)),
         op=op,
     )
+
+
+# ------------------------------------------------------------------------------------- every culprit (--all)
+
+MAX_CULPRITS = 8
+
+
+def every_culprit(
+    report: BisectReport,
+    searcher: _Bisector,
+    ref_final: Any,
+    *,
+    select_output: Callable | None = None,
+    ops: bool = False,
+) -> None:
+    r"""Extend ``report.culprits`` to every independent culprit, in execution order.
+
+    Each culprit found so far is given the reference's behaviour in the port (a forward hook returning the
+    reference call's captured output, adapted to the port's output structure); the port runs again on its
+    captured inputs and the search restarts. It stops when the port's output matches
+    (``report.output_after``), when no new culprit is found, or when a culprit cannot be substituted.
+    """
+    import torch
+
+    from paritykit.compare import compare_tensors
+    from paritykit.trace import capture
+
+    port, port_root = searcher.port_modules.get(""), searcher.pt.root
+    if port is None or port_root is None or not port_root.replayable:
+        report.all_note = "--all: not searched further (needs the port model and its captured inputs)"
+        return
+    args, kwargs = _to_device(port_root.call_inputs(), _module_device(port))
+    handles: list[Any] = []
+    try:
+        while len(report.culprits) < MAX_CULPRITS:
+            last = report.culprits[-1]
+            if not last.reference:
+                report.all_note = "--all: stopped at the top level's own forward (nothing to substitute)"
+                return
+            handle = _substitute(searcher, last.reference.split("#", 1)[0])
+            if handle is None:
+                report.all_note = (
+                    f"--all: stopped: the reference output of {_shown(last.reference)} cannot be put in place of "
+                    "the port's (outputs do not pair)"
+                )
+                return
+            handles.append(handle)
+            with torch.no_grad(), capture(port) as trace:
+                port(*args, **kwargs)
+            port_final = _select("port", trace.root.output_value(), select_output)
+            output = compare_tensors(
+                ref_final, port_final, atol=searcher.atol, rtol=searcher.rtol, name="output"
+            )
+            report.output_after = output
+            if output.passed:
+                break
+            again = _Bisector(
+                searcher.rt,
+                trace,
+                searcher.alignment,
+                reference=None,
+                port=None,
+                atol=searcher.atol,
+                rtol=searcher.rtol,
+                ratio=searcher.ratio,
+            )
+            again.ref_modules, again.port_modules = searcher.ref_modules, searcher.port_modules
+            with torch.no_grad():
+                call, passed = again.descend(searcher.rt.root)
+                if call.name in {c.reference for c in report.culprits}:
+                    break
+                report.culprits.append(_finding(again, call, passed, output, ops=ops))
+            report.tested += [t for t in again.results.values() if t.reference not in searcher.results]
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = {r.name: i for i, r in enumerate(searcher.rt.records)}
+    report.culprits.sort(key=lambda c: order.get(c.reference, 1 << 30))
+    after = report.output_after
+    if after is not None:
+        state = "matches" if after.passed else f"still differs (max_abs {format_number(after.max_abs)})"
+        report.all_note = _join(
+            report.all_note,
+            f"with the {len(report.culprits)} culprit(s) given the reference's outputs, the port's output {state}",
+        )
+
+
+def _substitute(searcher: _Bisector, reference: str) -> Any:
+    """Hook the aligned port module so it returns the reference's captured output for the call whose captured
+    inputs are nearest its own (so replays of its parents see the substitution too)."""
+    pair = searcher.alignment.pair_of(reference)
+    module = searcher.port_modules.get(pair.port) if pair is not None else None
+    calls = searcher.rt.calls(reference)
+    if module is None or not calls:
+        return None
+
+    def hook(mod: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        leaves = flatten_tensors((args, kwargs), "input")
+        best = min(calls, key=lambda record: _distance(list(record.inputs.items()), leaves))
+        replaced = _replace_leaves(output, list(best.outputs.items()))
+        return output if replaced is None else replaced
+
+    probe = _replace_leaves(searcher.pt[pair.port].output_value(), list(calls[0].outputs.items()))
+    if probe is None:
+        return None
+    return module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _distance(ref_leaves: list, port_leaves: list) -> float:
+    pairs = _pair_leaves(ref_leaves, port_leaves)
+    if not pairs:
+        return math.inf
+    total = 0.0
+    for i, j in pairs:
+        a, b = ref_leaves[i][1], port_leaves[j][1]
+        if a.is_floating_point() and b.is_floating_point():
+            total += float((a.double().cpu() - b.detach().double().cpu()).abs().max()) if a.numel() else 0.0
+        elif not torch_equal(a, b):
+            total += 1.0
+    return total
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.cpu(), b.detach().cpu()))
+
+
+def _replace_leaves(value: Any, ref_leaves: list) -> Any:
+    """``value`` with its tensors replaced by the paired reference tensors (same dtype and device), or ``None``."""
+    port_leaves = flatten_tensors(value)
+    pairs = _pair_leaves(ref_leaves, port_leaves)
+    if pairs is None:
+        return None
+    swap = {}
+    for i, j in pairs:
+        path, own = port_leaves[j]
+        swap[path] = ref_leaves[i][1].to(device=own.device, dtype=own.dtype)
+    return _rebuild(value, swap, "output")
+
+
+def _rebuild(value: Any, swap: dict[str, Any], prefix: str) -> Any:
+    import copy
+
+    if _is_tensor(value):
+        return swap.get(prefix, value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _rebuild(v, swap, f"{prefix}.{k}")
+        return out
+    if isinstance(value, (tuple, list)):
+        items = [_rebuild(v, swap, f"{prefix}.{i}") for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _untested_inside(alignment: Alignment, module: str) -> str:
@@ -1143,6 +1334,8 @@ def bisect(
     ops: bool = False,
     environment: dict[str, Any] | None = None,
     levels: str = "auto",
+    allow_masked: bool = False,
+    all_culprits: bool = False,
 ) -> BisectReport:
     r"""Run both models on the same inputs and name the module where the port parts from the reference.
 
@@ -1157,11 +1350,15 @@ def bisect(
         atol, rtol: tolerances (default: :func:`paritykit.compare.default_tolerances` of the dtypes).
         ratio: error-jump threshold (output error over input error) where replay is impossible.
         ops: also name the first op inside a replayed culprit whose result differs.
+        allow_masked: accept the ``masked`` verdict (exit code 0).
+        all_culprits: after each culprit, give it the reference's output in the port and search again, so
+            ``culprits`` lists every independent one in execution order.
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
             (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules.
 
     Returns:
-        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``), ``culprit``, ``first_output_divergence``,
+        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and ``culprits``),
+        ``first_output_divergence``,
         the alignment, every module tested, ``exit_code``.
     """
     import torch
@@ -1212,6 +1409,8 @@ def bisect(
         ratio=ratio,
         ops=ops,
         environment=environment,
+        allow_masked=allow_masked,
+        all_culprits=all_culprits,
     )
 
 
@@ -1377,6 +1576,8 @@ def bisect_spec(
     ops: bool = False,
     levels: str = "auto",
     zoom: str | None = None,
+    allow_masked: bool = False,
+    all_culprits: bool = False,
 ) -> BisectReport:
     r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
     spec whose builders make replay possible). ``levels`` as in :func:`bisect`; ``zoom`` names the reference
