@@ -1,0 +1,67 @@
+"""`paritykit schedule`: compare two sampling schedules, or fit a diffusers scheduler config to a reference."""
+
+from __future__ import annotations
+
+import click
+
+from paritykit.cli._common import emit, json_option, limit_option
+from paritykit.errors import ParityKitError
+
+
+@click.command(
+    help=(
+        "Compare two sampling schedules, or find the scheduler config that reproduces one.\n\n"
+        "REF and PORT are each a checkpoint folder (its preloop checkpoint's timesteps/sigmas, e.g. written by "
+        "paritykit.record_loop), a tensor file (.safetensors, .pt, .npy; keys timesteps/sigmas), or a .json list "
+        "or object. Diagnoses: a constant offset (steps_offset), the spacing each side follows (leading / "
+        "trailing / linspace), a different count (an extra final step, a final sigma 0), Karras / exponential / "
+        "shifted flow-matching sigmas (with the fitted shift), integer vs float timesteps, reversed order.\n\n"
+        "With --fit CLASS (no PORT): search the keys CLASS accepts for configs whose set_timesteps reproduces REF "
+        "at --steps and at three or more other counts (some not dividing num_train_timesteps), and print the fix "
+        "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) and ref_step(x, eps, "
+        "t, t_prev). --step-check also verifies step() against the reference's update (SPEC's ref_step, or "
+        "--step-check FOLDER with the reference's per-step latents and model output).\n\n"
+        "Exit 0 same / fit found, 1 differ / no fit, 2 on bad input."
+    )
+)
+@click.argument("ref")
+@click.argument("port", required=False)
+@click.option(
+    "--fit", "fit_class", metavar="SchedulerClass", help="Fit this diffusers scheduler class to REF."
+)
+@click.option("--config", "config", metavar="JSON", help="The port's scheduler config (with --fit).")
+@click.option("--steps", type=click.IntRange(min=2), help="Step count for --fit (default: REF's).")
+@click.option(
+    "--step-check",
+    "step_check",
+    is_flag=False,
+    flag_value="SPEC",
+    default=None,
+    metavar="[FOLDER]",
+    help="With --fit: verify step() too (REF's ref_step, or a reference checkpoint folder).",
+)
+@click.option(
+    "--num-train-timesteps",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Training schedule length, for recognising the spacing.",
+)
+@json_option
+@limit_option
+def schedule(ref, port, fit_class, config, steps, step_check, num_train_timesteps, as_json, limit):
+    from paritykit.schedule import compare_schedules, fit_scheduler
+
+    if fit_class:
+        if port:
+            raise ParityKitError("give REF and PORT to compare, or REF with --fit, not both")
+        check = True if step_check == "SPEC" else step_check
+        result = fit_scheduler(fit_class, ref, steps=steps, base_config=config, step_check=check)
+    else:
+        if not port:
+            raise ParityKitError("PORT: missing (or use --fit SchedulerClass)")
+        for name, value in (("--config", config), ("--steps", steps), ("--step-check", step_check)):
+            if value is not None:
+                raise ParityKitError(f"{name}: only with --fit")
+        result = compare_schedules(ref, port, num_train_timesteps=num_train_timesteps)
+    emit(result, as_json=as_json, limit=limit)

@@ -1,0 +1,289 @@
+"""`paritykit schedule`: diagnoses, the config fit and the step check, against three in-repo reference loops.
+
+Each reference loop (tests/reference_loops.py) is run on a tiny UNet2DConditionModel and recorded with
+paritykit.record_loop; a port with the wrong default is diagnosed, --fit proposes the fix, and the fixed port
+then matches the reference end to end (the per-step curve stays at zero).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    UNet2DConditionModel,
+)
+from paritykit import compare_schedules, fit_scheduler, record_loop
+from paritykit.cli import cli
+from paritykit.schedule import sigma_family, timestep_family
+from paritykit.visual import step_curve
+
+from tests import reference_loops as R
+
+STEPS = 10
+SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule": "scaled_linear"}
+# a DDIM config as Stable Diffusion ships it: no x0 clipping (the reference loops never clip)
+DDIM_BASE = {**SD_BETAS, "clip_sample": False}
+
+
+@pytest.fixture(scope="module")
+def unet() -> UNet2DConditionModel:
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(1, 4, 8, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
+
+
+def denoiser(unet):
+    return lambda x, t, cond: unet(x, t, encoder_hidden_states=cond).sample
+
+
+def port_loop(unet, scheduler, noise, cond, n=STEPS):
+    scheduler.set_timesteps(n)
+    x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
+    for t in scheduler.timesteps:
+        scaled = scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
+        eps = unet(scaled, t, encoder_hidden_states=cond).sample
+        x = scheduler.step(eps, t, x, return_dict=False)[0]
+    return x
+
+
+def record(unet, folder, run):
+    with torch.no_grad(), record_loop(unet, out=folder):
+        run()
+    return folder
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def assert_flat_at_zero(ref_dir, port_dir, atol=1e-4):
+    curve = step_curve(ref_dir, port_dir, key="output", atol=atol, rtol=0)
+    assert len(curve.points) == STEPS
+    assert all(p.max_abs <= atol for p in curve.points), [p.max_abs for p in curve.points]
+    assert curve.exit_code == 0
+
+
+# ------------------------------------------------------------------------------------------- DDIM, trailing
+def test_ddim_trailing_port_with_leading_default_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
+    noise, cond = inputs
+    ref = record(unet, tmp_path / "ref", lambda: R.ddim_loop(denoiser(unet), noise, cond, STEPS, "trailing"))
+    wrong = record(unet, tmp_path / "wrong", lambda: port_loop(unet, DDIMScheduler(**DDIM_BASE), noise, cond))
+
+    cmp = compare_schedules(ref, wrong)
+    assert cmp.exit_code == 1
+    ids = {h.id: h for h in cmp.hints}
+    assert "B ≈ A − 99" in ids["offset"].message and "steps_offset" in ids["offset"].message
+    assert ids["offset"].keys == ["timestep_spacing", "steps_offset"]
+    assert "A follows trailing spacing; B follows leading spacing" in ids["spacing"].message
+
+    fit = fit_scheduler(DDIMScheduler, ref, base_config=DDIM_BASE, step_check=ref)
+    assert fit.line == 'DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")'
+    assert fit.fits[0].step_check.matched and fit.fits[0].step_check.steps_checked == STEPS - 1
+    assert len(fit.counts) >= 4 and any(1000 % n for n in fit.counts)
+    # the offset hint's literal fix matches at 10 steps only: it is shown rejected, never proposed
+    offset_only = [c for c in fit.rejected if c.changes == {"steps_offset": 99}]
+    assert offset_only and offset_only[0].counts_matched == [STEPS]
+    assert "raises" in offset_only[0].failures[20] or "differ" in offset_only[0].failures[20]
+    assert not any("steps_offset" in c.changes for c in fit.fits)
+
+    fixed_scheduler = DDIMScheduler.from_config(
+        DDIMScheduler(**DDIM_BASE).config, timestep_spacing="trailing"
+    )
+    fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
+    again = compare_schedules(ref, fixed)
+    assert again.exit_code == 0 and again.hints == []
+    assert_flat_at_zero(ref, fixed)
+
+
+# ------------------------------------------------------------------------------------------- DDIM, linspace
+def test_ddim_linspace_lists_match_but_the_step_does_not_and_fit_says_which_quantity(tmp_path):
+    spec = tmp_path / "ref_ddim.py"
+    spec.write_text(
+        "from tests.reference_loops import ddim_step, ddim_timesteps\n\n"
+        "def ref_schedule(n):\n    return ddim_timesteps(n, 'linspace')\n\n"
+        "def ref_step(x, eps, t, t_prev):\n    return ddim_step(x, eps, t, t_prev)\n"
+    )
+    fit = fit_scheduler("DDIMScheduler", spec, steps=STEPS, base_config=DDIM_BASE, step_check=True)
+    assert fit.exit_code == 1 and fit.fits == []
+    failing = [c for c in fit.rejected if c.step_check is not None]
+    assert failing and failing[0].changes["timestep_spacing"] == "linspace"
+    assert failing[0].counts_matched == fit.counts  # the lists match at every count checked ...
+    check = failing[0].step_check  # ... the update does not, from the first step
+    assert check.first_failing_step == 0 and check.quantity == "previous alpha"
+    ac = R.alphas_cumprod()
+    assert check.reference_value == pytest.approx(float(ac[888]), rel=1e-4)
+    assert check.scheduler_value == pytest.approx(float(ac[899]), rel=1e-4)
+    assert "ᾱ[t=888]" in check.explanation and "ᾱ[t=899]" in check.explanation
+    assert any("no config of DDIMScheduler reproduces the reference's step" in n for n in fit.notes)
+
+    code, out = run_cli("schedule", spec, "--fit", "DDIMScheduler", "--steps", 7, "--step-check", "--json")
+    payload = json.loads(out)
+    assert code == 1 and payload["fit"] is None
+    assert any("fixed stride 1000//7 = 142" in w for w in payload["warnings"])
+
+
+def test_step_check_at_a_dividing_count_has_no_stride_warning(tmp_path):
+    spec = tmp_path / "ref_trailing.py"
+    spec.write_text(
+        "from tests.reference_loops import ddim_step, ddim_timesteps\n\n"
+        "def ref_schedule(n):\n    return ddim_timesteps(n, 'trailing')\n\n"
+        "def ref_step(x, eps, t, t_prev):\n    return ddim_step(x, eps, t, t_prev)\n"
+    )
+    fit = fit_scheduler("DDIMScheduler", spec, steps=STEPS, base_config=DDIM_BASE, step_check=True)
+    assert fit.exit_code == 0 and fit.warnings == []
+    assert fit.fits[0].changes == {"timestep_spacing": "trailing"}
+
+
+# ------------------------------------------------------------------------------------------- Karras, rho 7
+def test_karras_reference_port_without_karras_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
+    noise, cond = inputs
+    sigmas = R.karras_sigmas(STEPS)
+    assert sigma_family(sigmas).name == "Karras" and sigma_family(sigmas).params["rho"] == 7
+    plain = EulerDiscreteScheduler(**SD_BETAS)
+    plain.set_timesteps(STEPS)
+    cmp = compare_schedules({"sigmas": sigmas}, {"sigmas": plain.sigmas})
+    assert cmp.exit_code == 1
+    (hint,) = [h for h in cmp.hints if h.id == "sigma-family"]
+    assert "A follows Karras (rho 7" in hint.message and "use_karras_sigmas" in hint.keys
+
+    fit = fit_scheduler("EulerDiscreteScheduler", {"sigmas": sigmas}, base_config=SD_BETAS)
+    assert fit.line == "EulerDiscreteScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)"
+
+    ref = record(unet, tmp_path / "ref", lambda: R.karras_loop(denoiser(unet), noise, cond, STEPS))
+    fixed_scheduler = EulerDiscreteScheduler(**SD_BETAS, use_karras_sigmas=True)
+    fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
+    assert compare_schedules(ref, fixed).exit_code == 0
+    assert_flat_at_zero(ref, fixed, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------- flow matching, shift 3
+def test_flow_shift_3_port_with_default_shift_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
+    noise, cond = inputs
+    ref = record(unet, tmp_path / "ref", lambda: R.flow_loop(denoiser(unet), noise, cond, STEPS))
+    wrong = record(
+        unet, tmp_path / "wrong", lambda: port_loop(unet, FlowMatchEulerDiscreteScheduler(), noise, cond)
+    )
+    cmp = compare_schedules(ref, wrong)
+    assert cmp.exit_code == 1 and cmp.kinds[0].first_difference == 1  # both start at t = 1000
+
+    sigmas = {"sigmas": R.flow_sigmas(STEPS)}
+    fam = sigma_family(sigmas["sigmas"])
+    assert fam.name == "flow-matching, shifted" and fam.params["shift"] == pytest.approx(3.0)
+    fit = fit_scheduler(FlowMatchEulerDiscreteScheduler, sigmas, step_check=ref)
+    assert fit.line == "FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=3.0)"
+    assert fit.fits[0].step_check.matched
+
+    fixed_scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
+    assert compare_schedules(ref, fixed).exit_code == 0
+    assert_flat_at_zero(ref, fixed, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------- diagnoses
+def test_identical_schedules_exit_0_with_no_hint():
+    for a, b in (
+        ([999, 899, 799], [999.0, 899.0, 799.0]),  # an integer list and its float copy are the same schedule
+        ({"sigmas": R.karras_sigmas(5)}, {"sigmas": R.karras_sigmas(5)}),
+    ):
+        cmp = compare_schedules(a, b)
+        assert cmp.exit_code == 0 and cmp.hints == [], cmp.render()
+
+
+def test_each_diagnosis_fires_on_its_case_and_not_on_a_look_alike():
+    ts = R.ddim_timesteps(10, "linspace")
+    assert [h.id for h in compare_schedules(ts, ts[::-1]).hints] == ["reversed"]
+    floats = [v + 0.25 for v in ts[:-1]] + [0.0]
+    ids = [h.id for h in compare_schedules(torch.tensor(ts), torch.tensor(floats)).hints]
+    assert ids[0] == "int-vs-float"
+    sig = R.karras_sigmas(6)
+    final = compare_schedules({"sigmas": sig[:-1]}, {"sigmas": sig}).hints
+    assert [h.id for h in final] == ["final-sigma-zero"] and "B appends a final sigma 0" in final[0].message
+    extra = compare_schedules(ts[:-1], ts).hints
+    assert [h.id for h in extra][0] == "extra-step"
+    # not a constant offset: a different spacing with a varying difference gets no offset hint
+    jitter = compare_schedules(ts, R.ddim_timesteps(10, "trailing")).hints
+    assert "offset" not in {h.id for h in jitter}
+    assert "A follows linspace spacing, integer; B follows trailing spacing" in jitter[0].message
+
+
+def test_families_recognised_and_look_alikes_refused():
+    assert timestep_family(R.ddim_timesteps(10, "trailing"), 1000).name == "trailing spacing"
+    assert (
+        timestep_family([950, 850, 750, 650], 1000) is None
+        or "offset" in timestep_family([950, 850, 750, 650], 1000).name
+    )
+    assert sigma_family([5.0, 4.1, 2.0, 1.7, 0.3]) is None  # no closed form: nothing claimed
+    exp = [14.6 * (0.03 / 14.6) ** (i / 7) for i in range(8)]
+    assert sigma_family(exp).name == "exponential"
+
+
+def test_fit_on_a_class_read_from_its_signature_dpm_solver():
+    sched = DPMSolverMultistepScheduler(**SD_BETAS, use_karras_sigmas=True)
+    sched.set_timesteps(STEPS)
+    fit = fit_scheduler("DPMSolverMultistepScheduler", {"sigmas": sched.sigmas}, base_config=SD_BETAS)
+    assert fit.exit_code == 0 and fit.fits[0].changes == {"use_karras_sigmas": True}
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def test_cli_compare_and_fit(tmp_path):
+    (tmp_path / "ref.json").write_text(json.dumps(R.ddim_timesteps(10, "trailing")))
+    sched = DDIMScheduler(**SD_BETAS)
+    sched.set_timesteps(10)
+    torch.save({"timesteps": sched.timesteps}, tmp_path / "port.pt")
+    code, out = run_cli("schedule", tmp_path / "ref.json", tmp_path / "port.pt")
+    assert code == 1 and "B ≈ A − 99" in out
+    code, out = run_cli("schedule", tmp_path / "ref.json", tmp_path / "ref.json", "--json")
+    assert code == 0 and json.loads(out)["hints"] == []
+    (tmp_path / "config.json").write_text(json.dumps(dict(sched.config)))
+    code, out = run_cli(
+        "schedule", tmp_path / "ref.json", "--fit", "DDIMScheduler", "--config", tmp_path / "config.json"
+    )
+    assert code == 0
+    assert 'fix: DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")' in out
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["schedule", "missing.json", "missing.json"], "missing.json"),
+        (["schedule", "ref.json", "--fit", "NoSuchScheduler"], "NoSuchScheduler"),
+        (["schedule", "ref.json"], "PORT"),
+        (["schedule", "ref.json", "ref.json", "--steps", "5"], "--steps"),
+        (["schedule", "ref.json", "sigmas.json"], "share no schedule"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
+    (tmp_path / "ref.json").write_text("[999, 899, 799]")
+    (tmp_path / "sigmas.json").write_text('{"sigmas": [1.0, 0.5, 0.0]}')
+    result = CliRunner().invoke(cli, args, catch_exceptions=False, env={})
+    import contextlib
+
+    with contextlib.chdir(tmp_path):
+        result = CliRunner().invoke(cli, args, catch_exceptions=True)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("paritykit: error: ") and named in lines[0], lines
