@@ -1,0 +1,242 @@
+r"""The bug catalogue: every case with its ground truth.
+
+A case names the pair, the planted bug (the ``bug`` argument of the pair's ``build``), the culprits in
+execution order as ``(reference module, port module)``, the hint ids that state the true cause, what kind of
+cause it is (``config``, ``weights`` or ``code``: a hint claiming another kind is false), and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    pair: str  # module of tests.gallery: mha, vae, rope, clip
+    bug: str | None
+    what: str
+    culprits: tuple[Pair, ...] = ()
+    # other (reference, port) names that are also a correct first culprit (same work, coarser or finer)
+    also: tuple[Pair, ...] = ()
+    hints: frozenset[str] = field(default_factory=frozenset)
+    cause: str = (
+        "code"  # config | weights | code; decides whether an "unknown, forward code differs" hint lies
+    )
+    fix: str | None = None
+    conversion: bool = False  # the bug is in the weight conversion: weights map must show it
+    planted: str | None = None  # for conversion bugs: the port tensor the slip wrote
+    invisible_when_fresh: bool = False  # fresh init makes the bug a no-op (all-ones scale, zero shift)
+
+    @property
+    def clean(self) -> bool:
+        return not self.culprits
+
+    def expected(self, variant: str) -> tuple[Pair, ...]:
+        return () if self.invisible_when_fresh and variant == "fresh" else self.culprits
+
+
+def _hints(*ids: str) -> frozenset[str]:
+    return frozenset(ids)
+
+
+CASES: tuple[Case, ...] = (
+    # ---- pair 1: torch.nn.MultiheadAttention block <-> diffusers BasicTransformerBlock
+    Case("mha-clean", "mha", None, "faithful port; native MHA kernel vs SDPA (float noise only)"),
+    Case(
+        "mha-math-attention", "mha", "math-attention", "faithful port on the explicit-math attention backend"
+    ),
+    Case(
+        "mha-eps",
+        "mha",
+        "eps",
+        "port LayerNorm eps 1e-5 (diffusers default), reference 1e-6",
+        (("norm1", "norm1"),),
+        hints=_hints("module-config", "norm-eps"),
+        cause="config",
+        fix="norm1.eps = 1e-06",
+    ),
+    Case(
+        "mha-gelu-tanh",
+        "mha",
+        "gelu-tanh",
+        "port GELU tanh approximation, reference exact GELU",
+        (("mlp", "ff"),),
+        also=(("mlp.1", "ff.net.0"),),
+        hints=_hints("activation", "module-config"),
+        cause="config",
+        fix="ff.net.0.approximate = 'none'",
+    ),
+    Case(
+        "mha-swap-qk",
+        "mha",
+        "swap-qk",
+        "conversion splits in_proj_weight as k, q, v",
+        (("attn", "attn1"),),
+        hints=_hints("weights"),
+        cause="weights",
+        fix="attn1.to_q <- in_proj_weight chunk 0, attn1.to_k <- chunk 1",
+        conversion=True,
+        planted="attn1.to_q.weight",
+    ),
+    Case(
+        "mha-attention-scale",
+        "mha",
+        "attention-scale",
+        "port softmax scale 1/sqrt(model dim 32) instead of 1/sqrt(head dim 8)",
+        (("attn", "attn1"),),
+        hints=_hints("attention-scale", "module-config"),
+        cause="config",
+        fix="attn1.scale = 0.3536",
+    ),
+    Case(
+        "mha-bf16-norm",
+        "mha",
+        "bf16-norm",
+        "port computes norm3 in bfloat16",
+        (("norm2", "norm3"),),
+        hints=_hints("bf16-cast"),
+        cause="code",
+        fix="run norm3 in float32",
+    ),
+    Case(
+        "mha-two-bugs",
+        "mha",
+        "eps+gelu-tanh",
+        "eps and GELU approximation at once (--all)",
+        (("norm1", "norm1"), ("mlp", "ff")),
+        also=(("mlp.1", "ff.net.0"),),
+        hints=_hints("module-config", "norm-eps", "activation"),
+        cause="config",
+        fix="norm1.eps = 1e-06",
+    ),
+    # ---- pair 2: taming Encoder/Decoder (original SD VAE code) <-> diffusers AutoencoderKL
+    Case(
+        "vae-clean", "vae", None, "faithful conversion by convert_ldm_vae_checkpoint (bmm attention vs SDPA)"
+    ),
+    Case(
+        "vae-math-attention", "vae", "math-attention", "faithful port on the explicit-math attention backend"
+    ),
+    Case(
+        "vae-num-groups",
+        "vae",
+        "num-groups",
+        "one decoder GroupNorm built with 16 groups, reference 32",
+        (("decoder.mid.block_1.norm1", "decoder.mid_block.resnets.0.norm1"),),
+        hints=_hints("module-config"),
+        cause="config",
+        fix="decoder.mid_block.resnets.0.norm1.num_groups = 32",
+    ),
+    Case(
+        "vae-affine-off",
+        "vae",
+        "affine-off",
+        "encoder's last GroupNorm built with affine=False (its scale and shift dropped)",
+        (("encoder.norm_out", "encoder.conv_norm_out"),),
+        hints=_hints("module-config"),
+        cause="config",
+        fix="encoder.conv_norm_out.affine = True (and load its weights)",
+        invisible_when_fresh=True,
+    ),
+    Case(
+        "vae-transposed-1x1",
+        "vae",
+        "transposed-1x1",
+        "conversion of the 1x1-conv query to linear transposes it",
+        (("decoder.mid.attn_1", "decoder.mid_block.attentions.0"),),
+        hints=_hints("weights"),
+        cause="weights",
+        fix="decoder.mid_block.attentions.0.to_q.weight = q.weight[:, :, 0, 0] (no transpose)",
+        conversion=True,
+        planted="decoder.mid_block.attentions.0.to_q.weight",
+    ),
+    Case(
+        "vae-bf16-attention",
+        "vae",
+        "bf16-attention",
+        "port's encoder mid attention runs in bfloat16",
+        (("encoder.mid.attn_1", "encoder.mid_block.attentions.0"),),
+        hints=_hints("bf16-cast"),
+        cause="code",
+        fix="run the attention in float32",
+    ),
+    Case(
+        "vae-two-bugs",
+        "vae",
+        "num-groups+transposed-1x1",
+        "16-group norm and a transposed query at once (--all)",
+        (
+            ("decoder.mid.block_1.norm1", "decoder.mid_block.resnets.0.norm1"),
+            ("decoder.mid.attn_1", "decoder.mid_block.attentions.0"),
+        ),
+        hints=_hints("module-config", "weights"),
+        cause="config",
+        fix="decoder.mid_block.resnets.0.norm1.num_groups = 32",
+    ),
+    # ---- pair 3: rotary-embedding-torch attention <-> diffusers Attention + get_1d_rotary_pos_embed
+    Case("rope-clean", "rope", None, "faithful port: interleaved layout, theta 500, positions / 2"),
+    Case(
+        "rope-half-split",
+        "rope",
+        "half-split",
+        "port uses the half-split rotary layout, reference interleaved pairs",
+        (("attn", "attn"),),
+        also=(("attn", "rope"),),
+        hints=_hints("module-fit", "module-config"),
+        cause="config",
+        fix="rope.interleaved = True (and the processor's unbind dim -1)",
+    ),
+    Case(
+        "rope-theta-default",
+        "rope",
+        "theta-default",
+        "port rotary theta left at the 10000 default, config says 500",
+        (("attn", "attn"),),
+        also=(("attn", "rope"),),
+        hints=_hints("module-fit", "module-config"),
+        cause="config",
+        fix="rope.theta = 500.0",
+    ),
+    Case(
+        "rope-interpolate-default",
+        "rope",
+        "interpolate-default",
+        "port position scale left at the default 1, config interpolates by 2",
+        (("attn", "attn"),),
+        also=(("attn", "rope"),),
+        hints=_hints("module-fit", "module-config"),
+        cause="config",
+        fix="rope.linear_factor = 2.0",
+    ),
+    # ---- pair 4: transformers CLIPEncoderLayer <-> diffusers BasicTransformerBlock
+    Case("clip-clean", "clip", None, "faithful rename; eager attention vs SDPA (float noise only)"),
+    Case(
+        "clip-swap-kv",
+        "clip",
+        "swap-kv",
+        "rename table crosses k_proj and v_proj",
+        (("self_attn", "attn1"),),
+        hints=_hints("weights"),
+        cause="weights",
+        fix="attn1.to_k <- self_attn.k_proj, attn1.to_v <- self_attn.v_proj",
+        conversion=True,
+        planted="attn1.to_k.weight",
+    ),
+    Case(
+        "clip-two-bugs",
+        "clip",
+        "swap-kv+gelu-tanh",
+        "crossed k/v and GELU approximation at once (--all)",
+        (("self_attn", "attn1"), ("mlp", "ff")),
+        also=(("mlp.activation_fn", "ff.net.0"),),
+        hints=_hints("weights", "activation", "module-config"),
+        cause="weights",
+        fix="attn1.to_k <- self_attn.k_proj, attn1.to_v <- self_attn.v_proj",
+        conversion=True,
+        planted="attn1.to_k.weight",
+    ),
+)
+
+BY_ID = {c.id: c for c in CASES}

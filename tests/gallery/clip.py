@@ -1,0 +1,79 @@
+r"""Pair 4: a transformers ``CLIPEncoderLayer`` (eager attention, separate q/k/v projections) <-> diffusers
+``BasicTransformerBlock``, converted by renaming.
+
+transformers is a separate code base (its own attention, norms and MLP); it installs from PyPI without
+torchvision.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention import BasicTransformerBlock
+from transformers import CLIPVisionConfig
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+from tests.gallery.base import BuiltPair, load_exactly, seeded, with_weights
+
+DIM, HEADS, HIDDEN, TOKENS = 32, 4, 64, 7
+
+RENAMES = {
+    "layer_norm1": "norm1",
+    "self_attn.q_proj": "attn1.to_q",
+    "self_attn.k_proj": "attn1.to_k",
+    "self_attn.v_proj": "attn1.to_v",
+    "self_attn.out_proj": "attn1.to_out.0",
+    "layer_norm2": "norm3",
+    "mlp.fc1": "ff.net.0.proj",
+    "mlp.fc2": "ff.net.2",
+}
+
+
+def make_reference() -> CLIPEncoderLayer:
+    config = CLIPVisionConfig(
+        hidden_size=DIM,
+        intermediate_size=HIDDEN,
+        num_attention_heads=HEADS,
+        hidden_act="gelu",
+        attention_dropout=0.0,
+    )
+    config._attn_implementation = "eager"  # explicit softmax(QK^T)V; the port uses SDPA
+    return CLIPEncoderLayer(config)
+
+
+def convert(sd: dict[str, torch.Tensor], swap_kv: bool = False) -> dict[str, torch.Tensor]:
+    renames = dict(RENAMES)
+    if swap_kv:  # the planted slip: k and v targets crossed in the rename table
+        renames["self_attn.k_proj"], renames["self_attn.v_proj"] = "attn1.to_v", "attn1.to_k"
+    out = {}
+    for key, t in sd.items():
+        module, param = key.rsplit(".", 1)
+        out[f"{renames[module]}.{param}"] = t.clone()
+    return out
+
+
+def inputs() -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(2, TOKENS, DIM, generator=g), None), {}
+
+
+def port_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return (args[0],), {}
+
+
+def build(variant: str, bug: str | None = None) -> BuiltPair:
+    r"""The pair with ``bug`` planted: None, ``swap-kv``, ``swap-kv+gelu-tanh``."""
+    bugs = set(bug.split("+")) if bug else set()
+    reference = with_weights(seeded(make_reference), variant)
+    sd = {k: t.detach().clone() for k, t in reference.state_dict().items()}
+    port = BasicTransformerBlock(
+        DIM,
+        HEADS,
+        DIM // HEADS,
+        activation_fn="gelu-approximate" if "gelu-tanh" in bugs else "gelu",
+        attention_bias=True,
+        norm_eps=reference.layer_norm1.eps,
+        ff_inner_dim=HIDDEN,
+    )
+    load_exactly(port, convert(sd, swap_kv="swap-kv" in bugs))
+    target = {k: t.detach().clone() for k, t in port.state_dict().items()}
+    return BuiltPair(reference, port, inputs(), sd, target, port_inputs=port_inputs)

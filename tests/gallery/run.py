@@ -1,0 +1,151 @@
+r"""Run one gallery case through paritykit and score the answer against the case's ground truth.
+
+The API of ``bisect`` is growing (verified fixes, ``--all``); this runner reads the new fields with
+``getattr`` so it scores whatever the installed paritykit offers and records what it does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.gallery.base import BuiltPair
+from tests.gallery.catalogue import Case, Pair
+
+# hints that claim nothing but "no known signature" are only false when they assert a cause the truth denies
+UNKNOWN_HINTS = frozenset({"no-signature", "unknown"})
+
+
+def build(case: Case, variant: str, bug: str | None = ...) -> BuiltPair:
+    module = importlib.import_module(f"tests.gallery.{case.pair}")
+    return module.build(variant, case.bug if bug is ... else bug)
+
+
+def all_culprits_argument() -> str | None:
+    r"""The keyword of :func:`paritykit.bisect` that asks for every culprit (``--all``), if it has one."""
+    import paritykit
+
+    params = inspect.signature(paritykit.bisect).parameters
+    return next((n for n in ("all", "all_culprits", "find_all", "every") if n in params), None)
+
+
+@dataclass
+class Outcome:
+    case: str
+    variant: str
+    expected: list[Pair]
+    verdict: str
+    found: list[Pair]
+    culprit_ok: bool
+    all_ok: bool | None  # every culprit named, in order (multi-bug cases with --all available)
+    first_hint: str | None
+    first_hint_true: bool | None  # None when the case has no true hint to give (clean)
+    false_hints: list[str] = field(default_factory=list)
+    fix: str | None = None
+    fix_verified: bool | None = None
+    conversion: str | None = None
+    conversion_ok: bool | None = None
+    seconds: float = 0.0
+
+    @property
+    def false_alarm(self) -> bool:
+        r"""A clean (or invisible) case that did not come out as a plain match."""
+        return not self.expected and (self.verdict != "match" or bool(self.found) or bool(self.false_hints))
+
+
+def _pairs(report: Any) -> list[Pair]:
+    culprits = getattr(report, "culprits", None)
+    if culprits is None:
+        culprits = [report.culprit] if report.culprit is not None else []
+    return [(c.reference, c.port) for c in culprits]
+
+
+def _all_hints(report: Any) -> list[Any]:
+    culprits = getattr(report, "culprits", None) or ([report.culprit] if report.culprit else [])
+    hints = [h for c in culprits for h in c.hints]
+    if report.first_output_divergence is not None:
+        hints += list(report.first_output_divergence.hints)
+    return hints
+
+
+def is_false(hint: Any, case: Case, variant: str) -> bool:
+    r"""A hint the ground truth contradicts: any hint on a clean port, an unknown-cause hint that says the
+    forward code differs when the cause is config or weights, or a named cause that is not the true one."""
+    if not case.expected(variant):
+        return True
+    if hint.id in UNKNOWN_HINTS:
+        return case.cause != "code"
+    return hint.id not in case.hints
+
+
+def _conversion(case: Case, pair: BuiltPair, variant: str) -> tuple[str | None, bool | None]:
+    r"""What ``weights map`` says about the planted tensor, and whether it differs from the faithful mapping."""
+    if not case.conversion:
+        return None, None
+    import paritykit
+
+    def entry(p: BuiltPair) -> Any:
+        cmap = paritykit.infer_conversion_map(p.source_state, p.target_state)
+        return next((e for e in cmap.mapping if e.target == case.planted), None)
+
+    bad = entry(pair)
+    good = entry(build(case, variant, None))
+    if bad is None:
+        return f"{case.planted}: unexplained", True
+    text = f"{case.planted} <- {', '.join(bad.sources)} [{bad.describe() or '='}]"
+    same = good is not None and (good.sources, good.op, good.args) == (bad.sources, bad.op, bad.args)
+    return text, not same
+
+
+def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
+    import paritykit
+
+    pair = build(case, variant)
+    kwargs: dict[str, Any] = {}
+    all_arg = all_culprits_argument() if use_all and len(case.culprits) > 1 else None
+    if all_arg:
+        kwargs[all_arg] = True
+    started = time.perf_counter()
+    report = paritykit.bisect(
+        pair.reference,
+        pair.port,
+        pair.inputs,
+        port_inputs=pair.port_inputs,
+        select_output=pair.select_output,
+        **kwargs,
+    )
+    conversion, conversion_ok = _conversion(case, pair, variant)
+    seconds = time.perf_counter() - started
+    expected = list(case.expected(variant))
+    found = _pairs(report)
+    if expected:
+        culprit_ok = bool(found) and (found[0] == expected[0] or found[0] in case.also)
+    else:
+        culprit_ok = report.verdict == "match" and not found
+    all_ok = None
+    if all_arg and expected:
+        accepted = [{e, *case.also} for e in expected]
+        all_ok = len(found) == len(expected) and all(f in ok for f, ok in zip(found, accepted))
+    first = report.culprit.hints[0] if report.culprit is not None and report.culprit.hints else None
+    hints = _all_hints(report)
+    verified = [h for h in hints if getattr(h, "verified", None) is True]
+    return Outcome(
+        case=case.id,
+        variant=variant,
+        expected=expected,
+        verdict=report.verdict,
+        found=found,
+        culprit_ok=culprit_ok,
+        all_ok=all_ok,
+        first_hint=f"[{first.id}] {first.message}" if first is not None else None,
+        first_hint_true=(first is not None and not is_false(first, case, variant)) if expected else None,
+        false_hints=[h.id for h in hints if is_false(h, case, variant)],
+        fix=getattr(verified[0], "fix", None) if verified else None,
+        fix_verified=(bool(verified) and verified[0].id in case.hints) if case.fix and expected else None,
+        conversion=conversion,
+        conversion_ok=conversion_ok,
+        seconds=seconds,
+    )
