@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 from paritykit.errors import ParityKitError
@@ -72,3 +73,39 @@ def test_every_json_report_leads_with_verdict_and_passed():
 def test_natural_sort():
     names = ["after_step_10", "after_step_2", "preloop", "after_step_1"]
     assert sorted(names, key=natural_key) == ["after_step_1", "after_step_2", "after_step_10", "preloop"]
+
+
+# ------------------------------------------------------------------------------------ reports read true
+
+
+def test_images_heatmap_colorbar_shows_the_amplified_values_its_title_names():
+    import numpy as np
+    from paritykit.visual import compare_images
+
+    rng = np.random.RandomState(0)
+    reference = rng.rand(16, 16, 3).astype(np.float32)
+    port = reference.copy()
+    port[4:8, 4:8] += 0.02  # a small patch: the raw max |diff| is 0.02
+    result = compare_images(reference, port)
+    figure = result.figure()
+    heatmap = figure.axes[2]
+    (image,) = heatmap.get_images()
+    gain, raw_max = map(float, re.search(r"×(\S+) \(max (\S+)\)", heatmap.get_title()).groups())
+    assert np.isclose(raw_max, 0.02, rtol=1e-3)
+    # what is drawn, and so what the colorbar reads, is |diff| × gain: 0 … 1, not 0 … 0.02
+    assert image.get_clim() == (0, 1)
+    assert np.isclose(float(np.asarray(image.get_array()).max()), gain * raw_max, rtol=1e-3)
+    assert np.isclose(gain * raw_max, 1.0, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("side", "flag"), [(0, "--range-a"), (1, "--range-b")])
+def test_images_range_error_names_the_cli_flag_of_that_side(side, flag):
+    import numpy as np
+    from paritykit.visual import compare_images
+
+    fine, odd = np.zeros((4, 4, 3), np.float32), np.full((4, 4, 3), 900.0, np.float32)
+    pair = (odd, fine) if side == 0 else (fine, odd)
+    with pytest.raises(ParityKitError, match=re.escape(flag)) as refused:
+        compare_images(*pair)
+    other = "--range-b" if flag == "--range-a" else "--range-a"
+    assert other not in str(refused.value) and "set value_range)" not in str(refused.value)

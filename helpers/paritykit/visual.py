@@ -46,7 +46,8 @@ GROWTH_HELP = (
     "exponent reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give 'unknown'."
 )
 
-_STEP_NAME = re.compile(r"^after_step_(\d+)$")
+# after_step_<i> from a pipeline's checkpoints, step_<i> from paritykit.record_loop
+_STEP_NAME = re.compile(r"^(?:after_)?step_(\d+)$")
 _TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 _CHANNELS = (1, 3, 4)
@@ -749,11 +750,21 @@ class ImageComparison:
         r"""Write reference | port | amplified ``|diff|`` heatmap as a PNG; one row per chosen frame."""
         if self._pixels is None:
             raise ParityKitError(f"{path}: nothing to draw (the images have different shapes)")
+        path = Path(path)
+        save_figure(self.figure(), path, format="png")
+        self.out_path = str(path)
+        return path
+
+    def figure(self):
+        r"""The matplotlib ``Figure`` :meth:`plot` saves (needs two images of the same shape).
+
+        The heatmap draws ``|diff| × gain`` on a 0..1 colour scale, so its colorbar shows the amplified values
+        the panel's title names (gain = 1 / the largest difference; the raw maximum is in the title too).
+        """
         import numpy as np
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        path = Path(path)
         pa, pb = self._pixels
         rows = self.chosen or [(0, "first")]
         diffs = [np.abs(pa[i] - pb[i]).max(axis=-1) for i, _ in rows]
@@ -779,11 +790,9 @@ class ImageComparison:
                 ax.set_title(f"{title} — {label}" if c == 0 and self.video else title, fontsize=9)
                 ax.axis("off")
             ax = axes[r][2]
-            shown = ax.imshow(
-                diff, cmap="magma", vmin=0, vmax=vmax if vmax > 0 else 1, interpolation="nearest"
-            )
+            shown = ax.imshow(diff * gain, cmap="magma", vmin=0, vmax=1, interpolation="nearest")
             psnr = "inf" if math.isinf(stats.psnr) else f"{stats.psnr:.2f}"
-            ax.set_title(f"|diff| ×{gain:.3g}  PSNR {psnr} dB", fontsize=9)
+            ax.set_title(f"|diff| ×{gain:.3g} (max {vmax:.3g})  PSNR {psnr} dB", fontsize=9)
             ax.axis("off")
             fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
         verdict = "PASS" if self.passed else "FAIL"
@@ -793,9 +802,7 @@ class ImageComparison:
             fontsize=10,
         )
         fig.tight_layout()
-        save_figure(fig, path, format="png")
-        self.out_path = str(path)
-        return path
+        return fig
 
 
 def _displayable(img):
@@ -914,8 +921,10 @@ def _to_frames(arr: Any, channels_first: bool, label: str):
 _RANGES = {"0..1": (0.0, 1.0), "-1..1": (-1.0, 1.0), "0..255": (0.0, 255.0)}
 
 
-def _normalise(x: Any, label: str, value_range: str = "auto"):
+def _normalise(x: Any, label: str, value_range: str = "auto", flag: str = "--range-a"):
     r"""Any accepted input -> (float32 F×H×W×C in [0, 1], detected range, is_video, non-finite pixel count).
+
+    ``flag`` is the CLI option that sets this side's range (``--range-a``/``--range-b``), named in errors.
 
     NaN/Inf pixels are a finding, not bad input (a port that renders NaN is the commonest way to differ): they
     are counted, drawn as 0 and fail the comparison.
@@ -942,9 +951,11 @@ def _normalise(x: Any, label: str, value_range: str = "auto"):
         nonfinite = int(arr.size - np.count_nonzero(finite))
         if nonfinite:
             arr = np.where(finite, arr, np.float32(0.0))
-        detected = value_range if value_range != "auto" else _detect_range(arr, label)
+        detected = value_range if value_range != "auto" else _detect_range(arr, label, flag)
         if detected not in _RANGES:
-            raise ParityKitError(f"{label}: value range {detected!r}: expected auto, 0..1, -1..1 or 0..255")
+            raise ParityKitError(
+                f"{label}: {flag} {detected!r}: expected auto, 0..1, -1..1 or 0..255 (value_range in Python)"
+            )
         lo, hi = _RANGES[detected]
         arr = (arr - lo) / (hi - lo)
     else:
@@ -954,7 +965,7 @@ def _normalise(x: Any, label: str, value_range: str = "auto"):
     return np.clip(frames, 0.0, 1.0).astype(np.float32), detected, video, nonfinite
 
 
-def _detect_range(arr: Any, label: str) -> str:
+def _detect_range(arr: Any, label: str, flag: str = "--range-a") -> str:
     r"""[-1, 1] when there are negative values; [0, 1] up to a 10% overshoot; [0, 255] above that."""
     lo, hi = float(arr.min()), float(arr.max())
     if lo < -1e-6:
@@ -965,7 +976,8 @@ def _detect_range(arr: Any, label: str) -> str:
     elif hi <= 255.0 + 1e-3:
         return "0..255"
     raise ParityKitError(
-        f"{label}: values span [{lo:.4g}, {hi:.4g}]; expected [0, 1], [-1, 1] or [0, 255] (set value_range)"
+        f"{label}: values span [{lo:.4g}, {hi:.4g}]; expected [0, 1], [-1, 1] or [0, 255]: pass {flag} with "
+        "the range to read them in (value_range in Python)"
     )
 
 
@@ -1001,8 +1013,8 @@ def compare_images(
     refuse_overwriting_an_input("--out", out, a, b)
     label_a, label_b = _label(a), _label(b)
     range_a, range_b = (value_range, value_range) if isinstance(value_range, str) else value_range
-    pa, detected_a, video_a, nonfinite_a = _normalise(a, label_a, range_a)
-    pb, detected_b, video_b, nonfinite_b = _normalise(b, label_b, range_b)
+    pa, detected_a, video_a, nonfinite_a = _normalise(a, label_a, range_a, "--range-a")
+    pb, detected_b, video_b, nonfinite_b = _normalise(b, label_b, range_b, "--range-b")
     if pa.shape[-1] != pb.shape[-1] and 1 in (pa.shape[-1], pb.shape[-1]):
         channels = max(pa.shape[-1], pb.shape[-1])
         pa = np.repeat(pa, channels, axis=-1) if pa.shape[-1] == 1 else pa
