@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+# The test gallery pairs diffusers with the original SD VAE code (taming-transformers-rom1504). That package
+# declares torchvision and pytorch-lightning, whose PyPI builds would replace the CPU torch; the one file the
+# gallery imports (taming/modules/diffusionmodules/model.py) needs only torch and numpy, hence --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps "taming-transformers-rom1504==0.0.6"
 	@touch $(STAMP)
 
 test: install
