@@ -40,8 +40,10 @@ def _check_device(device: str | None) -> None:
     + SPEC_HELP
     + """
 \b
-Exit codes: 0 match, 1 diverge, 2 bad spec or arguments (an exception in SPEC
-code is shown with the traceback trimmed to your files).
+Exit codes: 0 match, 1 diverge or masked (the final output matches but an
+aligned module fails on identical inputs; 0 with --allow-masked), 2 bad spec or
+arguments (an exception in SPEC code is shown with the traceback trimmed to
+your files).
 """
 )
 @click.argument("spec", required=False, type=click.Path(dir_okay=False))
@@ -81,9 +83,23 @@ code is shown with the traceback trimmed to your files).
     metavar="BLOCK",
     help="With --traces: the folders were traced with `paritykit trace … --inside BLOCK` (checked).",
 )
+@click.option(
+    "--all",
+    "all_culprits",
+    is_flag=True,
+    help="After each culprit, give it the reference's output in the port and search again: every "
+    "independent culprit in execution order, and whether the output then matches.",
+)
+@click.option(
+    "--allow-masked",
+    is_flag=True,
+    help="Exit 0 when the final output matches although an aligned module fails (verdict masked).",
+)
 @json_option
 @limit_option
-def bisect(spec, traces, atol, rtol, maps, device, ops, levels, zoom, as_json, limit):
+def bisect(
+    spec, traces, atol, rtol, maps, device, ops, levels, zoom, all_culprits, allow_masked, as_json, limit
+):
     from paritykit.bisect import bisect_spec
     from paritykit.naming import parse_map_options
 
@@ -100,6 +116,8 @@ def bisect(spec, traces, atol, rtol, maps, device, ops, levels, zoom, as_json, l
         ops=ops,
         levels=levels,
         zoom=zoom,
+        all_culprits=all_culprits,
+        allow_masked=allow_masked,
     )
     emit(report, as_json=as_json, limit=limit)
 
