@@ -1,4 +1,6 @@
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,156 @@ def test_cli_json_schema_and_exit_codes(cli, tmp_path):
     assert bad.returncode == 2
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "missing.json" in lines[0]
+
+
+# ------------------------------------------------------------------ ignore on both sides, equal keys listed
+def test_ignore_drops_the_key_on_both_sides_before_and_after_map():
+    a = {"ref": {"dim": 8, "eps": 1e-6}, "heads": 2}
+    b = {"dim": 8, "norm_eps": 1e-5, "heads": 2}
+    rules = [(r"^ref\.", ""), (r"^eps$", "norm_eps")]
+    assert [d.key for d in config_diff(a, b, rules=rules).differences] == ["norm_eps"]
+    # the pattern in A's original naming, in A's renamed naming, or B's naming: the pair is gone from both sides
+    for pattern in ("ref.eps", "ref.*", "norm_eps", "*eps"):
+        report = config_diff(a, b, rules=rules, ignore=[pattern])
+        assert report.exit_code == 0, pattern
+        assert "norm_eps" in report.ignored, pattern
+        assert "norm_eps" not in report.only_a + report.only_b + [d.key for d in report.differences]
+    # must not fire: an unrelated pattern leaves the difference in place
+    assert config_diff(a, b, rules=rules, ignore=["head*"]).exit_code == 1
+
+
+def test_equal_keys_are_counted_and_listed():
+    report = config_diff({"a": 1, "b": [1, 2], "c": 3}, {"a": 1.0, "b": (1, 2), "c": 4})
+    assert report.equal == ["a", "b"] and report.same == 2
+    assert report.to_dict()["equal"] == ["a", "b"]
+    assert "2 equal" in report.render()
+
+
+# ------------------------------------------------------------------------------------ class defaults
+def test_port_keys_at_the_class_default_are_listed_not_counted(tmp_path):
+    from paritykit.configs import DEFAULT
+
+    tiny_unet().save_pretrained(tmp_path / "unet")
+    reference = {k: v for k, v in load_config(tmp_path / "unet").items() if not k.startswith("_")}
+    del reference["act_fn"]  # at UNet2DConditionModel's default: the port's value is not a claim
+    del reference["cross_attention_dim"]  # 32, not the default 1280: must still be reported
+    report = config_diff(reference, tmp_path / "unet")
+    reasons = {u.key: u.reason for u in report.not_compared}
+    assert reasons["act_fn"] == DEFAULT and "act_fn" not in report.only_b
+    assert report.only_b == ["cross_attention_dim"] and report.exit_code == 1
+    strict = config_diff(reference, tmp_path / "unet", compare_defaults=True)
+    assert strict.only_b == ["act_fn", "cross_attention_dim"]
+
+
+def test_reference_keys_compares_only_what_the_reference_has(tmp_path):
+    from paritykit.configs import NOT_IN_REFERENCE
+
+    tiny_unet().save_pretrained(tmp_path / "unet")
+    reference = {"ldm.in_channels": 4, "ldm.context_dim": 32}
+    rules = [(r"^ldm\.", ""), (r"^context_dim$", "cross_attention_dim")]
+    assert config_diff(reference, tmp_path / "unet", rules=rules).exit_code == 1  # block_out_channels …
+    report = config_diff(reference, tmp_path / "unet", rules=rules, reference_keys=True)
+    assert report.exit_code == 0, report.render()
+    assert report.equal == ["cross_attention_dim", "in_channels"]
+    assert {u.key for u in report.not_compared if u.reason == NOT_IN_REFERENCE} >= {"block_out_channels"}
+    # must still fire on a key the reference has
+    reference["ldm.context_dim"] = 768
+    report = config_diff(reference, tmp_path / "unet", rules=rules, reference_keys=True)
+    assert [(d.key, d.a, d.b) for d in report.differences] == [("cross_attention_dim", 768, 32)]
+
+
+def scheduler_json(path, **extra):
+    config = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", **extra}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_with_defaults_shows_what_the_port_assumes(tmp_path):
+    reference = {
+        "num_train_timesteps": 1000,
+        "beta_schedule": "scaled_linear",
+        "timestep_spacing": "trailing",
+    }
+    port = scheduler_json(tmp_path / "scheduler_config.json", _class_name="DDIMScheduler")
+    plain = config_diff(reference, port)
+    assert plain.only_a == ["timestep_spacing"] and plain.differences == []
+
+    report = config_diff(reference, port, with_defaults=True)
+    assert [(d.key, d.a, d.b, d.b_default) for d in report.differences] == [
+        ("timestep_spacing", "trailing", "leading", True)
+    ]
+    assert "timestep_spacing" in report.filled_defaults["b"]
+    assert "'leading' (default)" in report.render()
+    # keys only the filled-in port has are defaults: listed, not counted
+    assert not report.only_b
+    # a folder, and --class for a config without _class_name, read the same defaults
+    assert config_diff(reference, tmp_path, with_defaults=True).differences == report.differences
+    bare = scheduler_json(tmp_path / "bare.json")
+    by_class = config_diff(reference, bare, with_defaults=True, class_name="DDIMScheduler")
+    assert by_class.differences == report.differences
+    # must not fire: the reference's value equals the assumed default
+    reference["timestep_spacing"] = "leading"
+    assert config_diff(reference, port, with_defaults=True).exit_code == 0
+
+
+def test_unknown_class_is_one_line_naming_the_option(cli, tmp_path):
+    with pytest.raises(ParityKitError, match="--class NoSuchScheduler"):
+        config_diff({"a": 1}, {"a": 1}, class_name="NoSuchScheduler")
+    bare = scheduler_json(tmp_path / "bare.json")
+    result = cli("config-diff", bare, bare, "--class", "NoSuchScheduler")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "--class" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------- --suggest-map
+def test_suggest_map_proposes_rules_that_line_keys_up():
+    from paritykit.naming import parse_map_options
+
+    reference = {"net": {"in_channels": 4, "out_channels": 4, "context_dim": 77, "depth": 2}}
+    port = {"in_channels": 4, "out_channels": 4, "cross_attention_dim": 77, "layers": 3}
+    report = config_diff(reference, port, suggest=True)
+    arguments = [s.argument for s in report.suggestions]
+    assert arguments == ["--map '^net\\.='", "--map '^context_dim$=cross_attention_dim'"]
+    # the printed arguments parse as --map and, applied, line the keys up
+    rules = parse_map_options([a.removeprefix("--map ").strip("'") for a in arguments])
+    applied = config_diff(reference, port, rules=rules)
+    assert applied.equal == ["cross_attention_dim", "in_channels", "out_channels"]
+    assert "suggested --map" in report.render()
+
+
+def test_suggest_map_leaves_ties_and_common_values_alone():
+    # two reference keys hold 7 and the port has one: which is the rename is not settled by values
+    tie = config_diff({"alpha": 7, "beta": 7}, {"gamma": 7}, suggest=True)
+    assert tie.suggestions == []
+    # a flag value (True) with unrelated names is no evidence
+    flags = config_diff({"use_checkpoint": True}, {"flip_sin_to_cos": True}, suggest=True)
+    assert flags.suggestions == []
+
+
+# ------------------------------------------------------------------------- the generated config-diff script
+def test_generated_script_has_the_reference_keys_switch(tmp_path):
+    import subprocess
+    import sys
+
+    from paritykit import scaffold
+
+    (tmp_path / "ref.json").write_text(json.dumps({"in_channels": 4}))
+    (tmp_path / "port.json").write_text(json.dumps({"in_channels": 4, "layers": 3}))
+    script = scaffold.generate(
+        "config-diff",
+        "s",
+        out_dir=tmp_path / "gen",
+        reference=str(tmp_path / "ref.json"),
+        diffusers=str(tmp_path / "port.json"),
+    ).paths[0]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "helpers")}
+    runs = {
+        flag: subprocess.run(
+            [sys.executable, str(script), *flag.split()], capture_output=True, text=True, env=env
+        )
+        for flag in ("", "--reference-keys --json")
+    }
+    assert runs[""].returncode == 1, runs[""].stdout + runs[""].stderr
+    assert runs["--reference-keys --json"].returncode == 0, runs["--reference-keys --json"].stderr
+    payload = json.loads(runs["--reference-keys --json"].stdout)
+    assert payload["passed"] is True and payload["equal"] == ["in_channels"]

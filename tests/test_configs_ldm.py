@@ -253,9 +253,20 @@ def test_a_yaml_missing_what_diffusers_needs_is_one_line(tmp_path, saved, change
     assert "v1.yaml" in str(info.value) and "\n" not in str(info.value)
 
 
-def test_cli_ldm(cli, tmp_path, saved):
+def run(*args):
+    """``paritykit ARGS`` in-process (the subprocess path is covered in test_configs.py)."""
+    from click.testing import CliRunner
+    from paritykit.cli import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args], prog_name="paritykit")
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    result.returncode = result.exit_code
+    return result
+
+
+def test_cli_ldm(tmp_path, saved):
     good = write_yaml(tmp_path / "v1-inference.yaml")
-    result = cli("config-diff", good, saved / "unet", "--json")
+    result = run("config-diff", good, saved / "unet", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     payload = json.loads(result.stdout)
     assert payload["derived_with"] == {"": UNET_HELPER}
@@ -268,11 +279,11 @@ def test_cli_ldm(cli, tmp_path, saved):
     } in payload["not_compared"]
 
     bad = write_yaml(tmp_path / "bad.yaml", [((*UNET_PARAMS, "channel_mult"), [1, 4])])
-    result = cli("config-diff", bad, saved / "unet")
+    result = run("config-diff", bad, saved / "unet")
     assert result.returncode == 1 and "block_out_channels" in result.stdout
 
     (tmp_path / "plain.yaml").write_text(yaml.safe_dump({"depth": 2}))
-    result = cli("config-diff", tmp_path / "plain.yaml", saved / "unet", "--ldm")
+    result = run("config-diff", tmp_path / "plain.yaml", saved / "unet", "--ldm")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert (
         result.returncode == 2 and len(lines) == 1 and "plain.yaml" in lines[0] and "unet_config" in lines[0]
