@@ -648,3 +648,55 @@ def test_an_edited_copy_is_not_overwritten_by_a_reinstall(other, pack):
     install(["claude"], target=other, pack=pack, copy=True, force=True)
     (backup,) = (other / ".claude" / "paritykit-backups").iterdir()
     assert (backup / "SKILL.md").read_text() == "my rewrite\n"
+
+
+# --- what the reports say ------------------------------------------------------------------------------------
+
+
+def test_dry_run_with_a_conflict_shows_the_plan_with_the_conflict_and_exits_1(other, pack):
+    name = PACK_NAMES[0]
+    write(other / ".claude" / "skills" / name / "SKILL.md", "diffusers' own skill\n")
+    before = tree_state(other)
+    report = install(["claude"], target=other, pack=pack, dry_run=True)
+    assert report.exit_code == 1 and tree_state(other) == before
+    rows = {a.path: a.action for a in report.actions}
+    assert rows[f".claude/skills/{name}"] == "conflict"
+    assert sum(action == "linked" for action in rows.values()) == len(PACK_NAMES) - 1  # the rest of the plan
+    assert any("--skip-existing" in w and "--force" in w for w in report.warnings)
+    run = run_cli("skills", "install", "--agent", "claude", "--target", other, "--dry-run")
+    assert run.returncode == 1 and "conflict" in run.stdout and run.stderr == "", run.stdout + run.stderr
+    assert tree_state(other) == before
+
+
+def test_uninstall_help_speaks_of_uninstalling():
+    text = run_cli("skills", "uninstall", "--help").stdout
+    assert "Agent to uninstall for" in text and "Repository to uninstall from" in text
+    assert "to install" not in text and "install into" not in text, text
+
+
+def test_skills_list_fits_120_columns_and_keeps_every_word():
+    listing = list_skills()
+    text = listing.render(limit=0)
+    assert max(len(line) for line in text.splitlines() if not line.endswith(listing.pack)) <= 120, text
+    words = text.split()
+    for info in listing.skills:
+        assert " ".join(info.description.split()) in " ".join(words), info.name
+    two = listing.render(limit=2)
+    assert f"… {len(listing.skills) - 2} more" in two and listing.skills[2].name not in two
+
+
+def test_install_says_how_to_keep_links_out_of_git_status_and_when_to_copy(other, pack):
+    (other / ".git" / "info").mkdir(parents=True)
+    report = install(["claude"], target=other, pack=pack)
+    notes = "\n".join(report.notes)
+    assert ".git/info/exclude" in notes and "/.claude/skills/" in notes, notes
+    assert "--copy" in notes and "moves" in notes, notes
+    # once excluded (and for copies) the advice is not repeated
+    (other / ".git" / "info" / "exclude").write_text("/.claude/skills/\n")
+    copied = "\n".join(install(["claude"], target=other, pack=pack, copy=True).notes)
+    assert ".git/info/exclude" not in copied and "--copy" not in copied, copied
+
+
+def test_no_git_no_exclude_advice(other, pack):
+    notes = "\n".join(install(["claude"], target=other, pack=pack).notes)
+    assert ".git/info/exclude" not in notes

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -152,10 +153,27 @@ class SkillList:
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        rows = [(s.name, s.description) for s in self.skills]
-        return render_table(
-            ("skill", "description"), rows, limit=limit, summary=f"{len(rows)} skill(s) in {self.pack}"
-        )
+        # Descriptions are long by design (agents match on them): wrap them so the table fits 120 columns.
+        name_width = max([len("skill"), *(len(s.name) for s in self.skills)])
+        width = max(TABLE_WIDTH - name_width - 2, 40)
+        rows = []
+        for info in self.skills:
+            lines = textwrap.wrap(info.description, width) or [""]
+            rows += [(info.name, lines[0]), *(("", line) for line in lines[1:])]
+        shown = rows if not limit else rows[: _rows_for(limit, rows)]
+        table = render_table(("skill", "description"), shown, limit=None)
+        more = len(self.skills) - sum(1 for name, _ in shown if name)
+        tail = [f"… {more} more (raise --limit, or use --json for everything)"] if more else []
+        return "\n".join([table, *tail, f"{len(self.skills)} skill(s) in {self.pack}"])
+
+
+TABLE_WIDTH = 120  # the widest a table may print: a terminal split in two, an agent's tool output
+
+
+def _rows_for(limit: int, rows: list[tuple[str, str]]) -> int:
+    r"""How many wrapped rows hold the first ``limit`` skills (their continuation lines included)."""
+    starts = [i for i, (name, _) in enumerate(rows) if name]
+    return starts[limit] if limit < len(starts) else len(rows)
 
 
 def list_skills(root: str | os.PathLike | None = None) -> SkillList:
@@ -637,15 +655,43 @@ def install(
     ]
     refusals = [p.refusal for p in plans if p.refusal]
     conflicts = [c for p in plans for c in p.conflicts]
-    if refusals or conflicts:
+    if (refusals or conflicts) and not dry_run:
         raise ParityKitError(_refusal_message(refusals, conflicts, ctx))
     for plan in plans:
         plan.run(report, dry_run)
+    if refusals or conflicts:
+        # A dry run shows the whole plan, conflicts included, and fails the way the real install would.
+        report.warnings.append(_refusal_message(refusals, conflicts, ctx, "the install would stop here"))
+        report.exit_code = 1
     if not ctx.this_checkout and not user_scope:
         report.notes.append(
             "instruction files (CLAUDE.md, AGENTS.md) are left alone outside paritykit's own checkout"
         )
+    report.notes += _install_advice(ctx, report, copy)
     return report
+
+
+def _install_advice(ctx: _Context, report: InstallReport, copy: bool) -> list[str]:
+    r"""What to know about what was made: keeping it out of ``git status``, and links versus copies."""
+    notes = []
+    made = {a.action for a in report.actions} & {"linked", "copied", "adopted", "unchanged", "replaced"}
+    if not made:
+        return notes
+    exclude = ctx.base / ".git" / "info" / "exclude"
+    if not ctx.user_scope and (ctx.base / ".git").is_dir():
+        listed = exclude.read_text(errors="replace").splitlines() if exclude.is_file() else []
+        missing = [f"/{f.rstrip('/')}/" for f in report.folders if f"/{f.rstrip('/')}/" not in listed]
+        if missing:
+            notes.append(
+                f"to keep them out of `git status` without touching .gitignore, add {' and '.join(missing)} to "
+                f".git/info/exclude (local to this clone, never committed)"
+            )
+    if not copy:
+        notes.append(
+            f"the links point into {ctx.pack}: if that clone or virtual environment moves or is deleted they "
+            "break; install with --copy for standalone copies (install again to update them)"
+        )
+    return notes
 
 
 def uninstall(
@@ -731,7 +777,12 @@ def _repository_root(start: Path) -> Path:
     return start
 
 
-def _refusal_message(refusals: list[str], conflicts: list[str], ctx: _Context) -> str:
+def _refusal_message(
+    refusals: list[str],
+    conflicts: list[str],
+    ctx: _Context,
+    lead: str = "refusing to install, nothing was changed",
+) -> str:
     parts = list(refusals)
     if conflicts:
         parts.append(
@@ -740,7 +791,7 @@ def _refusal_message(refusals: list[str], conflicts: list[str], ctx: _Context) -
             f"other skills, or --force to replace {'it' if len(conflicts) == 1 else 'them'} "
             f"(moved aside to {BACKUP_FOLDER}/, never deleted)"
         )
-    return "refusing to install, nothing was changed: " + "; ".join(parts)
+    return f"{lead}: " + "; ".join(parts)
 
 
 def _tree_hash(path: Path) -> str:
@@ -937,6 +988,7 @@ def _plan_install(
                 continue
             if not force:
                 plan.conflicts.append(f"{ctx.show(dest)} ({what})")
+                plan.step("conflict", dest, f"not paritykit's ({what}); --skip-existing or --force")
                 continue
             backup = _backup_path(folder, name)
             plan.step("backed-up", dest, f"moved to {ctx.show(backup)}", _mover(dest, backup))

@@ -8,24 +8,33 @@ from paritykit.cli._common import emit, json_option, limit_option
 
 AGENT_CHOICES = "claude, codex, cursor, gemini, copilot, opencode, all"
 
-_agent_option = click.option(
-    "--agent",
-    "agents",
-    multiple=True,
-    metavar="AGENT",
-    help=f"Agent to install for (repeatable or comma-separated): {AGENT_CHOICES}.",
-)
+
+def _agent_option(verb: str):
+    return click.option(
+        "--agent",
+        "agents",
+        multiple=True,
+        metavar="AGENT",
+        help=f"Agent to {verb} for (repeatable or comma-separated): {AGENT_CHOICES}.",
+    )
+
+
 _global_option = click.option(
     "--global",
     "user_scope",
     is_flag=True,
     help="Use the user-scope folders under HOME instead of a repository.",
 )
-_target_option = click.option(
+_install_target_option = click.option(
     "--target",
     type=click.Path(file_okay=False),
     help="Repository to install into (default: the git root above the current folder). Only paritykit's own "
     "checkout gets CLAUDE.md/AGENTS.md links to .ai/AGENTS.md; another repository's are never touched.",
+)
+_uninstall_target_option = click.option(
+    "--target",
+    type=click.Path(file_okay=False),
+    help="Repository to uninstall from (default: the git root above the current folder).",
 )
 _dry_run_option = click.option("--dry-run", is_flag=True, help="Show what would change; write nothing.")
 
@@ -79,10 +88,15 @@ def validate_command(paths: tuple[str, ...], as_json: bool, limit: int) -> None:
 
 
 @skills.command("install", short_help="Link (or copy) every skill where the agents look.")
-@_agent_option
+@_agent_option("install")
 @_global_option
-@_target_option
-@click.option("--copy", is_flag=True, help="Copy the skill folders instead of linking them.")
+@_install_target_option
+@click.option(
+    "--copy",
+    is_flag=True,
+    help="Copy the skill folders instead of linking them: better when the pack's folder (a clone, a venv) may "
+    "move or be deleted, which breaks links; copies are updated by installing again.",
+)
 @click.option(
     "--force",
     is_flag=True,
@@ -109,7 +123,8 @@ def install_command(
 
     Without --agent: the agent named by the environment (Claude Code, Codex), else claude and codex.
     Everything is checked before anything is written: a same-name skill that is not paritykit's, or a skills
-    folder that is itself a symlink, stops the install with exit 2 and nothing changed.
+    folder that is itself a symlink, stops the install with exit 2 and nothing changed (with --dry-run: the
+    plan is shown with its conflicts, exit 1).
     """
     from paritykit.skills import install
 
@@ -126,9 +141,9 @@ def install_command(
 
 
 @skills.command("uninstall", short_help="Remove what install made, and only that.")
-@_agent_option
+@_agent_option("uninstall")
 @_global_option
-@_target_option
+@_uninstall_target_option
 @_dry_run_option
 @json_option
 @limit_option
