@@ -147,3 +147,28 @@ def test_readme_shows_saving_the_reference_sides_checkpoints():
     code = "\n".join(re.findall(r"```python\n(.*?)```", porting, re.S))
     assert "save_checkpoints(" in code and "Checkpoint(save=True)" in code, porting
     assert "paritykit steps ref_ckpts" in porting
+
+
+TRACE_SPEC = (
+    "import torch\n\n\ndef make_inputs():\n    return (torch.ones(2, 3),), {}\n\n\n"
+    "def build_reference():\n    torch.manual_seed(0)\n    return torch.nn.Linear(3, 3)\n\n\n"
+    "def build_port():\n    torch.manual_seed(0)\n    return torch.nn.Linear(3, 3)\n"
+)
+
+
+def test_trace_suggests_the_other_side_only_after_the_first(tmp_path):
+    from paritykit.bisect import trace_spec
+
+    (tmp_path / "spec.py").write_text(TRACE_SPEC)
+    first = trace_spec(tmp_path / "spec.py", side="reference", out=tmp_path / "ref_trace")
+    assert first.other is None
+    assert "next: trace the port" in first.render() and "--side port" in first.next_command()
+    second = trace_spec(tmp_path / "spec.py", side="port", out=tmp_path / "port_trace")
+    text = second.render()
+    assert "trace the" not in text and "--side" not in text, text
+    assert second.next_command().split()[:3] == ["paritykit", "bisect", "--traces"]
+    assert second.next_command().split()[3:5] == [str(tmp_path / "ref_trace"), str(tmp_path / "port_trace")]
+    # a trace of another spec beside it is not the other side
+    (tmp_path / "other.py").write_text(TRACE_SPEC)
+    lone = trace_spec(tmp_path / "other.py", side="port", out=tmp_path / "other_port")
+    assert lone.other is None and "next: trace the reference" in lone.render()

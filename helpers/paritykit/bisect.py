@@ -1663,6 +1663,8 @@ class TraceSummary:
     weights: int
     environment: dict[str, Any] = field(default_factory=dict)
     exit_code: int = 0
+    spec: str = "SPEC.py"
+    other: str | None = None  # a trace of the other side of the same spec, found beside this one
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -1672,15 +1674,56 @@ class TraceSummary:
             "modules": self.modules,
             "tensors": self.tensors,
             "weights": self.weights,
+            "other_side_trace": self.other,
+            "next": self.next_command(),
             "environment": self.environment,
         }
 
+    def next_command(self) -> str:
+        r"""Both sides traced: the bisect to run; only this one: how to trace the other side first."""
+        import shlex
+
+        if self.other is not None:
+            mine, theirs = self.directory, self.other
+            ref, port = (mine, theirs) if self.side == "reference" else (theirs, mine)
+            return shlex.join(["paritykit", "bisect", "--traces", ref, port, self.spec])
+        other = "port" if self.side == "reference" else "reference"
+        return shlex.join(["paritykit", "trace", self.spec, "--side", other, "--out", f"{other}_trace"])
+
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        return (
+        head = (
             f"traced the {self.side}: {self.calls} calls of {self.modules} modules, {self.tensors} tensors and "
-            f"{self.weights} weights written to {self.directory}\n"
-            f"next: trace the other side, then `paritykit bisect --traces REF_DIR PORT_DIR [SPEC.py]`"
+            f"{self.weights} weights written to {self.directory}"
         )
+        if self.other is not None:
+            found = f"the {_other_side(self.side)} is traced in {self.other}"
+            return f"{head}\n{found}; next: {self.next_command()}"
+        return (
+            f"{head}\nnext: trace the {_other_side(self.side)} (in its own environment if need be): "
+            f"{self.next_command()}\nthen `paritykit bisect --traces REF_DIR PORT_DIR {self.spec}`"
+        )
+
+
+def _other_side(side: str) -> str:
+    return "port" if side == "reference" else "reference"
+
+
+def _other_side_trace(out: Any, side: str, spec: Any) -> str | None:
+    r"""A folder beside ``out`` holding a trace of the other side of the same spec (by file name), if any."""
+    import json
+    from pathlib import Path
+
+    from paritykit.trace import MANIFEST
+
+    out = Path(out)
+    for folder in sorted(p for p in out.resolve().parent.iterdir() if p.is_dir() and p != out.resolve()):
+        try:
+            about = json.loads((folder / MANIFEST).read_text()).get("about") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if about.get("side") == _other_side(side) and Path(str(about.get("spec"))).name == Path(spec).name:
+            return str(out.parent / folder.name)
+    return None
 
 
 def trace_spec(
@@ -1733,4 +1776,6 @@ def trace_spec(
         info["tensors"],
         len(weights),
         environment_stamp(device=device or "cpu", spec=str(spec_path)),
+        spec=str(spec_path),
+        other=_other_side_trace(out, side, spec_path),
     )
