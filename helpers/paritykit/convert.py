@@ -66,10 +66,10 @@ OPS = (
 _BLOCK = 1 << 18
 # fused tensors are split into at most this many equal pieces when looking for a target inside them
 _MAX_PIECES = 64
-# candidates listed per ambiguous target (the JSON also carries the total)
-_MAX_CANDIDATES = 10
-# candidates ranked per ambiguous target when none sits in the same layer
-_MAX_FALLBACK = 1024
+# candidates shown per ambiguous row in the text table (the JSON lists every one)
+_SHOWN_CANDIDATES = 3
+# the text tables fit a terminal of this width
+_WIDTH = 120
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -185,9 +185,18 @@ class MappingEntry:
     sources: list[str]
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+    # why this source: "values" (the only source with these values), "structure: …" (several sources hold
+    # the values; the model's structure settled it) or "guess: …" (nothing but names did: ambiguous)
+    evidence: str = "values"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "sources": list(self.sources), "op": self.op, "args": self.args}
+        return {
+            "target": self.target,
+            "sources": list(self.sources),
+            "op": self.op,
+            "args": self.args,
+            "evidence": self.evidence,
+        }
 
     def describe(self) -> str:
         return describe_op(self.op, self.args)
@@ -228,12 +237,18 @@ class ConversionRule:
 
 @dataclass
 class AmbiguousTarget:
-    r"""A target explained equally well by several sources; ``chosen`` is the one the mapping uses."""
+    r"""A target several sources explain equally well and structure cannot settle.
+
+    ``candidates`` lists every source that builds it exactly (never cut); ``chosen`` is the one the mapping
+    uses, a guess by names.
+    """
 
     target: str
     candidates: list[str]
     chosen: str
     n_candidates: int
+    # the candidates structure could not tell apart (a subset of ``candidates``)
+    plausible: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -241,7 +256,20 @@ class AmbiguousTarget:
             "candidates": list(self.candidates),
             "chosen": self.chosen,
             "n_candidates": self.n_candidates,
+            "plausible": list(self.plausible),
         }
+
+
+@dataclass
+class ConversionWarning:
+    r"""A mapping that is exact but looks wrong: a fused split whose order contradicts the target names, or
+    a tensor built differently in one layer than in the others (shift/scale swapped in one block)."""
+
+    target: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "message": self.message}
 
 
 @dataclass
@@ -253,7 +281,10 @@ class ConversionMap:
         rules: the mapping collapsed into :class:`ConversionRule` s over layer indices.
         unmapped_target: target keys no source explains.
         unused_source: source keys no target uses.
-        ambiguous: targets several sources explain equally well (constants, fresh initialisation).
+        ambiguous: targets several sources explain equally well and structure cannot settle (constants,
+            fresh initialisation); their source is a guess by names.
+        warnings: exact mappings that contradict the names or differ between layers.
+        allow_ambiguous: guessed targets do not fail the map (``--allow-ambiguous``).
     """
 
     mapping: list[MappingEntry]
@@ -267,10 +298,18 @@ class ConversionMap:
     target_label: str = "target"
     seconds: float = 0.0
     emitted_rules: str | None = None
+    warnings: list[ConversionWarning] = field(default_factory=list)
+    allow_ambiguous: bool = False
 
     @property
     def exit_code(self) -> int:
-        return 0 if not self.unmapped_target else 1
+        r"""1 when a target is unexplained, a warning was raised, or a target is guessed (unless allowed)."""
+        failed = self.unmapped_target or self.warnings or (self.ambiguous and not self.allow_ambiguous)
+        return 1 if failed else 0
+
+    @property
+    def n_structure(self) -> int:
+        return sum(e.evidence.startswith("structure") for e in self.mapping)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -281,10 +320,15 @@ class ConversionMap:
             "unmapped_target": list(self.unmapped_target),
             "unused_source": list(self.unused_source),
             "ambiguous": [a.to_dict() for a in self.ambiguous],
+            "warnings": [w.to_dict() for w in self.warnings],
+            "allow_ambiguous": self.allow_ambiguous,
             "summary": {
                 "n_source": self.n_source,
                 "n_target": self.n_target,
                 "explained": len(self.mapping),
+                "settled_by_structure": self.n_structure,
+                "ambiguous": len(self.ambiguous),
+                "warnings": len(self.warnings),
                 "rules": len(self.rules),
                 "seconds": round(self.seconds, 3),
             },
@@ -307,10 +351,12 @@ class ConversionMap:
         summary = (
             f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)} rule{'' if len(self.rules) == 1 else 's'} "
             f"from {self.n_source} source tensors; {len(self.unmapped_target)} unexplained, "
-            f"{len(self.unused_source)} sources unused, {len(self.ambiguous)} ambiguous ({self.seconds:.2f} s)"
+            f"{len(self.unused_source)} sources unused, {self.n_structure} settled by structure, "
+            f"{len(self.ambiguous)} ambiguous, {len(self.warnings)} warning{'' if len(self.warnings) == 1 else 's'} "
+            f"({self.seconds:.2f} s)"
         )
         parts = [f"weights map: {self.source_label} -> {self.target_label}", ""]
-        parts.append(render_table(["source pattern", "op", "target", "n"], rows, limit=limit))
+        parts.append(_fitted_table(["source pattern", "op", "target", "n"], rows, limit))
         for title, names in (
             ("Unexplained target tensors", self.unmapped_target),
             ("Unused source tensors", self.unused_source),
@@ -318,28 +364,81 @@ class ConversionMap:
             if names:
                 parts += ["", f"{title} ({len(names)}):"]
                 shown = names if not limit else names[:limit]
-                parts += [f"  {n}" for n in shown]
+                parts += [f"  {_shorten(n, _WIDTH - 2)}" for n in shown]
                 if len(names) > len(shown):
                     parts.append(
                         f"  … {len(names) - len(shown)} more (raise --limit, or use --json for everything)"
                     )
         if self.ambiguous:
-            amb_rows = [
-                (
-                    a.target,
-                    a.chosen,
-                    f"{a.n_candidates}: "
-                    + ", ".join(a.candidates[:3])
-                    + (", …" if a.n_candidates > 3 else ""),
-                )
-                for a in self.ambiguous
+            verdict = (
+                "allowed by --allow-ambiguous"
+                if self.allow_ambiguous
+                else "exit 1; --allow-ambiguous accepts the guesses"
+            )
+            parts += [
+                "",
+                f"Ambiguous targets ({len(self.ambiguous)}): equal values in several sources and nothing in the "
+                f"structure to choose; the chosen source is a GUESS by names ({verdict}). "
+                "Rows alike but for layer numbers are folded (n); --json lists every candidate.",
             ]
-            parts += ["", f"Ambiguous targets ({len(self.ambiguous)}; equal values, chosen by name):"]
-            parts.append(render_table(["target", "chosen", "candidates"], amb_rows, limit=limit))
+            parts.append(
+                _fitted_table(["target", "chosen (guess)", "candidates", "n"], _folded(self.ambiguous), limit)
+            )
+        if self.warnings:
+            parts += ["", f"Warnings ({len(self.warnings)}):"]
+            shown_w = self.warnings if not limit else self.warnings[:limit]
+            parts += [f"  {w.target}: {w.message}" for w in shown_w]
+            if len(self.warnings) > len(shown_w):
+                parts.append(f"  … {len(self.warnings) - len(shown_w)} more (use --json for everything)")
         if self.emitted_rules:
             parts += ["", f"rules module written to {self.emitted_rules}"]
         parts += ["", summary]
         return "\n".join(parts)
+
+
+def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]:
+    r"""One row per group of ambiguous targets alike but for layer numbers (same names, same candidate count)."""
+    groups: dict[tuple, list[AmbiguousTarget]] = defaultdict(list)
+    for a in ambiguous:
+        groups[(_skeleton(a.target), _skeleton(a.chosen), a.n_candidates)].append(a)
+    rows = []
+    for members in groups.values():
+        a = members[0]
+        names = a.plausible or a.candidates
+        more = ", …" if len(names) > _SHOWN_CANDIDATES else ""
+        tails = [n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] if n.count(".") >= 2 else n for n in names]
+        rows.append(
+            (
+                a.target,
+                a.chosen,
+                f"{len(names)} of {a.n_candidates}: " + ", ".join(tails[:_SHOWN_CANDIDATES]) + more,
+                str(len(members)),
+            )
+        )
+    return rows
+
+
+def _shorten(text: str, width: int) -> str:
+    r"""``text`` cut to ``width`` in the middle, keeping more of the tail (where names differ)."""
+    if len(text) <= width:
+        return text
+    keep = max(1, width - 1)
+    head = keep // 3
+    return text[:head] + "…" + text[len(text) - (keep - head) :]
+
+
+def _fitted_table(headers: list[str], rows: list[tuple[str, ...]], limit: int | None) -> str:
+    r"""``render_table`` with the widest columns shortened in the middle until a row fits ``_WIDTH``."""
+    shown = rows if not limit else rows[:limit]
+    widths = [max([len(h)] + [len(r[i]) for r in shown]) for i, h in enumerate(headers)]
+    floor = [max(len(h), 12) for h in headers]
+    while sum(widths) + 2 * (len(widths) - 1) > _WIDTH:
+        i = max(range(len(widths)), key=lambda k: widths[k] - floor[k])
+        if widths[i] <= floor[i]:
+            break
+        widths[i] -= 1
+    fitted = [tuple(_shorten(c, w) for c, w in zip(r, widths)) for r in rows]
+    return render_table(headers, fitted, limit=limit)
 
 
 def describe_op(op: str, args: dict[str, Any]) -> str:
@@ -653,6 +752,9 @@ class _NameScorer:
         # target ancestor module -> source ancestor module -> value-unique matches under both
         self.partners: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.totals: dict[str, int] = defaultdict(int)
+        self._homes: dict[str, str] | None = None
+        # target module -> names of its direct children (modules or tensors)
+        self.target_children: dict[str, set[str]] = defaultdict(set)
 
     def learn(self, source: str, target: str, *, evidence: bool = True) -> None:
         r"""Record a match; only value-unique matches (``evidence``) teach naming patterns and module ties."""
@@ -660,19 +762,49 @@ class _NameScorer:
         if not evidence:
             return
         self.pairs.add((_skeleton(source), _skeleton(target)))
+        self._homes = None
         for t_anc in _ancestors(target):
             self.totals[t_anc] += 1
             partners = self.partners[t_anc]
             for s_anc in _ancestors(source):
                 partners[s_anc] += 1
 
+    def home_of(self) -> dict[str, str]:
+        r"""Target module -> the deepest source module holding all of its value-unique evidence.
+
+        A module whose evidence all comes from one child module sits one level above that child's home
+        (``layers.0`` pairs with ``blocks.0``, not with ``blocks.0.proj``, the home of ``layers.0.linear``).
+        """
+        if self._homes is None:
+            homes: dict[str, str] = {}
+            children: dict[str, list[str]] = defaultdict(list)
+            for t_anc in self.partners:
+                if "." in t_anc and t_anc.rsplit(".", 1)[0] in self.partners:
+                    children[t_anc.rsplit(".", 1)[0]].append(t_anc)
+            for t_anc in sorted(self.partners, key=lambda a: -a.count(".")):
+                partners = self.partners[t_anc]
+                top = max(partners.values())
+                best = max((s for s, n in partners.items() if n == top), key=lambda s: s.count("."))
+                kids = children.get(t_anc, [])
+                # only when the module also holds tensors outside that child (a norm beside a linear);
+                # ``to_out`` around ``to_out.0`` is the same module as its only child
+                wider = len(self.target_children.get(t_anc, ())) > 1
+                if len(kids) == 1 and wider and homes.get(kids[0]) == best and "." in best:
+                    best = best.rsplit(".", 1)[0]
+                homes[t_anc] = best
+            self._homes = homes
+        return self._homes
+
     def homes(self, target: str) -> list[str]:
         r"""For each parent module of ``target`` (deepest first), the source module most tied to it."""
-        out = []
-        for t_anc in _ancestors(target):
-            partners = self.partners.get(t_anc)
-            if partners:
-                out.append(max(partners.items(), key=lambda kv: (kv[1], kv[0].count(".")))[0])
+        home_of = self.home_of()
+        return [home_of[a] for a in _ancestors(target) if a in home_of]
+
+    def claimed(self) -> dict[str, set[str]]:
+        r"""Source module -> the target modules it is the home of."""
+        out: dict[str, set[str]] = defaultdict(set)
+        for t_anc, s_anc in self.home_of().items():
+            out[s_anc].add(t_anc)
         return out
 
     def key(self, source: str, target: str, cheap: bool = False) -> tuple:
@@ -1080,6 +1212,15 @@ class _Matcher:
         self._resolved: dict[tuple, list[dict[str, Any]] | None] = {}
         self._classes: dict[tuple, dict[tuple, list[str]]] = {}
         self._cast_cache: dict[tuple[str, Any], Any] = {}
+        self.evidence: dict[str, str] = {}
+        self.plausible: dict[str, list[str]] = {}
+        self._anc_cache: dict[str, set[str]] = {}
+        self.by_module: dict[str, list[str]] = defaultdict(list)
+        for key in target:
+            self.by_module[key.rsplit(".", 1)[0] if "." in key else ""].append(key)
+            parts = key.split(".")
+            for n in range(1, len(parts)):
+                self.scorer.target_children[".".join(parts[:n])].add(parts[n])
 
     # -- helpers ------------------------------------------------------------------------------------------
     def cast(self, key: str, dtype):
@@ -1305,61 +1446,247 @@ class _Matcher:
         return _Found(sources, "concat", args)
 
     # -- phase 5: choose among equal candidates -----------------------------------------------------------
+    def ways(self, tkey: str) -> list[_Found]:
+        r"""Every distinct way (one source each for whole-tensor matches) that builds ``tkey`` exactly."""
+        out, seen = [], set()
+        for f in self.found[tkey]:
+            for name in f.candidates():
+                way = f.using(name)
+                sig = _way_sig(way)
+                if sig not in seen:
+                    seen.add(sig)
+                    out.append(way)
+        return out
+
+    def settle(self, tkey: str, way: _Found, evidence: str, *, learn: bool = False) -> None:
+        self.chosen[tkey] = way
+        self.evidence[tkey] = evidence
+        for name in way.sources:
+            self.scorer.learn(name, tkey, evidence=learn)
+
     def choose(self) -> None:
+        r"""Pick one way per target: values first, then structure; what neither settles is a guess by names.
+
+        Structure, in order: the way a settled sibling parameter of the same target module is built (a bias
+        chunked like its weight), the source module value-unique matches tie to the target's modules, no
+        source inside a module tied to a DIFFERENT target module, live weights over EMA/shadow copies, and
+        a (source, target, op) pattern already settled in another layer (block 1 maps like block 0).
+        """
+        all_ways = {k: self.ways(k) for k in self.target if k in self.found}
+        for tkey, ways in all_ways.items():
+            live = _prefer_live(ways)
+            if len({_way_sig(w) for w in live}) == 1:
+                why = "values" if len(ways) == 1 else "values; live weights over EMA/shadow copies"
+                self.settle(tkey, live[0], why, learn=True)
+        narrowed: dict[str, list[_Found]] = {}
+        for _ in range(4):
+            claimed = self.scorer.claimed()
+            proven = {_relation(self.chosen[k], k) for k in self.chosen}
+            changed = False
+            for tkey, ways in all_ways.items():
+                if tkey in self.chosen:
+                    continue
+                extra = self.sibling_ways(tkey)
+                all_ways[tkey] = ways = _dedupe([*extra, *ways])
+                kept, why = self.narrow(tkey, ways, extra, claimed, proven)
+                narrowed[tkey] = kept
+                if len({_way_sig(w) for w in kept}) == 1:
+                    self.settle(tkey, kept[0], "structure: " + why)
+                    proven.add(_relation(kept[0], tkey))
+                    changed = True
+            if not changed:
+                break
+        self.guess({k: narrowed.get(k, all_ways[k]) for k in all_ways if k not in self.chosen}, all_ways)
+
+    def sibling_ways(self, tkey: str) -> list[_Found]:
+        r"""Ways built like a settled sibling of ``tkey`` (same target module): same source module, same
+        leading chunk (a fused bias split like its fused weight), verified exactly."""
+        if "." not in tkey:
+            return []
+        module, leaf = tkey.rsplit(".", 1)
+        t = self.target[tkey]
+        out = []
+        for other in self.by_module.get(module, ()):
+            way = self.chosen.get(other)
+            if other == tkey or way is None or len(way.sources) != 1 or "." not in way.sources[0]:
+                continue
+            src_module = way.sources[0].rsplit(".", 1)[0]
+            candidate = f"{src_module}.{leaf}"
+            s = self.source.get(candidate)
+            if s is None or candidate == way.sources[0] or not _castable(s.dtype, t.dtype):
+                continue
+            steps: list[dict[str, Any]] = []
+            x = self.cast(candidate, t.dtype)
+            if way.op == "chunk" and way.args["dim"] == 0 and s.ndim >= 1:
+                ref = self.source[way.sources[0]]
+                if s.shape[0] != ref.shape[0]:
+                    continue
+                chunk = {k: v for k, v in way.args.items() if k != "then"}
+                steps.append({"op": "chunk", **chunk})
+                x = _apply_step(x, steps[0])
+            rest = _resolve(x, t)
+            if rest is None:
+                continue
+            cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
+            out.append(_entry_from_steps(candidate, [*steps, *rest], cast))
+        return out
+
+    def narrow(self, tkey, ways, extra, claimed, proven) -> tuple[list[_Found], str]:
+        r"""The ways structure keeps for ``tkey`` and why (each filter applies only if something remains)."""
+        reasons = []
+
+        def keep(subset, why):
+            nonlocal ways
+            if subset and len(subset) < len(ways):
+                ways = subset
+                reasons.append(why)
+
+        keep(extra, "built like its sibling parameter")
+        for home in self.scorer.homes(tkey):
+            inside = [w for w in ways if home in self.ancestors(w.sources[0])]
+            if inside:
+                keep(inside, f"inside {home or 'the root'}, which the module's other tensors come from")
+                break
+        t_anc = set(_ancestors(tkey))
+        keep(
+            [w for w in ways if not self.foreign(w.sources[0], t_anc, claimed)],
+            "others sit in modules that map to other target modules",
+        )
+        keep(_prefer_live(ways), "live weights over EMA/shadow copies")
+        keep([w for w in ways if _relation(w, tkey) in proven], "maps like the same tensor in other layers")
+        return ways, "; ".join(reasons) or "only way"
+
+    def ancestors(self, name: str) -> set[str]:
+        if name not in self._anc_cache:
+            self._anc_cache[name] = set(_ancestors(name))
+        return self._anc_cache[name]
+
+    def foreign(self, source: str, t_anc: set[str], claimed: dict[str, set[str]]) -> bool:
+        r"""True when the deepest claimed module around ``source`` is claimed only by modules outside
+        the target's."""
+        for anc in _ancestors(source):
+            owners = claimed.get(anc)
+            if owners:
+                return not (owners & t_anc)
+        return False
+
+    def guess(self, narrowed: dict[str, list[_Found]], all_ways: dict[str, list[_Found]]) -> None:
+        r"""Targets structure cannot settle: one (source, target, op) pattern per target group, voted by
+        names, so block 1 is guessed like block 0; every candidate is listed."""
+        ranked: dict[str, list[_Found]] = {}
+        clear: dict[str, bool] = {}
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for tkey, ways in narrowed.items():
+            by_name: dict[str, list[_Found]] = defaultdict(list)
+            for w in ways:
+                by_name[w.sources[0]].append(w)
+            names = self.scorer.rank(tkey, by_name, keep=64)
+            names += [n for n in by_name if n not in set(names)]
+            ranked[tkey] = [w for n in names for w in by_name[n]]
+            keys = [self.scorer.key(n, tkey) for n in names[:2]]
+            clear[tkey] = len(keys) < 2 or keys[0] > keys[1]
+            groups[_layer_key(tkey)].append(tkey)
         taken: set[str] = set()
-        for tkey in (k for k in self.target if k in self.found):
-            fs = self.found[tkey]
-            if not any(f.members for f in fs) and len({tuple(f.sources) for f in fs}) == 1:
-                # one source, several equal pieces (a constant fused bias): give each target its own piece
-                ways = [json.dumps([f.sources, f.op, f.args], sort_keys=True) for f in fs]
-                pick = next((i for i, w in enumerate(ways) if w not in taken), 0)
-                taken.add(ways[pick])
-                self.chosen[tkey] = fs[pick]
-                for s in fs[pick].sources:
-                    self.scorer.learn(s, tkey)
-        by_layer: dict[int, dict[tuple[str, ...], list[str]]] = {}
-        by_module: dict[int, dict[str, list[str]]] = {}
-        for tkey in (k for k in self.target if k in self.found and k not in self.chosen):
-            fs = self.found[tkey]
-            # a short list first: candidates inside the source module that value-unique matches tie to the
-            # target's parent modules, else candidates in the same layer. Each shared pool is indexed once,
-            # so a big bucket of constants is ranked in time linear in its size, not in targets x sources.
-            for f in fs:
-                pool = f.candidates()
-                if id(pool) not in by_layer:
-                    layers: dict[tuple[str, ...], list[str]] = defaultdict(list)
-                    modules: dict[str, list[str]] = defaultdict(list)
-                    for name in pool:
-                        layers[_layer_indices(name)].append(name)
-                        for anc in _ancestors(name):
-                            modules[anc].append(name)
-                    by_layer[id(pool)], by_module[id(pool)] = layers, modules
-            near: dict[str, _Found] = {}
-            for home in self.scorer.homes(tkey):
-                for f in fs:
-                    for name in by_module[id(f.candidates())].get(home, ()):
-                        near.setdefault(name, f)
-                if near:
-                    break
-            if not near:
-                indices = _layer_indices(tkey)
-                for f in fs:
-                    for name in by_layer[id(f.candidates())].get(indices, ()):
-                        near.setdefault(name, f)
-            if not near:
-                near = {name: f for f in fs for name in f.candidates()[:_MAX_FALLBACK]}
-            ranked = self.scorer.rank(tkey, near)
-            shown = ranked[:_MAX_CANDIDATES]
-            for f in fs:
-                for name in f.candidates()[:_MAX_CANDIDATES]:
-                    if len(shown) < _MAX_CANDIDATES and name not in shown:
-                        shown.append(name)
-            best = near[ranked[0]].using(ranked[0])
-            self.chosen[tkey] = best
-            self.ambiguous[tkey] = shown
-            self.n_candidates[tkey] = sum(len(f.candidates()) for f in fs)  # classes are disjoint
-            for name in best.sources:
-                self.scorer.learn(name, tkey, evidence=False)
+        # groups whose names point clearly (``norm_added_q`` ~ ``txt``) choose first; the rest take what is left
+        order = sorted(groups.values(), key=lambda m: -sum(clear[k] for k in m) / len(m))
+        for members in order:
+            fresh = {k: [w for w in ranked[k] if _way_sig(w) not in taken] or ranked[k] for k in members}
+            score: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+            for tkey in members:
+                seen: set[tuple] = set()
+                for pos, w in enumerate(fresh[tkey]):
+                    rel = _relation(w, tkey)
+                    if rel not in seen:
+                        seen.add(rel)
+                        score[rel][0] += 1
+                        score[rel][1] -= pos
+            # the pattern most layers can follow, then the one names prefer: block 1 guessed like block 0
+            rel = max(score, key=lambda r: tuple(score[r]))
+            for tkey in members:
+                fits = [w for w in fresh[tkey] if _relation(w, tkey) == rel]
+                pick = (fits or fresh[tkey])[0]
+                taken.add(_way_sig(pick))
+                self.settle(tkey, pick, "guess: equal values; chosen by names")
+                names = list(dict.fromkeys(w.sources[0] for w in all_ways[tkey]))
+                self.ambiguous[tkey] = names
+                self.plausible[tkey] = list(dict.fromkeys(w.sources[0] for w in narrowed[tkey]))
+                self.n_candidates[tkey] = len(names)
+
+
+_EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema([._]|$)", re.IGNORECASE)
+
+
+def _is_ema(name: str) -> bool:
+    return _EMA.search(name) is not None
+
+
+def _prefer_live(ways: list[_Found]) -> list[_Found]:
+    r"""Ways without EMA/shadow copies among their sources, or all of them when every way uses one."""
+    live = [w for w in ways if not any(_is_ema(s) for s in w.sources)]
+    return live or ways
+
+
+def _way_sig(way: _Found) -> str:
+    return json.dumps([way.sources, way.op, way.args], sort_keys=True)
+
+
+def _dedupe(ways: list[_Found]) -> list[_Found]:
+    seen: set[str] = set()
+    out = []
+    for w in ways:
+        if _way_sig(w) not in seen:
+            seen.add(_way_sig(w))
+            out.append(w)
+    return out
+
+
+def _fine_skeleton(name: str) -> str:
+    r"""The name with layer indices (whole dotted numbers) blanked; ``norm1`` stays ``norm1``."""
+    return ".".join("#" if c.isdigit() else c for c in name.split("."))
+
+
+def _step_family(op: str, args: dict[str, Any]) -> tuple:
+    r"""What an op does, without the sizes that differ between layers of different width."""
+    if op == "chunk":
+        return ("chunk", args["dim"], args.get("index"), args.get("count"))
+    if op in ("transpose", "permute"):
+        return (op, tuple(args["dims"]))
+    if op in ("swap_halves", "concat"):
+        return (op, args["dim"])
+    if op == "cast":
+        return (op, args["dtype"])
+    if op == "permute_rows":
+        return (op, args["dim"], args["pattern"])
+    return (op,)
+
+
+def _op_family(op: str, args: dict[str, Any]) -> tuple:
+    steps = [] if op == "identity" else [_step_family(op, args)]
+    return tuple(steps + [_step_family(s["op"], s) for s in args.get("then", [])])
+
+
+def _layer_key(name: str) -> tuple[str, tuple[str, ...]]:
+    r"""A name without its first layer index: ``blocks.1.m.2.w`` -> ``("blocks.#.m.#.w", ("2",))``.
+
+    Names with equal keys are the same tensor in different layers (the first index counts layers; later
+    indices, such as a chunk number or a sub-block, say which tensor inside the layer it is).
+    """
+    numbers = [c for c in name.split(".") if c.isdigit()]
+    return _fine_skeleton(name), tuple(numbers[1:])
+
+
+def _source_key(name: str) -> tuple[str, str]:
+    r"""A source name with every number blanked, and the numbers of the module holding it (``norm2``)."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    # a whole number there is a layer index, not part of the module's name
+    return _skeleton(name), "" if module.isdigit() else "".join(_DIGITS.findall(module))
+
+
+def _relation(way: Any, target: str) -> tuple:
+    r"""The layer-independent form of a way: ``norm1 <- norm2`` in block 1 differs from ``norm1 <- norm1``
+    in block 0, while ``resnets.1 <- block_2`` and ``resnets.0 <- block_1`` are alike."""
+    return (tuple(_source_key(s) for s in way.sources), _layer_key(target), _op_family(way.op, way.args))
 
 
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
@@ -1374,18 +1701,21 @@ def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
     return out
 
 
-def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
+def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = False) -> ConversionMap:
     r"""Explain every TARGET tensor from SOURCE tensors by value, and collapse the result into rules.
 
     Args:
         source: the research checkpoint: a path (anything :func:`paritykit.io.load_state_dict` reads), a
             ``dict[str, Tensor]`` or a module (its ``state_dict()``).
         target: the converted (diffusers) weights, in the same forms.
+        allow_ambiguous: targets whose source is a guess (equal values, no structure to choose) do not set
+            ``exit_code`` 1.
     Returns:
         A :class:`ConversionMap`: ``mapping`` (one entry per explained target, with op ``identity``, ``cast``,
-        ``transpose``, ``permute``, ``reshape``, ``chunk``, ``concat``, ``swap_halves`` or ``permute_rows``),
-        ``rules``, ``unmapped_target``, ``unused_source``, ``ambiguous``; ``exit_code`` 0 when every target
-        is explained.
+        ``transpose``, ``permute``, ``reshape``, ``chunk``, ``concat``, ``swap_halves`` or ``permute_rows``,
+        and its ``evidence``), ``rules``, ``unmapped_target``, ``unused_source``, ``ambiguous`` (every
+        candidate listed), ``warnings``; ``exit_code`` 0 when every target is explained, none is guessed
+        (or ``allow_ambiguous``) and nothing looks wrong.
     Raises:
         ParityKitError: a path that does not exist or cannot be read, or an input without tensors.
     """
@@ -1401,11 +1731,13 @@ def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
     m.choose()
 
     mapping = [
-        MappingEntry(k, m.chosen[k].sources, m.chosen[k].op, m.chosen[k].args) for k in tgt if k in m.chosen
+        MappingEntry(k, m.chosen[k].sources, m.chosen[k].op, m.chosen[k].args, m.evidence[k])
+        for k in tgt
+        if k in m.chosen
     ]
     used = {s for e in mapping for s in e.sources}
     ambiguous = [
-        AmbiguousTarget(k, m.ambiguous[k][:_MAX_CANDIDATES], m.chosen[k].sources[0], m.n_candidates[k])
+        AmbiguousTarget(k, m.ambiguous[k], m.chosen[k].sources[0], m.n_candidates[k], m.plausible[k])
         for k in tgt
         if k in m.ambiguous
     ]
@@ -1420,7 +1752,109 @@ def infer_conversion_map(source: Any, target: Any) -> ConversionMap:
         source_label=src_label,
         target_label=tgt_label,
         seconds=time.perf_counter() - started,
+        warnings=conversion_warnings(mapping),
+        allow_ambiguous=allow_ambiguous,
     )
+
+
+# --------------------------------------------------------------------------------------------------------
+# warnings: exact mappings that still look wrong
+# --------------------------------------------------------------------------------------------------------
+
+_ROLE_ORDER = {"q": 0, "k": 1, "v": 2}
+_ROLE_WORDS = {"q": "q", "query": "q", "k": "k", "key": "k", "v": "v", "value": "v"}
+
+
+def _role(name: str) -> str | None:
+    r"""``q``/``k``/``v`` when the module holding ``name`` is named for one (``to_q``, ``k_proj``, ``value``)."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else parts[-1]
+    roles = {_ROLE_WORDS[w] for w in re.split(r"[^a-z]+", module.lower()) if w in _ROLE_WORDS}
+    return roles.pop() if len(roles) == 1 else None
+
+
+def conversion_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+    r"""Exact mappings that contradict the names or the other layers.
+
+    * A fused tensor split so that the chunk order contradicts the target names (chunk 0 -> ``k_proj``,
+      chunk 1 -> ``q_proj``); the usual orders are q, k, v and k, v. Concatenations are read the same way.
+    * A tensor built differently in some layers than in the others (``norm1`` from ``norm2`` in one block,
+      shift/scale swapped in one block only).
+    """
+    out: list[ConversionWarning] = []
+    out += _fused_order_warnings(mapping)
+    out += _layer_warnings(mapping)
+    return out
+
+
+def _fused_order_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+    out = []
+    pieces: dict[tuple, list[tuple[int, str, MappingEntry]]] = defaultdict(list)
+    for e in mapping:
+        if e.op == "chunk" and len(e.sources) == 1 and _role(e.target):
+            pieces[(e.sources[0], e.args["dim"])].append((e.args["start"], _role(e.target), e))
+        if e.op == "concat":
+            roles = [_role(s) for s in e.sources]
+            known = [r for r in roles if r]
+            if len(known) >= 2 and known != sorted(known, key=_ROLE_ORDER.get):
+                order = ", ".join(f"{s} ({r})" for s, r in zip(e.sources, roles) if r)
+                out.append(
+                    ConversionWarning(
+                        e.target, f"concatenated in the order {order}; the usual orders are q, k, v and k, v"
+                    )
+                )
+    for (source, _dim), items in pieces.items():
+        items.sort(key=lambda x: x[0])
+        roles = [r for _, r, _ in items]
+        if len(roles) < 2 or roles == sorted(roles, key=_ROLE_ORDER.get):
+            continue
+        order = ", ".join(
+            f"{describe_op(e.op, e.args).split(' + ')[0]} -> {e.target.rsplit('.', 2)[-2]}"
+            for _, _, e in items
+        )
+        for _, _, e in items:
+            out.append(
+                ConversionWarning(
+                    e.target,
+                    f"{source} is split as {order}: the chunk order contradicts the target names "
+                    "(usual orders q, k, v and k, v); check the split",
+                )
+            )
+    return out
+
+
+def _layer_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+    groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
+    for e in mapping:
+        groups[_layer_key(e.target)].append(e)
+    out = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        relations = [_relation(e, e.target) for e in members]
+        counts: dict[tuple, int] = defaultdict(int)
+        for r in relations:
+            counts[r] += 1
+        if len(counts) < 2:
+            continue
+        usual = max(counts, key=lambda r: (counts[r], -relations.index(r)))
+        model = members[relations.index(usual)]
+        for e, r in zip(members, relations):
+            if r == usual:
+                continue
+            what = describe_op(e.op, e.args) or "a copy"
+            usual_what = describe_op(model.op, model.args) or "a copy"
+            swapped = ("swap_halves" in what) != ("swap_halves" in usual_what)
+            hint = " (shift/scale order differs between blocks)" if swapped else ""
+            out.append(
+                ConversionWarning(
+                    e.target,
+                    f"built as {what} of {', '.join(e.sources)}, but {counts[usual]} other layer(s) build it "
+                    f"as {usual_what} of their own tensor ({', '.join(model.sources)} -> {model.target}){hint}: "
+                    "the mapping is inconsistent across layer indices",
+                )
+            )
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1535,10 +1969,35 @@ def render_rules_module(conversion_map: ConversionMap, module_name: str = "conve
         target=conversion_map.target_label.replace('"', "'"),
         version=__version__,
         module=module_name,
-        rules="\n".join(f"    # {r.text}\n" + _format_rule(d) for r, d in zip(conversion_map.rules, rules)),
+        rules="\n".join(
+            _guess_comment(r, conversion_map) + f"    # {r.text}\n" + _format_rule(d)
+            for r, d in zip(conversion_map.rules, rules)
+        ),
     )
     runtime = "\n\n\n".join(inspect.getsource(fn).rstrip() for fn in _RUNTIME)
     return header + "\n" + runtime + "\n" + _MODULE_FOOTER
+
+
+def _guess_comment(rule: ConversionRule, cmap: ConversionMap) -> str:
+    r"""A comment over a rule that builds targets whose source was guessed (equal values, chosen by names)."""
+    guessed = {a.target: a for a in cmap.ambiguous}
+    if not guessed:
+        return ""
+    regex = re.compile(rule.pattern)
+    hits = [
+        guessed[e.target]
+        for e in cmap.mapping
+        if e.target in guessed
+        and regex.fullmatch(e.sources[0])
+        and _expand(regex, e.sources[0], rule.target) == e.target
+    ]
+    if not hits:
+        return ""
+    n = max(len(a.plausible or a.candidates) for a in hits)
+    return (
+        f"    # GUESSED: {len(hits)} target(s) here hold values {n} sources share; the source was chosen by "
+        "names.\n    # Check it against the reference code or a checkpoint with distinct values.\n"
+    )
 
 
 def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bool = False) -> Path:
@@ -1555,6 +2014,11 @@ def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bo
             does not exist.
     """
     path = Path(path)
+    if conversion_map.ambiguous and not conversion_map.allow_ambiguous:
+        raise ParityKitError(
+            f"--emit-rules: {len(conversion_map.ambiguous)} target(s) are ambiguous (equal values, source guessed "
+            "by names); run without --emit-rules to see them, or pass --allow-ambiguous to write the guesses"
+        )
     if path.exists() and not force:
         raise ParityKitError(f"--emit-rules {str(path)!r} already exists; pass --force to overwrite it")
     if not path.parent.is_dir():

@@ -22,9 +22,21 @@ from paritykit.errors import ParityKitError
     help="Write the inferred rules as a Python module with convert(state_dict) -> state_dict.",
 )
 @click.option("--force", is_flag=True, help="Let --emit-rules overwrite an existing file.")
+@click.option(
+    "--allow-ambiguous",
+    is_flag=True,
+    help="Accept sources guessed by names (equal values, nothing in the structure to choose): exit 0, "
+    "and --emit-rules writes them with a GUESSED comment.",
+)
 @limit_option
 def weights_map(
-    source: Path, target: Path, as_json: bool, emit_rules_path: Path | None, force: bool, limit: int
+    source: Path,
+    target: Path,
+    as_json: bool,
+    emit_rules_path: Path | None,
+    force: bool,
+    allow_ambiguous: bool,
+    limit: int,
 ) -> None:
     """Explain every TARGET tensor from SOURCE tensors by value; print the rules.
 
@@ -35,12 +47,17 @@ def weights_map(
     \b
     Ops found: identity, cast, transpose, permute, reshape, chunk (fused QKV),
     concat, swap_halves (shift/scale order), permute_rows (interleaved heads,
-    rotary layouts). Prints the rule table, then unexplained targets, unused
-    sources and ambiguous targets (equal values in several sources, such as
-    constant norms; the best-named candidate is used).
+    rotary layouts). When several sources hold the same values (fresh init,
+    EMA copies), structure decides: a sibling built the same way, the module
+    the neighbours come from, live over EMA, the pattern of other layers.
+    What structure cannot settle is AMBIGUOUS (every candidate in --json;
+    the chosen one is a guess by names). Warnings: a fused split whose order
+    contradicts the names (chunk 0 -> k_proj), a layer built differently.
 
     \b
-    Exit codes: 0 every target explained, 1 some unexplained, 2 bad input.
+    Exit codes: 0 every target explained, none guessed, no warning;
+    1 unexplained, ambiguous (unless --allow-ambiguous) or a warning;
+    2 bad input (also --emit-rules on an ambiguous map without the flag).
     """
     if force and emit_rules_path is None:
         raise ParityKitError("--force only applies together with --emit-rules OUT.py")
@@ -52,7 +69,7 @@ def weights_map(
 
     from paritykit.convert import emit_rules, infer_conversion_map
 
-    report = infer_conversion_map(source, target)
+    report = infer_conversion_map(source, target, allow_ambiguous=allow_ambiguous)
     if emit_rules_path is not None:
         emit_rules(report, emit_rules_path, force=force)
     emit(report, as_json=as_json, limit=limit)
