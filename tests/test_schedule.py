@@ -32,6 +32,15 @@ SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule":
 DDIM_BASE = {**SD_BETAS, "clip_sample": False}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny UNet on a shared 2-core machine: one thread is 50x faster than oversubscribed ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def unet() -> UNet2DConditionModel:
     torch.manual_seed(0)
