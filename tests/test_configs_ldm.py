@@ -264,6 +264,17 @@ def run(*args):
     return result
 
 
+def test_a_port_the_helpers_cannot_describe_is_refused(tmp_path, saved):
+    yaml_path = write_yaml(tmp_path / "v1.yaml")
+    with pytest.raises(ParityKitError, match="not SD3Transformer2DModel"):
+        config_diff(yaml_path, {"_class_name": "SD3Transformer2DModel", "num_layers": 2})
+    scheduler_only = {"scheduler": {"_library": "diffusers", "_class": "DDIMScheduler", "beta_end": 0.012}}
+    with pytest.raises(ParityKitError, match="no UNet2DConditionModel or AutoencoderKL component"):
+        config_diff(yaml_path, scheduler_only)
+    # --no-ldm still compares the raw keys
+    assert config_diff(yaml_path, scheduler_only, ldm=False).only_a
+
+
 def test_cli_ldm(tmp_path, saved):
     good = write_yaml(tmp_path / "v1-inference.yaml")
     result = run("config-diff", good, saved / "unet", "--json")

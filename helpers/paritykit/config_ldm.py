@@ -100,30 +100,49 @@ class _Recorder(dict):
         return self[key] if dict.__contains__(self, key) else default
 
 
-def ldm_targets(target: Mapping[str, Any], class_name: str | None = None) -> dict[str, str]:
+def ldm_targets(
+    target: Mapping[str, Any], class_name: str | None = None, *, target_label: str = "the port"
+) -> dict[str, str]:
     r"""Which derived config each part of the port's config is compared with: ``{prefix: "unet" | "vae"}``.
 
-    A pipeline's ``unet`` / ``vae`` components are matched by class (``UNet2DConditionModel``,
-    ``AutoencoderKL``); a single model by ``class_name`` or its ``_class_name``, and without a class by its keys
-    (``latent_channels`` without ``cross_attention_dim`` is an autoencoder).
+    A pipeline's components are matched by class (``UNet2DConditionModel``, ``AutoencoderKL``); a single model
+    by ``class_name`` or its ``_class_name``, and without a class by its keys (``latent_channels`` without
+    ``cross_attention_dim`` is an autoencoder). Raises :class:`ParityKitError` when nothing fits: a wrong pairing
+    would report every key as a difference.
     """
-    parts = {
-        name: _PART_CLASSES[value.get("_class") or value.get("_class_name")]
+    components = {
+        name: value.get("_class") or value.get("_class_name")
         for name, value in target.items()
-        if isinstance(value, Mapping) and (value.get("_class") or value.get("_class_name")) in _PART_CLASSES
+        if isinstance(value, Mapping) and "_class" in value
     }
-    if parts:
+    if components:
+        parts = {name: _PART_CLASSES[cls] for name, cls in components.items() if cls in _PART_CLASSES}
+        if not parts:
+            raise ParityKitError(
+                f"{target_label}: pipeline has no UNet2DConditionModel or AutoencoderKL component to compare with the "
+                "LDM YAML (use --no-ldm to compare raw keys)"
+            )
         return parts
     name = class_name or target.get("_class_name") or ""
-    if "Autoencoder" in name or (
-        not name and "latent_channels" in target and "cross_attention_dim" not in target
-    ):
+    if name in _PART_CLASSES:
+        return {"": _PART_CLASSES[name]}
+    if name:
+        raise ParityKitError(
+            f"{target_label}: diffusers' single-file helpers (--ldm) derive UNet2DConditionModel and AutoencoderKL configs, "
+            f"not {name} (use --no-ldm to compare raw keys)"
+        )
+    if "latent_channels" in target and "cross_attention_dim" not in target:
         return {"": "vae"}
     return {"": "unet"}
 
 
 def derive_from_ldm(
-    yaml_config: Mapping[str, Any], target: Mapping[str, Any], *, label: str, class_name: str | None = None
+    yaml_config: Mapping[str, Any],
+    target: Mapping[str, Any],
+    *,
+    label: str,
+    class_name: str | None = None,
+    target_label: str = "the port",
 ) -> LdmDerivation:
     r"""Derive the diffusers config(s) the port's config should equal, with diffusers' single-file helpers.
 
@@ -131,6 +150,7 @@ def derive_from_ldm(
         yaml_config: the loaded LDM YAML.
         target: the port's loaded config (one model, or a pipeline with ``unet`` / ``vae`` components).
         label: the YAML's name for error messages.
+        target_label: the port config's name for error messages.
         class_name: the port's class when its config has no ``_class_name``.
 
     Returns:
@@ -141,7 +161,7 @@ def derive_from_ldm(
         raise ParityKitError(
             f"{label}: --ldm needs an LDM-style YAML (model.params.unet_config or model.params.first_stage_config)"
         )
-    targets = ldm_targets(target, class_name)
+    targets = ldm_targets(target, class_name, target_label=target_label)
     for part in set(targets.values()):
         if not _has_section(yaml_config, part):
             raise ParityKitError(

@@ -394,7 +394,9 @@ def config_diff(
 
     derivation = None
     if ldm or (ldm is None and is_ldm_config(config_a) and not is_ldm_config(config_b)):
-        derivation = derive_from_ldm(config_a, config_b, label=result.a, class_name=class_name)
+        derivation = derive_from_ldm(
+            config_a, config_b, label=result.a, class_name=class_name, target_label=result.b
+        )
         yaml_values = flatten(config_a)
         config_a = derivation.config
         result.derived_with = dict(derivation.parts)
