@@ -58,6 +58,8 @@ _EXPORTS: dict[str, str] = {
     "BisectReport": "paritykit.bisect",
     "Trace": "paritykit.trace",
     "Alignment": "paritykit.align",
+    "zoom_bisect": "paritykit.zoom",
+    "ModelWeights": "paritykit.trace",
     "step_curve": "paritykit.visual",
     "compare_images": "paritykit.visual",
     "compare_gradients": "paritykit.gradients",
