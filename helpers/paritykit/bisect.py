@@ -1354,7 +1354,8 @@ def bisect(
         all_culprits: after each culprit, give it the reference's output in the port and search again, so
             ``culprits`` lists every independent one in execution order.
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
-            (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules.
+            (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
+            weights are offloaded by accelerate.
 
     Returns:
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and ``culprits``),
