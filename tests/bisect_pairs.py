@@ -8,6 +8,8 @@ faithful port; every other ``bug`` plants one real-world mistake.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from diffusers.models.activations import get_activation
@@ -476,3 +478,46 @@ def vit_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
         port.layernorm.eps = 1e-2
     x = torch.randn(2, 3, VIT["image"], VIT["image"], generator=torch.Generator().manual_seed(seed + 1))
     return reference, port, ((x,), {})
+
+
+# ---------------------------------------------------------------------------------- inline time family
+# Research code computes the sinusoidal timestep embedding inline (cos half first); the port delegates it to
+# diffusers' Timesteps, whose flip_sin_to_cos decides that order.
+
+
+class ResearchInlineTime(nn.Module):
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN, max_period: float = 10000.0):
+        super().__init__()
+        self.dim = dim
+        self.max_period = max_period
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+
+    def forward(self, t):
+        half = self.dim // 2
+        freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, dtype=torch.float32) / half)
+        angles = t.float()[:, None] * freqs[None, :]
+        return self.mlp(torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1))
+
+
+class PortTimeEmbed(nn.Module):
+    def __init__(self, flip_sin_to_cos: bool = True):
+        super().__init__()
+        self.time_proj = Timesteps(DIM, flip_sin_to_cos=flip_sin_to_cos, downscale_freq_shift=0)
+        self.time_embedding = TimestepEmbedding(DIM, HIDDEN)
+
+    def forward(self, timestep):
+        return self.time_embedding(self.time_proj(timestep))
+
+
+def inline_time_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
+    r"""``bug="flip"``: the port's Timesteps is built with ``flip_sin_to_cos=False`` (sin half first);
+    ``bug="period"``: the reference uses a maximum period of 1000, which no Timesteps argument sets."""
+    torch.manual_seed(seed)
+    reference = ResearchInlineTime(max_period=1000.0 if bug == "period" else 10000.0)
+    reference = randomize(reference, seed) if trained else reference.eval()
+    port = PortTimeEmbed(flip_sin_to_cos=bug != "flip").eval()
+    names = {"mlp.0": "time_embedding.linear_1", "mlp.2": "time_embedding.linear_2"}
+    port.load_state_dict(
+        {f"{names[k.rsplit('.', 1)[0]]}.{k.rsplit('.', 1)[1]}": v for k, v in reference.state_dict().items()}
+    )
+    return reference, port, ((torch.tensor([999.0, 421.0, 3.0]),), {})

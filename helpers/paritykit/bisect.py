@@ -272,7 +272,12 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
         f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
         f"cosine {format_number(f.cosine, 6)}",
     ]
-    if f.inline:
+    if f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
+        lines.append(
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters through "
+            "a port module the reference has no module for (it computes that step inline): see the hints"
+        )
+    elif f.inline:
         lines.append(
             f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in this "
             "module's own forward code, not in a submodule"
@@ -1016,9 +1021,11 @@ def bisect_traces(
         call, passed = searcher.descend(ref_root)
         if not output.passed:
             culprit = _finding(searcher, call, passed, output, ops=ops)
-        elif call is not ref_root and _masking(searcher):
-            verdict = "masked"
-            culprit = _finding(searcher, call, passed, output, ops=ops)
+        else:
+            hidden = (call, passed) if call is not ref_root and _masking(searcher) else _masked_call(searcher)
+            if hidden is not None:
+                verdict = "masked"
+                culprit = _finding(searcher, *hidden, output, ops=ops)
     tested = list(searcher.results.values())
     report = BisectReport(
         verdict=verdict,
@@ -1034,6 +1041,37 @@ def bisect_traces(
     if all_culprits and culprit is not None:
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
     return report
+
+
+# captured-output differences confirmed by replay when looking for a masked divergence
+MAX_MASKED_CHECKS = 32
+
+
+def _masked_call(searcher: _Bisector) -> tuple[Any, int] | None:
+    """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
+    shrunk by what follows, inside a passing parent). Candidates are aligned calls (medium or high confidence)
+    whose captured outputs differ, deepest first; the first that also fails on replay is the culprit."""
+    from paritykit.compare import compare_tensors
+
+    checks = 0
+    for record in searcher.rt.completion_order():
+        pair = searcher.alignment.pair_of(record.module)
+        port_record = searcher.port_record(record) if record.parent is not None else None
+        if pair is None or pair.confidence == "low" or port_record is None:
+            continue
+        a, b = list(record.outputs.items()), list(port_record.outputs.items())
+        leaves = _pair_leaves(a, b) or []
+        if all(
+            compare_tensors(a[i][1], b[j][1], atol=searcher.atol, rtol=searcher.rtol, diagnose=False).passed
+            for i, j in leaves
+        ):
+            continue
+        checks += 1
+        if searcher.test(record).status == "fail":
+            return searcher.descend(record)
+        if checks >= MAX_MASKED_CHECKS:
+            break
+    return None
 
 
 def _masking(searcher: _Bisector) -> bool:
@@ -1078,7 +1116,14 @@ def _finding(
             output.cosine,
             inline=children_passed > 0,
             children_passed=children_passed,
-            hints=_hints_at(searcher, call, port_call, None, output),
+            hints=_with_inline(
+                searcher,
+                call,
+                port_call,
+                children_passed,
+                output.max_abs,
+                _hints_at(searcher, call, port_call, None, output),
+            ),
             note=_untested_inside(alignment, call.module),
         )
     result = searcher.results[call.name]
@@ -1100,11 +1145,39 @@ def _finding(
         result.cosine,
         inline=children_passed > 0,
         children_passed=children_passed,
-        hints=_hints_at(searcher, call, port_call, result, None),
+        hints=_with_inline(
+            searcher,
+            call,
+            port_call,
+            children_passed,
+            result.max_abs,
+            _hints_at(searcher, call, port_call, result, None),
+        ),
         confidence=pair.confidence,
         note=_join(result.note, _untested_inside(alignment, call.module)),
         op=op,
     )
+
+
+def _with_inline(
+    searcher: _Bisector, call: Any, port_call: Any, children_passed: int, before: float | None, hints: list
+) -> list:
+    """At an inline culprit, the evidence of the first differing child input goes first
+    (:func:`paritykit.module_fit.inline_reference_hints`); a "forward code differs" hint then no longer
+    stands, since the difference was traced to a port module the reference has no counterpart for."""
+    if children_passed == 0 or port_call is None:
+        return hints
+    if any(h.verified for h in hints):
+        return hints  # a fix verified at the culprit (paritykit.evidence) explains all of it
+    from paritykit.module_fit import inline_reference_hints
+
+    extra = inline_reference_hints(searcher, call, port_call, before)
+    if not extra:
+        return hints
+    seen = {h.id for h in extra}
+    # "the forward code differs" no longer stands once the difference is traced to a port module
+    drop = {"no-signature"} if seen & {"inline-reference", "module-fit"} else set()
+    return [*extra, *(h for h in hints if h.id not in drop and h.id not in seen)]
 
 
 # ------------------------------------------------------------------------------------- every culprit (--all)
@@ -1159,8 +1232,6 @@ def every_culprit(
                 ref_final, port_final, atol=searcher.atol, rtol=searcher.rtol, name="output"
             )
             report.output_after = output
-            if output.passed:
-                break
             again = _Bisector(
                 searcher.rt,
                 trace,
@@ -1174,6 +1245,14 @@ def every_culprit(
             again.ref_modules, again.port_modules = searcher.ref_modules, searcher.port_modules
             with torch.no_grad():
                 call, passed = again.descend(searcher.rt.root)
+                if output.passed:
+                    # a matching output still hides the next masked culprit, if any
+                    hidden = (
+                        (call, passed) if call.parent is not None and _masking(again) else _masked_call(again)
+                    )
+                    if hidden is None:
+                        break
+                    call, passed = hidden
                 if call.name in {c.reference for c in report.culprits}:
                     break
                 report.culprits.append(_finding(again, call, passed, output, ops=ops))
@@ -1292,18 +1371,19 @@ def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest
     else:
         ref_leaves = list(call.outputs.items())
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []
-        pairs = _pair_leaves(ref_leaves, port_leaves) or []
-        worst = next(
-            (
-                (ref_leaves[i][1], port_leaves[j][1])
-                for i, j in pairs
-                if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed
-            ),
-            None,
-        )
+    pairs = _pair_leaves(ref_leaves, port_leaves) or []
+    worst = next(
+        (
+            (i, j)
+            for i, j in pairs
+            if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed
+        ),
+        None,
+    )
     if worst is None:
         return []
-    a, b = worst
+    i, j = worst
+    a, b = ref_leaves[i][1], port_leaves[j][1]
     candidates = list(call.inputs.items())
     for child in searcher.frontier(call):
         child_out = child.output

@@ -210,3 +210,203 @@ def fit_module(
                 fitted=candidate,
             )
     return None
+
+
+# ---------------------------------------------------------------------------------- the inline reference
+
+
+@dataclass
+class InlineInput:
+    r"""Where an inline culprit's difference first shows: the first aligned child whose captured inputs
+    differ, the two input tensors, and the unaligned port calls whose output is exactly that port input."""
+
+    child: Any
+    port_child: Any
+    reference_input: Any
+    port_input: Any
+    producers: list[Any]
+
+
+def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
+    """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
+    from paritykit.bisect import _pair_leaves
+
+    for child in searcher.frontier(call):
+        port_child = searcher.port_record(child)
+        ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
+        pairs = _pair_leaves(ref_in, port_in) if ref_in and port_in else None
+        for i, j in pairs or ():
+            a, b = ref_in[i][1], port_in[j][1]
+            if not (a.is_floating_point() and b.is_floating_point()):
+                continue
+            if not searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}").passed:
+                return InlineInput(child, port_child, a, b, _producers(searcher, call, b))
+    return None
+
+
+def _producers(searcher: Any, call: Any, tensor: Any) -> list[Any]:
+    """Unaligned port calls inside the culprit whose output is exactly ``tensor`` (nearest producer last)."""
+    import torch
+
+    port_call = searcher.port_record(call) if call.parent is not None else searcher.pt.root
+    prefix = port_call.module + "." if port_call is not None and port_call.module else ""
+    out = []
+    for record in searcher.pt.records:
+        if not record.module.startswith(prefix) or searcher.alignment.reference_of(record.module) is not None:
+            continue
+        for value in record.outputs.values():
+            if (
+                value.shape == tensor.shape
+                and value.dtype == tensor.dtype
+                and bool(torch.equal(value, tensor))
+            ):
+                out.append(record)
+                break
+    return out
+
+
+def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+    r"""Evidence for an inline culprit (a parent whose aligned children all pass on replay): the tensor
+    diagnoses of the first differing child input, the unaligned port modules that produced it, and a module
+    fit of those modules, verified by replaying the culprit with the fitted module in a copy of the port.
+
+    Args:
+        searcher: the bisect search state (traces, alignment, models).
+        call: the culprit's reference call; ``port_call`` its port call.
+        before: the culprit's error before any fix (max abs).
+
+    Returns:
+        Hints, a verified fix first; empty when no child input differs.
+    """
+    from paritykit.diagnose import Hint, diagnose
+
+    found = first_differing_input(searcher, call)
+    if found is None:
+        return []
+    cmp = searcher.compare(found.reference_input, found.port_input, found.child.name)
+    where = f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
+    where += f"(max_abs {_num(cmp.max_abs)})"
+    if found.producers:
+        names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
+        hint_id = "inline-reference"
+        message = (
+            f"{where}; the port computes that input in {names}, which the reference computes inline in its own "
+            "forward (evidence: the port module's captured output is exactly that input, and no reference "
+            "module is aligned with it)"
+        )
+    else:
+        hint_id = "inline-input"
+        message = (
+            f"{where}; no port module returns that input, so it is computed in the culprit's own forward "
+            "before that submodule is called"
+        )
+    hints = list(_fit_producers(searcher, call, port_call, found, before))
+    hints.append(
+        Hint(
+            hint_id,
+            message,
+            {
+                "child": found.child.name,
+                "port_child": found.port_child.name,
+                "producers": [r.module for r in found.producers],
+                "max_abs": cmp.max_abs,
+            },
+            score=0.9,
+        )
+    )
+    for hint in diagnose(found.reference_input, found.port_input):
+        hints.append(
+            Hint(
+                hint.id,
+                f"at the input of {found.child.name}: {hint.message}",
+                {**hint.evidence, "at": f"input of {found.child.name}"},
+                score=hint.score,
+            )
+        )
+    return hints
+
+
+def _fit_producers(
+    searcher: Any, call: Any, port_call: Any, found: InlineInput, before: float | None
+) -> list:
+    from paritykit.diagnose import Hint
+
+    hints = []
+    for record in reversed(found.producers):
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+        fit = fit_module(
+            module, record.call_inputs(), found.reference_input, atol=searcher.atol, rtol=searcher.rtol
+        )
+        if fit is None:
+            continue
+        after = _verify(searcher, call, port_call, record.module, fit.fitted)
+        changes = ", ".join(f"{k}={new!r} (now {old!r})" for k, (old, new) in fit.changes.items())
+        verified = after is not None and after.passed
+        hints.append(
+            Hint(
+                "module-fit",
+                f"port {record.module} ({fit.module_type}) built with {changes} reproduces the tensor the "
+                f"reference feeds {found.child.name} (max_abs {_num(fit.before)} -> {_num(fit.after)}, "
+                f"{fit.trials} constructor settings tried)"
+                + (
+                    f"; replaying the culprit with it: max_abs {_num(before)} -> {_num(after.max_abs)}"
+                    if after is not None
+                    else ""
+                ),
+                {
+                    **fit.to_dict(),
+                    "module": record.module,
+                    "culprit_before": before,
+                    "culprit_after": after.max_abs if after is not None else None,
+                },
+                score=0.99 if verified else 0.8,
+                verified=verified if after is not None else None,
+                fix=fit.fix(record.module),
+            )
+        )
+        break
+    return hints
+
+
+def _verify(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) -> Any:
+    """Replay the culprit on a copy of its port module with ``fitted`` in place of the module at ``path``;
+    the comparison against the reference's captured outputs, or ``None`` when it cannot be run."""
+    import copy
+
+    import torch
+
+    from paritykit.bisect import _module_device, _pair_leaves, flatten_tensors
+
+    owner = port_call.module if port_call is not None else ""
+    module = searcher.port_modules.get(owner)
+    if module is None:
+        return None
+    local = path[len(owner) + 1 :] if owner else path
+    clone = copy.deepcopy(module)
+    parent_name, _, leaf = local.rpartition(".")
+    parent = clone.get_submodule(parent_name) if parent_name else clone
+    setattr(parent, leaf, copy.deepcopy(fitted))
+    adapted = (
+        searcher.adapt_inputs(call, port_call, _module_device(module)) if port_call is not None else None
+    )
+    if adapted is None and port_call is not None and port_call.replayable:
+        adapted = port_call.call_inputs()
+    if adapted is None:
+        return None
+    try:
+        with torch.no_grad():
+            out = flatten_tensors(clone(*adapted[0], **adapted[1]))
+    except Exception:  # the fitted module changes what the parent can consume
+        return None
+    ref = list(call.outputs.items())
+    if _pair_leaves(ref, out) is None:
+        return None
+    return searcher.compare_leaves(ref, out, call.name)
+
+
+def _num(value: float | None) -> str:
+    from paritykit.report import format_number
+
+    return format_number(value)
