@@ -10,6 +10,7 @@ import torch
 from paritykit.align import align_modules
 from paritykit.report import to_json
 from paritykit.trace import Trace, capture
+from torch import nn
 
 from tests.bisect_pairs import conv_pair, dit_pair, randomize, time_pair
 
@@ -140,3 +141,83 @@ def test_report_faces(dit_alignment):
     text = dit_alignment.render(limit=5)
     assert "more" in text and "unaligned port:" in text
     assert "(top level)" in dit_alignment.render(limit=0)
+
+
+class _TokenReference(nn.Module):
+    """Research style: an embedding table, positions added inline from a fixed sinusoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(50, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[:, None] / 10 ** (torch.arange(16) / 16)
+        return self.out(self.tok(ids) + torch.sin(pos))
+
+
+class _PortEmbeddings(nn.Module):
+    """Port style: a block that holds the table and adds the positions in its own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(50, 16)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[:, None] / 10 ** (torch.arange(16) / 16)
+        return self.word_embeddings(ids) + torch.sin(pos)
+
+
+class _TokenPort(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _PortEmbeddings()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, input_ids):
+        return self.proj(self.embeddings(input_ids))
+
+
+def test_a_table_pairs_with_the_table_not_with_the_block_that_also_adds_positions():
+    reference = randomize(_TokenReference())
+    port = _TokenPort().eval()
+    port.load_state_dict(
+        {
+            "embeddings.word_embeddings.weight": reference.tok.weight,
+            "proj.weight": reference.out.weight,
+            "proj.bias": reference.out.bias,
+        }
+    )
+    al = aligned(reference, port, ((torch.tensor([[1, 2, 3]]),), {}))
+    assert al.port_of("tok") == "embeddings.word_embeddings"
+    assert al.reference_of("embeddings") is None and "embeddings" in al.unaligned_port
+
+
+def test_pairs_from_constant_weights_are_low_confidence():
+    from tests.bisect_pairs import vit_pair
+
+    reference, port, inputs = vit_pair(None, trained=False)
+    al = aligned(reference, port, inputs)
+    # fresh LayerNorms (all ones, all zeros) carry no information about which is which
+    assert al.pair_of("blocks.0.norm1").confidence == "low"
+    # linear layers keep their random initialisation: value-unique, high confidence
+    assert al.pair_of("blocks.0.mlp.0").confidence == "high"
+    assert al.pair_of("blocks.0.mlp.0").port == "layers.0.mlp.fc1"
+    # a LayerNorm never falls back onto a parameterless module that returns the same shape
+    assert all(
+        al.pair_of(f"blocks.{i}.norm{j}").port.endswith("layernorm_" + ("before", "after")[j - 1])
+        for i in range(2)
+        for j in (1, 2)
+    )
+
+
+def test_trained_weights_keep_high_confidence_and_name_split_work():
+    from tests.bisect_pairs import vit_pair
+
+    reference, port, inputs = vit_pair(None, trained=True)
+    al = aligned(reference, port, inputs)
+    assert al.pair_of("blocks.0.norm1").confidence == "high"
+    assert [s.to_dict() for s in al.split_work] == [
+        {"port": "embeddings", "reference": "", "parameters": ["cls_token", "pos_embed"]}
+    ]
+    assert json.loads(to_json(al.to_dict()))["split_work"][0]["port"] == "embeddings"
