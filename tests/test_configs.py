@@ -292,6 +292,7 @@ def test_with_defaults_shows_what_the_port_assumes(tmp_path):
     port = scheduler_json(tmp_path / "scheduler_config.json", _class_name="DDIMScheduler")
     plain = config_diff(reference, port)
     assert plain.only_a == ["timestep_spacing"] and plain.differences == []
+    assert plain.only_a_with_b_default == ["timestep_spacing"] and "--with-defaults" in plain.render()
 
     report = config_diff(reference, port, with_defaults=True)
     assert [(d.key, d.a, d.b, d.b_default) for d in report.differences] == [
@@ -343,6 +344,11 @@ def test_suggest_map_leaves_ties_and_common_values_alone():
     # a flag value (True) with unrelated names is no evidence
     flags = config_diff({"use_checkpoint": True}, {"flip_sin_to_cos": True}, suggest=True)
     assert flags.suggestions == []
+    # look-alikes from SD v1's YAML: one key each side holds the value, but the names are unrelated
+    unrelated = config_diff(
+        {"image_size": 32, "dropout": 0.0}, {"norm_num_groups": 32, "freq_shift": 0}, suggest=True
+    )
+    assert unrelated.suggestions == []
 
 
 # ------------------------------------------------------------------------- the generated config-diff script

@@ -185,6 +185,28 @@ def test_one_derived_value_that_differs_is_named(tmp_path, saved, keys, value, e
     assert not report.only_a and not report.only_b
 
 
+def test_an_older_port_config_is_completed_from_class_defaults_on_request(tmp_path, saved):
+    # configs written by older diffusers lack keys the helper now derives (SD v1.5's own unet/config.json)
+    config = json.loads((saved / "unet" / "config.json").read_text())
+    for key in ("transformer_layers_per_block", "use_linear_projection", "class_embed_type"):
+        del config[key]
+    (tmp_path / "old_unet").mkdir()
+    (tmp_path / "old_unet" / "config.json").write_text(json.dumps(config))
+    yaml_path = write_yaml(tmp_path / "v1.yaml")
+    plain = config_diff(yaml_path, tmp_path / "old_unet")
+    assert plain.only_a == ["class_embed_type", "transformer_layers_per_block", "use_linear_projection"]
+    assert plain.only_a_with_b_default == plain.only_a
+    filled = config_diff(yaml_path, tmp_path / "old_unet", with_defaults=True)
+    assert filled.exit_code == 0, filled.render()
+    assert set(filled.filled_defaults["b"]) >= set(plain.only_a)
+    # must still fire: a derived value the class default does not match
+    deep = write_yaml(tmp_path / "deep.yaml", [((*UNET_PARAMS, "transformer_depth"), 2)])
+    report = config_diff(deep, tmp_path / "old_unet", with_defaults=True)
+    assert [(d.key, d.a, d.b, d.b_default) for d in report.differences] == [
+        ("transformer_layers_per_block", 2, 1, True)
+    ]
+
+
 def test_vae_and_pipeline_targets(tmp_path, saved):
     yaml_path = write_yaml(tmp_path / "v1.yaml")
     vae = config_diff(yaml_path, saved / "vae")

@@ -2,7 +2,8 @@ r"""Propose ``--map`` renames for a config diff from what the two sides show: sh
 similar names.
 
 Only pairs the evidence singles out are proposed: a prefix whose removal lines up at least two keys, a value
-that occurs once on each side, or an equal value under clearly similar names. Anything tied is left out rather
+that occurs once on each side under names that are not unrelated, or an equal value under clearly similar
+names. Anything tied is left out rather
 than guessed. Each proposal is a ready ``--map 'REGEX=REPL'`` argument, meant to be appended after the user's own.
 """
 
@@ -19,6 +20,9 @@ from typing import Any
 # Values too common to identify a key by (flags, zero, one, nothing).
 _TRIVIAL = (None, True, False, 0, 1, "", [])
 _MIN_SIMILARITY = 0.5
+# A value held by one key on each side still needs names that are not unrelated: tried on SD v1's YAML against
+# its diffusers UNet, unique values alone paired image_size (32) with norm_num_groups (32).
+_MIN_UNIQUE_SIMILARITY = 0.35
 
 
 @dataclass
@@ -124,6 +128,8 @@ def name_similarity(a: str, b: str) -> float:
 
 
 def _trivial(value: Any) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1):
+        return True  # 0.0 and 1.0 are as common as 0 and 1
     return any(type(value) is type(t) and value == t for t in _TRIVIAL)
 
 
@@ -147,7 +153,7 @@ def _renames(
                 and _count(values_b, value_b, equal) == 1
             )
             shown = json.dumps(value_a, default=str)
-            if unique:
+            if unique and similarity >= _MIN_UNIQUE_SIMILARITY:
                 scored.append((1 + similarity, key_a, key_b, f"the only keys holding {shown}"))
             elif similarity >= _MIN_SIMILARITY:
                 scored.append((similarity, key_a, key_b, f"both {shown}, similar names"))

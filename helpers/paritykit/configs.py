@@ -242,6 +242,8 @@ class ConfigDiff:
     suggestions: list[MapSuggestion] = field(default_factory=list)
     # text-only folding of wholly unread YAML subtrees into ``prefix.*`` (JSON lists every key)
     reference_only_summary: list[str] = field(default_factory=list)
+    # keys only A has for which B's class has a default: what --with-defaults would compare
+    only_a_with_b_default: list[str] = field(default_factory=list)
 
     @property
     def same(self) -> int:
@@ -267,6 +269,7 @@ class ConfigDiff:
             "derived_with": dict(self.derived_with),
             "notes": list(self.notes),
             "suggested_map": [s.to_dict() for s in self.suggestions],
+            "only_a_with_b_default": list(self.only_a_with_b_default),
             "environment": environment_stamp(),
         }
 
@@ -293,6 +296,11 @@ class ConfigDiff:
         for label, keys in groups:
             if keys:
                 lines.append(_key_list(label, keys, limit))
+        if self.only_a_with_b_default:
+            lines.append(
+                f"hint: B's class has a default for {len(self.only_a_with_b_default)} of the keys only in A; "
+                "--with-defaults compares them with it"
+            )
         if self.suggestions:
             lines.append("suggested --map (append after your own; check each):")
             lines.extend(f"  {s.argument}   # {s.evidence}" for s in self.suggestions)
@@ -442,6 +450,8 @@ def config_diff(
             _one_sided(result, key, "b", kept_b[key], reason)
             if reason in (None, DEFAULT, NOT_IN_REFERENCE):
                 unmatched_b[key] = kept_b[key]
+    if not with_defaults:
+        result.only_a_with_b_default = [key for key in result.only_a if key in side_b.defaults]
     if suggest:
         result.suggestions = suggest_map({k: mapped_a[k] for k in result.only_a}, unmatched_b, values_equal)
     return result
