@@ -187,19 +187,34 @@ def test_upcast_fp16_to_fp32_is_exact():
     assert (entry.op, entry.args) == ("cast", {"dtype": "float32"})
 
 
-def test_prefix_rename_collapses_into_index_rules():
+def test_pure_prefix_strip_is_one_rule():
     src = {
         f"model.diffusion_model.blocks.{i}.{n}.weight": _rand(D, D, seed=10 * i + j)
         for i in range(4)
         for j, n in enumerate(["q", "k"])
     }
+    src["model.diffusion_model.out.bias"] = _rand(D, seed=99)
     tgt = {k.replace("model.diffusion_model.", ""): v.clone() for k, v in src.items()}
     cmap = infer_conversion_map(src, tgt)
     assert all(e.op == "identity" for e in cmap.mapping)
-    assert [r.text for r in cmap.rules] == [
-        r"model\.diffusion_model\.blocks\.(\d+)\.q\.weight -> blocks.\1.q.weight",
-        r"model\.diffusion_model\.blocks\.(\d+)\.k\.weight -> blocks.\1.k.weight",
-    ]
+    assert [r.text for r in cmap.rules] == [r"model\.diffusion_model\.(.+) -> \1"]
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
+    # with EMA copies beside them the strip still covers everything under its prefix
+    ema = {"model_ema.decay": torch.tensor(0.99), **src}
+    assert [r.text for r in infer_conversion_map(ema, tgt).rules] == [r"model\.diffusion_model\.(.+) -> \1"]
+
+
+def test_prefix_strip_with_one_renamed_tensor_keeps_index_rules():
+    # one tensor under the prefix is renamed: a blanket strip would build a wrong name, so none is made
+    src = {f"model.blocks.{i}.q.weight": _rand(D, D, seed=i) for i in range(3)}
+    src["model.final.weight"] = _rand(D, seed=9)
+    tgt = {k.replace("model.", ""): v.clone() for k, v in src.items() if "final" not in k}
+    tgt["norm_out.weight"] = src["model.final.weight"].clone()
+    cmap = infer_conversion_map(src, tgt)
+    texts = [r.text for r in cmap.rules]
+    assert r"model\.(.+) -> \1" not in texts
+    assert r"model\.blocks\.(\d+)\.q\.weight -> blocks.\1.q.weight" in texts
+    _assert_reproduces(apply_rules_to_state_dict(cmap, src), tgt)
 
 
 def test_unused_ema_scalar_is_listed_and_does_not_fail_the_map():

@@ -393,7 +393,11 @@ class ConversionMap:
         if self.emitted_rules:
             parts += ["", f"rules module written to {self.emitted_rules}"]
         parts += ["", summary]
-        return "\n".join(parts)
+        # prose wraps at the table width; table rows were fitted already
+        return "\n".join(
+            line if len(line) <= _WIDTH else textwrap.fill(line, _WIDTH, subsequent_indent="  ")
+            for line in "\n".join(parts).split("\n")
+        )
 
 
 def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]:
@@ -406,7 +410,7 @@ def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]
         a = members[0]
         names = a.plausible or a.candidates
         more = ", …" if len(names) > _SHOWN_CANDIDATES else ""
-        tails = [n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] if n.count(".") >= 2 else n for n in names]
+        tails = [".".join(n.split(".")[-3:]) for n in names]
         rows.append(
             (
                 a.target,
@@ -941,6 +945,8 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
     The rules are then applied to every source name: a rule that would produce a target the mapping does
     not contain (or builds it differently) is replaced by one literal rule per entry.
     """
+    keys = list(source_keys)
+    prefix_rules, mapping = _prefix_rules(mapping, keys)
     groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
     for e in mapping:
         groups[(tuple(_skeleton(s) for s in e.sources), _skeleton(e.target), _sig(e))].append(e)
@@ -976,7 +982,44 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
         id(r): min((position[e.target] for e in o), default=len(position)) for r, o in zip(rules, origin)
     }
     rules.sort(key=lambda r: first[id(r)])
-    return _merge_suffixes(rules)
+    return prefix_rules + _merge_suffixes(rules)
+
+
+def _prefix_rules(
+    mapping: list[MappingEntry], keys: list[str]
+) -> tuple[list[ConversionRule], list[MappingEntry]]:
+    r"""One rule for a pure prefix strip (or swap): every source key under ``P`` maps, unchanged, to the
+    same name under ``Q`` (``model.diffusion_model.x -> x``); the entries it covers leave the mapping."""
+    groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
+    for e in mapping:
+        if len(e.sources) != 1 or e.op not in ("identity", "cast"):
+            continue
+        source, target = e.sources[0], e.target
+        tail = os.path.commonprefix([source[::-1], target[::-1]])[::-1]
+        tail = tail[tail.find(".") + 1 :] if not (tail == source or tail == target) else tail
+        p, q = source[: len(source) - len(tail)], target[: len(target) - len(tail)]
+        if tail and (p or q) and (not p or p.endswith(".")) and (not q or q.endswith(".")):
+            groups[(p, q, _sig(e))].append(e)
+    rules, covered = [], set()
+    for (p, q, _), entries in groups.items():
+        under = [k for k in keys if k.startswith(p)]
+        modules = {_module_of(x.target) for x in entries}
+        # a strip spanning several modules, with no layer number in it (those are the index rules' job)
+        if len(modules) < 2 or _DIGITS.search(p + q) or len(under) != len(entries):
+            continue
+        e = entries[0]
+        rules.append(
+            ConversionRule(
+                re.escape(p) + "(.+)",
+                [_template_escape(p) + "\\1"],
+                _template_escape(q) + "\\1",
+                e.op,
+                e.args,
+                len(entries),
+            )
+        )
+        covered.update(id(x) for x in entries)
+    return rules, [e for e in mapping if id(e) not in covered]
 
 
 _LAST = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
