@@ -69,3 +69,21 @@ def test_levels_rule():
     assert use_zoom("zoom", small) and not use_zoom("full", big)
     with pytest.raises(ParityKitError, match="--levels"):
         use_zoom("deep", small)
+
+
+def test_cli_levels_zoom_on_a_spec(tmp_path):
+    import json
+
+    from tests.test_bisect import run, write_spec
+
+    spec = write_spec(tmp_path, "remix")
+    zoomed = run("bisect", spec, "--levels", "zoom", "--json")
+    full = run("bisect", spec, "--levels", "full", "--json")
+    assert zoomed.exit_code == full.exit_code == 1, zoomed.output
+    a, b = json.loads(full.stdout), json.loads(zoomed.stdout)
+    assert b["environment"]["levels"] == "zoom" and "levels" not in a["environment"]
+    assert (b["culprit"]["reference"], b["culprit"]["port"]) == (
+        a["culprit"]["reference"],
+        a["culprit"]["port"],
+    )
+    assert run("bisect", spec, "--levels", "deep").exit_code == 2
