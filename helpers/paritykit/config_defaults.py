@@ -37,8 +37,8 @@ def resolve_class(name: str, *, option: str = "--class") -> type:
             import diffusers
 
             found = getattr(diffusers, attr, None)
-    except (ImportError, RuntimeError) as exc:
-        raise ParityKitError(f"{option} {name}: cannot import it ({exc})") from None
+    except Exception as exc:  # importing user code can fail any way; the user still gets one line
+        raise ParityKitError(f"{option} {name}: cannot import it ({type(exc).__name__}: {exc})") from None
     if not isinstance(found, type):
         raise ParityKitError(f"{option} {name}: not a diffusers class (nor an importable module.Class)")
     return found
