@@ -296,3 +296,25 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
     assert isinstance(result.exception, SystemExit) and result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("paritykit: error: ") and named in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------- reports on loops
+def test_offset_hint_on_a_timestep_list_names_the_scheduler_keys_and_not_elsewhere():
+    from paritykit.diagnose import diagnose
+
+    ts = torch.tensor(R.ddim_timesteps(10, "trailing"), dtype=torch.float32)
+    (hint,) = [h for h in diagnose(ts, ts - 99) if h.id == "offset"]
+    assert hint.message.startswith("B ≈ A − 99") and "timestep_spacing" in hint.message
+    assert "steps_offset" in hint.message
+    x = torch.randn(200, generator=torch.Generator().manual_seed(0))
+    (plain,) = [h for h in diagnose(x, x + 0.5) if h.id == "offset"]
+    assert plain.message.startswith("B ≈ A + 0.5") and "steps_offset" not in plain.message
+
+
+def test_steps_growth_class_agrees_with_the_fitted_exponent():
+    from paritykit.visual import classify_growth
+
+    fit = classify_growth([1e-6 * (i + 1) ** 2.74 for i in range(12)])
+    assert fit.growth == "polynomial" and fit.power_exponent == pytest.approx(2.74, rel=1e-6)
+    assert "step^2.74" in fit.reason
+    assert classify_growth([1e-6 * 1.6**i for i in range(12)]).growth == "exponential"

@@ -99,7 +99,7 @@ def test_bf16_noise_gives_a_failing_curve_with_the_true_per_step_errors(runs):
             torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(), abs=1e-6
         )
         assert p.max_abs > 0
-    assert curve.growth.growth in ("bounded", "linear", "exponential")
+    assert curve.growth.growth in ("bounded", "polynomial", "exponential")
     assert curve.growth.growth == classify_growth([p.max_abs for p in curve.points]).growth
     assert "growth:" in curve.render() and "OUTSIDE tolerance" in curve.render()
 
@@ -144,7 +144,7 @@ def test_sigmas_from_every_file_kind_add_amplification(runs, tmp_path, suffix):
         assert p.inv_sigma == pytest.approx(1 / s)
         assert p.max_abs_times_sigma == pytest.approx(p.max_abs * s)
     assert curve.sigma_scaled_growth is not None
-    assert curve.sigma_scaled_growth.growth in ("bounded", "linear", "exponential")
+    assert curve.sigma_scaled_growth.growth in ("bounded", "polynomial", "exponential")
     text = curve.render()
     assert "1/sigma" in text and "max_abs*sigma" in text
     assert json.loads(to_json(curve.to_dict()))["steps"][0]["inv_sigma"] == pytest.approx(1 / sigmas[0])
@@ -228,7 +228,7 @@ def _write_curve(folder, errors, seed=0):
 
 SYNTHETIC = {
     "bounded": [2e-3 * (1 + 0.1 * math.sin(i)) for i in range(12)],
-    "linear": [1e-4 * (i + 1) for i in range(12)],
+    "polynomial": [1e-4 * (i + 1) for i in range(12)],
     "exponential": [1e-4 * 1.6**i for i in range(12)],
 }
 
@@ -250,7 +250,7 @@ def test_growth_thresholds_at_their_edges():
         classify_growth([1e-6 * (EXPONENTIAL_MIN_FACTOR * 1.02) ** i for i in steps]).growth == "exponential"
     )
     slow = classify_growth([1e-6 * (EXPONENTIAL_MIN_FACTOR * 0.97) ** i for i in range(30)])
-    assert slow.growth == "linear" and slow.per_step_factor < EXPONENTIAL_MIN_FACTOR
+    assert slow.growth == "polynomial" and slow.per_step_factor < EXPONENTIAL_MIN_FACTOR
     # growth below the bounded factor over the whole run
     just_bounded = [1e-3 * (BOUNDED_MAX_GROWTH * 0.9) ** (i / 9) for i in steps]
     assert classify_growth(just_bounded).growth == "bounded"
@@ -260,7 +260,7 @@ def test_growth_thresholds_at_their_edges():
     assert fit.growth == "bounded" and fit.late_growth < BOUNDED_MAX_LATE_GROWTH
     # power law: quadratic growth is polynomial, not exponential
     quad = classify_growth([1e-6 * (i + 1) ** 2 for i in steps])
-    assert quad.growth == "linear" and quad.power_exponent == pytest.approx(2.0, rel=1e-6)
+    assert quad.growth == "polynomial" and quad.power_exponent == pytest.approx(2.0, rel=1e-6)
     assert quad.r2_power >= EXPONENTIAL_MIN_R2
     # shrinking error, all-zero, too short, non-finite
     assert classify_growth([1e-2 / (i + 1) for i in steps]).growth == "bounded"
@@ -274,7 +274,7 @@ def test_one_over_sigma_amplification_is_recognised(tmp_path):
     errors = [1e-4 / s for s in sigmas]  # a fixed difference amplified by 1/sigma
     a, b = _write_curve(tmp_path, errors)
     curve = step_curve(a, b, sigmas=sigmas)
-    assert curve.growth.growth in ("linear", "exponential")
+    assert curve.growth.growth in ("polynomial", "exponential")
     assert curve.sigma_scaled_growth.growth == "bounded"
     assert curve.amplification_explains_growth() is True
     assert "1/sigma amplification" in curve.render()

@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paritykit.errors import ParityKitError
@@ -838,11 +840,32 @@ def compare_paths(
         if not tensors:
             raise ParityKitError(f"{path}: holds no tensors")
         sides.append(tensors)
+    if Path(a).is_file():  # a folder of checkpoints is in execution order already; a file's keys are sorted
+        sides[0] = {name: sides[0][name] for name in run_order(list(sides[0]))}
     report = compare_tensor_sets(
         sides[0], sides[1], atol=atol, rtol=rtol, rules=rules, only=only, broadcast=broadcast
     )
     report.source_a, report.source_b = str(a), str(b)
     return report
+
+
+_STAGE = re.compile(r"^(text_encoding|preloop|(?:after_)?step_(\d+)|post_loop)/")
+
+
+def run_order(names: Sequence[str]) -> list[str]:
+    r"""``<checkpoint>/<key>`` names in the order a run writes them: ``text_encoding``, ``preloop``,
+    ``after_step_{i}`` (or ``step_{i}``) by ``i``, ``post_loop``; names are left as they are unless every one
+    starts with such a checkpoint, so "first divergence" is the first in time, not alphabetically."""
+    matches = [_STAGE.match(n) for n in names]
+    if not names or not all(matches):
+        return list(names)
+
+    def key(i: int) -> tuple[int, int, int]:
+        m = matches[i]
+        stage = {"text_encoding": 0, "preloop": 1, "post_loop": 3}.get(m.group(1), 2)
+        return stage, int(m.group(2) or 0), i
+
+    return [names[i] for i in sorted(range(len(names)), key=key)]
 
 
 # -------------------------------------------------------------------------------------- nested model outputs

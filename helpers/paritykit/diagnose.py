@@ -426,8 +426,12 @@ def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     )
 
 
-def detect_offset(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
-    r"""B ≈ A + c with one constant c: a bias or shift term differs (a missing or extra ``1 +``)."""
+def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> Hint | None:
+    r"""B ≈ A + c with one constant c: a bias or shift term differs (a missing or extra ``1 +``).
+
+    On a timestep or sigma list (``name`` says so, or the values are a non-negative monotone sequence) the hint
+    names the scheduler keys that shift a schedule, and ``paritykit schedule`` to confirm.
+    """
     diff = y - x
     base = _norm(diff)
     if base == 0:
@@ -436,10 +440,19 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     residual = _norm(diff - c) / base
     if c == 0 or residual > EXPLAINED:
         return None
+    steps = x[1:] - x[:-1]
+    schedule = any(k in (name or "").lower() for k in ("timestep", "sigma")) or (
+        1 < x.numel() <= 10_000 and bool((x >= 0).all()) and bool((steps < 0).all() or (steps > 0).all())
+    )
+    what = (
+        "on a timestep/sigma list: the scheduler keys that shift a schedule are timestep_spacing and "
+        "steps_offset (check with `paritykit schedule`)"
+        if schedule
+        else "a constant shift differs (a bias, a shift term, or a constant such as `+ 1` added on one side only)"
+    )
     return Hint(
         "offset",
-        f"B ≈ A + {_num(c)} everywhere: a constant shift differs (a bias, a shift term, or a constant such "
-        "as `+ 1` added on one side only).",
+        f"B ≈ A {'+' if c > 0 else '−'} {_num(abs(c))} everywhere: {what}.",
         {"c": c, "residual": residual},
         score=0.88 - 0.5 * residual,
     )

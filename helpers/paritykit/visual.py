@@ -4,7 +4,7 @@ Two questions a port meets after its components pass:
 
 * **How does the error evolve over the denoising loop?** :func:`step_curve` reads the ``after_step_{i}``
   checkpoints that :func:`paritykit.save_checkpoints` wrote for each side, measures every step, and classifies the
-  growth as ``bounded``, ``linear`` or ``exponential``. Given the scheduler's sigmas it also shows the
+  growth as ``bounded``, ``polynomial`` (with its exponent) or ``exponential``. Given the scheduler's sigmas it also shows the
   ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which turns a tiny early difference
   into a large late one.
 * **Does the output look the same?** :func:`compare_images` puts reference, port and an amplified difference
@@ -42,8 +42,8 @@ GROWTH_HELP = (
     "Growth: fit log(max_abs) against the step. 'bounded' when the fitted error grows less than "
     f"{BOUNDED_MAX_GROWTH:g}x over the run or less than {BOUNDED_MAX_LATE_GROWTH:g}x over its last half; "
     f"'exponential' when it grows by at least {EXPONENTIAL_MIN_FACTOR:g}x per step, that fit has "
-    f"R^2 >= {EXPONENTIAL_MIN_R2:g} and it beats a power law in the step; otherwise 'linear' (polynomial, "
-    "exponent reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give 'unknown'."
+    f"R^2 >= {EXPONENTIAL_MIN_R2:g} and it beats a power law in the step; otherwise 'polynomial' (error ~ "
+    "step^p, the fitted exponent p reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give 'unknown'."
 )
 
 # after_step_<i> from a pipeline's checkpoints, step_<i> from paritykit.record_loop
@@ -61,7 +61,7 @@ class GrowthFit:
     r"""How an error series grows with the step, from least-squares fits of ``log(error)``.
 
     Attributes:
-        growth: ``"bounded"``, ``"linear"``, ``"exponential"`` or ``"unknown"`` (see :data:`GROWTH_HELP`).
+        growth: ``"bounded"``, ``"polynomial"``, ``"exponential"`` or ``"unknown"`` (see :data:`GROWTH_HELP`).
         per_step_factor: ``exp(slope)`` of ``log(error)`` against the step index.
         total_growth: fitted error at the last step over fitted error at the first step.
         late_growth: the same over the last half of the steps.
@@ -117,7 +117,7 @@ def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, f
 
 
 def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None = None) -> GrowthFit:
-    r"""Classify how a per-step error series grows: ``bounded``, ``linear`` or ``exponential``.
+    r"""Classify how a per-step error series grows: ``bounded``, ``polynomial`` (with its exponent) or ``exponential``.
 
     Fits ``log(error)`` against the step (exponential model) and against ``log(step + 1)`` (power law), using the
     steps whose error is finite and non-zero.
@@ -127,7 +127,8 @@ def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None 
       A shrinking error is bounded; so is an all-zero series.
     * ``exponential``: per-step factor ≥ :data:`EXPONENTIAL_MIN_FACTOR` (1.1×), R² ≥
       :data:`EXPONENTIAL_MIN_R2` (0.9), and the exponential fit is at least as good as the power law.
-    * ``linear``: anything else that grows — polynomial growth, ``power_exponent`` tells its degree.
+    * ``polynomial``: anything else that grows — error ~ step^p, ``power_exponent`` is the fitted p (so a
+      ``step^2.74`` curve is never called linear).
     * ``unknown``: fewer than 3 usable steps, or a non-finite error at the last step.
 
     Args:
@@ -154,7 +155,7 @@ def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None 
     late = math.exp(min(late_slope * (half[-1][0] - half[0][0]), 700.0))
     factor = math.exp(min(slope, 700.0))
     fit = GrowthFit(
-        "linear",
+        "polynomial",
         per_step_factor=factor,
         total_growth=total,
         late_growth=late,
@@ -267,7 +268,8 @@ class StepCurve:
         if self.sigma_scaled_growth is None:
             return None
         return (
-            self.growth.growth in ("linear", "exponential") and self.sigma_scaled_growth.growth == "bounded"
+            self.growth.growth in ("polynomial", "exponential")
+            and self.sigma_scaled_growth.growth == "bounded"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -322,7 +324,8 @@ class StepCurve:
         else:
             lines.append(render_table(headers, rows, limit=limit))
         g = self.growth
-        lines.append(f"growth: {g.growth} — {g.reason}")
+        label = f"polynomial (step^{g.power_exponent:.2f})" if g.growth == "polynomial" else g.growth
+        lines.append(f"growth: {label} — {g.reason}")
         if self.sigma_scaled_growth is not None:
             s = self.sigma_scaled_growth
             lines.append(f"with 1/sigma factored out (max_abs*sigma): {s.growth} — {s.reason}")

@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "trace": ("paritykit.cli.bisect:trace", "Capture one side's module inputs/outputs to a folder."),
     "steps": ("paritykit.cli.visual:steps", "Per-step error curve of two denoising runs."),
+    "schedule": (
+        "paritykit.cli.schedule:schedule",
+        "Compare sampling schedules, or fit a scheduler config to a reference loop.",
+    ),
     "images": ("paritykit.cli.visual:images", "Side-by-side images with a diff heatmap and PSNR."),
     "new": ("paritykit.cli.new:new", "Render tests, pipeline stubs and scripts from templates."),
     "skills": ("paritykit.cli.skills:skills", "List, show, validate and install the agent skill pack."),

@@ -10,8 +10,8 @@ from paritykit.cli._common import emit, json_option, limit_option
 _GROWTH_HELP = (
     "Growth: log(max_abs) is fitted against the step. bounded: the fitted error grows < 2x over the run, or "
     "< 1.25x over its last half. exponential: >= 1.1x per step with R^2 >= 0.9, fitting at least as well as "
-    "a power law in the step. linear: any other growth (polynomial; exponent reported). All-zero errors are "
-    "bounded; fewer than 3 non-zero steps give unknown."
+    "a power law in the step. polynomial: any other growth (error ~ step^p, exponent p reported). All-zero "
+    "errors are bounded; fewer than 3 non-zero steps give unknown."
 )
 
 

@@ -1,0 +1,102 @@
+"""paritykit.record_loop: a loop's denoiser calls become checkpoints, with forward hooks only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paritykit import compare_paths, load_checkpoints, record_loop
+from paritykit.compare import run_order
+from paritykit.visual import step_curve
+
+from tests._pipelines import make_tiny_unet
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Denoiser(torch.nn.Module):
+    """A k-diffusion style wrapper: called with (x, sigma, cond=...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, sigma, cond=None):
+        return self.proj(x) * sigma + (0 if cond is None else cond.mean())
+
+
+def test_every_call_is_a_step_named_by_argument_and_preloop_holds_the_schedule(tmp_path):
+    torch.manual_seed(0)
+    model = Denoiser()
+    forward = model.forward
+    x, cond = torch.randn(2, 4), torch.randn(3)
+    sigmas = [14.6, 7.0, 2.5, 0.3]
+    with torch.no_grad(), record_loop(model, out=tmp_path / "run") as calls:
+        for s in sigmas:
+            x = x - 0.1 * model(x, torch.tensor(s), cond=cond)
+        assert len(calls) == len(sigmas)
+    assert model.forward == forward and not model._forward_hooks  # nothing patched, hook removed
+    ck = load_checkpoints(tmp_path / "run")
+    assert list(ck) == ["preloop", *(f"step_{i}" for i in range(len(sigmas)))]
+    step = ck["step_2"].data
+    assert set(step) == {"x", "sigma", "cond", "output"}
+    assert torch.equal(step["cond"], cond)
+    assert (
+        ck["preloop"].data["sigmas"].tolist() == torch.tensor(sigmas, dtype=torch.float32).double().tolist()
+    )
+    assert torch.equal(ck["step_0"].data["x"], ck["preloop"].data["x"])
+
+
+def test_two_recorded_runs_feed_compare_and_steps(tmp_path):
+    unet = make_tiny_unet(attention=False)
+    noise = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def loop(drift: float):
+        x = noise
+        for t in (900, 600, 300, 0):
+            x = x - 0.1 * unet(x, t).sample + drift  # positional (sample, timestep): names from the signature
+        return x
+
+    for name, drift in (("a", 0.0), ("b", 0.0), ("c", 1e-2)):
+        with torch.no_grad(), record_loop(unet, out=tmp_path / name):
+            loop(drift)
+    data = load_checkpoints(tmp_path / "a")["step_1"].data
+    assert {"sample", "timestep", "output"} <= set(data)
+    assert load_checkpoints(tmp_path / "a")["preloop"].data["timesteps"].tolist() == [900, 600, 300, 0]
+    assert compare_paths(tmp_path / "a", tmp_path / "b").passed
+    same = step_curve(tmp_path / "a", tmp_path / "b", key="output")
+    assert same.exit_code == 0 and all(p.max_abs == 0 for p in same.points)
+    differ = compare_paths(tmp_path / "a", tmp_path / "c")
+    assert differ.first_divergence.startswith("step_1/")  # the drift enters after the first call
+
+
+def test_single_file_names_are_ordered_as_a_run_writes_them():
+    names = ["after_step_10/latents", "after_step_2/latents", "post_loop/latents", "preloop/latents",
+             "text_encoding/prompt_embeds"]  # fmt: skip
+    assert run_order(names) == [
+        "text_encoding/prompt_embeds", "preloop/latents", "after_step_2/latents", "after_step_10/latents",
+        "post_loop/latents",
+    ]  # fmt: skip
+    # must not fire: names that are not all checkpoints keep their order
+    other = ["b.weight", "after_step_1/latents", "a.weight"]
+    assert run_order(other) == other
+
+
+def test_compare_on_one_file_reports_the_first_divergence_in_time(tmp_path):
+    from safetensors.torch import save_file
+
+    a = {f"after_step_{i}/latents": torch.full((2,), float(i)) for i in range(12)}
+    b = {
+        k: v + (1.0 if k in ("after_step_2/latents", "after_step_10/latents") else 0.0) for k, v in a.items()
+    }
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    assert compare_paths(tmp_path / "a.safetensors", tmp_path / "b.safetensors").first_divergence == (
+        "after_step_2/latents"
+    )
