@@ -115,3 +115,34 @@ def test_importing_the_command_and_library_is_torch_free():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_ambiguous_map_exits_1_and_emit_rules_needs_allow_ambiguous(cli, tmp_path):
+    # four zero biases and nothing that ties them to one another: structure cannot choose
+    source = {f"net.{i}.bias": torch.zeros(4) for i in range(4)}
+    target = {f"layers.{i}.norm.bias": torch.zeros(4) for i in range(4)}
+    save_file(source, tmp_path / "a.safetensors")
+    save_file(target, tmp_path / "b.safetensors")
+    base = ("weights", "map", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    plain = cli(*base)
+    assert plain.returncode == 1 and "GUESS" in plain.stdout and "--allow-ambiguous" in plain.stdout
+    payload = json.loads(cli(*base, "--json").stdout)
+    assert [len(a["candidates"]) for a in payload["ambiguous"]] == [4] * 4
+    out = tmp_path / "rules.py"
+    refused = cli(*base, "--emit-rules", out)
+    assert refused.returncode == 2 and "--allow-ambiguous" in refused.stderr and not out.exists()
+    allowed = cli(*base, "--emit-rules", out, "--allow-ambiguous")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "# GUESSED:" in out.read_text()
+
+
+def test_planted_chunk_swap_exits_1_with_a_warning(cli, checkpoints):
+    d, _, target = checkpoints
+    swapped = dict(target)
+    q, k = "transformer_blocks.0.attn.to_q.weight", "transformer_blocks.0.attn.to_k.weight"
+    swapped[q], swapped[k] = target[k], target[q]
+    save_file(swapped, d / "swapped.safetensors")
+    proc = cli("weights", "map", d / "research.safetensors", d / "swapped.safetensors", "--json")
+    assert proc.returncode == 1
+    warnings = json.loads(proc.stdout)["warnings"]
+    assert {w["target"] for w in warnings} >= {q, k}
