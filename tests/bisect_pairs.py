@@ -521,3 +521,51 @@ def inline_time_pair(bug: str | None = None, seed: int = 0, trained: bool = True
         {f"{names[k.rsplit('.', 1)[0]]}.{k.rsplit('.', 1)[1]}": v for k, v in reference.state_dict().items()}
     )
     return reference, port, ((torch.tensor([999.0, 421.0, 3.0]),), {})
+
+
+# -------------------------------------------------------------------------------------------- mha family
+# torch.nn.MultiheadAttention (one fused in_proj_weight) against diffusers' Attention (to_q / to_k / to_v).
+
+
+class ResearchMHABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(x + a)
+
+
+class PortAttnBlock(nn.Module):
+    def __init__(self, scale_qk: bool = True):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = Attention(
+            query_dim=DIM, heads=HEADS, dim_head=DIM // HEADS, bias=True, out_bias=True, scale_qk=scale_qk
+        )
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, hidden_states):
+        return self.proj(hidden_states + self.attn(self.norm(hidden_states)))
+
+
+def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
+    r"""``bug="scale"``: the port's Attention is built with ``scale_qk=False`` (no 1/sqrt(d) in the softmax)."""
+    torch.manual_seed(seed)
+    reference = ResearchMHABlock()
+    reference = randomize(reference, seed) if trained else reference.eval()
+    port = PortAttnBlock(scale_qk=bug != "scale").eval()
+    sd = reference.state_dict()
+    out = {"norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+    out.update({"proj.weight": sd["out.weight"], "proj.bias": sd["out.bias"]})
+    for kind in ("weight", "bias"):
+        for part, name in zip(sd[f"attn.in_proj_{kind}"].chunk(3), ("to_q", "to_k", "to_v")):
+            out[f"attn.{name}.{kind}"] = part.clone()
+        out[f"attn.to_out.0.{kind}"] = sd[f"attn.out_proj.{kind}"]
+    port.load_state_dict(out)
+    x = torch.randn(2, TOKENS, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    return reference, port, ((x,), {})

@@ -14,7 +14,7 @@ from paritykit.cli import cli
 from paritykit.report import to_json
 from torch import nn
 
-from tests.bisect_pairs import vit_pair
+from tests.bisect_pairs import mha_pair, vit_pair
 
 
 def vit_output(side, output):
@@ -109,7 +109,7 @@ def test_shape_mismatch_is_shown_with_both_shapes():
 
 SPEC = """
 import torch
-from tests.bisect_pairs import vit_pair
+from tests.bisect_pairs import mha_pair, vit_pair
 
 _pair = vit_pair({bug!r}, trained=False)
 with torch.no_grad():
@@ -148,3 +148,13 @@ def test_cli_masked_exit_codes_and_all_json(tmp_path):
         "blocks.0.mlp.1",
         "blocks.1.mlp.1",
     ]
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_multihead_attention_against_diffusers_attention_replays_and_matches(trained):
+    reference, port, inputs = mha_pair(None, trained=trained)
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "match" and report.first_output_divergence is None
+    # attn(h, h, h) replays into Attention(hidden_states): the repeated tensor is taken once
+    attn = next(t for t in report.tested if t.reference == "attn")
+    assert (attn.test, attn.status) == ("replay", "pass")

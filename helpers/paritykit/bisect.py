@@ -362,6 +362,21 @@ def _pair_leaves(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> list[tup
     return pairs
 
 
+def _pair_inputs(ref: list, port: list) -> tuple[list, list[tuple[int, int]] | None]:
+    """Input leaves paired as :func:`_pair_leaves` does; when that fails, the reference's repeated tensors are
+    taken once (``attn(h, h, h)`` in self-attention against a port's ``attn(hidden_states)``)."""
+    pairs = _pair_leaves(ref, port)
+    if pairs is not None or len(ref) <= len(port):
+        return ref, pairs
+    unique: list[tuple[str, Any]] = []
+    for path, tensor in ref:
+        if not any(t is tensor or (t.shape == tensor.shape and bool((t == tensor).all())) for _, t in unique):
+            unique.append((path, tensor))
+    if len(unique) == len(ref):
+        return ref, None
+    return unique, _pair_leaves(unique, port)
+
+
 def _rel_error(a: Any, b: Any) -> float:
     import torch
 
@@ -481,7 +496,7 @@ class _Bisector:
         port_leaves = list(port_record.inputs.items())
         if not port_leaves:
             return None
-        pairs = _pair_leaves(ref_leaves, port_leaves)
+        ref_leaves, pairs = _pair_inputs(ref_leaves, port_leaves)
         if pairs is None:
             return None
         port_keys = list(port_record.input_keys.values())
@@ -580,7 +595,7 @@ class _Bisector:
             return base
         ref_in = list(ref_record.inputs.items())
         port_in = list(port_record.inputs.items())
-        pairs = _pair_leaves(ref_in, port_in) if ref_in and port_in else None
+        ref_in, pairs = _pair_inputs(ref_in, port_in) if ref_in and port_in else (ref_in, None)
         if pairs is None:
             base.status = "untestable"
             base.note = _join(note, "inputs cannot be paired")

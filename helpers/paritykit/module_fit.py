@@ -225,13 +225,19 @@ class InlineInput:
     reference_input: Any
     port_input: Any
     producers: list[Any]
+    # aligned children before ``child`` that could not be tested one-to-one (they may hold the difference)
+    untested: list[str] = field(default_factory=list)
 
 
 def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
     """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
     from paritykit.bisect import _pair_leaves
 
+    untested = []
     for child in searcher.frontier(call):
+        result = searcher.results.get(child.name)
+        if result is not None and result.status == "untestable":
+            untested.append(child.name)
         port_child = searcher.port_record(child)
         ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
         pairs = _pair_leaves(ref_in, port_in) if ref_in and port_in else None
@@ -240,7 +246,7 @@ def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
             if not (a.is_floating_point() and b.is_floating_point()):
                 continue
             if not searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}").passed:
-                return InlineInput(child, port_child, a, b, _producers(searcher, call, b))
+                return InlineInput(child, port_child, a, b, _producers(searcher, call, b), untested)
     return None
 
 
@@ -294,6 +300,12 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
             "forward (evidence: the port module's captured output is exactly that input, and no reference "
             "module is aligned with it)"
         )
+    elif found.untested:
+        hint_id = "inline-input"
+        message = (
+            f"{where}; no port module returns that input, and {', '.join(found.untested)} before it could not "
+            "be tested one-to-one, so the difference comes from there or from the culprit's own forward"
+        )
     else:
         hint_id = "inline-input"
         message = (
@@ -309,6 +321,7 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
                 "child": found.child.name,
                 "port_child": found.port_child.name,
                 "producers": [r.module for r in found.producers],
+                "untested": found.untested,
                 "max_abs": cmp.max_abs,
             },
             score=0.9,
