@@ -58,6 +58,8 @@ _EXPORTS: dict[str, str] = {
     "BisectReport": "paritykit.bisect",
     "Trace": "paritykit.trace",
     "Alignment": "paritykit.align",
+    "fit_module": "paritykit.module_fit",
+    "ModuleFit": "paritykit.module_fit",
     "zoom_bisect": "paritykit.zoom",
     "ModelWeights": "paritykit.trace",
     "step_curve": "paritykit.visual",
