@@ -1,4 +1,7 @@
-"""Run every benchmark in this folder in turn (`make bench`); each writes its own file under results/."""
+"""Run every benchmark in this folder in turn (`make bench`); each writes its own file under results/.
+
+The speed benchmarks are `bench_*.py`; `diagnosis.py` scores the quality of bisect's answers on the gallery.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     failed = []
-    for script in sorted(HERE.glob("bench_*.py")):
+    for script in [*sorted(HERE.glob("bench_*.py")), HERE / "diagnosis.py"]:
         print(f"== {script.name}", flush=True)
         if subprocess.run([sys.executable, str(script)]).returncode != 0:
             failed.append(script.name)

@@ -22,6 +22,8 @@ class Case:
     # other (reference, port) names that are also a correct first culprit (same work, coarser or finer)
     also: tuple[Pair, ...] = ()
     hints: frozenset[str] = field(default_factory=frozenset)
+    # hints that are true statements without naming the cause (neither counted as true nor as false)
+    neutral: frozenset[str] = field(default_factory=frozenset)
     cause: str = (
         "code"  # config | weights | code; decides whether an "unknown, forward code differs" hint lies
     )
@@ -135,7 +137,7 @@ CASES: tuple[Case, ...] = (
         "affine-off",
         "encoder's last GroupNorm built with affine=False (its scale and shift dropped)",
         (("encoder.norm_out", "encoder.conv_norm_out"),),
-        hints=_hints("module-config"),
+        hints=_hints("module-config", "weights"),
         cause="config",
         fix="encoder.conv_norm_out.affine = True (and load its weights)",
         invisible_when_fresh=True,
@@ -185,6 +187,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        neutral=_hints("weights"),
         cause="config",
         fix="rope.interleaved = True (and the processor's unbind dim -1)",
     ),
@@ -196,6 +200,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        neutral=_hints("weights"),
         cause="config",
         fix="rope.theta = 500.0",
     ),
@@ -207,6 +213,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        neutral=_hints("weights"),
         cause="config",
         fix="rope.linear_factor = 2.0",
     ),
