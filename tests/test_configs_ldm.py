@@ -266,6 +266,8 @@ def test_no_ldm_compares_raw_keys_and_two_yamls_are_compared_raw(tmp_path, saved
             "model.params.unet_config.params.transformer_depth",
         ),
         ([(("model", "params", "first_stage_config"), None)], "vae", "no model.params.first_stage_config"),
+        # SDXL-style class conditioning without its input size: diffusers' helper asserts
+        ([((*UNET_PARAMS, "num_classes"), "sequential")], "unet", "cannot read this YAML"),
     ],
 )
 def test_a_yaml_missing_what_diffusers_needs_is_one_line(tmp_path, saved, changes, target, message):
