@@ -211,7 +211,9 @@ def _derive_part(
         ) from None
     except (TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, AssertionError) as exc:
         detail = str(exc) or f"{type(exc).__name__} inside the helper"
-        raise ParityKitError(f"{label}: diffusers' {HELPERS[part]} cannot read this YAML ({detail})") from None
+        raise ParityKitError(
+            f"{label}: diffusers' {HELPERS[part]} cannot read this YAML ({detail})"
+        ) from None
     if image_size is None:
         # without the YAML's image size the helper falls back to a guess from checkpoint keys: not a claim
         config.pop("sample_size", None)
