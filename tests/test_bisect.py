@@ -355,7 +355,9 @@ def test_a_whole_tiny_unet_with_one_changed_resnet():
     culprit = report.culprit
     assert (culprit.reference, culprit.port) == ("down_blocks.1.resnets.0", "down_blocks.1.resnets.0")
     assert culprit.how_aligned == "names" and culprit.inline
-    assert culprit.hints[0].id == "constant-scale"
+    # the changed setting is named and its fix verified; the tensor-level scale hint is then not needed
+    assert culprit.hints[0].id == "module-config" and culprit.hints[0].verified
+    assert culprit.hints[0].fix == "down_blocks.1.resnets.0.output_scale_factor = 1.0"
     assert report.alignment.unaligned_reference == [] and report.to_dict()["aligned"] > 100
 
 

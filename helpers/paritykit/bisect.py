@@ -101,7 +101,7 @@ class ModuleFinding:
             "cosine": self.cosine,
             "inline": self.inline,
             "children_passed": self.children_passed,
-            "hints": [{"id": h.id, "message": h.message, "evidence": dict(h.evidence)} for h in self.hints],
+            "hints": [h.to_dict() for h in self.hints],
             "note": self.note,
         }
         if self.op is not None:
@@ -1371,18 +1371,15 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
 
 
 def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
-    """Hints on the culprit's output pair, with its inputs and its children's outputs as mixing candidates."""
+    """Evidence at the culprit (:func:`paritykit.evidence.gather`: configuration, activation, fitted constants,
+    weight slices, each fix verified on a copy of the port), with the input-aware and tensor-level hints on its
+    first differing output pair (its inputs and its children's outputs as mixing candidates)."""
     from paritykit.diagnose import diagnose
+    from paritykit.evidence import gather
 
-    if result is not None and result.test == "replay":
-        ref_out, port_out = searcher.replays[call.name]
-        pairs = _pair_leaves(ref_out, port_out) or []
-        worst = None
-        for i, j in pairs:
-            cmp = searcher.compare(ref_out[i][1], port_out[j][1], call.name)
-            if not cmp.passed:
-                worst = (ref_out[i][1], port_out[j][1])
-                break
+    replayed = result is not None and result.test == "replay"
+    if replayed:
+        ref_leaves, port_leaves = searcher.replays[call.name]
     else:
         ref_leaves = list(call.outputs.items())
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []
@@ -1404,7 +1401,75 @@ def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest
         child_out = child.output
         if child_out is not None:
             candidates.append((f"{child.name} output", child_out))
-    return culprit_hints(a, b, candidates, diagnose(a, b))
+    tensor_hints = culprit_hints(a, b, candidates, diagnose(a, b))
+    context = _culprit_context(searcher, call, port_call, ref_leaves, (i, j), replayed)
+    return gather(context, tensor_hints)
+
+
+def _culprit_context(
+    searcher: _Bisector, call: Any, port_call: Any, ref_leaves: list, leaf: tuple[int, int], replayed: bool
+) -> Any:
+    """The culprit as :mod:`paritykit.evidence` sees it: modules, outputs, and ways to re-run either side."""
+    from paritykit.evidence import Culprit
+
+    i, j = leaf
+    ref_module = searcher.ref_modules.get(call.module)
+    port_module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    ref_out = ref_leaves[i][1]
+    port_out = searcher.replays[call.name][1][j][1] if replayed else list(port_call.outputs.items())[j][1]
+
+    def ref_inputs() -> tuple[tuple, dict] | None:
+        if ref_module is None or not call.replayable:
+            return None
+        args, kwargs = call.call_inputs()
+        device = _module_device(ref_module)
+        args = tuple(a.to(device, copy=True) if _is_tensor(a) else a for a in args)
+        return args, {k: v.to(device, copy=True) if _is_tensor(v) else v for k, v in kwargs.items()}
+
+    def port_inputs() -> tuple[tuple, dict] | None:
+        if port_module is None or port_call is None:
+            return None
+        return searcher.adapt_inputs(call, port_call, _module_device(port_module))
+
+    def leaf_of(fn: Callable, inputs: tuple[tuple, dict] | None, index: int) -> Any:
+        if inputs is None:
+            raise ValueError("the call cannot be re-run")
+        return flatten_tensors(fn(*inputs[0], **inputs[1]))[index][1]
+
+    def check(fn: Callable) -> tuple[bool, float]:
+        inputs = port_inputs()
+        if inputs is None:
+            raise ValueError("the port call cannot be re-run")
+        cmp = searcher.compare_leaves(ref_leaves, flatten_tensors(fn(*inputs[0], **inputs[1])), call.name)
+        return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
+
+    ref_prefix = call.module + "." if call.module else ""
+    port_prefix = port_call.module + "." if port_call is not None and port_call.module else ""
+    subpairs = [
+        (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
+        for p in searcher.alignment.one_to_one
+        if p.reference.startswith(ref_prefix)
+        and p.port.startswith(port_prefix)
+        and p.reference != call.module
+        and (p.reference or p.port)
+    ]
+    # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
+    can_run = replayed
+    return Culprit(
+        reference_name=call.module,
+        port_name=port_call.module if port_call is not None else "",
+        reference=ref_module,
+        port=port_module,
+        reference_output=ref_out,
+        port_output=port_out,
+        run_reference=(lambda fn: leaf_of(fn, ref_inputs(), i))
+        if ref_module is not None and can_run
+        else None,
+        run_port=(lambda fn: leaf_of(fn, port_inputs(), j)) if port_module is not None and can_run else None,
+        check=check if port_module is not None and can_run else None,
+        subpairs=subpairs,
+        reference_inputs=ref_inputs() if can_run else None,
+    )
 
 
 def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
