@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -77,7 +78,8 @@ def test_component_and_kind_detection():
     assert kind_of("x.proj_in.weight") == "proj"
     assert kind_of("down_blocks.0.resnets.0.conv1.weight") == "conv"
     assert kind_of("input_blocks.0.0.weight", (16, 4, 3, 3)) == "conv"
-    assert kind_of("input_blocks.0.0.bias", (16,)) == "other"
+    assert kind_of("input_blocks.0.0.bias", (16,)) == "conv"  # the LDM conv_in position
+    assert kind_of("head.bias", (16,)) == "other"
 
 
 def test_identical_files_exit_0_without_distances(tmp_path):
@@ -395,3 +397,58 @@ def test_folder_picks_the_full_precision_file_and_refuses_ambiguity(tmp_path):
     save_file(state, other / "second.safetensors")
     with pytest.raises(ParityKitError, match="several checkpoints"):
         weights_diff(other, folder, keys_only=True)
+
+
+def test_kinds_follow_the_leaf_module_role_in_diffusers_and_research_names():
+    from diffusers import FluxTransformer2DModel
+
+    from tests.test_convert_ambiguity import _ldm_unet_name, _tiny_unet
+
+    unet, sd = _tiny_unet(randomise=False)
+    expected = {
+        r"\.ff\.": "feed-forward",
+        r"\.norm\d?\.|conv_norm_out|\.norm\.": "norm",
+        r"\.proj_(in|out)\.": "proj",
+        r"\.attn1\.": "self-attention",
+        r"\.attn2\.": "cross-attention",
+        r"time_emb": "embedding",
+        r"\.conv\d?\.|conv_(in|out|shortcut)\.": "conv",
+    }
+    for key, value in sd.items():
+        for pattern, kind in expected.items():
+            if re.search(pattern, key):
+                assert kind_of(key, value.shape) == kind, key
+                break
+        # the single-file (research) name of the same tensor gets the same kind
+        assert kind_of(_ldm_unet_name(key, unet), value.shape) == kind_of(key, value.shape), key
+    flux = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=8,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
+    kinds = {k: kind_of(k, v.shape) for k, v in flux.state_dict().items()}
+    assert kinds["transformer_blocks.0.ff_context.net.0.proj.weight"] == "feed-forward"
+    assert kinds["transformer_blocks.0.norm1.linear.weight"] == "norm"
+    assert kinds["transformer_blocks.0.attn.norm_added_q.weight"] == "norm"
+    assert kinds["transformer_blocks.0.attn.add_k_proj.weight"] == "self-attention"
+    assert kinds["single_transformer_blocks.0.proj_out.weight"] == "proj"
+    assert kinds["x_embedder.weight"] == "embedding"
+    assert sum(k == "self-attention" for k in kinds.values()) < len(kinds) / 2
+    # research names of the same roles
+    for key, kind in {
+        "blocks.3.mlp.fc1.weight": "feed-forward",
+        "double_blocks.0.img_attn.proj.weight": "self-attention",
+        "double_blocks.0.img_mod.lin.weight": "norm",
+        "final_layer.adaLN_modulation.1.weight": "norm",
+        "blocks.0.attn.qkv.bias": "self-attention",
+        "blocks.0.norm2.weight": "norm",
+        "pos_embed": "embedding",
+        "time_in.in_layer.weight": "embedding",
+    }.items():
+        assert kind_of(key) == kind, key

@@ -203,38 +203,73 @@ def component_of(key: str) -> str:
     return "model"
 
 
-_KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("cross-attention", re.compile(r"attn2|cross_?attn|crossattention|encdecattention", re.I)),
+# LDM ResBlocks name their layers by position: in_layers.0 is the norm, in_layers.2 the conv
+_LDM_POSITIONS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("norm", re.compile(r"(^|\.)(in|out)_layers\.0\.")),
+    ("conv", re.compile(r"(^|\.)(in|out)_layers\.[23]\.|(^|\.)(skip_connection|nin_shortcut|op)\.")),
+    ("conv", re.compile(r"(^|diffusion_model\.)(input_blocks\.0\.0|out\.2)\.")),
+    ("norm", re.compile(r"(^|diffusion_model\.)out\.0\.")),
+)
+# roles of one name component, tried in this order (a norm inside an attention block is a norm)
+_ROLES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("norm", re.compile(r"norm|^ln(_\w+)?$|^layer_?norm|^(\w+_)?mod(ulation)?$|^adaln", re.I)),
+    ("cross-attention", re.compile(r"^(attn2|cross_?attn\w*|crossattention|encdecattention)$", re.I)),
     (
         "self-attention",
         re.compile(
-            r"attn1|self_?attn|selfattention|(^|[._])attn(_\d+)?(\.|$)|attention|(^|\.)(to_[qkv]|to_out|[qkv]_proj|out_proj|"
-            r"qkv|in_proj_(weight|bias)|q|k|v)(\.|$)",
+            r"^(attn1?|self_?attn|selfattention|attention|\w+_attn|attn_\d+|to_(q|k|v|out|add_out)|"
+            r"(add_)?[qkv]_proj|o_proj|out_proj|qkv|[qkv]|query|key|value|in_proj_(weight|bias))$",
             re.I,
         ),
     ),
     (
         "feed-forward",
         re.compile(
-            r"(^|[._])(ff|ff_net|ff_context|mlp|feed_forward|fc[12]|c_fc|densereludense|ffn)([._]|$)", re.I
+            r"^(ff|ffn|ff_net|ff_context|mlp|\w+_mlp|mlp_\w+|feed_?forward|fc\d*|c_fc|densereludense|"
+            r"intermediate)$",
+            re.I,
         ),
     ),
-    ("norm", re.compile(r"norm|(^|\.)ln(_\w+)?(\.|$)|(in|out)_layers\.0\.", re.I)),
-    ("embedding", re.compile(r"emb|embed|(^|\.)shared\.", re.I)),
-    ("proj", re.compile(r"proj|(^|\.)linear", re.I)),
-    ("conv", re.compile(r"conv|(in|out)_layers\.[23]\.|skip_connection|nin_shortcut|(^|\.)op\.", re.I)),
+    ("embedding", re.compile(r"emb|^shared$|^cls_token$|^(time|vector|guidance|txt|img)_in$", re.I)),
+    ("proj", re.compile(r"^proj_(in|out)$", re.I)),
+    ("conv", re.compile(r"conv|^(skip_connection|nin_shortcut|op|downsample|upsample)$", re.I)),
 )
+# components that say nothing by themselves: their parent module decides (ff.net.0.proj is feed-forward)
+_GENERIC = re.compile(
+    r"^(\d+|proj|projection|linear|lin|dense|net|output|weight|bias|scale|gamma|beta|running_(mean|var)|"
+    r"num_batches_tracked)$",
+    re.I,
+)
+_GENERIC_PROJ = re.compile(r"^(proj|projection|linear|lin|dense)$", re.I)
 
 
 def kind_of(key: str, shape: Sequence[int] = ()) -> str:
     r"""What a parameter is: self-attention, cross-attention, feed-forward, norm, proj, embedding, conv, other.
 
-    Decided from the key's name (``attn1``/``attn2``, ``ff``/``mlp``, ``norm``, ``proj``, ``emb``, ``conv``, and the
-    LDM ResBlock ``in_layers``/``out_layers`` positions); an otherwise unnamed 4-D weight is a conv.
+    Decided by the role of the module that holds it, read from the leaf upwards: the first name component
+    with a role wins (``…attentions.0.transformer_blocks.0.ff.net.0.proj`` is feed-forward, ``…norm1`` is a
+    norm, ``proj_in``/``proj_out`` are proj, ``to_q`` under ``attn2`` is cross-attention), so research and
+    diffusers names of one tensor get one kind. Components that name nothing (``proj``, ``net``, ``0``)
+    defer to their parent; LDM ResBlock positions (``in_layers.0``) are read as the layers they are; an
+    otherwise unnamed 4-D weight is a conv.
     """
-    for kind, pattern in _KIND_PATTERNS:
+    for kind, pattern in _LDM_POSITIONS:
         if pattern.search(key):
             return kind
+    parts = key.split(".")
+    generic_proj = False
+    for depth in range(len(parts) - 1, -1, -1):
+        part = parts[depth]
+        if _GENERIC.match(part):
+            generic_proj = generic_proj or bool(_GENERIC_PROJ.match(part))
+            continue
+        for kind, pattern in _ROLES:
+            if pattern.search(part):
+                if kind == "self-attention" and any(_ROLES[1][1].search(p) for p in parts[:depth]):
+                    return "cross-attention"
+                return kind
+    if generic_proj:
+        return "proj"
     return "conv" if len(shape) == 4 else "other"
 
 
