@@ -52,6 +52,7 @@ class LdmDerivation:
         reference_only: YAML leaf keys nothing read: no diffusers counterpart, not compared.
         notes: what could not be derived, in words.
         underived: the port's keys the YAML should decide but does not (``sample_size`` without an image size).
+        source: the YAML as loaded.
     """
 
     config: dict[str, Any]
@@ -60,6 +61,7 @@ class LdmDerivation:
     reference_only: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     underived: list[str] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)
 
     def reference_only_summary(self, keys: list[str] | None = None) -> list[str]:
         r"""``keys`` (default: all reference-only keys) with every wholly unread subtree folded into ``prefix.*``."""
@@ -181,6 +183,7 @@ def derive_from_ldm(
         parts={prefix: HELPERS[part] for prefix, part in targets.items()},
         read=log["read"],
         notes=notes,
+        source=dict(yaml_config),
     )
     for prefix, part in targets.items():
         if any(note.startswith(f"{part}.sample_size") for note in notes):

@@ -397,32 +397,8 @@ def config_diff(
         A :class:`ConfigDiff`; ``exit_code`` is 0 when every compared key matches.
     """
     patterns = list(ignore)
-    config_a, config_b = load_config(a), load_config(b)
     result = ConfigDiff(a=_label(a), b=_label(b))
-
-    derivation = None
-    if ldm or (ldm is None and is_ldm_config(config_a) and not is_ldm_config(config_b)):
-        derivation = derive_from_ldm(
-            config_a, config_b, label=result.a, class_name=class_name, target_label=result.b
-        )
-        yaml_values = flatten(config_a)
-        config_a = derivation.config
-        result.derived_with = dict(derivation.parts)
-        result.notes = list(derivation.notes)
-
-    side_a = _Side(flatten(config_a))
-    side_b = _Side(flatten(config_b))
-    if with_defaults and derivation is None:
-        side_a.defaults = flat_defaults(config_a)
-    if with_defaults or not compare_defaults or class_name:
-        side_b.defaults = flat_defaults(config_b, class_name, strict=bool(class_name))
-    if with_defaults:
-        side_a.fill()
-        side_b.fill()
-    result.filled_defaults = {
-        "a": sorted(side_a.filled, key=natural_key),
-        "b": sorted(side_b.filled, key=natural_key),
-    }
+    side_a, side_b, derivation = _load_sides(a, b, result, ldm, with_defaults, compare_defaults, class_name)
 
     renamed = rename_all(side_a.values, rules) if rules else {k: k for k in side_a.values}
     result.renamed = {old: new for old, new in renamed.items() if old != new}
@@ -435,6 +411,7 @@ def config_diff(
 
     if derivation is not None:
         unread = [key for key in derivation.reference_only if not _ignored(key, patterns)]
+        yaml_values = flatten(derivation.source)
         result.not_compared += [Uncompared(key, "a", REFERENCE_ONLY, yaml_values[key]) for key in unread]
         result.reference_only_summary = derivation.reference_only_summary(unread)
 
@@ -455,6 +432,44 @@ def config_diff(
     if suggest:
         result.suggestions = suggest_map({k: mapped_a[k] for k in result.only_a}, unmatched_b, values_equal)
     return result
+
+
+def _load_sides(
+    a: Any,
+    b: Any,
+    result: ConfigDiff,
+    ldm: bool | None,
+    with_defaults: bool,
+    compare_defaults: bool,
+    class_name: str | None,
+) -> tuple[_Side, _Side, LdmDerivation | None]:
+    r"""Both configs flattened, A derived from an LDM YAML when asked or detected, class defaults looked up
+    (and filled in with ``with_defaults``); records what it did on ``result``."""
+    config_a, config_b = load_config(a), load_config(b)
+    derivation = None
+    if ldm or (ldm is None and is_ldm_config(config_a) and not is_ldm_config(config_b)):
+        derivation = derive_from_ldm(
+            config_a, config_b, label=result.a, class_name=class_name, target_label=result.b
+        )
+        config_a = derivation.config
+        result.derived_with = dict(derivation.parts)
+        result.notes = list(derivation.notes)
+
+    side_a = _Side(flatten(config_a))
+    side_b = _Side(flatten(config_b))
+    # A derived config has no class of its own: filling it would put words in the YAML's mouth
+    if with_defaults and derivation is None:
+        side_a.defaults = flat_defaults(config_a)
+    if with_defaults or not compare_defaults or class_name:
+        side_b.defaults = flat_defaults(config_b, class_name, strict=bool(class_name))
+    if with_defaults:
+        side_a.fill()
+        side_b.fill()
+    result.filled_defaults = {
+        "a": sorted(side_a.filled, key=natural_key),
+        "b": sorted(side_b.filled, key=natural_key),
+    }
+    return side_a, side_b, derivation
 
 
 def _compare_key(result: ConfigDiff, key: str, a: Any, b: Any, a_default: bool, b_default: bool) -> None:
