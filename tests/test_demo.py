@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -104,17 +105,30 @@ def test_rerun_replaces_its_own_files_and_keeps_a_users(demo_dir):
     assert "my-notes.txt" not in json.loads((demo_dir / ".paritykit-demo").read_text())["written"]
 
 
-def test_every_printed_command_runs_and_agrees_with_the_demo(demo_dir):
+def printed_blocks() -> list[tuple[list[str], str]]:
+    """Each printed ``$ paritykit …`` command with the lines the demo printed under it (de-indented)."""
+    blocks: list[tuple[list[str], list[str]]] = []
+    for line in (line for entry in PRINTED for line in entry.split("\n")):
+        if line.startswith("  $ paritykit"):
+            blocks.append((shlex.split(line.strip().removeprefix("$ "))[1:], []))
+        elif blocks and (line.startswith("    ") or line == ""):
+            blocks[-1][1].append(line.removeprefix("    "))
+        elif blocks:
+            blocks.append((None, []))  # a header or the summary ends the command's output
+    return [(argv, "\n".join(lines).strip("\n")) for argv, lines in blocks if argv]
+
+
+def test_every_printed_command_runs_and_prints_exactly_what_the_demo_shows_under_it(demo_dir):
     from tests.conftest import run_cli
 
-    commands = [
-        shlex.split(line.strip().removeprefix("$ "))[1:]
-        for line in PRINTED
-        if line.startswith("  $ paritykit")
-    ]
-    assert len(commands) == 6
-    codes = [run_cli(*argv, cwd=demo_dir.parent).returncode for argv in commands]
+    blocks = printed_blocks()
+    assert len(blocks) == 7
+    runs = [run_cli(*argv, cwd=demo_dir.parent) for argv, _ in blocks]
     # config-diff: time_mix only in A -> differ (1); weights map: all explained (0); bisect buggy: diverge (1);
-    # steps: diverge (1); images: below threshold (1); bisect fixed: match (0)
-    expected = [1, 0, 1, 1, 1, 0]
-    assert codes == expected
+    # steps: diverge (1); images: below threshold (1); bisect fixed: match (0); compare fixed images: same (0)
+    assert [run.returncode for run in runs] == [1, 0, 1, 1, 1, 0, 0], [run.stderr for run in runs]
+    for (argv, shown), run in zip(blocks, runs):
+        actual = run.stdout.strip("\n")
+        if argv[:2] == ["weights", "map"]:  # its timing line carries the seconds it took
+            actual, shown = (re.sub(r"\(\d+\.\d+ s\)", "(… s)", text) for text in (actual, shown))
+        assert shown == actual, f"paritykit {' '.join(argv)}:\n--- demo\n{shown}\n--- command\n{actual}"

@@ -37,9 +37,16 @@ class DemoResult:
         return 0 if all(self.checks.values()) else 1
 
 
-def _section(echo: Callable[[str], None], number: int, title: str, command: str) -> None:
+def _section(echo: Callable[[str], None], number: int, title: str, command: str, look: str = "") -> None:
+    r"""A step's header, what to look for in it, then its command: below the command only its own output."""
     echo("")
     echo(click.style(f"[{number}/6] {title}", bold=True))
+    if look:
+        echo(f"  look for: {look}")
+    _command(echo, command)
+
+
+def _command(echo: Callable[[str], None], command: str) -> None:
     echo(f"  $ {command}")
 
 
@@ -111,7 +118,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
 
     from paritykit.bisect import bisect
     from paritykit.checkpoints import Checkpoint, save_checkpoints
-    from paritykit.compare import compare_tensors
+    from paritykit.compare import compare_paths
     from paritykit.configs import config_diff
     from paritykit.convert import emit_rules, infer_conversion_map
     from paritykit.demo.pipeline import make_hint, make_pipeline
@@ -155,14 +162,13 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
         1,
         "Diff the configs first",
         f"paritykit config-diff {ref_dir}/config.yaml {out}/port {map_flags} --ignore '_*'",
+        "the reference's `time_mix` knob (1.0) has no field in the port; its mixer quietly reuses "
+        "control_scale.",
     )
     cfg = config_diff(ref_dir / "config.yaml", out / "port", rules=maps, ignore=["_*"])
     echo(_indent(cfg.render()))
     _write_report(out, "1_config_diff", cfg)
     result.checks["config-diff shows time_mix only in the reference"] = "time_mix" in cfg.to_dict()["only_a"]
-    echo(
-        "  -> the reference has a `time_mix` knob (1.0) the port never set; its mixer quietly reuses control_scale."
-    )
 
     # 2. Weights map: every port tensor explained by a reference tensor.
     port_weights = out / "port" / "diffusion_pytorch_model.safetensors"
@@ -170,16 +176,15 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
         echo,
         2,
         "Infer the weight conversion from values",
-        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py --force",
+        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py "
+        "--force --limit 12",
+        "every port tensor explained (qkv split, shift/scale swap, renames): the bug is not in the weights.",
     )
     cmap = infer_conversion_map(ref_dir / "model.safetensors", port_weights)
+    emit_rules(cmap, out / "convert_rules.py", force=True)  # before render: the report names the file
     echo(_indent(cmap.render(limit=12)))
-    emit_rules(cmap, out / "convert_rules.py", force=True)
     _write_report(out, "2_weights_map", cmap)
     result.checks["weights map explains every port tensor"] = cmap.exit_code == 0
-    echo(
-        "  -> the conversion is right (qkv split, shift/scale swap, renames): the bug is not in the weights."
-    )
 
     # 3. Bisect the buggy port.
     args, kwargs = make_inputs()
@@ -221,7 +226,8 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
         "Look at the outputs",
         f"paritykit images {out}/image_reference.pt {out}/image_port.pt --out {out}/images.png",
     )
-    visual = compare_images(images["reference"][0], images["port"][0], out=out / "images.png")
+    # the files the printed command reads, so the report names them as the command does
+    visual = compare_images(out / "image_reference.pt", out / "image_port.pt", out=out / "images.png")
     echo(_indent(visual.render()))
     _write_report(out, "5_images", visual)
     result.checks["images differ"] = visual.exit_code == 1
@@ -231,10 +237,12 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     fixed_report = bisect(reference, fixed, (args, kwargs), select_output=select_output)
     echo(_indent(fixed_report.render()))
     _write_report(out, "6_bisect_fixed", fixed_report)
-    same = compare_tensors(images["reference"], images["port_fixed"], name="image")
-    result.checks["fixed port: bisect verdict match"] = fixed_report.to_dict()["verdict"] == "match"
-    result.checks["fixed port: final images equal"] = same.passed
+    _command(echo, f"paritykit compare {out}/image_reference.pt {out}/image_port_fixed.pt")
+    same = compare_paths(str(out / "image_reference.pt"), str(out / "image_port_fixed.pt"))
     echo(_indent(same.render()))
+    _write_report(out, "6_compare_fixed_images", same)
+    result.checks["fixed port: bisect verdict match"] = fixed_report.to_dict()["verdict"] == "match"
+    result.checks["fixed port: final images equal"] = same.exit_code == 0
 
     echo("")
     echo(click.style("Summary", bold=True))
