@@ -326,6 +326,12 @@ def test_cli_json_schema_and_plot(cli, tmp_path):
         "identical", "changed", "only_a", "only_b", "shape_mismatch", "distance"
     }  # fmt: skip
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert payload["plot"] == str(tmp_path / "out.png")
+    text = cli(
+        "weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--quiet",
+        "--plot", tmp_path / "out2.png",
+    )  # fmt: skip
+    assert f"plot: {tmp_path / 'out2.png'}" in text.stdout
 
     same = cli("weights", "diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors")
     assert same.returncode == 0 and "identical" in same.stdout
@@ -452,3 +458,52 @@ def test_kinds_follow_the_leaf_module_role_in_diffusers_and_research_names():
         "time_in.in_layer.weight": "embedding",
     }.items():
         assert kind_of(key) == kind, key
+
+
+def test_plot_shows_a_lone_small_change_and_tick_labels_do_not_overlap(tmp_path):
+    from matplotlib import pyplot as plt
+    from paritykit.weights import draw_weights_diff
+
+    g = torch.Generator().manual_seed(0)
+    a = {f"blocks.{i}.mlp.fc1.weight": torch.randn(8, 8, generator=g) for i in range(40)}
+    a["blocks.0.norm1.weight"] = torch.ones(8)
+    b = {k: v + 10.0 ** -(k.count("1") + 1) * (1 + int(k.split(".")[1])) for k, v in a.items()}
+    b["blocks.0.norm1.weight"] = a["blocks.0.norm1.weight"] + 1e-6 * torch.arange(8)
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", group_by="kind", progress=False
+    )
+    fig = draw_weights_diff(report)
+    try:
+        fig.canvas.draw()
+        panels = {ax.get_title().split(":")[0]: ax for ax in fig.axes if ax.get_visible()}
+        norm = panels["norm"]
+        heights = [patch.get_height() for patch in norm.patches]
+        assert max(heights) == 1
+        ymin, ymax = norm.get_ylim()
+        assert ymin <= 0 < 1 <= ymax  # the single bar is inside the visible range
+        renderer = fig.canvas.get_renderer()
+        for ax in panels.values():
+            boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+            assert all(not x.overlaps(y) for x, y in zip(boxes, boxes[1:])), ax.get_title()
+    finally:
+        plt.close(fig)
+
+
+def test_no_shared_names_points_to_weights_map_and_map(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a = {f"blocks.{i}.w": torch.randn(4, generator=g) for i in range(3)}
+    b = {f"layers.{i}.weight": v.clone() for i, v in enumerate(a.values())}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False)
+    assert report.exit_code == 1 and report.no_shared_names
+    text = report.render()
+    assert "weights map" in text and "--map" in text
+    assert "weights map" in report.to_dict()["hint"]
+    # must not fire when some names are shared
+    b2 = {**b, "blocks.0.w": a["blocks.0.w"].clone()}
+    save_file(b2, tmp_path / "b2.safetensors")
+    partial = weights_diff(tmp_path / "a.safetensors", tmp_path / "b2.safetensors", progress=False)
+    assert partial.hint() is None and "hint:" not in partial.render()

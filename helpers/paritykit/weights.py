@@ -352,6 +352,21 @@ class WeightsDiff:
     renamed: int = 0
     bytes_compared: int = 0
     seconds: float = 0.0
+    plot: str | None = None
+
+    @property
+    def no_shared_names(self) -> bool:
+        r"""Both sides hold tensors, yet no name is common: a naming difference, not a weight difference."""
+        common = self.identical + len(self.changed) + len(self.shape_mismatch) + len(self.dtype_mismatch)
+        return not common and bool(self.only_a) and bool(self.only_b)
+
+    def hint(self) -> str | None:
+        if not self.no_shared_names:
+            return None
+        return (
+            "no tensor name is shared: the two sides name their tensors differently. Infer the renames from the "
+            "values with `paritykit weights map A B`, then pass them here as --map 'REGEX=REPL' (applied to A)."
+        )
 
     @property
     def exit_code(self) -> int:
@@ -386,6 +401,8 @@ class WeightsDiff:
             "renamed": self.renamed,
             "bytes_compared": self.bytes_compared,
             "seconds": round(self.seconds, 3),
+            "plot": self.plot,
+            "hint": self.hint(),
             "environment": environment_stamp(),
         }
 
@@ -424,6 +441,10 @@ class WeightsDiff:
                 shown = keys if not limit else keys[:limit]
                 more = f" … {len(keys) - len(shown)} more" if len(keys) > len(shown) else ""
                 lines += ["", f"{label} ({len(keys)}): " + ", ".join(shown) + more]
+        if self.hint():
+            lines += ["", f"hint: {self.hint()}"]
+        if self.plot:
+            lines += ["", f"plot: {self.plot}"]
         lines += ["", self.summary()]
         return "\n".join(lines)
 
@@ -764,35 +785,58 @@ def _compare_all(
 
 # ------------------------------------------------------------------------------------------------ plot
 def plot_weights_diff(report: WeightsDiff, path: str | os.PathLike) -> Path:
-    r"""One histogram panel per group of the chosen metric over changed tensors (log y), saved as PNG."""
+    r"""One histogram panel per group of the chosen metric over changed tensors, saved as PNG.
+
+    Distances span many orders of magnitude, so positive values are binned on a log10 axis; the count axis
+    is linear unless counts are large, so a group with one small change still shows its bar. Sets
+    ``report.plot`` to the path written.
+    """
+    from matplotlib import pyplot as plt
+
+    path = Path(path)
+    fig = draw_weights_diff(report)
+    try:
+        save_figure(fig, path, dpi=100)
+    finally:
+        plt.close(fig)
+    report.plot = str(path)
+    return path
+
+
+def draw_weights_diff(report: WeightsDiff):
+    r"""The figure :func:`plot_weights_diff` saves (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    path = Path(path)
     names = [name for name, stats in report.groups.items() if stats.changed] or ["(no changed tensors)"]
     columns = min(3, len(names))
     rows = math.ceil(len(names) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
-    try:
-        for ax in axes.flat[len(names) :]:
-            ax.set_visible(False)
-        for ax, name in zip(axes.flat, names):
-            values = [c.metric(report.metric) for c in report.changed if c.group == name]
-            values = [v for v in values if v is not None and math.isfinite(v)]
-            stats = report.groups.get(name)
-            if values:
-                ax.hist(values, bins=min(50, max(5, len(values))))
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(names) :]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        values = [c.metric(report.metric) for c in report.changed if c.group == name]
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        stats = report.groups.get(name)
+        label = report.metric
+        if values and min(values) > 0 and report.metric != "cosine":
+            values = [math.log10(v) for v in values]
+            label = f"log10 {report.metric}"
+        if values:
+            counts, _, _ = ax.hist(values, bins=min(30, max(5, len(values))), color="tab:blue")
+            if max(counts) > 50:
                 ax.set_yscale("log")
             else:
-                ax.text(0.5, 0.5, "no changed tensors", ha="center", va="center", transform=ax.transAxes)
-            distance = format_number(stats.distance) if stats else "-"
-            ax.set_title(f"{name}: {report.metric}={distance} ({len(values)} changed)", fontsize=9)
-            ax.set_xlabel(report.metric)
-            ax.set_ylabel("tensors")
-        fig.tight_layout()
-        save_figure(fig, path, dpi=100)
-    finally:
-        plt.close(fig)
-    return path
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+        else:
+            ax.text(0.5, 0.5, "no changed tensors", ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        distance = format_number(stats.distance) if stats else "-"
+        ax.set_title(f"{name}: {report.metric}={distance} ({len(values)} changed)", fontsize=9)
+        ax.set_xlabel(label)
+        ax.set_ylabel("tensors")
+    fig.tight_layout()
+    return fig
