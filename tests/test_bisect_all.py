@@ -158,3 +158,11 @@ def test_multihead_attention_against_diffusers_attention_replays_and_matches(tra
     # attn(h, h, h) replays into Attention(hidden_states): the repeated tensor is taken once
     attn = next(t for t in report.tested if t.reference == "attn")
     assert (attn.test, attn.status) == ("replay", "pass")
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_attention_scale_bug_is_the_only_culprit_and_substituting_it_restores_the_output(trained):
+    reference, port, inputs = mha_pair("scale", trained=trained)
+    report = bisect(reference, port, inputs, all_culprits=True)
+    assert [(c.reference, c.port, c.test) for c in report.culprits] == [("attn", "attn", "replay")]
+    assert report.output_after.passed and "the port's output matches" in report.render()

@@ -1539,7 +1539,8 @@ def bisect(
         port_args, port_kwargs = args, kwargs
     from paritykit.zoom import use_zoom, zoom_bisect
 
-    if use_zoom(levels, reference):
+    # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
+    if not all_culprits and use_zoom(levels, reference):
         return zoom_bisect(
             reference,
             port,
@@ -1773,7 +1774,7 @@ def bisect_spec(
             port_args, port_kwargs = spec.inputs("port", device)
             from paritykit.zoom import use_zoom, zoom_bisect
 
-            if use_zoom(levels, reference):
+            if not all_culprits and use_zoom(levels, reference):  # --all needs every module captured
                 return zoom_bisect(
                     reference,
                     port,
