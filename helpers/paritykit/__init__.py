@@ -43,6 +43,8 @@ _EXPORTS: dict[str, str] = {
     "config_diff": "paritykit.configs",
     "weights_diff": "paritykit.weights",
     "load_config": "paritykit.configs",
+    "derive_from_ldm": "paritykit.config_ldm",
+    "suggest_map": "paritykit.config_suggest",
     "read_safetensors_header": "paritykit.safetensors_header",
     "infer_conversion_map": "paritykit.convert",
     "ConversionMap": "paritykit.convert",
