@@ -166,3 +166,30 @@ def test_attention_scale_bug_is_the_only_culprit_and_substituting_it_restores_th
     report = bisect(reference, port, inputs, all_culprits=True)
     assert [(c.reference, c.port, c.test) for c in report.culprits] == [("attn", "attn", "replay")]
     assert report.output_after.passed and "the port's output matches" in report.render()
+
+
+def test_a_module_whose_output_shape_differs_is_named_with_both_shapes():
+    class Block(nn.Module):
+        def __init__(self, keep: int):
+            super().__init__()
+            self.proj = nn.Linear(4, 6)
+            self.keep = keep
+
+        def forward(self, x):
+            return self.proj(x)[:, : self.keep]
+
+    class Model(nn.Module):
+        def __init__(self, keep: int):
+            super().__init__()
+            self.block = Block(keep)
+
+        def forward(self, x):
+            return self.block(x).sum(-1)
+
+    reference, port = Model(6).eval(), Model(5).eval()
+    port.load_state_dict(reference.state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 4),), {}))
+    block = next(t for t in report.tested if t.reference == "block")
+    assert block.status == "untestable"
+    assert "outputs cannot be paired: reference [2, 6] vs port [2, 5]" in block.note
+    assert "reference [2, 6] vs port [2, 5]" in report.render(limit=0)
