@@ -9,6 +9,7 @@ explanation is offered, and that the fix, where one exists, was verified by re-r
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import pytest
@@ -32,7 +33,9 @@ PLANTED = [
 ALL_IDS = {"module-config", "activation", "norm-eps", "attention-scale", "weights", "no-signature"}
 
 
+@functools.cache
 def _bisect(pair, bug, trained):
+    """One bisect per case, shared by the tests that read different parts of its report."""
     reference, port, inputs = pair(bug, trained=trained)
     return bisect(reference, port, inputs)
 

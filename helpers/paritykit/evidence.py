@@ -508,17 +508,25 @@ def _fit_constant(
         return math.nan, math.inf, []
     scored.sort()
     best_err, best = scored[0]
-    if refine and best_err > FIT_REL and best > 0:
-        lo, hi = math.log(best / 4), math.log(best * 4)
+    if refine and best_err > FIT_REL and best > 0 and best_err < 0.5:
+        # golden-section search in log space around the best candidate, one new evaluation per step
+        def cost(u: float) -> float:
+            return _rel(run(math.exp(u)), target)
+
         golden = (math.sqrt(5) - 1) / 2
-        for _ in range(40):
-            m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-            if _rel(run(math.exp(m1)), target) < _rel(run(math.exp(m2)), target):
-                hi = m2
+        lo, hi = math.log(best / 4), math.log(best * 4)
+        m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        f1, f2 = cost(m1), cost(m2)
+        for _ in range(30):
+            if f1 < f2:
+                hi, m2, f2 = m2, m1, f1
+                m1 = hi - golden * (hi - lo)
+                f1 = cost(m1)
             else:
-                lo = m1
-        value = math.exp((lo + hi) / 2)
-        err = _rel(run(value), target)
+                lo, m1, f1 = m1, m2, f2
+                m2 = lo + golden * (hi - lo)
+                f2 = cost(m2)
+        err, value = min((f1, math.exp(m1)), (f2, math.exp(m2)))
         if err < best_err:
             best_err, best = err, value
     fitting = sorted(v for e, v in scored if e <= FIT_REL)
@@ -683,7 +691,10 @@ def weights(c: Culprit) -> list[Hint]:
         return []
     from paritykit.convert import apply_rules_to_state_dict, infer_conversion_map
 
-    ref_sd, port_sd = _state(c.reference), _state(c.port)
+    # keyed by their names in the whole models, as `paritykit weights map` sees them (and names them)
+    ref_prefix, port_prefix = _prefix(c.reference_name), _prefix(c.port_name)
+    ref_sd = {ref_prefix + k: v for k, v in _state(c.reference).items()}
+    port_sd = {port_prefix + k: v for k, v in _state(c.port).items()}
     if not ref_sd or not port_sd:
         return []
     cmap = infer_conversion_map(ref_sd, port_sd)
@@ -706,8 +717,8 @@ def weights(c: Culprit) -> list[Hint]:
                       "op": "chunk", "args": args})  # fmt: skip
         count = entry.args["count"]
         lines.append(
-            f"port {c.port_path(attr=entry.target)} holds chunk {entry.args['index']}/{count} of reference "
-            f"{c.reference_path(entry.sources[0])} (its name implies chunk {implied}/{count})"
+            f"port {entry.target} holds chunk {entry.args['index']}/{count} of reference {entry.sources[0]} "
+            f"(its name implies chunk {implied}/{count})"
         )
     fixed = apply_rules_to_state_dict(rules, {k: ref_sd[k] for k in {e.sources[0] for e, _ in wrong}})
     hint = Hint(
@@ -718,12 +729,17 @@ def weights(c: Culprit) -> list[Hint]:
         {"misassigned": [dict(e.to_dict(), implied_index=i) for e, i in wrong]},
         score=0.95,
         fix="; ".join(
-            f"load {c.port_path(attr=r['target'])} from {c.reference_path(r['sources'][0])} "
+            f"load {r['target']} from {r['sources'][0]} "
             f"chunk {r['args']['index']}/{r['args']['count']} dim {r['args']['dim']}"
             for r in rules
         ),  # fmt: skip
     )
-    return [_verify(c, _patched(c.port, {k: v.to(port_sd[k].dtype) for k, v in fixed.items()}), hint)]
+    patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
+    return [_verify(c, _patched(c.port, patch), hint)]
+
+
+def _prefix(name: str) -> str:
+    return name + "." if name else ""
 
 
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
@@ -734,10 +750,10 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
         return []
     parts = []
     if cmap.unmapped_target:
-        names = ", ".join(c.port_path(attr=k) for k in cmap.unmapped_target[:6])
+        names = ", ".join(cmap.unmapped_target[:6])
         parts.append(f"port parameters {names} equal no reference tensor of {c.reference_path()} by value")
     if dropped:
-        names = ", ".join(c.reference_path(k) for k in dropped[:6])
+        names = ", ".join(dropped[:6])
         parts.append(f"reference parameters {names} (not constant) are used by no port parameter")
     return [
         Hint(
@@ -792,6 +808,7 @@ def gather(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint]:
 
     found: list[Hint] = []
     ran: list[str] = []
+    failed: list[str] = []
     with torch.no_grad():
         for name, fn in EVIDENCE:
             if name == "norm eps" and any(
@@ -799,33 +816,38 @@ def gather(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint]:
                 for h in found
             ):
                 continue  # the eps is named already; a fit would only repeat it
-            found += fn(c)
-            ran.append(name)
+            try:
+                found += fn(c)
+                ran.append(name)
+            except Exception as exc:  # one broken check must not hide the others, nor count as passed
+                failed.append(f"{name} ({type(exc).__name__}: {str(exc)[:80]})")
     hints = rank([*found, *tensor_hints])
     verified = [h for h in hints if h.verified]
     if verified:
         return verified  # a fix that makes the module match explains all of it; the rest would only distract
     if hints:
         return hints
-    return [no_signature(c, ran)]
+    return [no_signature(c, ran, failed)]
 
 
-def no_signature(c: Culprit, ran: Sequence[str]) -> Hint:
-    r"""The plain statement when no detector has evidence, with what was ruled out."""
-    if c.reference is None or c.port is None:
-        return Hint(
-            "no-signature",
-            "no known signature in the output tensors; module objects were not available, so configuration "
-            "and weights were not checked",
-            {"ruled_out": ["tensor signatures"]},
-            score=0.1,
-        )
-    return Hint(
-        "no-signature",
-        "no known signature; module config and weights are identical (every parameter holds the reference "
-        "tensor its name implies), so the forward code differs (ruled out: "
-        + ", ".join([*ran, "tensor signatures (casts, transposes, scales, offsets)"])
-        + ")",
-        {"ruled_out": [*ran, "tensor signatures"]},
-        score=0.1,
+def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> Hint:
+    r"""The plain statement when no detector has evidence, with what was ruled out and what could not run."""
+    ruled_out = [*ran, "tensor signatures"]
+    checked_all = (
+        c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
     )
+    if checked_all:
+        message = (
+            "no known signature; module config and weights are identical (every parameter holds the reference "
+            "tensor its name implies), so the forward code differs"
+        )
+    elif c.reference is None or c.port is None:
+        message = (
+            "no known signature in the output tensors; module objects were not available, so configuration "
+            "and weights were not checked"
+        )
+    else:
+        message = "no known signature; not every check could run, so the cause is unknown"
+    message += f" (ruled out: {', '.join([*ran, 'tensor signatures (casts, transposes, scales, offsets)'])}"
+    message += f"; could not run: {', '.join(failed)})" if failed else ")"
+    return Hint("no-signature", message, {"ruled_out": ruled_out, "not_run": list(failed)}, score=0.1)
