@@ -318,3 +318,66 @@ def test_steps_growth_class_agrees_with_the_fitted_exponent():
     assert fit.growth == "polynomial" and fit.power_exponent == pytest.approx(2.74, rel=1e-6)
     assert "step^2.74" in fit.reason
     assert classify_growth([1e-6 * 1.6**i for i in range(12)]).growth == "exponential"
+
+
+# ------------------------------------------------------------------------------------------- every supported class
+SUPPORTED = {
+    "DDIMScheduler": {"timestep_spacing": "trailing"},
+    "DDPMScheduler": {"timestep_spacing": "trailing"},
+    "EulerDiscreteScheduler": {"use_karras_sigmas": True},
+    "EulerAncestralDiscreteScheduler": {"timestep_spacing": "trailing"},
+    "HeunDiscreteScheduler": {"use_karras_sigmas": True},
+    "DPMSolverMultistepScheduler": {"timestep_spacing": "trailing"},
+    "UniPCMultistepScheduler": {"use_karras_sigmas": True},
+    "LMSDiscreteScheduler": {"use_karras_sigmas": True},
+    "FlowMatchEulerDiscreteScheduler": {"shift": 3.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_fit_recovers_a_changed_default_and_proposes_nothing_for_the_default(name):
+    import diffusers
+
+    cls = getattr(diffusers, name)
+    base = {} if name.startswith("FlowMatch") else SD_BETAS
+    changed = cls(**base, **SUPPORTED[name])
+    changed.set_timesteps(STEPS)
+    sigmas = getattr(changed, "sigmas", None)
+    ref = {
+        "timesteps": changed.timesteps.tolist(),
+        **({"sigmas": sigmas.tolist()} if sigmas is not None else {}),
+    }
+    fit = fit_scheduler(name, ref, base_config=base)
+    assert fit.fits and fit.fits[0].changes == SUPPORTED[name], fit.render()
+    assert len(fit.counts) >= 4
+    default = cls(**base)
+    default.set_timesteps(STEPS)
+    same = fit_scheduler(name, {"timesteps": default.timesteps.tolist()}, base_config=base)
+    assert same.line == f"{name}.from_config(pipe.scheduler.config)"
+
+
+def test_step_check_from_a_pipelines_checkpoint_folder(tmp_path):
+    from paritykit import Checkpoint, save_checkpoints
+
+    from tests._pipelines import TINY_STEPS, make_tiny_unet_pipeline
+
+    pipe = make_tiny_unet_pipeline()
+    checkpoints = {
+        name: Checkpoint(save=True) for name in ["preloop", *(f"after_step_{i}" for i in range(TINY_STEPS))]
+    }
+    pipe(_checkpoints=checkpoints)
+    save_checkpoints(tmp_path / "run", checkpoints)
+    fit = fit_scheduler(
+        "DDIMScheduler",
+        tmp_path / "run",
+        base_config=dict(pipe.scheduler.config),
+        step_check=tmp_path / "run",
+    )
+    assert fit.line == "DDIMScheduler.from_config(pipe.scheduler.config)"
+    assert fit.fits[0].step_check.matched and fit.fits[0].step_check.steps_checked == TINY_STEPS
+    # the same run against a config whose final alpha differs: the lists still match, the update does not
+    other = fit_scheduler(
+        "DDIMScheduler", tmp_path / "run", base_config={**pipe.scheduler.config, "set_alpha_to_one": False},
+        step_check=tmp_path / "run",
+    )  # fmt: skip
+    assert other.fits and other.fits[0].changes == {"set_alpha_to_one": True}

@@ -68,9 +68,14 @@ class Schedule:
     @property
     def steps(self) -> int:
         if self.timesteps is not None:
-            return len(self.timesteps)
-        sig = self.sigmas or []
+            return len(_dedupe(self.timesteps))
+        sig = _dedupe(self.sigmas or [])
         return len(sig) - 1 if sig and sig[-1] == 0 else len(sig)
+
+
+def _dedupe(values: Sequence[float]) -> list[float]:
+    r"""Consecutive repeats dropped: a second-order scheduler (Heun) lists every timestep but the first twice."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
 def _floats(value: Any, what: str) -> tuple[list[float], bool]:
@@ -207,6 +212,8 @@ class Family:
     name: str
     params: dict[str, float] = field(default_factory=dict)
     generate: Callable[[int], list[float]] | None = field(default=None, repr=False)
+    # other closed forms the same list fits equally well (a list of whole numbers may be float linspace)
+    alternatives: list[Callable[[int], list[float]]] = field(default_factory=list, repr=False)
 
     def describe(self) -> str:
         extra = ", ".join(f"{k} {format_number(v)}" for k, v in self.params.items())
@@ -230,9 +237,12 @@ def timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
                 vals = spacing_lists(m, train_steps)[name]
                 return vals if exact else [float(round(v)) for v in vals]
 
-            return Family(
+            family = Family(
                 f"{name} spacing" + ("" if exact or name != "linspace" else ", integer"), {}, generate
             )
+            if not exact and name == "linspace":
+                family.alternatives.append(lambda m, name=name: spacing_lists(m, train_steps)[name])
+            return family
     for name, values in lists.items():
         shift = ts[-1] - values[-1]
         if shift and _close(ts, [v + shift for v in values], "timesteps"):
@@ -340,6 +350,7 @@ def sigma_family(sigmas: Sequence[float]) -> Family | None:
 def family_of(kind: str, values: Sequence[float] | None, train_steps: int) -> Family | None:
     if values is None:
         return None
+    values = _dedupe(values)
     return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values)
 
 
@@ -605,7 +616,14 @@ def resolve_scheduler(cls: Any) -> type:
         return cls
     import diffusers
 
-    found = getattr(diffusers, str(cls), None)
+    try:
+        found = getattr(diffusers, str(cls), None)
+    except (ImportError, AttributeError):
+        found = None
+    if isinstance(found, type) and "dummy" in found.__module__:
+        raise ParityKitError(
+            f"--fit {cls}: diffusers needs an optional package for it (scipy: pip install scipy)"
+        )
     if not isinstance(found, type) or not hasattr(found, "set_timesteps"):
         raise ParityKitError(f"--fit {cls!r}: not a diffusers scheduler class (e.g. DDIMScheduler)")
     return found
@@ -657,6 +675,8 @@ def _matches(ref: Schedule, got: dict[str, list[float]]) -> tuple[bool, str]:
         if want is None or kind not in got:
             continue
         have = got[kind]
+        if len(have) != len(want) and len(_dedupe(have)) != len(have):
+            have, want = _dedupe(have), _dedupe(want)  # one model call per list entry vs per step
         if kind == "sigmas" and len(have) == len(want) + 1:
             have = have[: len(want)]  # a recorded loop sees no final sigma
         compared += 1
@@ -841,7 +861,9 @@ def _validation_counts(steps: int, train_steps: int) -> list[int]:
     return [steps, *others]
 
 
-def _reference_at(ref: Schedule, n: int, families: dict[str, Family]) -> Schedule | None:
+def _reference_at(
+    ref: Schedule, n: int, families: dict[str, Callable[[int], list[float]]]
+) -> Schedule | None:
     if ref.generator is not None:
         return ref.generator(n)
     if n == ref.steps:
@@ -849,8 +871,8 @@ def _reference_at(ref: Schedule, n: int, families: dict[str, Family]) -> Schedul
     if not families:
         return None
     out = Schedule(ref.source)
-    for kind, fam in families.items():
-        values = fam.generate(n)
+    for kind, generate in families.items():
+        values = generate(n)
         if kind == "timesteps":
             out.timesteps = values
         else:
@@ -930,14 +952,21 @@ def fit_scheduler(
             cand.counts_matched.append(steps)
             matched_here.append(cand)
     fits, rejected = [], []
+    variants = [
+        dict(zip(families, gens))
+        for gens in itertools.product(*([f.generate, *f.alternatives] for f in families.values()))
+    ]
     for cand in sorted(matched_here, key=lambda c: len(c.changes)):
-        for n in counts[1:]:
-            ref_m = _reference_at(ref, n, families)
-            ok, why = _try(cls, {**base, **cand.changes}, ref_m, n)
-            if ok:
-                cand.counts_matched.append(n)
-            else:
-                cand.failures[n] = why
+        for variant in variants or [{}]:  # the candidate must follow one reading of REF at every count
+            cand.counts_matched, cand.failures = [steps], {}
+            for n in counts[1:]:
+                ok, why = _try(cls, {**base, **cand.changes}, _reference_at(ref, n, variant), n)
+                if ok:
+                    cand.counts_matched.append(n)
+                else:
+                    cand.failures[n] = why
+            if not cand.failures:
+                break
         (rejected if cand.failures else fits).append(cand)
     fits = _minimal(fits)
     result = FitResult(
