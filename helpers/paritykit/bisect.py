@@ -1190,9 +1190,11 @@ def _with_inline(
     if not extra:
         return hints
     seen = {h.id for h in extra}
+    if not seen & {"inline-reference", "module-fit"}:
+        # only where the difference shows (inside the culprit's own forward): the causes found so far lead
+        return [*hints, *(h for h in extra if h.id not in {g.id for g in hints})]
     # "the forward code differs" no longer stands once the difference is traced to a port module
-    drop = {"no-signature"} if seen & {"inline-reference", "module-fit"} else set()
-    return [*extra, *(h for h in hints if h.id not in drop and h.id not in seen)]
+    return [*extra, *(h for h in hints if h.id != "no-signature" and h.id not in seen)]
 
 
 # ------------------------------------------------------------------------------------- every culprit (--all)
@@ -1553,6 +1555,7 @@ def bisect(
             ratio=ratio,
             ops=ops,
             environment=environment,
+            allow_masked=allow_masked,
         )
     with torch.no_grad():
         with capture(reference) as ref_trace:
@@ -1787,6 +1790,7 @@ def bisect_spec(
                     ops=ops,
                     environment=environment,
                     run=lambda m, a, k: _run_forward(spec, m, _side_of(m, reference), a, k),
+                    allow_masked=allow_masked,
                 )
             with capture(reference) as ref_trace:
                 _run_forward(spec, reference, "reference", ref_args, ref_kwargs)
