@@ -381,3 +381,26 @@ def test_step_check_from_a_pipelines_checkpoint_folder(tmp_path):
         step_check=tmp_path / "run",
     )  # fmt: skip
     assert other.fits and other.fits[0].changes == {"set_alpha_to_one": True}
+
+
+def test_cli_sides_from_npy_and_checkpoint_folder_give_strict_json_with_environment(tmp_path):
+    import numpy as np
+    from paritykit import Checkpoint, save_checkpoints
+
+    np.save(tmp_path / "ref.npy", np.array(R.ddim_timesteps(10, "trailing")))
+    save_checkpoints(
+        tmp_path / "port", {"preloop": Checkpoint(data={"timesteps": torch.arange(9, -1, -1) * 100})}
+    )
+    for args, code in (
+        (["schedule", tmp_path / "ref.npy", tmp_path / "port", "--json"], 1),
+        (["schedule", tmp_path / "ref.npy", "--fit", "DDIMScheduler", "--json"], 0),
+    ):
+        result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        payload = json.loads(result.output, parse_constant=lambda t: pytest.fail(f"non-strict JSON {t}"))
+        assert (
+            result.exit_code == code
+            and payload["schema_version"] == 1
+            and payload["environment"]["paritykit"]
+        )
+    bad = CliRunner().invoke(cli, ["schedule", str(tmp_path / "nope.npy"), str(tmp_path / "port"), "--json"])
+    assert bad.exit_code == 2 and set(json.loads(bad.output)) == {"schema_version", "error"}
