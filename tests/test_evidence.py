@@ -286,3 +286,12 @@ def test_config_differences_over_all_aligned_pairs():
         ("norm2", "layernorm_after", "eps", 1e-6, 1e-12),
     ]
     assert E.config_differences(reference, port, [("mlp.fc1", "mlp.fc1")]) == []
+
+
+def test_bisect_json_lists_every_aligned_pair_whose_settings_differ():
+    out = json.loads(to_json(_bisect(vit_pair, "eps", True).to_dict()))
+    shown = {(d["reference"], d["port"], d["name"]) for d in out["config_differences"]}
+    # both LayerNorms carry the planted eps, though only the first is the culprit
+    assert {("norm1", "layernorm_before", "eps"), ("norm2", "layernorm_after", "eps")} <= shown
+    assert out["config_differences"][0]["reference_value"] == 1e-6
+    assert _bisect(vit_pair, "qk", True).config_differences == []

@@ -169,6 +169,8 @@ class BisectReport:
     all_note: str = ""
     # commands to run next when the culprit is a block the traces did not look inside (paritykit.zoom)
     next_steps: list[str] = field(default_factory=list)
+    # settings that differ between aligned modules, over the whole models (paritykit.evidence.config_differences)
+    config_differences: list[Any] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -198,6 +200,7 @@ class BisectReport:
             "split_work": al["split_work"],
             "environment": self.environment,
             "next_steps": self.next_steps,
+            "config_differences": [d.to_dict() for d in self.config_differences],
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -1053,6 +1056,11 @@ def bisect_traces(
         culprits=[culprit] if culprit is not None else [],
         allow_masked=allow_masked,
     )
+    if reference is not None and port is not None:
+        from paritykit.evidence import config_differences
+
+        pairs = [(p.reference, p.port) for p in alignment.one_to_one]
+        report.config_differences = config_differences(reference, port, pairs)
     if all_culprits and culprit is not None:
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
     return report
