@@ -87,3 +87,19 @@ def test_cli_levels_zoom_on_a_spec(tmp_path):
         a["culprit"]["port"],
     )
     assert run("bisect", spec, "--levels", "deep").exit_code == 2
+
+
+def test_zoom_finds_a_masked_divergence_on_the_way_down_and_not_on_a_correct_port():
+    from tests.test_bisect_all import masked_vit, vit_output
+
+    options = {"select_output": vit_output, "atol": 1e-4, "rtol": 0}
+    reference, port, inputs = masked_vit("gelu")
+    full = bisect(reference, port, inputs, levels="full", **options)
+    zoom = bisect(reference, port, inputs, levels="zoom", **options)
+    assert zoom.verdict == full.verdict == "masked" and zoom.exit_code == 1
+    assert (zoom.culprit.reference, zoom.culprit.port) == (full.culprit.reference, full.culprit.port)
+    assert zoom.culprits == [zoom.culprit]
+    assert bisect(reference, port, inputs, levels="zoom", allow_masked=True, **options).exit_code == 0
+    reference, port, inputs = masked_vit(None)
+    correct = bisect(reference, port, inputs, levels="zoom", **options)
+    assert correct.verdict == "match" and correct.culprit is None

@@ -179,6 +179,25 @@ class _Zoom:
                 passed += 1
         return None, passed
 
+    def masked(self, level: _Level, record: Any, budget: list[int]) -> tuple[_Level, Any, int] | None:
+        """With a matching output: the first call failing on identical inputs below ``record``, looking only
+        into calls whose captured outputs are not bit-identical (at most ``budget[0]`` of them tested)."""
+        for child in level.searcher.frontier(record):
+            if budget[0] <= 0:
+                return None
+            pair = level.searcher.alignment.pair_of(child.module)
+            if pair is None or pair.confidence == "low" or not _outputs_differ(level.searcher, child):
+                continue
+            budget[0] -= 1
+            if level.searcher.test(child).status == "fail":
+                return self.descend(level, child)
+            if self.can_enter(level, child):
+                inner = self.enter(level, child)
+                found = self.masked(inner, inner.root, budget)
+                if found is not None:
+                    return found
+        return None
+
     def tested(self) -> list[Any]:
         seen: dict[str, Any] = {}
         for level in self.levels:
@@ -194,6 +213,19 @@ class _Zoom:
             unaligned_reference=[n for n in self.unaligned[0] if n not in refs],
             unaligned_port=[n for n in self.unaligned[1] if n not in ports],
         )
+
+
+def _outputs_differ(searcher: Any, call: Any) -> bool:
+    import torch
+
+    from paritykit.bisect import _pair_leaves
+
+    port_call = searcher.port_record(call)
+    if port_call is None:
+        return False
+    a, b = list(call.outputs.items()), list(port_call.outputs.items())
+    pairs = _pair_leaves(a, b)
+    return pairs is None or any(not torch.equal(a[i][1], b[j][1].to(a[i][1].dtype)) for i, j in pairs)
 
 
 def _weights_for_alignment(zoom: _Zoom, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
@@ -258,6 +290,7 @@ def zoom_bisect(
     ops: bool = False,
     environment: dict[str, Any] | None = None,
     run: Callable | None = None,
+    allow_masked: bool = False,
 ) -> Any:
     r""":func:`paritykit.bisect.bisect` by levels: same tests, same :class:`~paritykit.bisect.BisectReport`,
     peak memory of one level instead of every module.
@@ -267,6 +300,10 @@ def zoom_bisect(
         ref_inputs, port_inputs: ``(args, kwargs)`` for each side.
         rules, select_output, atol, rtol, ratio, ops, environment: as in :func:`paritykit.bisect.bisect`.
         run: ``run(model, args, kwargs)`` in place of the plain top-level call.
+        allow_masked: accept the ``masked`` verdict (a block failing on identical inputs while the final
+            output matches). The zoom looks for it on the way down from the top-level blocks, then inside
+            blocks whose captured outputs are not bit-identical (entered one level at a time, at most
+            ``MAX_MASKED_CHECKS`` calls tested), where a full capture checks every differing call.
 
     Returns:
         A :class:`~paritykit.bisect.BisectReport`; its environment records ``levels: zoom`` and the blocks
@@ -274,7 +311,14 @@ def zoom_bisect(
     """
     import torch
 
-    from paritykit.bisect import BisectReport, _finding, _select, first_divergence
+    from paritykit.bisect import (
+        MAX_MASKED_CHECKS,
+        BisectReport,
+        _finding,
+        _masking,
+        _select,
+        first_divergence,
+    )
     from paritykit.compare import compare_tensors
     from paritykit.report import environment_stamp
 
@@ -285,24 +329,38 @@ def zoom_bisect(
     ref_final = _select("reference", ref_trace.root.output_value(), select_output)
     port_final = _select("port", port_trace.root.output_value(), select_output)
     output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
-    first = first_divergence(ref_trace, port_trace, top.searcher.alignment, atol=atol, rtol=rtol)
+    # a matching output makes a pair aligned on weak evidence no basis for a "differs" claim (as bisect_traces)
+    trusted = ("high", "medium", "low") if not output.passed else ("high",)
+    first = first_divergence(
+        ref_trace, port_trace, top.searcher.alignment, atol=atol, rtol=rtol, confidence=trusted
+    )
     culprit = None
-    if not output.passed:
-        with torch.no_grad():
-            found, passed = zoom.failing_below(top, top.root)
+    verdict = "match" if output.passed else "diverge"
+    with torch.no_grad():
+        found, passed = zoom.failing_below(top, top.root)
+        if not output.passed:
             level, call, passed = found if found is not None else (top, top.root, passed)
             culprit = _finding(level.searcher, call, passed, output, ops=ops)
+        else:
+            # the output matches, yet a module may fail on identical inputs, its error masked downstream
+            if found is None or not any(_masking(lv.searcher) for lv in zoom.levels):
+                found = zoom.masked(top, top.root, [MAX_MASKED_CHECKS])
+            if found is not None:
+                verdict = "masked"
+                culprit = _finding(found[0].searcher, found[1], found[2], output, ops=ops)
     environment = dict(environment if environment is not None else environment_stamp())
     environment["levels"] = "zoom"
     environment["entered"] = [lv.root.name for lv in zoom.levels[1:]]
     return BisectReport(
-        verdict="match" if output.passed else "diverge",
+        verdict=verdict,
         culprit=culprit,
         first_output_divergence=first,
         output=output,
         alignment=zoom.final_alignment(),
         tested=zoom.tested(),
         environment=environment,
+        culprits=[culprit] if culprit is not None else [],
+        allow_masked=allow_masked,
     )
 
 
