@@ -90,6 +90,8 @@ def files(tmp_path_factory) -> Path:
     (root / "c2.json").write_text(json.dumps({"sample_size": 32, "layers": 3}))
     (root / "bad.json").write_text("{not json")
     (root / "sigmas.json").write_text("[1.0, 0.75, 0.5, 0.25]")
+    (root / "sched_a.json").write_text("[999, 749, 499, 249]")
+    (root / "sched_b.json").write_text("[999, 750, 500, 250]")
     pixels = (np.random.RandomState(0).rand(8, 8, 3) * 255).astype("uint8")
     Image.fromarray(pixels).save(root / "i1.png")
     Image.fromarray(255 - pixels).save(root / "i2.png")
@@ -405,6 +407,8 @@ RESULTS = [
     ("steps-differ", ["steps", "steps_a", "steps_b"], 1),
     ("images-same", ["images", "i1.png", "i1.png"], 0),
     ("images-differ", ["images", "i1.png", "i2.png"], 1),
+    ("schedule-same", ["schedule", "sched_a.json", "sched_a.json"], 0),
+    ("schedule-differ", ["schedule", "sched_a.json", "sched_b.json"], 1),
     ("skills-list", ["skills", "list"], 0),
     ("skills-validate-pack", ["skills", "validate"], 0),
     ("skills-validate-broken", ["skills", "validate", "adir"], 1),
@@ -428,6 +432,28 @@ def test_exit_code_and_strict_json(files, args, code):
     # One verdict field for every report: an agent need not know each command's own vocabulary.
     assert payload["passed"] is (code == 0), payload.get("passed")
     assert isinstance(payload["verdict"], str) and payload["verdict"], payload.get("verdict")
+
+
+def _json_commands(group, path=()) -> list[tuple[str, ...]]:
+    import click
+
+    found = []
+    for name in group.list_commands(None):
+        command = group.get_command(None, name)
+        if isinstance(command, click.Group):
+            found += _json_commands(command, (*path, name))
+        elif any("--json" in getattr(param, "opts", ()) for param in command.params):
+            found.append((*path, name))
+    return found
+
+
+def test_every_command_with_json_is_swept_here():
+    # A new report command joins RESULTS, so its verdict/passed fields and exit codes are checked like the rest.
+    swept = {
+        tuple(arg for arg in args if not arg.startswith("-") and "." not in arg)[:2] for _, args, _ in RESULTS
+    }
+    missing = [" ".join(c) for c in _json_commands(paritykit_cli) if not any(c == s[: len(c)] for s in swept)]
+    assert not missing, f"commands with --json missing from RESULTS: {missing}"
 
 
 @pytest.mark.parametrize("args", [pytest.param(a, id=i) for i, a, _ in RESULTS])
