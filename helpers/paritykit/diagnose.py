@@ -276,14 +276,16 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             i, j = moved
             return Hint(
                 "transpose",
-                f"B equals A with axes {i} and {j} swapped: a transpose is missing or extra on one side "
+                f"B equals A with axes {i} and {j} swapped (evidence: relative residual {_num(gap)} after "
+                f"swapping them): a transpose is missing or extra on one side "
                 "(Conv1D vs Linear weights, (batch, heads, seq, dim) vs (batch, seq, heads, dim)).",
                 {"axes": [i, j], "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
                 score=0.97,
             )
         return Hint(
             "permute",
-            f"B equals A.permute{perm}: the axis order differs between the sides (channels-last vs "
+            f"B equals A.permute{perm} (evidence: relative residual {_num(gap)} after permuting): the axis "
+            "order differs between the sides (channels-last vs "
             "channels-first, head/sequence layout).",
             {"dims": list(perm), "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
             score=0.97,
@@ -310,12 +312,14 @@ def detect_swapped_halves(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             evidence = {"dim": dim, "size": size, "chunks": k, "order": order}
             if k == 2:
                 message = (
-                    f"B is A with its two halves along dim {dim} (size {size}) swapped: check the order of a "
+                    f"B is A with its two halves along dim {dim} (size {size}) swapped (evidence: each half "
+                    "matches the other's place, not its own): check the order of a "
                     "chunked pair such as (shift, scale) in adaptive norms, or (uncond, cond) in guidance."
                 )
             else:
                 message = (
-                    f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order}: check the "
+                    f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order} (evidence: "
+                    "each chunk matches another chunk's place, not its own): check the "
                     "order of a chunked projection (shift/scale/gate) or of a fused qkv."
                 )
             return Hint("swapped-halves", message, evidence, score=0.96)
@@ -372,14 +376,16 @@ def detect_sign_flip(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     if fraction > 0.999:
         return Hint(
             "sign-flip",
-            "B = -A (every sign flipped, magnitudes equal): a sign convention differs (negated velocity or noise "
+            "B = -A (evidence: every sign flipped, magnitudes equal): a sign convention differs (negated velocity "
+            "or noise "
             "direction, sin vs -sin, subtraction order).",
             {"flipped_fraction": fraction},
             score=0.93,
         )
     return Hint(
         "sign-flip",
-        f"Magnitudes agree but signs differ at {fraction:.1%} of elements: a sign convention differs on part of "
+        f"Magnitudes agree but signs differ at {fraction:.1%} of elements (evidence: |A| = |B|): a sign "
+        "convention differs on part of "
         "the tensor (e.g. rotary embeddings' rotate-half, or one negated branch).",
         {"flipped_fraction": fraction},
         score=0.85,
@@ -419,7 +425,8 @@ def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
         evidence["power_form"] = power
     return Hint(
         "constant-scale",
-        f"B ≈ {shown}·A everywhere: a scale knob differs between the sides; check whether one knob stands for "
+        f"B ≈ {shown}·A everywhere (evidence: least-squares factor, residual {_num(residual)} of the "
+        "difference): a scale knob differs between the sides; check whether one knob stands for "
         "two concepts (e.g. a control scale also applied to a time mixture).",
         evidence,
         score=0.9 - 0.5 * residual,
