@@ -73,10 +73,6 @@ def load_exactly(port: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     return port.eval()
 
 
-class Bf16Compute(nn.Module):
-    r"""Marker base: a module whose forward runs in bfloat16 (the planted 'cast inside one module' bug)."""
-
-
 def compute_in_bf16(module: nn.Module) -> nn.Module:
     r"""Make ``module`` compute its forward in bfloat16 and hand back float32, keeping its weights and config.
 
