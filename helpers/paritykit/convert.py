@@ -1216,6 +1216,7 @@ class _Found:
     # sources with byte-identical values (a class of constants): any of them builds the target the same way;
     # the list is shared between targets, so a big bucket of constants costs no per-target copies
     members: list[str] | None = None
+    signature: str | None = field(default=None, compare=False, repr=False)
 
     def candidates(self) -> list[str]:
         return self.members if self.members else [self.sources[0]]
@@ -1530,7 +1531,8 @@ class _Matcher:
                 if tkey in self.chosen:
                     continue
                 extra = self.sibling_ways(tkey)
-                all_ways[tkey] = ways = _dedupe([*extra, *ways])
+                if extra:
+                    all_ways[tkey] = ways = _dedupe([*extra, *ways])
                 kept, why = self.narrow(tkey, ways, extra, claimed, proven)
                 narrowed[tkey] = kept
                 if len({_way_sig(w) for w in kept}) == 1:
@@ -1670,7 +1672,9 @@ def _prefer_live(ways: list[_Found]) -> list[_Found]:
 
 
 def _way_sig(way: _Found) -> str:
-    return json.dumps([way.sources, way.op, way.args], sort_keys=True)
+    if way.signature is None:
+        way.signature = json.dumps([way.sources, way.op, way.args], sort_keys=True)
+    return way.signature
 
 
 def _dedupe(ways: list[_Found]) -> list[_Found]:
