@@ -283,6 +283,7 @@ def test_cli_compare_and_fit(tmp_path):
         (["schedule", "ref.json"], "PORT"),
         (["schedule", "ref.json", "ref.json", "--steps", "5"], "--steps"),
         (["schedule", "ref.json", "sigmas.json"], "share no schedule"),
+        (["schedule", "sigmas.json", "--fit", "DDIMScheduler"], "does not expose"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):

@@ -932,6 +932,11 @@ def fit_scheduler(
     counts = _validation_counts(steps, train_steps) if (ref.generator or families) else [steps]
 
     base_lists = _safe_lists(cls, base, steps)
+    if base_lists is not None and not any(ref_n.get(k) is not None and k in base_lists for k in KINDS):
+        raise ParityKitError(
+            f"{ref.source}: holds only {', '.join(k for k in KINDS if ref_n.get(k) is not None)}, which "
+            f"{cls.__name__} does not expose; nothing to compare"
+        )
     offsets = set()
     if base_lists and ref_n.timesteps and len(base_lists["timesteps"]) == steps:
         d = [r - p for r, p in zip(ref_n.timesteps, base_lists["timesteps"])]
