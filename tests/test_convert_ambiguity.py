@@ -326,3 +326,25 @@ def test_json_lists_are_complete_and_tables_fit_120_columns():
     assert max(len(line) for line in text.splitlines() if not line.startswith("weights map:")) <= 120
     # ambiguous rows alike but for layer numbers fold into one counted row
     assert f"  {n}" in text.split("Ambiguous targets")[1]
+
+
+@pytest.mark.parametrize(
+    ("order", "warns"),
+    [(("k", "v"), False), (("q", "k", "v"), False), (("v", "k"), True), (("k", "q", "v"), True)],
+)
+def test_fused_order_warning_fires_only_against_the_usual_orders(order, warns):
+    g = torch.Generator().manual_seed(4)
+    fused = torch.randn(4 * len(order), 4, generator=g)
+    tgt = {f"attn.to_{n}.weight": piece.clone() for n, piece in zip(order, fused.chunk(len(order)))}
+    cmap = infer_conversion_map({"attn.fused.weight": fused}, tgt)
+    assert not cmap.unmapped_target and bool(cmap.warnings) == warns, cmap.warnings
+    assert cmap.exit_code == int(warns)
+
+
+@pytest.mark.parametrize(("order", "warns"), [("qkv", False), ("kqv", True)])
+def test_concatenation_order_is_read_against_the_names(order, warns):
+    g = torch.Generator().manual_seed(5)
+    src = {f"attn.{n}_proj.weight": torch.randn(4, 4, generator=g) for n in "qkv"}
+    tgt = {"attn.qkv.weight": torch.cat([src[f"attn.{n}_proj.weight"] for n in order])}
+    cmap = infer_conversion_map(src, tgt)
+    assert cmap.mapping[0].op == "concat" and bool(cmap.warnings) == warns
