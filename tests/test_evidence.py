@@ -262,7 +262,7 @@ def test_no_signature_only_after_every_check_ran():
             return torch.cat([x[..., :4], torch.sin(x[..., 4:])], -1)
 
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
-    (hint,) = E.gather(_culprit(Plain(), Doubling(), x))
+    (hint,) = E.culprit_evidence(_culprit(Plain(), Doubling(), x))
     assert hint.id == "no-signature" and "module config and weights are identical" in hint.message
     assert hint.evidence["ruled_out"][:5] == [
         "module config",
@@ -272,7 +272,7 @@ def test_no_signature_only_after_every_check_ran():
         "weight slices",
     ]
     trace_only = E.Culprit("a", "b", None, None, torch.zeros(3), torch.ones(3))
-    (hint,) = E.gather(trace_only)
+    (hint,) = E.culprit_evidence(trace_only)
     assert "not checked" in hint.message and "identical" not in hint.message
 
 

@@ -1381,11 +1381,12 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
 
 
 def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
-    """Evidence at the culprit (:func:`paritykit.evidence.gather`: configuration, activation, fitted constants,
-    weight slices, each fix verified on a copy of the port), with the input-aware and tensor-level hints on its
-    first differing output pair (its inputs and its children's outputs as mixing candidates)."""
+    """Evidence at the culprit (:func:`paritykit.evidence.culprit_evidence`: configuration, activation,
+    fitted constants, weight slices, each fix verified on a copy of the port), with the input-aware and
+    tensor-level hints on its first differing output pair (its inputs and its children's outputs as mixing
+    candidates)."""
     from paritykit.diagnose import diagnose
-    from paritykit.evidence import gather
+    from paritykit.evidence import culprit_evidence
 
     replayed = result is not None and result.test == "replay"
     if replayed:
@@ -1413,7 +1414,7 @@ def _hints_at(searcher: _Bisector, call: Any, port_call: Any, result: ModuleTest
             candidates.append((f"{child.name} output", child_out))
     tensor_hints = culprit_hints(a, b, candidates, diagnose(a, b))
     context = _culprit_context(searcher, call, port_call, ref_leaves, (i, j), replayed)
-    return gather(context, tensor_hints)
+    return culprit_evidence(context, tensor_hints)
 
 
 def _culprit_context(

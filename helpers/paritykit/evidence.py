@@ -14,7 +14,7 @@ taking a :class:`Culprit` and returning :class:`~paritykit.diagnose.Hint` s that
   (``to_q`` = chunk 1 of a fused qkv), found by :func:`paritykit.convert.infer_conversion_map`.
 
 Every candidate fix is tried on a deep copy of the port module (:attr:`Culprit.check`): ``verified=True`` with
-the before/after error when the copy then matches the reference. :func:`gather` runs them all; when none finds
+the before/after error when the copy then matches the reference. :func:`culprit_evidence` runs them all; when none finds
 anything it says so plainly (``no-signature``), listing what was ruled out.
 """
 
@@ -795,7 +795,7 @@ def rank(hints: Sequence[Hint]) -> list[Hint]:
     return out
 
 
-def gather(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint]:
+def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint]:
     r"""Run every evidence function at a culprit; with nothing found anywhere, one ``no-signature`` hint.
 
     Args:
