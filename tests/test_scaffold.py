@@ -218,6 +218,9 @@ def test_relative_paths_are_anchored_at_the_generated_file(tmp_path, cli):
         ("pipeline-stub", "P", {"components": "unet"}, "must include 'scheduler'"),
         ("pipeline-stub", "P", {"components": "unet,scheduler,tokenizer"}, "go together"),
         ("config-diff", "c", {"reference": "", "diffusers": "b"}, "needs --reference"),
+        ("component-test", "v", {"reference": "a:b", "diffusers": "X", "atol": "abc"}, "--atol 'abc'"),
+        ("stage-test", "s", {"pipeline": "a:b", "reference": "r:b", "rtol": "-1"}, "--rtol '-1'"),
+        ("component-test", "v", {"reference": "a:b", "diffusers": "X", "rtol": "inf"}, "non-negative number"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_rule(tmp_path, kind, name, options, rule):
@@ -350,6 +353,11 @@ def executed(tmp_path_factory):
         ("component-test", "unet", unet),
         ("component-test", "stale", {**unet, "pretrained": "stale_unet"}),
         ("component-test", "eps", {**unet, "reference": "scaffold_parts:build_reference_eps6"}),
+        (
+            "component-test",
+            "epsloose",
+            {**unet, "reference": "scaffold_parts:build_reference_eps6", "atol": "1e-4", "rtol": "1e-4"},
+        ),
         ("component-test", "badconv", {**unet, "convert": "scaffold_parts:convert_with_bug"}),
         ("component-test", "custom", {**unet, "inputs": "scaffold_parts:unet_inputs"}),
         (
@@ -482,6 +490,14 @@ def test_component_test_catches_a_groupnorm_eps_bug_at_paritykits_default_tolera
         assert _outcome(executed, test) == "failed", executed["messages"].get(test, "")[-2000:]
         report = executed["messages"][test]
         assert "B does not match A" in report and "atol" in report, report[-2000:]
+
+
+def test_a_tolerance_the_user_sets_is_the_one_the_generated_test_uses(executed):
+    # --atol/--rtol 1e-4 (the old fixed tolerance): the same eps difference now passes, as the user asked.
+    text = (executed["generated"] / "test_epsloose_component.py").read_text()
+    assert "ATOL: float | None = 0.0001" in text and "--atol 1e-4" in text
+    for test in ("test_epsloose_fresh", "test_epsloose_saved"):
+        assert _outcome(executed, test) == "passed", executed["messages"].get(test, "")[-2000:]
 
 
 def test_assert_parity_failure_starts_with_the_report_not_library_source(executed):

@@ -325,8 +325,20 @@ def _components(var: str, value: str, out_dir: Path) -> Components:
     return Components(tuple(name for name in COMPONENTS if name in names))
 
 
+def _number(var: str, value: str, out_dir: Path) -> str:
+    r"""A non-negative finite float, written as the Python literal ``repr`` gives (``1e-05``, ``0.001``)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not (number >= 0 and number != float("inf")):
+        raise ParityKitError(f"{_flag(var)} {value!r} must be a non-negative number, e.g. 1e-4")
+    return repr(number)
+
+
 _RULES = {
     "identifier": _identifier,
+    "number": _number,
     "camel": _camel,
     "target": _target,
     "class": _class,

@@ -15,6 +15,16 @@ out_option = click.option(
     help="Folder for the generated file (created if missing); files are named after NAME and the template.",
 )
 force_option = click.option("--force", is_flag=True, help="Overwrite an existing file.")
+atol_option = click.option(
+    "--atol",
+    metavar="X",
+    help="Absolute tolerance written into the test [default: none: paritykit's per-dtype defaults].",
+)
+rtol_option = click.option(
+    "--rtol",
+    metavar="X",
+    help="Relative tolerance written into the test [default: none: paritykit's per-dtype defaults].",
+)
 
 
 def _generate(kind: str, name: str, out_dir: str, force: bool, **options) -> None:
@@ -65,6 +75,8 @@ def new(ctx: click.Context, show_list: bool) -> None:
     metavar="MODULE:FUNC",
     help="Returns (args, kwargs) fed to both sides; default: seeded inputs shaped for the class.",
 )
+@atol_option
+@rtol_option
 @out_option
 @force_option
 def component_test(name: str, out_dir: str, force: bool, **options) -> None:
@@ -115,6 +127,8 @@ def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None, 
 @click.option(
     "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
 )
+@atol_option
+@rtol_option
 @out_option
 @force_option
 def stage_test(name: str, out_dir: str, force: bool, **options) -> None:
