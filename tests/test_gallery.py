@@ -23,10 +23,6 @@ from tests.gallery.base import VARIANTS
 from tests.gallery.catalogue import BY_ID, CASES
 from tests.gallery.run import Outcome, run_case
 
-MHA_SIGNATURE = (
-    "replay cannot pair nn.MultiheadAttention(q, k, v) with Attention(hidden_states) (signatures differ), "
-    "so the culprit climbs to the top level"
-)
 ROPE_SIGNATURE = (
     "replay cannot pair the reference attention(x) with the port attention(x, image_rotary_emb=...), and the "
     "port's rope module has no reference counterpart: the culprit climbs to the top level"
@@ -40,21 +36,18 @@ PARAMLESS = (
 )
 NO_SIGNATURE = (
     "the no-signature hint says 'module config and weights are identical' where the cause is a weight slip "
-    "(transposed square 1x1 weight, k/v crossed by name) or a config value (attention scale)"
+    "(a transposed square 1x1 weight; k/v crossed by name, which alignment by weights follows silently)"
 )
 
 # (case, variant or None for both) -> why paritykit gets it wrong today
 CULPRIT_XFAIL: dict[tuple[str, str | None], str] = {
     ("mha-gelu-tanh", None): DROPOUT,
-    ("mha-swap-qk", None): MHA_SIGNATURE,
-    ("mha-attention-scale", None): MHA_SIGNATURE,
     ("vae-affine-off", "distinct"): PARAMLESS,
     ("rope-half-split", None): ROPE_SIGNATURE,
     ("rope-theta-default", None): ROPE_SIGNATURE,
     ("rope-interpolate-default", None): ROPE_SIGNATURE,
 }
 HINT_XFAIL: dict[tuple[str, str | None], str] = {
-    ("mha-attention-scale", None): NO_SIGNATURE,
     ("vae-transposed-1x1", None): NO_SIGNATURE,
     ("vae-two-bugs", None): NO_SIGNATURE,
     ("clip-swap-kv", None): NO_SIGNATURE,
