@@ -51,6 +51,15 @@ def test_every_call_is_a_step_named_by_argument_and_preloop_holds_the_schedule(t
         ck["preloop"].data["sigmas"].tolist() == torch.tensor(sigmas, dtype=torch.float32).double().tolist()
     )
     assert torch.equal(ck["step_0"].data["x"], ck["preloop"].data["x"])
+    # a per-call list lacks the final sigma: against a full list ending in 0 that is no difference ...
+    from paritykit import compare_schedules
+
+    full = [float(v) for v in torch.tensor(sigmas, dtype=torch.float32)] + [0.0]
+    cmp = compare_schedules(tmp_path / "run", {"sigmas": full})
+    assert cmp.exit_code == 0 and cmp.hints == [] and "final sigma is unknown" in cmp.notes[0]
+    # ... while the same short list given by hand still gets the final-sigma hint
+    hand = compare_schedules({"sigmas": full[:-1]}, {"sigmas": full})
+    assert [h.id for h in hand.hints] == ["final-sigma-zero"]
 
 
 def test_two_recorded_runs_feed_compare_and_steps(tmp_path):

@@ -127,7 +127,8 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
         yield calls
     finally:
         handle.remove()
-    preloop = dict(first)
+    # the marker tells `paritykit schedule` the list is one value per call (no final sigma)
+    preloop = {**first, "recorded_calls": len(calls)}
     kinds = {kind for kind, _ in seen}
     if len(kinds) == 1:
         preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)

@@ -59,6 +59,8 @@ class Schedule:
     timesteps: list[float] | None = None
     sigmas: list[float] | None = None
     integer: bool = False
+    # recorded by record_loop: one value per denoiser call, so the final sigma (never a call's input) is absent
+    per_call: bool = False
     generator: Callable[[int], Schedule] | None = field(default=None, repr=False)
     spec: Any = field(default=None, repr=False)
 
@@ -168,7 +170,9 @@ def load_schedule(source: Any) -> Schedule:
         for name in ("preloop", *checkpoints):
             data = checkpoints[name].data if name in checkpoints else {}
             if any(kind in data for kind in KINDS):
-                return _from_mapping(data, f"{path} ({name})")
+                schedule = _from_mapping(data, f"{path} ({name})")
+                schedule.per_call = "recorded_calls" in data
+                return schedule
         raise ParityKitError(f"{path}: no checkpoint holds 'timesteps' or 'sigmas' (save them at preloop)")
     from paritykit.io import load_tensors
 
@@ -405,6 +409,7 @@ class ScheduleComparison:
     kinds: list[KindComparison]
     hints: list[ScheduleHint]
     only_one_side: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=environment_stamp)
 
     @property
@@ -423,6 +428,7 @@ class ScheduleComparison:
             "kinds": [k.to_dict() for k in self.kinds],
             "hints": [h.to_dict() for h in self.hints],
             "only_one_side": self.only_one_side,
+            "notes": self.notes,
             "environment": self.environment,
         }
 
@@ -442,6 +448,7 @@ class ScheduleComparison:
             lines.append(render_table(["i", "A", "B", "B - A", ""], rows, limit=limit))
         for name in self.only_one_side:
             lines.append(f"{name}: held by one side only, not compared")
+        lines += [f"note: {n}" for n in self.notes]
         lines.append("")
         if self.same:
             lines.append("same: every schedule both sides hold agrees")
@@ -579,7 +586,7 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
     for s in (sa, sb):
         if s.generator is not None:
             raise ParityKitError(f"{s.source}: a SPEC gives a schedule per step count; use it with --fit")
-    kinds, only = [], []
+    kinds, only, notes = [], [], []
     for kind in KINDS:
         va, vb = sa.get(kind), sb.get(kind)
         if va is None and vb is None:
@@ -587,6 +594,13 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
         if va is None or vb is None:
             only.append(kind)
             continue
+        for side, short, other in (("A", sa, vb), ("B", sb, va)):
+            mine = short.get(kind)
+            if kind == "sigmas" and short.per_call and len(other) == len(mine) + 1 and other[-1] == 0:
+                # a recorded loop never sees the sigma its last step goes to: compare what both sides hold
+                va, vb = va[: len(mine)], vb[: len(mine)]
+                notes.append(f"{side} was recorded per denoiser call, so its final sigma is unknown; the other "
+                             "side's final 0 is not compared")  # fmt: skip
         first = _first_difference(va, vb, kind)
         kinds.append(
             KindComparison(
@@ -604,7 +618,7 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
             f"{sa.source} and {sb.source} share no schedule: one holds only timesteps, the other only sigmas"
         )
     hints = [h for k in kinds if not k.same for h in _hints_for(k, sa.integer, sb.integer)]
-    return ScheduleComparison(sa.source, sb.source, kinds, hints, only)
+    return ScheduleComparison(sa.source, sb.source, kinds, hints, only, notes)
 
 
 # ================================================================================================================
