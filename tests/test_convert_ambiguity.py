@@ -348,3 +348,22 @@ def test_concatenation_order_is_read_against_the_names(order, warns):
     tgt = {"attn.qkv.weight": torch.cat([src[f"attn.{n}_proj.weight"] for n in order])}
     cmap = infer_conversion_map(src, tgt)
     assert cmap.mapping[0].op == "concat" and bool(cmap.warnings) == warns
+
+
+def test_zero_bias_with_no_settled_sibling_still_lists_the_fused_chunk():
+    # the q/k/v weights are not in the target, so nothing is split like them: the zero biases match the
+    # zero proj bias whole and the zero qkv bias in pieces, and the pieces must be among the candidates
+    g = torch.Generator().manual_seed(6)
+    src = {
+        "blocks.0.attn.qkv.bias": torch.zeros(12),
+        "blocks.0.attn.proj.bias": torch.zeros(4),
+        "blocks.0.attn.proj.weight": torch.randn(4, 4, generator=g),
+    }
+    tgt = {"layers.0.attn.to_out.weight": src["blocks.0.attn.proj.weight"].clone()}
+    tgt.update({f"layers.0.attn.to_{n}.bias": torch.zeros(4) for n in "qkv"})
+    cmap = infer_conversion_map(src, tgt)
+    amb = {a.target: a for a in cmap.ambiguous}
+    for n in "qkv":
+        a = amb[f"layers.0.attn.to_{n}.bias"]
+        assert "blocks.0.attn.qkv.bias" in a.candidates, a
+    assert cmap.exit_code == 1

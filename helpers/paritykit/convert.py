@@ -1258,6 +1258,8 @@ class _Matcher:
         self._cast_cache: dict[tuple[str, Any], Any] = {}
         self.evidence: dict[str, str] = {}
         self.plausible: dict[str, list[str]] = {}
+        self._subtree: dict[str, list[str]] | None = None
+        self._whole: set[str] = set()
         self._anc_cache: dict[str, set[str]] = {}
         self.by_module: dict[str, list[str]] = defaultdict(list)
         for key in target:
@@ -1517,9 +1519,11 @@ class _Matcher:
         a (source, target, op) pattern already settled in another layer (block 1 maps like block 0).
         """
         all_ways = {k: self.ways(k) for k in self.target if k in self.found}
+        self._whole = {w.sources[0] for ways in all_ways.values() for w in ways if w.op != "chunk"}
         for tkey, ways in all_ways.items():
             live = _prefer_live(ways)
-            if len({_way_sig(w) for w in live}) == 1:
+            # a constant (zeros, ones) matched whole may still be a piece of a fused constant: structure decides
+            if len({_way_sig(w) for w in live}) == 1 and not _constant(self.target[tkey]):
                 why = "values" if len(ways) == 1 else "values; live weights over EMA/shadow copies"
                 self.settle(tkey, live[0], why, learn=True)
         narrowed: dict[str, list[_Found]] = {}
@@ -1531,12 +1535,13 @@ class _Matcher:
                 if tkey in self.chosen:
                     continue
                 extra = self.sibling_ways(tkey)
-                if extra:
-                    all_ways[tkey] = ways = _dedupe([*extra, *ways])
+                pieces = self.home_piece_ways(tkey)
+                if extra or pieces:
+                    all_ways[tkey] = ways = _dedupe([*extra, *ways, *pieces])
                 kept, why = self.narrow(tkey, ways, extra, claimed, proven)
                 narrowed[tkey] = kept
                 if len({_way_sig(w) for w in kept}) == 1:
-                    self.settle(tkey, kept[0], "structure: " + why)
+                    self.settle(tkey, kept[0], "values" if len(ways) == 1 else "structure: " + why)
                     proven.add(_relation(kept[0], tkey))
                     changed = True
             if not changed:
@@ -1574,6 +1579,46 @@ class _Matcher:
                 continue
             cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
             out.append(_entry_from_steps(candidate, [*steps, *rest], cast))
+        return out
+
+    def home_piece_ways(self, tkey: str) -> list[_Found]:
+        r"""Equal row pieces of fused tensors in the target's home module that hold its values too.
+
+        Whole-tensor matches stop the piece search, so a zero ``to_q.bias`` would otherwise never see the
+        zero chunks of ``qkv.bias`` beside it: the true source must be among the candidates.
+        """
+        homes = self.scorer.homes(tkey)
+        if not homes:
+            return []
+        if self._subtree is None:
+            self._subtree = defaultdict(list)
+            for key in self.source:
+                for anc in _ancestors(key):
+                    self._subtree[anc].append(key)
+        t = self.target[tkey]
+        out = []
+        for skey in self._subtree.get(homes[0], ()):
+            if skey in self._whole:  # a tensor some target matches whole is not a fused one
+                continue
+            s = self.source[skey]
+            if (
+                t.ndim == 0
+                or s.ndim != t.ndim
+                or s.shape[1:] != t.shape[1:]
+                or not _castable(s.dtype, t.dtype)
+            ):
+                continue
+            count, rest = divmod(s.shape[0], t.shape[0])
+            if rest or not 2 <= count <= _MAX_PIECES:
+                continue
+            x = self.cast(skey, t.dtype)
+            size = t.shape[0]
+            for index in range(count):
+                if _equal(x.narrow(0, index * size, size), t):
+                    chunk = {"op": "chunk", "dim": 0, "start": index * size, "stop": (index + 1) * size}
+                    chunk.update(index=index, count=count)
+                    cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
+                    out.append(_entry_from_steps(skey, [chunk], cast))
         return out
 
     def narrow(self, tkey, ways, extra, claimed, proven) -> tuple[list[_Found], str]:
@@ -1659,6 +1704,12 @@ class _Matcher:
 
 
 _EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema([._]|$)", re.IGNORECASE)
+
+
+def _constant(t) -> bool:
+    r"""Every element equal (a fresh norm or bias): its value says little about where it comes from."""
+    flat = t.reshape(-1)
+    return flat.numel() <= 1 or bool((flat == flat[0]).all())
 
 
 def _is_ema(name: str) -> bool:
