@@ -295,3 +295,24 @@ def test_bisect_json_lists_every_aligned_pair_whose_settings_differ():
     assert {("norm1", "layernorm_before", "eps"), ("norm2", "layernorm_after", "eps")} <= shown
     assert out["config_differences"][0]["reference_value"] == 1e-6
     assert _bisect(vit_pair, "qk", True).config_differences == []
+
+
+@pytest.mark.parametrize("bug", ["eps", "gelu"])
+def test_the_skills_own_examples_get_their_setting_not_a_cast(bug):
+    from tests.bisect_pairs import dit_pair
+
+    reference, port, inputs = dit_pair(bug)
+    hints = bisect(reference, port, inputs).culprit.hints
+    assert hints[0].id == "module-config" and hints[0].verified
+    assert ("eps" if bug == "eps" else "approximate") in hints[0].fix
+    assert not {h.id for h in hints} & {"bf16-cast", "fp16-cast", "no-signature"}
+
+
+def test_module_config_must_not_fire_on_equal_settings():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(8))
+    assert E.module_config(_culprit(nn.LayerNorm(32, eps=1e-6), nn.LayerNorm(32, eps=1e-6), x)) == []
+    assert E.module_config(_culprit(nn.GELU(), nn.GELU(), x)) == []
+    # same numbers, different spellings of one setting: 1e-6 == 1e-06, `epsilon` is `eps`
+    other = HardCodedNorm(32, 1e-6)
+    other.epsilon = 1e-6
+    assert E.module_config(_culprit(nn.LayerNorm(32, eps=1e-6), other, x)) == []
