@@ -405,3 +405,19 @@ def test_cli_sides_from_npy_and_checkpoint_folder_give_strict_json_with_environm
         )
     bad = CliRunner().invoke(cli, ["schedule", str(tmp_path / "nope.npy"), str(tmp_path / "port"), "--json"])
     assert bad.exit_code == 2 and set(json.loads(bad.output)) == {"schema_version", "error"}
+
+
+def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
+    spec = tmp_path / "ref_karras.py"
+    spec.write_text(
+        "from tests.reference_loops import karras_sigmas\n\n"
+        "def ref_schedule(n):\n    return {'sigmas': karras_sigmas(n)}\n\n"
+        "def ref_step(x, eps, sigma, sigma_next):\n    return x + eps * ((sigma_next or 0.0) - sigma)\n"
+    )
+    euler = fit_scheduler("EulerDiscreteScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
+    assert euler.line.endswith("use_karras_sigmas=True)") and euler.fits[0].step_check.matched
+    # DPM-Solver's first-order step is a different rule: the lists match, no single quantity is blamed
+    dpm = fit_scheduler("DPMSolverMultistepScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
+    check = dpm.rejected[0].step_check
+    assert dpm.fits == [] and check is not None and not check.matched
+    assert check.quantity is None and "differ in form" in check.explanation

@@ -1139,8 +1139,9 @@ def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, key
         if max(ref_r, port_r) > 1e-3:
             # one number cannot account for it: say so instead of naming a quantity that is not the cause
             return StepCheck(False, checked, i, err, None, None, None,
-                             f"{head}; not explained by a different {quantity} (one side's update is not of "
-                             f"that form: check clip_sample, thresholding, prediction_type)")  # fmt: skip
+                             f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
+                             f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
+                             "(solver, x0 clipping, prediction_type)")  # fmt: skip
         where = ""
         if alpha_based:
             ac = scheduler.alphas_cumprod.double()
