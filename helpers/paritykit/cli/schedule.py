@@ -18,9 +18,11 @@ from paritykit.errors import ParityKitError
         "shifted flow-matching sigmas (with the fitted shift), integer vs float timesteps, reversed order.\n\n"
         "With --fit CLASS (no PORT): search the keys CLASS accepts for configs whose set_timesteps reproduces REF "
         "at --steps and at three or more other counts (some not dividing num_train_timesteps), and print the fix "
-        "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) and ref_step(x, eps, "
-        "t, t_prev). --step-check also verifies step() against the reference's update (SPEC's ref_step, or "
-        "--step-check FOLDER with the reference's per-step latents and model output).\n\n"
+        "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) (a list of timesteps, "
+        "or a dict with timesteps and/or sigmas) and ref_step(x, eps, t, t_prev) (t: a timestep, or a sigma when "
+        "the schedule has sigmas only; t_prev is None at the last step). --step-check also verifies step() "
+        "against the reference's update (SPEC's ref_step, or --step-check FOLDER: the reference's preloop / "
+        "after_step_<i> latents and model output, or a record_loop folder).\n\n"
         "Exit 0 same / fit found, 1 differ / no fit, 2 on bad input."
     )
 )
