@@ -94,8 +94,9 @@ def main() -> None:
         f"{len(CASES)} cases ({n_bug} planted bugs, {len(CASES) - n_bug} clean ports) x {len(VARIANTS)} weight "
         f"variants ({', '.join(VARIANTS)}); 1 torch thread, {platform.machine()}, torch {torch.__version__}",
         "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros) counts as clean.",
-        "False hint: any hint on a clean port, a cause other than the true one, or 'no known signature ... the forward",
-        "code differs' where the cause is a weight slip or a config value.",
+        "False hint: any hint on a clean port, a cause other than the true one, 'no known signature ... the forward",
+        "code differs' where the cause is a weight slip or a config value, or a fix verified at a module that is not",
+        "a culprit. Verified fix: a hint with verified=true at a true culprit, of a true kind.",
         "",
         "totals",
     ]
@@ -105,7 +106,7 @@ def main() -> None:
     lines += ["", "load average during the run: " + ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"\nwrote {OUT.relative_to(REPO)}")
-    print("\n".join(lines[5:13]))
+    print("\n".join(lines[6:15]))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,19 @@ def _all_hints(report: Any) -> list[Any]:
     return hints
 
 
+def _misplaced_fixes(report: Any, accepted: set[Pair]) -> list[str]:
+    r"""Verified fixes at a module that is not a true culprit: applied to the real port they would break it
+    (a GELU "fix" verified on the Dropout that follows the real activation applies GELU twice)."""
+    culprits = getattr(report, "culprits", None) or ([report.culprit] if report.culprit else [])
+    return [
+        f"{h.id} (fix verified at {c.port or '(top)'}, not a culprit)"
+        for c in culprits
+        if accepted and (c.reference, c.port) not in accepted
+        for h in c.hints
+        if getattr(h, "verified", None) is True
+    ]
+
+
 def is_false(hint: Any, case: Case, variant: str) -> bool:
     r"""A hint the ground truth contradicts: any hint on a clean port, an unknown-cause hint that says the
     forward code differs when the cause is config or weights, or a named cause that is not the true one."""
@@ -131,8 +144,8 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         culprit_ok = report.verdict == "match" and not found
     all_ok = None
     if all_arg and expected:
-        accepted = [{e, *case.also} for e in expected]
-        all_ok = len(found) == len(expected) and all(f in ok for f, ok in zip(found, accepted))
+        allowed = [{e, *case.also} for e in expected]
+        all_ok = len(found) == len(expected) and all(f in ok for f, ok in zip(found, allowed))
     first = report.culprit.hints[0] if report.culprit is not None and report.culprit.hints else None
     hints = _all_hints(report)
     # a verified fix counts only at a true culprit: a fix verified on a misaligned module would break the port
@@ -156,7 +169,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         first_hint_true=(first is not None and first.id in case.hints and not is_false(first, case, variant))
         if expected
         else None,
-        false_hints=[h.id for h in hints if is_false(h, case, variant)],
+        false_hints=[h.id for h in hints if is_false(h, case, variant)] + _misplaced_fixes(report, accepted),
         fix=getattr(verified[0], "fix", None) if verified else None,
         fix_verified=(bool(verified) and verified[0].id in case.hints) if case.fix and expected else None,
         conversion=conversion,
