@@ -166,9 +166,8 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         culprit_ok=culprit_ok,
         all_ok=all_ok,
         first_hint=f"[{first.id}] {first.message}" if first is not None else None,
-        first_hint_true=(first is not None and first.id in case.hints and not is_false(first, case, variant))
-        if expected
-        else None,
+        # a true first hint is the true cause stated at the true culprit
+        first_hint_true=(culprit_ok and first is not None and first.id in case.hints) if expected else None,
         false_hints=[h.id for h in hints if is_false(h, case, variant)] + _misplaced_fixes(report, accepted),
         fix=getattr(verified[0], "fix", None) if verified else None,
         fix_verified=(bool(verified) and verified[0].id in case.hints) if case.fix and expected else None,
