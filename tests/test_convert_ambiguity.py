@@ -367,3 +367,20 @@ def test_zero_bias_with_no_settled_sibling_still_lists_the_fused_chunk():
         a = amb[f"layers.0.attn.to_{n}.bias"]
         assert "blocks.0.attn.qkv.bias" in a.candidates, a
     assert cmap.exit_code == 1
+
+
+def test_norms_swapped_in_one_layer_only_are_a_warning():
+    target = _vit(randomise=True)
+    source = _research_vit(target)
+    swapped = dict(target)
+    for leaf in ("weight", "bias"):
+        before, after = f"layers.1.layernorm_before.{leaf}", f"layers.1.layernorm_after.{leaf}"
+        swapped[before], swapped[after] = target[after], target[before]
+    cmap = infer_conversion_map(source, swapped)
+    assert cmap.exit_code == 1 and not cmap.ambiguous
+    flagged = {w.target for w in cmap.warnings}
+    assert (
+        "layers.1.layernorm_before.weight" in flagged
+        and "inconsistent across layer" in cmap.warnings[0].message
+    )
+    assert not any(t.startswith("layers.0.") for t in flagged)
