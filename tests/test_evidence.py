@@ -12,6 +12,7 @@ import copy
 import functools
 import json
 
+import paritykit.diagnose as D
 import pytest
 import torch
 import torch.nn.functional as F
@@ -316,3 +317,41 @@ def test_module_config_must_not_fire_on_equal_settings():
     other = HardCodedNorm(32, 1e-6)
     other.epsilon = 1e-6
     assert E.module_config(_culprit(nn.LayerNorm(32, eps=1e-6), other, x)) == []
+
+
+class InputCast(nn.Module):
+    """A port that rounds its input to bfloat16 before computing in float32."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.bfloat16().float())
+
+
+def test_reduced_precision_rerun_finds_a_port_that_rounds_its_input():
+    torch.manual_seed(9)
+    reference = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)).eval()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10))
+    c = _culprit(reference, InputCast(copy.deepcopy(reference)), x)
+    # the output itself carries no trace of the cast: neither exact rounding nor the grid
+    assert D.detect_bf16_cast(c.reference_output.double().flatten(), c.port_output.double().flatten()) is None
+    (hint,) = E.reduced_precision(c)
+    assert hint.id == "bf16-cast" and hint.evidence["rerun_error"] < 0.1 * hint.evidence["error"]
+    assert "inputs rounded to bfloat16" in hint.message
+
+
+def test_reduced_precision_must_not_fire_on_look_alikes():
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(11))
+    linear = nn.Linear(32, 32)
+    swapped = copy.deepcopy(linear)
+    with torch.no_grad():
+        swapped.weight.copy_(linear.weight.flip(0))
+    cases = [
+        (nn.GELU(), nn.GELU(approximate="tanh")),
+        (nn.LayerNorm(32, eps=1e-6), nn.LayerNorm(32, eps=1e-12)),
+        (linear, swapped),
+    ]
+    for reference, port in cases:
+        assert E.reduced_precision(_culprit(reference, port, 0.01 * x)) == [], (reference, port)
