@@ -187,6 +187,10 @@ def test_karras_reference_port_without_karras_is_diagnosed_fitted_and_fixed(unet
     fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
     assert compare_schedules(ref, fixed).exit_code == 0
     assert_flat_at_zero(ref, fixed, atol=1e-3)
+    # a recorded Euler loop holds scaled inputs, not latents: the step is not checked from it, and it says so
+    unchecked = fit_scheduler("EulerDiscreteScheduler", ref, base_config=SD_BETAS, step_check=ref)
+    assert unchecked.fits[0].step_check is None
+    assert any("scales the denoiser's input" in n for n in unchecked.notes)
 
 
 # ------------------------------------------------------------------------------------------- flow matching, shift 3

@@ -1161,6 +1161,24 @@ def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, key
     return StepCheck(True, checked)
 
 
+def _recorded_inputs_are_scaled(cls: type, base: dict[str, Any], steps: int, source: Any) -> bool:
+    import torch
+
+    if source is True or not isinstance(source, (str, Path)) or not Path(source).is_dir():
+        return False
+    from paritykit.io import read_manifest
+
+    names = {entry.get("name") for entry in read_manifest(Path(source))["checkpoints"]}
+    if "step_0" not in names or "after_step_0" in names:
+        return False
+    scheduler = _make(cls, base)
+    if not hasattr(scheduler, "scale_model_input"):
+        return False
+    scheduler.set_timesteps(steps)
+    x = torch.ones(1, 1, 2, 2)
+    return not torch.equal(scheduler.scale_model_input(x, scheduler.timesteps[0]), x)
+
+
 def _run_step_check(result: FitResult, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
     result.step_checked = True
     if "Ancestral" in cls.__name__ or cls.__name__.startswith(("Heun", "KDPM2")):
@@ -1173,6 +1191,13 @@ def _run_step_check(result: FitResult, cls, base, keys, ref, ref_n, steps, sourc
             f"(num_train_timesteps {train_steps} is not a multiple of {steps}): its previous timestep is not "
             "the next entry of its own list"
         )
+    if _recorded_inputs_are_scaled(cls, base, steps, source):
+        result.notes.append(
+            f"--step-check: {cls.__name__} scales the denoiser's input (scale_model_input), so a record_loop "
+            "folder holds scaled samples, not the loop's latents; check with a SPEC's ref_step or the pipeline's "
+            "after_step_<i> checkpoints instead"
+        )
+        return
     updates = list(_reference_updates(ref, ref_n, steps, source))
     if not updates:
         result.notes.append("--step-check: no reference update found to check against")
