@@ -355,3 +355,16 @@ def test_reduced_precision_must_not_fire_on_look_alikes():
     ]
     for reference, port in cases:
         assert E.reduced_precision(_culprit(reference, port, 0.01 * x)) == [], (reference, port)
+
+
+def test_a_fix_that_cannot_be_tried_stays_unverified():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(12))
+    c = _culprit(nn.LayerNorm(32, eps=1e-6), nn.LayerNorm(32, eps=1e-2), x)
+
+    def broken(fn):
+        raise RuntimeError("offloaded weights cannot be copied")
+
+    c.check = broken
+    (hint,) = E.module_config(c)
+    assert hint.verified is None and "offloaded" in hint.evidence["verify_error"]
+    assert "does not make the module match" not in hint.message

@@ -117,14 +117,15 @@ def _num(value: Any) -> str:
     return repr(value)
 
 
-def _verify(c: Culprit, fn: Callable, hint: Hint) -> Hint:
-    r"""Run ``fn`` (a patched copy of the port module) on the port's inputs; record the before/after error."""
+def _verify(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
+    r"""Build the fixed port (``make()``, e.g. a patched deep copy), run it on the port's inputs and record the
+    before/after error: ``verified`` is True when it then matches the reference, False when it does not, and
+    stays None when it could not be tried (no replay, or the copy or the call raised)."""
     if c.check is None:
         return hint
     try:
-        ok, after = c.check(fn)
-    except Exception as exc:  # a fix that breaks the call is not verified, and says why
-        hint.verified = False
+        ok, after = c.check(make())
+    except Exception as exc:  # could not be tried (a module that cannot be copied, a fix the call rejects)
         hint.evidence["verify_error"] = f"{type(exc).__name__}: {exc}"[:200]
         return hint
     hint.verified = bool(ok)
@@ -361,10 +362,10 @@ def module_config(c: Culprit) -> list[Hint]:
             score=0.8,
             fix="; ".join(h.fix for h in hints if h.fix),
         )
-        if _verify(c, _patched(c.port, dict(edits)), combined).verified:
+        if _verify(c, lambda: _patched(c.port, dict(edits)), combined).verified:
             return [combined]
     for hint, (path, value) in zip(hints, edits):
-        _verify(c, _patched(c.port, {path: value}), hint)
+        _verify(c, lambda p=path, v=value: _patched(c.port, {p: v}), hint)
         if hint.verified is False:
             hint.message += " - setting it alone does not make the module match"
             hint.score = 0.6
@@ -481,7 +482,7 @@ def activation(c: Culprit) -> list[Hint]:
         score=0.9,
         fix=f"{c.port_path()} = {ctor}",
     )
-    return [_verify(c, fn, hint)]
+    return [_verify(c, lambda: fn, hint)]
 
 
 # ---------------------------------------------------------------------------------------------- fits
@@ -565,7 +566,7 @@ def norm_eps(c: Culprit) -> list[Hint]:
         fix=f"{c.port_path(attr=port_attr or 'eps')} = {ref_eps!r}",
     )
     if port_attr is not None:
-        _verify(c, _patched(c.port, {port_attr: ref_eps}), hint)
+        _verify(c, lambda: _patched(c.port, {port_attr: ref_eps}), hint)
     return [hint]
 
 
@@ -625,7 +626,7 @@ def attention_scale(c: Culprit) -> list[Hint]:
                 score=0.9,
                 fix=f"{c.port_path(attr=port_attr)} = {best!r}",
             )
-            return [_verify(c, _patched(c.port, {port_attr: best}), hint)]
+            return [_verify(c, lambda: _patched(c.port, {port_attr: best}), hint)]
         return []
     ref_attr = _attr_of(c.reference, _SCALE_NAMES) if c.reference is not None else None
     if ref_attr is None or c.run_reference is None:
@@ -737,7 +738,7 @@ def weights(c: Culprit) -> list[Hint]:
         ),  # fmt: skip
     )
     patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
-    return [_verify(c, _patched(c.port, patch), hint)]
+    return [_verify(c, lambda: _patched(c.port, patch), hint)]
 
 
 def _prefix(name: str) -> str:
