@@ -27,17 +27,6 @@ ROPE_SIGNATURE = (
     "replay cannot pair the reference attention(x) with the port attention(x, image_rotary_emb=...), and the "
     "port's rope module has no reference counterpart: the culprit climbs to the top level"
 )
-DROPOUT = (
-    "alignment by order pairs the reference's parameterless activation with the port's Dropout (ff.net.1), "
-    "not the diffusers GELU module (ff.net.0) that applies it"
-)
-PARAMLESS = (
-    "a norm without parameters (affine=False) and another name is not aligned; the culprit stops at encoder"
-)
-MISPLACED_FIX = (
-    "at the misaligned Dropout (ff.net.1) the activation hint verifies the fix 'ff.net.1 = torch.nn.GELU()', "
-    "which applied to the port would run GELU twice"
-)
 NO_SIGNATURE = (
     "the no-signature hint says 'module config and weights are identical' where the cause is a weight slip "
     "(a transposed square 1x1 weight; k/v crossed by name, which alignment by weights follows silently)"
@@ -45,24 +34,17 @@ NO_SIGNATURE = (
 
 # (case, variant or None for both) -> why paritykit gets it wrong today
 CULPRIT_XFAIL: dict[tuple[str, str | None], str] = {
-    ("mha-gelu-tanh", None): DROPOUT,
-    ("vae-affine-off", "distinct"): PARAMLESS,
     ("rope-half-split", None): ROPE_SIGNATURE,
     ("rope-theta-default", None): ROPE_SIGNATURE,
     ("rope-interpolate-default", None): ROPE_SIGNATURE,
 }
 HINT_XFAIL: dict[tuple[str, str | None], str] = {
-    ("mha-gelu-tanh", None): MISPLACED_FIX,
-    ("mha-two-bugs", None): MISPLACED_FIX,
     ("vae-transposed-1x1", None): NO_SIGNATURE,
     ("vae-two-bugs", None): NO_SIGNATURE,
     ("clip-swap-kv", None): NO_SIGNATURE,
-    ("clip-two-bugs", None): NO_SIGNATURE + "; " + MISPLACED_FIX,
+    ("clip-two-bugs", None): NO_SIGNATURE,
 }
-ALL_XFAIL: dict[tuple[str, str | None], str] = {
-    ("mha-two-bugs", None): DROPOUT,
-    ("clip-two-bugs", None): DROPOUT,
-}
+ALL_XFAIL: dict[tuple[str, str | None], str] = {}
 
 
 def _params(cases, xfails: dict[tuple[str, str | None], str]) -> list:

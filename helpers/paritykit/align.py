@@ -462,10 +462,16 @@ class _Builder:
                     self.add(r, p, "order", "medium")
         refs = [r for r in refs if r not in self.ref_done]
         ports = [p for p in ports if p not in self.port_done]
-        if len(refs) == 1 and len(ports) == 1:
+        if len(refs) == 1 and len(ports) == 1 and self._same_work(refs[0], ports[0]):
             rs, ps = self.ref.out_shapes.get(refs[0]), self.port.out_shapes.get(ports[0])
             if rs is not None and rs == ps:
                 self.add(refs[0], ports[0], "order", "medium")
+
+    def _same_work(self, r: str, p: str) -> bool:
+        """Two modules of different classes may do the same work (GELU vs a diffusers activation class), but
+        an identity in eval (Dropout, Identity) never does an activation's: the activation may sit inside a
+        port module that also holds the preceding Linear (diffusers' ``GELU(dim_in, dim_out)``)."""
+        return _identity_like(self.ref.types.get(r, "")) == _identity_like(self.port.types.get(p, ""))
 
     def _pair_by_shape(self, ref_run: list[str], port_run: list[str]) -> None:
         refs = [r for r in ref_run if r not in self.ref_done]
@@ -482,13 +488,26 @@ class _Builder:
                     break
 
     def _alike(self, r: str, p: str) -> bool:
-        """Same parameter shapes (a norm never pairs with a dropout that happens to return the same shape)."""
+        """Same parameter shapes (a norm never pairs with a dropout that happens to return the same shape);
+        or the same class where one side has no parameters (a GroupNorm built with ``affine=False`` against
+        the reference's affine one: the same work, the missing scale and shift being the difference)."""
         if self.ref.parameterless(r) and self.port.parameterless(p):
+            return self._same_work(r, p)
+        same_type = self.ref.types.get(r) is not None and self.ref.types.get(r) == self.port.types.get(p)
+        if same_type and (self.ref.parameterless(r) or self.port.parameterless(p)):
             return True
         return self.compatible(r, p)
 
 
 _ROW_OPS = ("swap_halves", "permute_rows")
+# classes that return their input unchanged in eval: never the counterpart of a module that computes
+_IDENTITY_TYPES = frozenset(
+    {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "Identity"}
+)
+
+
+def _identity_like(type_name: str) -> bool:
+    return type_name.rsplit(".", 1)[-1] in _IDENTITY_TYPES
 
 
 def sources_of_all(cmap: Any) -> set[str]:
