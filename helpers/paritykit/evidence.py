@@ -702,43 +702,119 @@ def weights(c: Culprit) -> list[Hint]:
         return []
     cmap = infer_conversion_map(ref_sd, port_sd)
     ambiguous = {a.target for a in cmap.ambiguous}
-    wrong = []
-    for entry in cmap.mapping:
-        args = entry.args
-        if entry.op != "chunk" or "count" not in args or entry.target in ambiguous:
-            continue
-        implied = _implied_index(entry.target, args["count"])
-        if implied is not None and implied != args["index"]:
-            wrong.append((entry, implied))
-    if not wrong:
-        return _unmatched(c, cmap, ref_sd)
+    entries = [e for e in cmap.mapping if e.target not in ambiguous]
     rules, lines = [], []
-    for entry, implied in wrong:
-        size = entry.args["stop"] - entry.args["start"]
-        args = dict(entry.args, index=implied, start=implied * size, stop=(implied + 1) * size)
-        rules.append({"pattern": re.escape(entry.sources[0]), "sources": [entry.sources[0]], "target": entry.target,
-                      "op": "chunk", "args": args})  # fmt: skip
-        count = entry.args["count"]
-        lines.append(
-            f"port {entry.target} holds chunk {entry.args['index']}/{count} of reference {entry.sources[0]} "
-            f"(its name implies chunk {implied}/{count})"
+    for entry in entries:
+        found = _misassigned(entry, ref_sd)
+        if found is not None:
+            rules.append(found[0])
+            lines.append(found[1])
+    if rules:
+        message = "conversion bug: " + "; ".join(lines)
+    else:
+        # a layout op (transpose, reordered rows) the names do not call for is only a slip when undoing it
+        # makes the module match, so these come back only verified
+        rules = [r for r in (_without_layout(e, ref_sd, port_sd) for e in entries) if r is not None]
+        if not rules:
+            return _unmatched(c, cmap, ref_sd)
+        message = "conversion slip: " + "; ".join(
+            f"port {r['target']} is reference {r['sources'][0]} after {r['layout']}" for r in rules
         )
-    fixed = apply_rules_to_state_dict(rules, {k: ref_sd[k] for k in {e.sources[0] for e, _ in wrong}})
+    fixed = apply_rules_to_state_dict(rules, {k: ref_sd[k] for k in {r["sources"][0] for r in rules}})
     hint = Hint(
         "weights",
-        "conversion bug: "
-        + "; ".join(lines)
-        + " (evidence: parameter values matched as in `paritykit weights map`)",
-        {"misassigned": [dict(e.to_dict(), implied_index=i) for e, i in wrong]},
+        message + " (evidence: parameter values matched as in `paritykit weights map`)",
+        {"rules": [{k: v for k, v in r.items() if k != "pattern"} for r in rules]},
         score=0.95,
-        fix="; ".join(
-            f"load {r['target']} from {r['sources'][0]} "
-            f"chunk {r['args']['index']}/{r['args']['count']} dim {r['args']['dim']}"
-            for r in rules
-        ),  # fmt: skip
+        fix="; ".join(f"load {r['target']} from {r['sources'][0]}" + _describe(r) for r in rules),
     )
     patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
-    return [_verify(c, lambda: _patched(c.port, patch), hint)]
+    _verify(c, lambda: _patched(c.port, patch), hint)
+    if "layout" in rules[0] and not hint.verified:
+        return _unmatched(c, cmap, ref_sd)
+    return [hint]
+
+
+_LAYOUT_OPS = ("transpose", "permute", "swap_halves", "permute_rows")
+
+
+def _describe(rule: dict[str, Any]) -> str:
+    from paritykit.convert import describe_op
+
+    text = describe_op(rule["op"], rule["args"])
+    return f" ({text})" if text else ""
+
+
+def _rule(source: str, target: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    op, args = (
+        ("identity", {}) if not steps else (steps[0]["op"], {k: v for k, v in steps[0].items() if k != "op"})
+    )
+    if len(steps) > 1:
+        args["then"] = steps[1:]
+    return {"pattern": re.escape(source), "sources": [source], "target": target, "op": op, "args": args}
+
+
+def _steps(entry: Any) -> list[dict[str, Any]]:
+    main = {"op": entry.op, **{k: v for k, v in entry.args.items() if k != "then"}}
+    return ([main] if entry.op != "identity" else []) + list(entry.args.get("then", []))
+
+
+def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    r"""The corrected rule and a sentence when a port parameter holds another role's tensor than its name says:
+    a chunk of a fused projection other than the one its role implies, or a whole tensor of another role
+    (``to_k`` loaded from ``v_proj``)."""
+    if len(entry.sources) != 1:
+        return None
+    source = entry.sources[0]
+    steps = _steps(entry)
+    if entry.op == "chunk" and "count" in entry.args:
+        count, index = entry.args["count"], entry.args["index"]
+        implied = _implied_index(entry.target, count)
+        if implied is None or implied == index:
+            return None
+        size = entry.args["stop"] - entry.args["start"]
+        steps[0] = dict(steps[0], index=implied, start=implied * size, stop=(implied + 1) * size)
+        return _rule(source, entry.target, steps), (
+            f"port {entry.target} holds chunk {index}/{count} of reference {source} "
+            f"(its name implies chunk {implied}/{count})"
+        )
+    want, have = _implied_index(entry.target, 3), _implied_index(source, 3)
+    if entry.op == "chunk" or want is None or have is None or want == have:
+        return None
+    leaf = source.rsplit(".", 1)[-1]
+    others = [k for k in ref_sd if k.rsplit(".", 1)[-1] == leaf and _implied_index(k, 3) == want
+              and k.count(".") == source.count(".") and _same_but_role(k, source)]  # fmt: skip
+    if len(others) != 1:
+        return None
+    return _rule(others[0], entry.target, steps), (
+        f"port {entry.target} holds reference {source} (its name implies {others[0]})"
+    )
+
+
+def _same_but_role(a: str, b: str) -> bool:
+    r"""Whether two names differ only in their role segment (``attn.k_proj.weight`` / ``attn.v_proj.weight``)."""
+    diff = [(x, y) for x, y in zip(a.split("."), b.split(".")) if x != y]
+    return len(diff) == 1
+
+
+def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any]) -> dict[str, Any] | None:
+    r"""The rule for ``entry`` with its layout steps (transpose, row reorders) dropped, when the shapes allow."""
+    if len(entry.sources) != 1:
+        return None
+    steps = _steps(entry)
+    kept = [s for s in steps if s["op"] not in _LAYOUT_OPS]
+    if len(kept) == len(steps):
+        return None
+    rule = _rule(entry.sources[0], entry.target, kept)
+    rule["layout"] = " + ".join(s["op"] for s in steps if s["op"] in _LAYOUT_OPS)
+    from paritykit.convert import apply_rules_to_state_dict
+
+    # the shape must come out right without the layout step (a transposed square matrix, a reordered row set)
+    try:
+        out = apply_rules_to_state_dict([rule], {entry.sources[0]: ref_sd[entry.sources[0]]})
+    except Exception:
+        return None
+    return rule if tuple(out[entry.target].shape) == tuple(port_sd[entry.target].shape) else None
 
 
 def _prefix(name: str) -> str:
