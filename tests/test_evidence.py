@@ -437,3 +437,17 @@ def test_weights_names_a_transpose_only_when_undoing_it_makes_the_module_match()
         port.bias.copy_(conv.bias + 0.5)
     hints = E.weights(_culprit(conv, port, x))
     assert not any("slip" in h.message for h in hints)
+
+
+def test_no_signature_names_a_layout_it_could_not_rule_out():
+    torch.manual_seed(18)
+    reference, port = nn.Linear(16, 16), nn.Linear(16, 16)
+    with torch.no_grad():
+        port.weight.copy_(reference.weight.T)
+        port.bias.copy_(reference.bias)
+    x = torch.randn(3, 16)
+    # captured outputs only (no replay): the transpose cannot be tried, so it must not be called identical
+    c = E.Culprit("", "", reference, port, reference(x).detach(), port(x).detach())
+    (hint,) = E.culprit_evidence(c)
+    assert hint.id == "no-signature" and "layout op (weight (transpose 0,1))" in hint.message
+    assert "weights are identical" not in hint.message

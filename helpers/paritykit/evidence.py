@@ -85,6 +85,8 @@ class Culprit:
     check: Callable[[Callable], tuple[bool, float]] | None = None
     subpairs: list[tuple[str, str]] = field(default_factory=list)
     reference_inputs: tuple[tuple, dict] | None = None
+    # filled by :func:`weights`: port parameters built from the reference through a layout op (transpose, …)
+    layouts: list[str] = field(default_factory=list)
 
     def port_path(self, sub: str = "", attr: str = "") -> str:
         r"""The dotted name of an attribute of the port (``port`` stands for the top level)."""
@@ -703,6 +705,9 @@ def weights(c: Culprit) -> list[Hint]:
     cmap = infer_conversion_map(ref_sd, port_sd)
     ambiguous = {a.target for a in cmap.ambiguous}
     entries = [e for e in cmap.mapping if e.target not in ambiguous]
+    c.layouts = [
+        f"{e.target} ({e.describe()})" for e in entries if any(st["op"] in _LAYOUT_OPS for st in _steps(e))
+    ]
     rules, lines = [], []
     for entry in entries:
         found = _misassigned(entry, ref_sd)
@@ -975,7 +980,13 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
     checked_all = (
         c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
     )
-    if checked_all:
+    if checked_all and c.layouts:
+        message = (
+            "no known signature; module config is identical and every parameter holds the reference tensor its "
+            f"name implies, some through a layout op ({', '.join(c.layouts[:3])}): if that layout is not what "
+            "the port's forward expects, it is the cause; otherwise the forward code differs"
+        )
+    elif checked_all:
         message = (
             "no known signature; module config and weights are identical (every parameter holds the reference "
             "tensor its name implies), so the forward code differs"
