@@ -23,27 +23,9 @@ from tests.gallery.base import VARIANTS
 from tests.gallery.catalogue import BY_ID, CASES
 from tests.gallery.run import Outcome, run_case
 
-ROPE_SIGNATURE = (
-    "replay cannot pair the reference attention(x) with the port attention(x, image_rotary_emb=...), and the "
-    "port's rope module has no reference counterpart: the culprit climbs to the top level"
-)
-NO_SIGNATURE = (
-    "the no-signature hint says 'module config and weights are identical' where the cause is a weight slip "
-    "(a transposed square 1x1 weight; k/v crossed by name, which alignment by weights follows silently)"
-)
-
 # (case, variant or None for both) -> why paritykit gets it wrong today
-CULPRIT_XFAIL: dict[tuple[str, str | None], str] = {
-    ("rope-half-split", None): ROPE_SIGNATURE,
-    ("rope-theta-default", None): ROPE_SIGNATURE,
-    ("rope-interpolate-default", None): ROPE_SIGNATURE,
-}
-HINT_XFAIL: dict[tuple[str, str | None], str] = {
-    ("vae-transposed-1x1", None): NO_SIGNATURE,
-    ("vae-two-bugs", None): NO_SIGNATURE,
-    ("clip-swap-kv", None): NO_SIGNATURE,
-    ("clip-two-bugs", None): NO_SIGNATURE,
-}
+CULPRIT_XFAIL: dict[tuple[str, str | None], str] = {}
+HINT_XFAIL: dict[tuple[str, str | None], str] = {}
 ALL_XFAIL: dict[tuple[str, str | None], str] = {}
 
 

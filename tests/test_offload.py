@@ -127,3 +127,20 @@ def test_diffusers_group_offload_on_cpu_coexists_with_capture():
         again = model(**inputs).sample
     assert torch.equal(captured, plain) and torch.equal(again, plain)
     assert model._diffusers_hook is registry and "single_transformer_blocks.1" in trace
+
+
+@pytest.mark.parametrize("kind", ["disk_offload", "dispatch_model"])
+def test_full_capture_aligns_offloaded_models_by_weights(tmp_path, kind):
+    # levels="full" skips the zoom: alignment must read the offloaded values itself, not state_dict()'s meta
+    reference, port, inputs = dit_pair("gelu")
+    in_memory = bisect(reference, port, inputs, levels="full")
+    _offload(kind, reference, tmp_path / "ref")
+    _offload(kind, port, tmp_path / "port")
+    report = bisect(reference, port, inputs, levels="full")
+    by_weights = {(p.reference, p.port) for p in in_memory.alignment.pairs if p.how == "weights"}
+    assert by_weights
+    assert by_weights == {(p.reference, p.port) for p in report.alignment.pairs if p.how == "weights"}
+    assert (report.culprit.reference, report.culprit.port) == (
+        in_memory.culprit.reference,
+        in_memory.culprit.port,
+    )

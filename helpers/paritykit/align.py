@@ -205,7 +205,11 @@ def _side(model: Any, trace: Any) -> _Side:
         out_shapes = {name: None for name in order}
     state_dict = None
     if model is not None:
-        state_dict = dict(model.state_dict())
+        from paritykit.trace import ModelWeights
+
+        weights = ModelWeights(model)
+        # weights offloaded by accelerate sit on "meta" in state_dict(): read them through the hooks
+        state_dict = {k: weights[k] for k in weights} if weights.offloaded else dict(model.state_dict())
     elif trace is not None:
         state_dict = trace.weights()
     types = {name: info.type for name, info in table.items()}

@@ -380,6 +380,21 @@ def _pair_inputs(ref: list, port: list) -> tuple[list, list[tuple[int, int]] | N
     return unique, _pair_leaves(unique, port)
 
 
+def _pair_with_extras(ref: list, port: list) -> tuple[list[tuple[int, int]] | None, list[int]]:
+    """Each reference input leaf paired with the one port leaf of its shape, when the port takes more inputs
+    than the reference; the port leaves left over (their indices) keep the port's own captured values."""
+    if not ref or len(port) <= len(ref):
+        return None, []
+    pairs = []
+    for i, (_, tensor) in enumerate(ref):
+        hits = [j for j, (_, t) in enumerate(port) if t.shape == tensor.shape]
+        if len(hits) != 1 or any(j == hits[0] for _, j in pairs):
+            return None, []
+        pairs.append((i, hits[0]))
+    used = {j for _, j in pairs}
+    return pairs, [j for j in range(len(port)) if j not in used]
+
+
 def _rel_error(a: Any, b: Any) -> float:
     import torch
 
@@ -434,6 +449,8 @@ class _Bisector:
         self.results: dict[str, ModuleTest] = {}
         self.why_not_replayed: dict[str, str] = {}
         self.replays: dict[str, tuple[list, list]] = {}
+        # replays that fed some port inputs from the port's own capture (no reference counterpart): their paths
+        self.own_inputs: dict[str, list[str]] = {}
         self.children_of: dict[str, list[Any]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
@@ -488,9 +505,10 @@ class _Bisector:
         return result
 
     def adapt_inputs(
-        self, ref_record: Any, port_record: Any, device: Any = None
+        self, ref_record: Any, port_record: Any, device: Any = None, replace: dict[str, Any] | None = None
     ) -> tuple[tuple, dict] | None:
-        """The port call's own arguments with the reference's tensors put in place of its tensors."""
+        """The port call's own arguments with the reference's tensors put in place of its tensors; the port's
+        extra inputs (no reference counterpart) stay its own, or ``replace[path]`` where given."""
         from paritykit.trace import _unpack
 
         if not ref_record.replayable or not port_record.replayable:
@@ -500,10 +518,19 @@ class _Bisector:
         if not port_leaves:
             return None
         ref_leaves, pairs = _pair_inputs(ref_leaves, port_leaves)
+        extra: list[int] = []
         if pairs is None:
-            return None
+            # the port call may take inputs the reference computes inside the module (rotary cos/sin passed
+            # as ``image_rotary_emb``): the reference's inputs go in, the extras are the port's own captured
+            pairs, extra = _pair_with_extras(ref_leaves, port_leaves)
+            if pairs is None:
+                return None
+            self.own_inputs[ref_record.name] = [port_leaves[j][0] for j in extra]
         port_keys = list(port_record.input_keys.values())
         swap = {}
+        for j in extra:
+            tensor = (replace or {}).get(port_leaves[j][0], port_leaves[j][1])
+            swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
         for i, j in pairs:
             tensor = ref_leaves[i][1]
             own = port_leaves[j][1]
@@ -561,6 +588,7 @@ class _Bisector:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
         self.replays[ref_record.name] = (ref_out, port_out)
+        own = self.own_inputs.get(ref_record.name)
         return ModuleTest(
             ref_record.name,
             port_record.name,
@@ -569,6 +597,9 @@ class _Bisector:
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
+            note=f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own)}"
+            if own
+            else "",
         )
 
     def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
@@ -1168,18 +1199,43 @@ def _finding(
         result.cosine,
         inline=children_passed > 0,
         children_passed=children_passed,
-        hints=_with_inline(
+        hints=_with_extra_inputs(
             searcher,
             call,
             port_call,
-            children_passed,
             result.max_abs,
-            _hints_at(searcher, call, port_call, result, None),
+            _with_inline(
+                searcher,
+                call,
+                port_call,
+                children_passed,
+                result.max_abs,
+                _hints_at(searcher, call, port_call, result, None),
+            ),
         ),
         confidence=pair.confidence,
         note=_join(result.note, _untested_inside(alignment, call.module)),
         op=op,
     )
+
+
+def _with_extra_inputs(
+    searcher: _Bisector, call: Any, port_call: Any, before: float | None, hints: list
+) -> list:
+    """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
+    inside the module), the port modules producing them and a verified constructor fit of those
+    (:func:`paritykit.module_fit.extra_input_hints`); a verified fix goes first."""
+    if call.name not in searcher.own_inputs or any(h.verified for h in hints):
+        return hints
+    from paritykit.module_fit import extra_input_hints
+
+    extra = extra_input_hints(searcher, call, port_call, before)
+    verified = [h for h in extra if h.verified]
+    if not verified:
+        return [*hints, *extra]
+    # the difference is traced to the port module the fit changed: "the forward code differs" no longer stands
+    rest = [h for h in extra if not h.verified]
+    return [*verified, *(h for h in hints if h.id != "no-signature"), *rest]
 
 
 def _with_inline(

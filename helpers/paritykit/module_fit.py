@@ -290,7 +290,9 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
     if found is None:
         return []
     cmp = searcher.compare(found.reference_input, found.port_input, found.child.name)
-    where = f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
+    where = (
+        f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
+    )
     where += f"(max_abs {_num(cmp.max_abs)})"
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
@@ -423,3 +425,220 @@ def _num(value: float | None) -> str:
     from paritykit.report import format_number
 
     return format_number(value)
+
+
+# ------------------------------------------------------------------- port inputs the reference computes inside
+
+# bounded refinement of one numeric argument: a log grid of factors around the current value, then a search
+GRID = tuple(10 ** (k / 4) for k in range(-12, 13))
+REFINE_STEPS = 24
+
+
+def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+    r"""Evidence for a culprit whose replay fed the port some inputs from the port's own run, because the
+    reference computes them inside the module (rotary cos/sin a port passes as ``image_rotary_emb``).
+
+    The unaligned port modules whose outputs are exactly those inputs are named; each configurable one is
+    searched (its constructor arguments: flags, literals, and numbers on a bounded log grid refined and
+    rounded) for a setting with which the culprit, replayed on the reference's inputs and that module's new
+    output, matches the reference. A match is a verified ``module-fit`` fix; otherwise an
+    ``inline-reference`` hint names the producing modules.
+    """
+    from paritykit.diagnose import Hint
+
+    paths = searcher.own_inputs.get(call.name)
+    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+        return []
+    captured = dict(port_call.inputs.items())
+    extras = {p: captured[p] for p in paths if p in captured}
+    producers = _extra_producers(searcher, extras)
+    hints = []
+    for record, feeds in producers:
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+        found = _fit_by_replay(searcher, call, port_call, module, record, feeds)
+        if found is None:
+            continue
+        changes, after, trials = found
+        text = ", ".join(f"{k}={new!r} (now {old!r})" for k, (old, new) in changes.items())
+        where = record.module or "(top level)"
+        hints.append(
+            Hint(
+                "module-fit",
+                f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name}, which "
+                f"the reference computes inside {call.name}; built with {text} it makes {port_call.name} match "
+                f"the reference (replayed on the reference's inputs: max_abs {_num(before)} -> "
+                f"{_num(after.max_abs)}, {trials} constructor settings tried)",
+                {
+                    "module": record.module,
+                    "module_type": record.type,
+                    "changes": {k: {"current": a, "fitted": b} for k, (a, b) in changes.items()},
+                    "inputs": list(feeds.values()),
+                    "culprit_before": before,
+                    "culprit_after": after.max_abs,
+                    "trials": trials,
+                },
+                score=0.99,
+                verified=True,
+                fix="; ".join(f"{where}.{k} = {new!r}" for k, (_, new) in changes.items()),
+            )
+        )
+        break
+    if producers:
+        names = ", ".join(f"{r.module} ({r.type})" for r, _ in producers)
+        fed = ", ".join(sorted({p for _, feeds in producers for p in feeds.values()}))
+        hints.append(
+            Hint(
+                "inline-reference",
+                f"port {port_call.name} takes {fed} from {names}, which the reference computes inside "
+                f"{call.name} (evidence: that port module's captured output is exactly the input, and no "
+                "reference module is aligned with it); the culprit was replayed with the port's own values of "
+                "those inputs, so the difference is in them or in the culprit's forward"
+                + ("" if hints else "; no constructor setting of that module made the culprit match"),
+                {"producers": [r.module for r, _ in producers], "inputs": fed.split(", ")},
+                score=0.9,
+            )
+        )
+    return hints
+
+
+def _extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
+    """Unaligned port calls with an output exactly equal to an extra input: (record, {output path: input})."""
+    import torch
+
+    out = []
+    for record in searcher.pt.records:
+        if record.call != 0 or searcher.alignment.reference_of(record.module) is not None:
+            continue
+        feeds = {}
+        for key, value in record.outputs.items():
+            for path, tensor in extras.items():
+                if value.shape == tensor.shape and value.dtype == tensor.dtype and torch.equal(value, tensor):
+                    feeds[key] = path
+                    break
+        if feeds:
+            out.append((record, feeds))
+    return out
+
+
+def _fit_by_replay(
+    searcher: Any, call: Any, port_call: Any, module: Any, record: Any, feeds: dict[str, str]
+) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
+    """The fewest constructor changes of ``module`` that make the culprit's replay match, or ``None``."""
+    from paritykit.bisect import flatten_tensors
+
+    read = constructor_values(module)
+    if read is None:
+        return None
+    values, readable = read
+    inputs = record.call_inputs()
+    rebuilt = _build(module, values)
+    if rebuilt is None:
+        return None
+    own = flatten_tensors(_call(rebuilt, inputs))
+    # the rebuild must reproduce the module's captured outputs: the values read back are the ones it runs with
+    if any(not _same(dict(own).get(k), t) for k, t in record.outputs.items() if k in feeds):
+        return None
+    trials = 0
+
+    def attempt(change: dict[str, Any]) -> Any:
+        nonlocal trials
+        trials += 1
+        candidate = _build(module, {**values, **change})
+        return (
+            None if candidate is None else _replay_with(searcher, call, port_call, candidate, inputs, feeds)
+        )
+
+    for change in _settings(module, values, readable):
+        cmp = attempt(change)
+        if cmp is not None and cmp.passed:
+            return {k: (values[k], v) for k, v in change.items()}, cmp, trials
+    for name in readable:
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, float) or value == 0:
+            continue
+        fitted = _refine(lambda v, n=name: attempt({n: v}), value)
+        for v in _rounded(fitted):
+            cmp = attempt({name: v})
+            if cmp is not None and cmp.passed:
+                return {name: (value, v)}, cmp, trials
+    return None
+
+
+def _refine(attempt: Any, value: float) -> float | None:
+    """The value (log-grid minimum, then a golden-section search between its neighbours) of least error."""
+    import math
+
+    def err(v: float) -> float:
+        cmp = attempt(v)
+        return math.inf if cmp is None or cmp.max_abs is None else float(cmp.max_abs)
+
+    errors = [err(value * f) for f in GRID]
+    best = min(range(len(GRID)), key=errors.__getitem__)
+    if not math.isfinite(errors[best]):
+        return None
+    lo = math.log(value * GRID[max(best - 1, 0)])
+    hi = math.log(value * GRID[min(best + 1, len(GRID) - 1)])
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(REFINE_STEPS):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if err(math.exp(a)) < err(math.exp(b)):
+            hi = b
+        else:
+            lo = a
+    return math.exp((lo + hi) / 2)
+
+
+def _rounded(value: float | None) -> list[float]:
+    """Round numbers near ``value`` (1 to 3 significant digits): configured constants are written round."""
+    if value is None:
+        return []
+    return list(dict.fromkeys(float(f"{value:.{d}g}") for d in (1, 2, 3)))
+
+
+def _replay_with(
+    searcher: Any,
+    call: Any,
+    port_call: Any,
+    candidate: Any,
+    inputs: tuple[tuple, dict],
+    feeds: dict[str, str],
+) -> Any:
+    """The culprit's port module replayed on the reference's inputs, with ``candidate``'s outputs as the
+    extra inputs it feeds; compared with the reference's captured outputs."""
+    import torch
+
+    from paritykit.bisect import _module_device, flatten_tensors
+
+    produced = dict(flatten_tensors(_call(candidate, inputs)))
+    if any(k not in produced for k in feeds):
+        return None
+    port_module = searcher.port_modules[port_call.module]
+    adapted = searcher.adapt_inputs(
+        call, port_call, _module_device(port_module), replace={p: produced[k] for k, p in feeds.items()}
+    )
+    if adapted is None:
+        return None
+    try:
+        with torch.no_grad():
+            out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+    except Exception:  # a setting whose output the port module cannot consume is no fit
+        return None
+    return searcher.compare_leaves(list(call.outputs.items()), out, call.name)
+
+
+def _call(module: Any, inputs: tuple[tuple, dict]) -> Any:
+    import torch
+
+    try:
+        with torch.no_grad():
+            return module(*inputs[0], **inputs[1])
+    except Exception:  # a candidate setting whose forward fails produces nothing
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    return a is not None and a.shape == b.shape and bool(torch.equal(a, b))
