@@ -221,3 +221,91 @@ def test_trained_weights_keep_high_confidence_and_name_split_work():
         {"port": "embeddings", "reference": "", "parameters": ["cls_token", "pos_embed"]}
     ]
     assert json.loads(to_json(al.to_dict()))["split_work"][0]["port"] == "embeddings"
+
+
+class _TorchMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class _DiffusersMlp(nn.Module):
+    r"""diffusers' FeedForward: its GELU module holds the Linear and applies the activation; a Dropout follows."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        from diffusers.models.attention import FeedForward
+
+        self.ff = FeedForward(
+            8, inner_dim=16, activation_fn="gelu" if approximate == "none" else "gelu-approximate"
+        )
+
+    def forward(self, x):
+        return self.ff(x)
+
+
+def _mlp_pair(approximate: str = "none"):
+    reference = randomize(_TorchMlp(), 0)
+    port = _DiffusersMlp(approximate).eval()
+    sd = reference.state_dict()
+    port.load_state_dict(
+        {
+            "ff.net.0.proj.weight": sd["mlp.0.weight"],
+            "ff.net.0.proj.bias": sd["mlp.0.bias"],
+            "ff.net.2.weight": sd["mlp.2.weight"],
+            "ff.net.2.bias": sd["mlp.2.bias"],
+        }
+    )
+    return reference, port, ((torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)),), {})
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_an_activation_never_pairs_with_the_dropout_after_the_module_that_applies_it(approximate):
+    from paritykit.bisect import bisect
+
+    reference, port, inputs = _mlp_pair(approximate)
+    al = aligned(reference, port, inputs)
+    assert al.port_of("mlp.0") == "ff.net.0.proj"
+    assert al.port_of("mlp.1") != "ff.net.1"  # the Dropout does none of GELU's work
+    report = bisect(reference, port, inputs)
+    if approximate == "none":  # must not fire: the faithful port matches with no culprit
+        assert report.verdict == "match" and report.culprit is None
+    else:
+        assert report.culprit.port in ("ff", "ff.net.0")
+        assert all(h.fix is None or "ff.net.1" not in h.fix for h in report.culprit.hints)
+
+
+class _Norms(nn.Module):
+    def __init__(self, names: tuple[str, str, str], affine: bool = True):
+        super().__init__()
+        conv_in, norm, conv_out = names
+        self.names = names
+        setattr(self, conv_in, nn.Conv2d(4, 8, 3, padding=1))
+        setattr(self, norm, nn.GroupNorm(4, 8, affine=affine))
+        setattr(self, conv_out, nn.Conv2d(8, 4, 1))
+
+    def forward(self, x):
+        conv_in, norm, conv_out = (getattr(self, n) for n in self.names)
+        return conv_out(torch.relu(norm(conv_in(x))))
+
+
+def test_a_norm_without_parameters_pairs_by_order_with_its_class_not_with_another():
+    reference = randomize(_Norms(("conv1", "norm", "conv2")), 0)
+    inputs = ((torch.randn(1, 4, 5, 5),), {})
+    port = _Norms(("conv_in", "norm_out", "conv_out"), affine=False)
+    sd = reference.state_dict()
+    port.load_state_dict(
+        {
+            k.replace("conv1", "conv_in").replace("conv2", "conv_out"): v
+            for k, v in sd.items()
+            if "norm" not in k
+        }
+    )
+    assert aligned(reference, port, inputs).port_of("norm") == "norm_out"
+    # must not fire: a parameterless module of another class (an identity) is no counterpart of the norm
+    other = copy.deepcopy(port)
+    other.norm_out = nn.Identity()
+    assert aligned(reference, other, inputs).port_of("norm") is None
