@@ -102,3 +102,50 @@ def test_correct_inline_port_matches_without_hints(trained):
     reference, port, inputs = inline_time_pair(None, trained=trained)
     report = bisect(reference, port, inputs)
     assert report.verdict == "match" and report.culprit is None and report.first_output_divergence is None
+
+
+def _scaled_processor():
+    r"""A look-alike bug in the attention itself (its output scaled), not in the rotary module feeding it."""
+    from tests.gallery.rope import RotaryProcessor
+
+    class Scaled(RotaryProcessor):
+        def __call__(
+            self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
+        ):
+            return 1.01 * super().__call__(attn, hidden_states, image_rotary_emb=image_rotary_emb)
+
+    return Scaled()
+
+
+@pytest.mark.parametrize(
+    "bug, fix", [("theta-default", "rope.theta = 500.0"), ("interpolate-default", "rope.linear_factor = 2.0")]
+)
+def test_a_port_input_the_reference_computes_inside_the_module_is_fitted_at_its_producer(bug, fix):
+    from tests.gallery import rope
+
+    pair = rope.build("distinct", bug)
+    report = bisect(pair.reference, pair.port, pair.inputs)
+    culprit = report.culprit
+    # replayed with the reference's x and the port's own image_rotary_emb: the attention is the culprit
+    assert (culprit.reference, culprit.port, culprit.test) == ("attn", "attn", "replay")
+    first = culprit.hints[0]
+    assert (first.id, first.verified, first.fix) == ("module-fit", True, fix)
+    assert first.evidence["culprit_after"] < first.evidence["culprit_before"]
+
+
+@pytest.mark.parametrize("bug", [None, "attention", "half-split"])
+def test_no_producer_fit_without_a_setting_that_makes_the_culprit_match(bug):
+    from tests.gallery import rope
+
+    pair = rope.build("distinct", None if bug == "attention" else bug)
+    if bug == "attention":
+        pair.port.attn.set_processor(_scaled_processor())
+    report = bisect(pair.reference, pair.port, pair.inputs)
+    if bug is None:  # must not fire: the faithful port matches
+        assert report.verdict == "match" and report.culprit is None
+        return
+    assert (report.culprit.reference, report.culprit.port) == ("attn", "attn")
+    assert not [h for h in report.culprit.hints if h.id == "module-fit"]
+    located = [h for h in report.culprit.hints if h.id == "inline-reference"]
+    assert located and located[0].evidence["producers"] == ["rope"]
+    assert "no constructor setting" in located[0].message
