@@ -384,3 +384,66 @@ def test_norms_swapped_in_one_layer_only_are_a_warning():
         and "inconsistent across layer" in cmap.warnings[0].message
     )
     assert not any(t.startswith("layers.0.") for t in flagged)
+
+
+def _mha_and_attention(randomise: bool, prefix: str = ""):
+    r"""A torch MultiheadAttention and the diffusers Attention it converts to (q/k/v split from the fused
+    top-level ``in_proj_weight`` / ``in_proj_bias``), with an optional module prefix on both sides."""
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    if randomise:
+        with torch.no_grad():
+            for p in mha.parameters():
+                p.normal_()
+    attn = Attention(16, heads=2, dim_head=8, bias=True, out_bias=True)
+    src = {k: v.detach() for k, v in mha.state_dict().items()}
+    sd = {"to_out.0.weight": src["out_proj.weight"], "to_out.0.bias": src["out_proj.bias"]}
+    for n, w, b in zip("qkv", src["in_proj_weight"].chunk(3), src["in_proj_bias"].chunk(3), strict=True):
+        sd[f"to_{n}.weight"], sd[f"to_{n}.bias"] = w, b
+    attn.load_state_dict(sd)
+    tgt = attn.state_dict()
+    return {prefix + k: v for k, v in src.items()}, {prefix + k: v for k, v in tgt.items()}
+
+
+def _sources(cmap) -> dict[str, tuple]:
+    return {e.target: (e.sources, e.op, e.args.get("index")) for e in cmap.mapping}
+
+
+@pytest.mark.parametrize("prefix", ["", "blocks.0.attn."])
+def test_mha_fresh_init_zero_biases_are_the_in_proj_bias_chunks(prefix):
+    # in_proj_bias and out_proj.bias are all zeros: out_proj.bias holds to_q.bias's values whole, but the
+    # bias is built like its weight, a chunk of the fused in_proj_weight -> the same chunk of in_proj_bias
+    src, tgt = _mha_and_attention(randomise=False, prefix=prefix)
+    assert not src[prefix + "in_proj_bias"].any() and not src[prefix + "out_proj.bias"].any()
+    cmap = infer_conversion_map(src, tgt)
+    got = _sources(cmap)
+    for i, n in enumerate("qkv"):
+        assert got[f"{prefix}to_{n}.bias"] == ([prefix + "in_proj_bias"], "chunk", i)
+    assert got[prefix + "to_out.0.bias"][0] == [prefix + "out_proj.bias"]
+    assert not cmap.unused_source and not cmap.ambiguous and cmap.exit_code == 0
+    out = apply_rules_to_state_dict(cmap, src)
+    assert all(torch.equal(out[k], v) for k, v in tgt.items())
+
+
+def test_mha_distinct_values_stay_exact():
+    src, tgt = _mha_and_attention(randomise=True)
+    cmap = infer_conversion_map(src, tgt)
+    got = _sources(cmap)
+    for i, n in enumerate("qkv"):
+        assert got[f"to_{n}.bias"] == (["in_proj_bias"], "chunk", i)
+        assert got[f"to_{n}.weight"] == (["in_proj_weight"], "chunk", i)
+    assert not cmap.ambiguous and cmap.n_structure == 0 and cmap.exit_code == 0
+
+
+def test_mha_zero_biases_without_their_weights_are_ambiguous_with_the_fused_chunks_listed():
+    # no weight in the target to be built like: structure cannot tell out_proj.bias from an in_proj_bias
+    # chunk, so the answer is ambiguous (exit 1) and the true source is among the candidates
+    src, tgt = _mha_and_attention(randomise=False)
+    tgt = {k: v for k, v in tgt.items() if k.endswith("bias")}
+    cmap = infer_conversion_map(src, tgt)
+    amb = {a.target: a for a in cmap.ambiguous}
+    for n in "qkv":
+        assert "in_proj_bias" in amb[f"to_{n}.bias"].candidates
+    assert cmap.exit_code == 1

@@ -1264,8 +1264,12 @@ class _Matcher:
         self._whole: set[str] = set()
         self._anc_cache: dict[str, set[str]] = {}
         self.by_module: dict[str, list[str]] = defaultdict(list)
+        # ``in_proj_weight`` / ``in_proj_bias`` are one module's parameters as much as ``qkv.weight`` / ``qkv.bias``
+        self.by_stem: dict[str, list[str]] = defaultdict(list)
+        self._const_pieces: dict[tuple, list[_Found]] = {}
         for key in target:
             self.by_module[key.rsplit(".", 1)[0] if "." in key else ""].append(key)
+            self.by_stem[_param_stem(key)[0]].append(key)
             parts = key.split(".")
             for n in range(1, len(parts)):
                 self.scorer.target_children[".".join(parts[:n])].add(parts[n])
@@ -1551,37 +1555,47 @@ class _Matcher:
         self.guess({k: narrowed.get(k, all_ways[k]) for k in all_ways if k not in self.chosen}, all_ways)
 
     def sibling_ways(self, tkey: str) -> list[_Found]:
-        r"""Ways built like a settled sibling of ``tkey`` (same target module): same source module, same
-        leading chunk (a fused bias split like its fused weight), verified exactly."""
-        if "." not in tkey:
-            return []
-        module, leaf = tkey.rsplit(".", 1)
+        r"""Ways built like a settled sibling of ``tkey`` (same target module, or same stem: ``in_proj_bias``
+        beside ``in_proj_weight``): the matching source of the same module or stem, same leading chunk (a fused
+        bias split like its fused weight), verified exactly."""
+        module, leaf = tkey.rsplit(".", 1) if "." in tkey else ("", tkey)
+        stem, stem_leaf = _param_stem(tkey)
         t = self.target[tkey]
         out = []
-        for other in self.by_module.get(module, ()):
+        siblings = [(o, False) for o in self.by_module.get(module, ()) if "." in tkey]
+        siblings += [(o, True) for o in self.by_stem.get(stem, ())]
+        for other, same_stem in siblings:
             way = self.chosen.get(other)
-            if other == tkey or way is None or len(way.sources) != 1 or "." not in way.sources[0]:
+            if other == tkey or way is None or len(way.sources) != 1:
                 continue
-            src_module = way.sources[0].rsplit(".", 1)[0]
-            candidate = f"{src_module}.{leaf}"
-            s = self.source.get(candidate)
-            if s is None or candidate == way.sources[0] or not _castable(s.dtype, t.dtype):
-                continue
-            steps: list[dict[str, Any]] = []
-            x = self.cast(candidate, t.dtype)
-            if way.op == "chunk" and way.args["dim"] == 0 and s.ndim >= 1:
-                ref = self.source[way.sources[0]]
-                if s.shape[0] != ref.shape[0]:
-                    continue
-                chunk = {k: v for k, v in way.args.items() if k != "then"}
-                steps.append({"op": "chunk", **chunk})
-                x = _apply_step(x, steps[0])
-            rest = _resolve(x, t)
-            if rest is None:
-                continue
-            cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
-            out.append(_entry_from_steps(candidate, [*steps, *rest], cast))
-        return out
+            names = []
+            if "." in way.sources[0]:
+                names.append(f"{way.sources[0].rsplit('.', 1)[0]}.{leaf}")
+            if same_stem:
+                names += _stem_names(_param_stem(way.sources[0])[0], stem_leaf)
+            for candidate in dict.fromkeys(names):
+                found = self._built_like(way, candidate, t)
+                if found is not None:
+                    out.append(found)
+        return _dedupe(out)
+
+    def _built_like(self, way: _Found, candidate: str, t) -> _Found | None:
+        r"""``candidate`` split the way ``way`` splits its source, if that gives ``t`` exactly."""
+        s = self.source.get(candidate)
+        if s is None or candidate == way.sources[0] or not _castable(s.dtype, t.dtype):
+            return None
+        steps: list[dict[str, Any]] = []
+        x = self.cast(candidate, t.dtype)
+        if way.op == "chunk" and way.args["dim"] == 0 and s.ndim >= 1:
+            if s.shape[0] != self.source[way.sources[0]].shape[0]:
+                return None
+            steps.append({"op": "chunk", **{k: v for k, v in way.args.items() if k != "then"}})
+            x = _apply_step(x, steps[0])
+        rest = _resolve(x, t)
+        if rest is None:
+            return None
+        cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
+        return _entry_from_steps(candidate, [*steps, *rest], cast)
 
     def home_piece_ways(self, tkey: str) -> list[_Found]:
         r"""Equal row pieces of fused tensors in the target's home module that hold its values too.
@@ -1589,6 +1603,14 @@ class _Matcher:
         Whole-tensor matches stop the piece search, so a zero ``to_q.bias`` would otherwise never see the
         zero chunks of ``qkv.bias`` beside it: the true source must be among the candidates.
         """
+        t = self.target[tkey]
+        if _constant(t):
+            # a constant is no evidence of its home either: every unused fused tensor is searched (once per
+            # shape and value), so the true source is among the candidates even for top-level source keys
+            cache_key = self.position_class("t", tkey, t.dtype)
+            if cache_key not in self._const_pieces:
+                self._const_pieces[cache_key] = self._pieces_in(tkey, list(self.source))
+            return self._const_pieces[cache_key]
         homes = self.scorer.homes(tkey)
         if not homes:
             return []
@@ -1597,9 +1619,12 @@ class _Matcher:
             for key in self.source:
                 for anc in _ancestors(key):
                     self._subtree[anc].append(key)
+        return self._pieces_in(tkey, self._subtree.get(homes[0], ()))
+
+    def _pieces_in(self, tkey: str, pool: Iterable[str]) -> list[_Found]:
         t = self.target[tkey]
         out = []
-        for skey in self._subtree.get(homes[0], ()):
+        for skey in pool:
             if skey in self._whole:  # a tensor some target matches whole is not a fused one
                 continue
             s = self.source[skey]
@@ -1712,6 +1737,27 @@ def _constant(t) -> bool:
     r"""Every element equal (a fresh norm or bias): its value says little about where it comes from."""
     flat = t.reshape(-1)
     return flat.numel() <= 1 or bool((flat == flat[0]).all())
+
+
+_PARAM_LEAVES = ("weight", "bias")
+_PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(_PARAM_LEAVES)})")
+
+
+def _param_stem(name: str) -> tuple[str, str]:
+    r"""(module stem, leaf): ``a.qkv.bias`` and ``a.qkv_bias`` are both ``("a.qkv", "bias")``; a top-level
+    ``in_proj_weight`` is ``("in_proj", "weight")``; other names split at the last dot."""
+    head, _, leaf = name.rpartition(".")
+    m = _PARAM_LEAF.fullmatch(leaf)
+    if m:
+        return (f"{head}.{m[1]}" if head else m[1]), m[2]
+    return head, leaf
+
+
+def _stem_names(stem: str, leaf: str) -> list[str]:
+    r"""The source names a parameter ``leaf`` of module ``stem`` may have (``X.bias`` or ``X_bias``)."""
+    if not stem:
+        return [leaf]
+    return [f"{stem}.{leaf}", f"{stem}_{leaf}"] if leaf in _PARAM_LEAVES else [f"{stem}.{leaf}"]
 
 
 def _is_ema(name: str) -> bool:
