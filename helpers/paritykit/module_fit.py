@@ -481,7 +481,10 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
                 },
                 score=0.99,
                 verified=True,
-                fix="; ".join(f"{where}.{k} = {new!r}" for k, (_, new) in changes.items()),
+                # a key with a dot is a full path (a coupled flag on the consuming module)
+                fix="; ".join(
+                    f"{k if '.' in k else f'{where}.{k}'} = {new!r}" for k, (_, new) in changes.items()
+                ),
             )
         )
         break
@@ -563,6 +566,34 @@ def _fit_by_replay(
             cmp = attempt({name: v})
             if cmp is not None and cmp.passed:
                 return {name: (value, v)}, cmp, trials
+    return _fit_coupled_flag(searcher, port_call, values, readable, attempt, trials)
+
+
+def _fit_coupled_flag(
+    searcher: Any, port_call: Any, values: dict[str, Any], readable: list[str], attempt: Any, trials: int
+) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
+    """A flag the producer and its consumer both hold under one name (``interleaved`` on a rotary module and
+    on the attention processor that unpacks its output): a layout is set on both sides or the pair breaks, so
+    the flag is flipped on both together. The consumer's attribute is restored after each trial."""
+    consumer = searcher.port_modules[port_call.module]
+    holders = {port_call.module: consumer}
+    if getattr(consumer, "processor", None) is not None:
+        holders[f"{port_call.module}.processor" if port_call.module else "processor"] = consumer.processor
+    for name in readable:
+        value = values[name]
+        if not isinstance(value, bool):
+            continue
+        for path, holder in holders.items():
+            if getattr(holder, name, None) is not value:
+                continue
+            try:
+                setattr(holder, name, not value)
+                cmp = attempt({name: not value})
+            finally:
+                setattr(holder, name, value)
+            trials += 1
+            if cmp is not None and cmp.passed:
+                return {name: (value, not value), f"{path}.{name}": (value, not value)}, cmp, trials
     return None
 
 
