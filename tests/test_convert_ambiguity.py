@@ -447,3 +447,22 @@ def test_mha_zero_biases_without_their_weights_are_ambiguous_with_the_fused_chun
     for n in "qkv":
         assert "in_proj_bias" in amb[f"to_{n}.bias"].candidates
     assert cmap.exit_code == 1
+
+
+def test_root_level_weight_bias_pair_by_stem_and_no_pair_across_stems():
+    # a top-level Linear (keys ``weight`` / ``bias``) cut from chunk 1 of ``qkv_weight``: its zero bias is chunk 1
+    # of ``qkv_bias``, not the zero ``proj_bias`` beside it
+    g = torch.Generator().manual_seed(7)
+    src = {
+        "qkv_weight": torch.randn(12, 4, generator=g),
+        "qkv_bias": torch.zeros(12),
+        "proj_bias": torch.zeros(4),
+    }
+    tgt = {"weight": src["qkv_weight"][4:8].clone(), "bias": torch.zeros(4)}
+    got = _sources(infer_conversion_map(src, tgt))
+    assert got["bias"] == (["qkv_bias"], "chunk", 1)
+    # look-alike: the weight's stem has no bias; two other zeros remain, which structure cannot tell apart
+    src = {"a_weight": torch.randn(4, 4, generator=g), "c_bias": torch.zeros(4), "d_bias": torch.zeros(4)}
+    cmap = infer_conversion_map(src, {"x.weight": src["a_weight"].clone(), "x.bias": torch.zeros(4)})
+    amb = {a.target: a for a in cmap.ambiguous}
+    assert set(amb["x.bias"].candidates) == {"c_bias", "d_bias"} and cmap.exit_code == 1

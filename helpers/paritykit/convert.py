@@ -1563,7 +1563,8 @@ class _Matcher:
         t = self.target[tkey]
         out = []
         siblings = [(o, False) for o in self.by_module.get(module, ()) if "." in tkey]
-        siblings += [(o, True) for o in self.by_stem.get(stem, ())]
+        if stem_leaf in _PARAM_LEAVES:  # a weight/bias pair, dotted or not; not any two root-level tensors
+            siblings += [(o, True) for o in self.by_stem.get(stem, ()) if _param_stem(o)[1] in _PARAM_LEAVES]
         for other, same_stem in siblings:
             way = self.chosen.get(other)
             if other == tkey or way is None or len(way.sources) != 1:
