@@ -1539,6 +1539,16 @@ def _culprit_context(
     )
 
 
+def _to_device(value: Any, device: Any) -> Any:
+    if _is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
     if isinstance(inputs, dict):
         return (), dict(inputs)
@@ -1589,10 +1599,6 @@ def bisect(
         ``first_output_divergence``,
         the alignment, every module tested, ``exit_code``.
     """
-    import torch
-
-    from paritykit.trace import capture
-
     args, kwargs = _split_inputs(inputs)
     if port_inputs is not None:
         from paritykit.errors import UserCodeError
@@ -1604,34 +1610,11 @@ def bisect(
         port_args, port_kwargs = _split_inputs(adapted)
     else:
         port_args, port_kwargs = args, kwargs
-    from paritykit.zoom import use_zoom, zoom_bisect
-
-    # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
-    if not all_culprits and use_zoom(levels, reference):
-        return zoom_bisect(
-            reference,
-            port,
-            (args, kwargs),
-            (port_args, port_kwargs),
-            rules=rules,
-            select_output=select_output,
-            atol=atol,
-            rtol=rtol,
-            ratio=ratio,
-            ops=ops,
-            environment=environment,
-            allow_masked=allow_masked,
-        )
-    with torch.no_grad():
-        with capture(reference) as ref_trace:
-            reference(*args, **kwargs)
-        with capture(port) as port_trace:
-            port(*port_args, **port_kwargs)
-    return bisect_traces(
-        ref_trace,
-        port_trace,
-        reference=reference,
-        port=port,
+    return run_and_search(
+        reference,
+        port,
+        (args, kwargs),
+        (port_args, port_kwargs),
         rules=rules,
         select_output=select_output,
         atol=atol,
@@ -1639,374 +1622,40 @@ def bisect(
         ratio=ratio,
         ops=ops,
         environment=environment,
+        levels=levels,
         allow_masked=allow_masked,
         all_culprits=all_culprits,
     )
 
 
-# ------------------------------------------------------------------------------------------------ specs
-
-SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
-
-
-@dataclass
-class Spec:
-    r"""A loaded ``SPEC.py``: its builders and options, every call into it guarded by :func:`call_user`."""
-
-    path: Any
-    module: Any
-
-    def has(self, name: str) -> bool:
-        return callable(getattr(self.module, name, None))
-
-    def call(self, name: str, *args: Any) -> Any:
-        if not self.has(name):
-            raise ParityKitError(f"{self.path}: defines no {name}(); see `paritykit bisect --help`")
-        return call_user(getattr(self.module, name), *args, what=f"{name}() in {self.path.name}", spec=self)
-
-    @property
-    def name_map(self) -> list[tuple[str, str]]:
-        rules = getattr(self.module, "NAME_MAP", None) or []
-        try:
-            return [(str(a), str(b)) for a, b in rules]
-        except (TypeError, ValueError):
-            raise ParityKitError(
-                f"{self.path}: NAME_MAP must be a list of (regex, replacement) pairs"
-            ) from None
-
-    @property
-    def tolerance(self) -> dict[str, float]:
-        tol = getattr(self.module, "TOLERANCE", None) or {}
-        if not isinstance(tol, dict) or set(tol) - {"atol", "rtol"}:
-            raise ParityKitError(f"{self.path}: TOLERANCE must be a dict with 'atol' and/or 'rtol'")
-        return {k: float(v) for k, v in tol.items()}
-
-    def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
-        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
-        if side == "port" and self.has("port_inputs"):
-            args, kwargs = _split_spec_inputs(
-                self.call("port_inputs", args, kwargs), self.path, "port_inputs()"
-            )
-        if device is not None:
-            args, kwargs = _to_device((args, kwargs), device)
-        return args, kwargs
-
-    def build(self, side: str, device: Any = None) -> Any:
-        model = self.call(f"build_{side}")
-        if not hasattr(model, "named_modules") or not callable(model):
-            raise ParityKitError(
-                f"{self.path}: build_{side}() returned {type(model).__name__}, not a torch module"
-            )
-        if device is not None:
-            model = model.to(device)
-        return model.eval()
-
-    def select(self) -> Callable | None:
-        if not self.has("select_output"):
-            return None
-        fn = self.module.select_output
-        return lambda side, output: call_user(
-            fn, side, output, what=f"select_output() in {self.path.name}", spec=self
-        )
-
-
-def _split_spec_inputs(value: Any, path: Any, what: str) -> tuple[tuple, dict]:
-    try:
-        return _split_inputs(value)
-    except ParityKitError:
-        raise ParityKitError(f"{path}: {what} must return (args, kwargs) or a kwargs dict") from None
-
-
-def _to_device(value: Any, device: Any) -> Any:
-    if _is_tensor(value):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _user_frames(exc: BaseException, spec: Spec | None) -> str:
-    """The traceback of ``exc`` trimmed to the frames in the spec's folder (the user's own files)."""
-    import traceback
-    from pathlib import Path
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    if spec is not None:
-        folder = Path(spec.path).resolve().parent
-        mine = [
-            f
-            for f in frames
-            if not f.filename.startswith("<") and Path(f.filename).resolve().is_relative_to(folder)
-        ]
-    else:
-        mine = []
-    # With a spec, only its folder's frames are the user's (a SyntaxError has none: its own lines name the file).
-    kept = mine if spec is not None else frames[-3:]
-    lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)] if kept else []
-    lines += traceback.format_exception_only(type(exc), exc)
-    return "".join(lines)
-
-
-def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> Any:
-    r"""Call user code; any exception becomes a :class:`paritykit.errors.UserCodeError` naming ``what`` and
-    carrying the traceback trimmed to the user's frames."""
-    from paritykit.errors import UserCodeError
-
-    try:
-        return fn(*args)
-    except (ParityKitError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        raise UserCodeError(
-            f"{what} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, spec)
-        ) from exc
-
-
-def load_spec(path: Any) -> Spec:
-    r"""Import ``SPEC.py`` with its own folder on ``sys.path`` (so it may import sibling files)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(path)
-    if not path.is_file():
-        raise ParityKitError(f"SPEC {str(path)!r}: no such file")
-    if path.suffix != ".py":
-        raise ParityKitError(f"SPEC {str(path)!r}: expected a .py file")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    name = f"_paritykit_spec_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    spec = Spec(path, module)
-    sys.modules[name] = module
-    call_user(module_spec.loader.exec_module, module, what=f"importing {path.name}", spec=spec)
-    return spec
-
-
-def _side_of(model: Any, reference: Any) -> str:
-    return "reference" if model is reference else "port"
-
-
-def _run_forward(spec: Spec, model: Any, side: str, args: tuple, kwargs: dict) -> Any:
-    return call_user(lambda: model(*args, **kwargs), what=f"the {side} model's forward", spec=spec)
-
-
-def bisect_spec(
-    spec_path: Any = None,
+def run_and_search(
+    reference: Any,
+    port: Any,
+    ref_call: tuple[tuple, dict],
+    port_call: tuple[tuple, dict],
     *,
-    traces: tuple[Any, Any] | None = None,
-    rules: Sequence[tuple[str, str]] = (),
-    atol: float | None = None,
-    rtol: float | None = None,
-    device: str | None = None,
-    ops: bool = False,
+    run: Callable[[Any, tuple, dict], Any] | None = None,
     levels: str = "auto",
-    zoom: str | None = None,
-    allow_masked: bool = False,
     all_culprits: bool = False,
+    **search: Any,
 ) -> BisectReport:
-    r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
-    spec whose builders make replay possible). ``levels`` as in :func:`bisect`; ``zoom`` names the reference
-    block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
+    r"""Run both sides on their inputs under capture and search the two traces (by levels when ``levels``
+    asks for it). ``run(model, args, kwargs)`` replaces the plain call (a spec guards user code with it);
+    ``search`` holds :func:`bisect_traces`' options."""
     import torch
 
-    from paritykit.trace import Trace, capture
+    from paritykit.trace import capture
+    from paritykit.zoom import use_zoom, zoom_bisect
 
-    spec = load_spec(spec_path) if spec_path is not None else None
-    tol = spec.tolerance if spec is not None else {}
-    atol = atol if atol is not None else tol.get("atol")
-    rtol = rtol if rtol is not None else tol.get("rtol")
-    rules = [*(spec.name_map if spec is not None else []), *rules]
-    environment = environment_stamp(device=device or "cpu", spec=str(spec_path) if spec_path else None)
-    select = spec.select() if spec is not None else None
+    # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
+    if not all_culprits and use_zoom(levels, reference):
+        return zoom_bisect(reference, port, ref_call, port_call, run=run, **search)
+    call = run or (lambda model, args, kwargs: model(*args, **kwargs))
     with torch.no_grad():
-        if traces is not None:
-            ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
-            from paritykit.trace import check_request
-
-            check_request(ref_trace, port_trace, zoom)
-            reference = (
-                spec.build("reference", device) if spec is not None and spec.has("build_reference") else None
-            )
-            port = spec.build("port", device) if spec is not None and spec.has("build_port") else None
-            environment["traces"] = [str(traces[0]), str(traces[1])]
-        else:
-            if spec is None:
-                raise ParityKitError("give SPEC.py, or --traces REF_DIR PORT_DIR")
-            reference, port = spec.build("reference", device), spec.build("port", device)
-            ref_args, ref_kwargs = spec.inputs("reference", device)
-            port_args, port_kwargs = spec.inputs("port", device)
-            from paritykit.zoom import use_zoom, zoom_bisect
-
-            if not all_culprits and use_zoom(levels, reference):  # --all needs every module captured
-                return zoom_bisect(
-                    reference,
-                    port,
-                    (ref_args, ref_kwargs),
-                    (port_args, port_kwargs),
-                    rules=rules,
-                    select_output=select,
-                    atol=atol,
-                    rtol=rtol,
-                    ops=ops,
-                    environment=environment,
-                    run=lambda m, a, k: _run_forward(spec, m, _side_of(m, reference), a, k),
-                    allow_masked=allow_masked,
-                )
-            with capture(reference) as ref_trace:
-                _run_forward(spec, reference, "reference", ref_args, ref_kwargs)
-            with capture(port) as port_trace:
-                _run_forward(spec, port, "port", port_args, port_kwargs)
-        report = bisect_traces(
-            ref_trace,
-            port_trace,
-            reference=reference,
-            port=port,
-            rules=rules,
-            select_output=select,
-            atol=atol,
-            rtol=rtol,
-            ops=ops,
-            environment=environment,
-            allow_masked=allow_masked,
-            all_culprits=all_culprits,
-        )
-    if traces is not None:
-        from paritykit.zoom import next_trace_commands
-
-        report.next_steps = next_trace_commands(report, ref_trace, port_trace)
-    return report
-
-
-@dataclass
-class TraceSummary:
-    r"""What ``paritykit trace`` wrote."""
-
-    side: str
-    directory: str
-    calls: int
-    modules: int
-    tensors: int
-    weights: int
-    environment: dict[str, Any] = field(default_factory=dict)
-    exit_code: int = 0
-    spec: str = "SPEC.py"
-    other: str | None = None  # a trace of the other side of the same spec, found beside this one
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "side": self.side,
-            "directory": self.directory,
-            "calls": self.calls,
-            "modules": self.modules,
-            "tensors": self.tensors,
-            "weights": self.weights,
-            "other_side_trace": self.other,
-            "next": self.next_command(),
-            "environment": self.environment,
-        }
-
-    def next_command(self) -> str:
-        r"""Both sides traced: the bisect to run; only this one: how to trace the other side first."""
-        import shlex
-
-        if self.other is not None:
-            mine, theirs = self.directory, self.other
-            ref, port = (mine, theirs) if self.side == "reference" else (theirs, mine)
-            return shlex.join(["paritykit", "bisect", "--traces", ref, port, self.spec])
-        other = "port" if self.side == "reference" else "reference"
-        return shlex.join(["paritykit", "trace", self.spec, "--side", other, "--out", f"{other}_trace"])
-
-    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        head = (
-            f"traced the {self.side}: {self.calls} calls of {self.modules} modules, {self.tensors} tensors and "
-            f"{self.weights} weights written to {self.directory}"
-        )
-        if self.other is not None:
-            found = f"the {_other_side(self.side)} is traced in {self.other}"
-            return f"{head}\n{found}; next: {self.next_command()}"
-        return (
-            f"{head}\nnext: trace the {_other_side(self.side)} (in its own environment if need be): "
-            f"{self.next_command()}\nthen `paritykit bisect --traces REF_DIR PORT_DIR {self.spec}`"
-        )
-
-
-def _other_side(side: str) -> str:
-    return "port" if side == "reference" else "reference"
-
-
-def _other_side_trace(out: Any, side: str, spec: Any) -> str | None:
-    r"""A folder beside ``out`` holding a trace of the other side of the same spec (by file name), if any."""
-    import json
-    from pathlib import Path
-
-    from paritykit.trace import MANIFEST
-
-    out = Path(out)
-    for folder in sorted(p for p in out.resolve().parent.iterdir() if p.is_dir() and p != out.resolve()):
-        try:
-            about = json.loads((folder / MANIFEST).read_text()).get("about") or {}
-        except (OSError, ValueError, AttributeError):
-            continue
-        if about.get("side") == _other_side(side) and Path(str(about.get("spec"))).name == Path(spec).name:
-            return str(out.parent / folder.name)
-    return None
-
-
-def trace_spec(
-    spec_path: Any,
-    *,
-    side: str,
-    out: Any,
-    device: str | None = None,
-    levels: str = "full",
-    inside: str | None = None,
-) -> TraceSummary:
-    r"""What ``paritykit trace`` runs: build one side from the spec, capture it into ``out`` (tensors,
-    manifest, and the model's weights so the other environment can align by value). ``levels="blocks"``
-    records the top-level blocks only; ``inside=BLOCK`` records that block and one level inside it
-    (:func:`paritykit.zoom.trace_patterns`)."""
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import save_file
-
-    from paritykit.trace import MANIFEST, WEIGHTS_FILE, capture
-
-    if side not in ("reference", "port"):
-        raise ParityKitError(f"--side {side!r}: expected 'reference' or 'port'")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
-        raise ParityKitError(f"--out {str(out)!r}: exists and is not an empty folder or an earlier trace")
-    spec = load_spec(spec_path)
-    model = spec.build(side, device)
-    args, kwargs = spec.inputs(side, device)
-    from paritykit.zoom import trace_about, trace_patterns, write_fingerprints
-
-    patterns = trace_patterns(model, levels, inside)
-    about = trace_about(side, spec_path, out, device, levels, inside)
-    with torch.no_grad():
-        with capture(model, modules=patterns, to_dir=out, about=about) as trace:
-            _run_forward(spec, model, side, args, kwargs)
-    from paritykit.trace import ModelWeights
-
-    # offloaded weights are read from their offload (ModelWeights), not from their meta placeholders
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in ModelWeights(model).items()}
-    save_file(weights, str(out / WEIGHTS_FILE))
-    write_fingerprints(model, out)
-    info = trace.summary()
-    return TraceSummary(
-        side,
-        str(out),
-        info["calls"],
-        info["modules"],
-        info["tensors"],
-        len(weights),
-        environment_stamp(device=device or "cpu", spec=str(spec_path)),
-        spec=str(spec_path),
-        other=_other_side_trace(out, side, spec_path),
+        with capture(reference) as ref_trace:
+            call(reference, *ref_call)
+        with capture(port) as port_trace:
+            call(port, *port_call)
+    return bisect_traces(
+        ref_trace, port_trace, reference=reference, port=port, all_culprits=all_culprits, **search
     )

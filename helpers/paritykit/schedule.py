@@ -116,7 +116,7 @@ def _from_mapping(data: dict[str, Any], source: str) -> Schedule:
 
 
 def _from_spec(path: Path) -> Schedule:
-    from paritykit.bisect import call_user, load_spec
+    from paritykit.spec import call_user, load_spec
 
     spec = load_spec(path)
     module = spec.module
@@ -1046,7 +1046,7 @@ def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, 
     ``record_loop`` folder's ``step_{i}`` sample/output)."""
     import torch
 
-    from paritykit.bisect import call_user
+    from paritykit.spec import call_user
 
     spec = ref.spec
     if source is not True and isinstance(source, (str, Path)) and Path(source).suffix == ".py":
