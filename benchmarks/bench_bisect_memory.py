@@ -92,7 +92,7 @@ def child(mode: str, blocks: int) -> dict:
             out["captured_bytes"] = trace.summary()["bytes_in_memory"]
             out["calls"] = len(trace)
         else:
-            from paritykit.bisect import bisect
+            from paritykit.search import bisect
 
             report = bisect(reference, port, ((), inputs), levels=mode)
             out["culprit"] = report.culprit.reference if report.culprit else None

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 import torch
-from paritykit.bisect import bisect, bisect_traces, first_divergence, remix_hint
 from paritykit.errors import ParityKitError
 from paritykit.report import to_json
+from paritykit.search import bisect, bisect_traces, first_divergence, remix_hint
 from paritykit.trace import Trace, capture
 
 from tests.bisect_pairs import conv_pair, dit_pair, time_pair
@@ -167,7 +167,7 @@ def test_replay_from_trace_folders_with_the_port_model(tmp_path):
 
 def test_jump_ratio_separates_made_errors_from_inherited_ones(tmp_path):
     from paritykit.align import align_modules
-    from paritykit.bisect import _Bisector
+    from paritykit.search import _Bisector
 
     reference, port, rt, pt = _trace_dirs(tmp_path, "dit", "eps")
     report = bisect_traces(rt, pt, reference=reference, port=None)
@@ -278,7 +278,7 @@ def test_cli_exit_codes_and_json_in_a_real_process(tmp_path, cli):
     assert result.returncode == 2
     assert "build_port() in BROKEN.py raised RuntimeError: cannot build the port" in result.stderr
     assert "BROKEN.py" in result.stderr and "helper" in result.stderr
-    assert "paritykit/bisect.py" not in result.stderr
+    assert "paritykit/search.py" not in result.stderr
 
 
 def test_cli_match_and_bad_specs(tmp_path):

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from paritykit import evidence as E
-from paritykit.bisect import bisect
 from paritykit.report import to_json
+from paritykit.search import bisect
 from torch import nn
 
 from tests.evidence_pairs import mha_pair, rope_pair, vit_pair

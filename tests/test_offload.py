@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paritykit.bisect import bisect
+from paritykit.search import bisect
 from paritykit.trace import ModelWeights, capture
 from paritykit.zoom import use_zoom
 

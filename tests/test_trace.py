@@ -314,7 +314,7 @@ def test_zoom_request_must_match_the_folders(tmp_path, monkeypatch):
 
 
 def test_comparing_loaded_traces_keeps_no_tensor_in_memory(tmp_path):
-    from paritykit.bisect import bisect_traces
+    from paritykit.search import bisect_traces
 
     reference, port, (args, kwargs) = dit_pair("gelu")
     with torch.no_grad(), capture(reference, to_dir=tmp_path / "r"):

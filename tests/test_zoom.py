@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paritykit.bisect import bisect
 from paritykit.errors import ParityKitError
+from paritykit.search import bisect
 from paritykit.trace import capture
 from paritykit.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
 from torch import nn

@@ -1,6 +1,6 @@
 r"""Evidence at a culprit: why two aligned modules differ, each cause checked and, where possible, verified.
 
-:mod:`paritykit.bisect` finds *where* a port parts from its reference; this module says *why*, from the two
+:mod:`paritykit.search` finds *where* a port parts from its reference; this module says *why*, from the two
 module objects and the inputs and outputs captured at that call. One small function per kind of evidence, each
 taking a :class:`Culprit` and returning :class:`~paritykit.diagnose.Hint` s that state their evidence:
 

@@ -135,7 +135,7 @@ def _build(module: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _first_tensor(value: Any) -> Any:
-    from paritykit.bisect import flatten_tensors
+    from paritykit.search import flatten_tensors
 
     leaves = flatten_tensors(value)
     return leaves[0][1] if leaves else None
@@ -231,7 +231,7 @@ class InlineInput:
 
 def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
     """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
-    from paritykit.bisect import _pair_leaves
+    from paritykit.search import _pair_leaves
 
     untested = []
     for child in searcher.frontier(call):
@@ -392,7 +392,7 @@ def _verify(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) ->
 
     import torch
 
-    from paritykit.bisect import _module_device, _pair_leaves, flatten_tensors
+    from paritykit.search import _module_device, _pair_leaves, flatten_tensors
 
     owner = port_call.module if port_call is not None else ""
     module = searcher.port_modules.get(owner)
@@ -529,7 +529,7 @@ def _fit_by_replay(
     searcher: Any, call: Any, port_call: Any, module: Any, record: Any, feeds: dict[str, str]
 ) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
     """The fewest constructor changes of ``module`` that make the culprit's replay match, or ``None``."""
-    from paritykit.bisect import flatten_tensors
+    from paritykit.search import flatten_tensors
 
     read = constructor_values(module)
     if read is None:
@@ -640,7 +640,7 @@ def _replay_with(
     extra inputs it feeds; compared with the reference's captured outputs."""
     import torch
 
-    from paritykit.bisect import _module_device, flatten_tensors
+    from paritykit.search import _module_device, flatten_tensors
 
     produced = dict(flatten_tensors(_call(candidate, inputs)))
     if any(k not in produced for k in feeds):

@@ -3,7 +3,7 @@ r"""``SPEC.py`` files: what ``paritykit bisect SPEC.py`` and ``paritykit trace S
 A spec builds both sides (``build_reference``, ``build_port``), makes their inputs (``make_inputs``, optional
 ``port_inputs``) and may pick the compared output (``select_output``), rename modules (``NAME_MAP``) and set
 ``TOLERANCE``. Every call into it is guarded by :func:`call_user`, so a user's exception is one line plus the
-user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.bisect`.
+user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.search`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.bisect import BisectReport, _split_inputs, _to_device, bisect_traces, run_and_search
 from paritykit.errors import ParityKitError
 from paritykit.report import DEFAULT_LIMIT, environment_stamp
+from paritykit.search import BisectReport, _split_inputs, _to_device, bisect_traces, run_and_search
 
 SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
 

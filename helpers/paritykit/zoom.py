@@ -5,7 +5,7 @@ is tens of gigabytes. The zoom keeps one level at a time:
 
 1. both models run once, capturing only the top-level blocks (the children of the root; the items of a
    ``ModuleList``/``ModuleDict`` count as blocks themselves, since a list is never called);
-2. the usual tests (:class:`paritykit.bisect._Bisector`: replay, else error jump) run on those blocks and the
+2. the usual tests (:class:`paritykit.search._Bisector`: replay, else error jump) run on those blocks and the
    first aligned block that fails is taken;
 3. that block alone is run again on each side from the inputs its level captured (the reference block on the
    reference's captured inputs, the port block on the port's own captured inputs, exactly what a full capture
@@ -13,7 +13,7 @@ is tens of gigabytes. The zoom keeps one level at a time:
 
 It stops at a block with no children, or at a block whose children all pass (``inline``). Peak memory is the
 outputs of one level plus the tensors of the one block being entered. The result is an ordinary
-:class:`paritykit.bisect.BisectReport`; its ``first_output_divergence`` is looked for among the top-level
+:class:`paritykit.search.BisectReport`; its ``first_output_divergence`` is looked for among the top-level
 blocks only, and ``tested`` lists what was tested on the way down.
 """
 
@@ -120,7 +120,7 @@ class _Zoom:
         return self.alignment
 
     def level(self, ref_trace: Any, port_trace: Any, root: Any) -> _Level:
-        from paritykit.bisect import _Bisector
+        from paritykit.search import _Bisector
 
         found = align_modules(*_weights_for_alignment(self, ref_trace, port_trace), rules=self.rules)
         searcher = _Bisector(
@@ -218,7 +218,7 @@ class _Zoom:
 def _outputs_differ(searcher: Any, call: Any) -> bool:
     import torch
 
-    from paritykit.bisect import _pair_leaves
+    from paritykit.search import _pair_leaves
 
     port_call = searcher.port_record(call)
     if port_call is None:
@@ -248,7 +248,7 @@ def _rerun(model: Any, call: Any) -> Any:
     the block's record is renamed to ``call``'s name and place so the levels join up."""
     import torch
 
-    from paritykit.bisect import _module_device, _to_device
+    from paritykit.search import _module_device, _to_device
     from paritykit.trace import capture
 
     module = model.get_submodule(call.module)
@@ -292,13 +292,13 @@ def zoom_bisect(
     run: Callable | None = None,
     allow_masked: bool = False,
 ) -> Any:
-    r""":func:`paritykit.bisect.bisect` by levels: same tests, same :class:`~paritykit.bisect.BisectReport`,
+    r""":func:`paritykit.search.bisect` by levels: same tests, same :class:`~paritykit.search.BisectReport`,
     peak memory of one level instead of every module.
 
     Args:
         reference, port: the two ``nn.Module`` (eval mode).
         ref_inputs, port_inputs: ``(args, kwargs)`` for each side.
-        rules, select_output, atol, rtol, ratio, ops, environment: as in :func:`paritykit.bisect.bisect`.
+        rules, select_output, atol, rtol, ratio, ops, environment: as in :func:`paritykit.search.bisect`.
         run: ``run(model, args, kwargs)`` in place of the plain top-level call.
         allow_masked: accept the ``masked`` verdict (a block failing on identical inputs while the final
             output matches). The zoom looks for it on the way down from the top-level blocks, then inside
@@ -306,12 +306,14 @@ def zoom_bisect(
             ``MAX_MASKED_CHECKS`` calls tested), where a full capture checks every differing call.
 
     Returns:
-        A :class:`~paritykit.bisect.BisectReport`; its environment records ``levels: zoom`` and the blocks
+        A :class:`~paritykit.search.BisectReport`; its environment records ``levels: zoom`` and the blocks
         entered.
     """
     import torch
 
-    from paritykit.bisect import (
+    from paritykit.compare import compare_tensors
+    from paritykit.report import environment_stamp
+    from paritykit.search import (
         MAX_MASKED_CHECKS,
         BisectReport,
         _finding,
@@ -319,8 +321,6 @@ def zoom_bisect(
         _select,
         first_divergence,
     )
-    from paritykit.compare import compare_tensors
-    from paritykit.report import environment_stamp
 
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)

@@ -28,7 +28,7 @@ def build(case: Case, variant: str, bug: str | None = ...) -> BuiltPair:
 
 def all_culprits_argument() -> str | None:
     r"""The keyword of :func:`paritykit.bisect` that asks for every culprit (``--all``), if it has one."""
-    from paritykit.bisect import bisect
+    from paritykit.search import bisect
 
     params = inspect.signature(bisect).parameters
     return next((n for n in ("all", "all_culprits", "find_all", "every") if n in params), None)
@@ -118,8 +118,9 @@ def _conversion(case: Case, pair: BuiltPair, variant: str) -> tuple[str | None, 
 
 
 def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
-    # not ``paritykit.bisect``: once any test imports the submodule paritykit.bisect, that name is the module
-    from paritykit.bisect import bisect
+    import paritykit
+
+    bisect = paritykit.bisect  # the public function: no submodule of that name shadows it
 
     pair = build(case, variant)
     kwargs: dict[str, Any] = {}

@@ -116,7 +116,6 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     import yaml
     from safetensors.torch import save_file
 
-    from paritykit.bisect import bisect
     from paritykit.checkpoints import Checkpoint, save_checkpoints
     from paritykit.compare import compare_paths
     from paritykit.configs import config_diff
@@ -124,6 +123,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     from paritykit.demo.pipeline import make_hint, make_pipeline
     from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
     from paritykit.demo.specs import build_port_model, make_inputs, select_output
+    from paritykit.search import bisect
     from paritykit.visual import compare_images, step_curve
 
     result = DemoResult(out)
