@@ -24,7 +24,7 @@ keeps in a module it does not pair with them (positions added inline by the refe
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +172,7 @@ class _Side:
     types: dict[str, str]
     params: dict[str, dict[str, list[int]]]
     out_shapes: dict[str, tuple | None]
-    state_dict: dict[str, Any] | None
+    state_dict: Mapping[str, Any] | None
 
     @property
     def position(self) -> dict[str, int]:
@@ -208,8 +208,9 @@ def _side(model: Any, trace: Any) -> _Side:
         from paritykit.trace import ModelWeights
 
         weights = ModelWeights(model)
-        # weights offloaded by accelerate sit on "meta" in state_dict(): read them through the hooks
-        state_dict = {k: weights[k] for k in weights} if weights.offloaded else dict(model.state_dict())
+        # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
+        # tensor per access, and never all at once (the mapping stays lazy)
+        state_dict = weights if weights.offloaded else dict(model.state_dict())
     elif trace is not None:
         state_dict = trace.weights()
     types = {name: info.type for name, info in table.items()}
@@ -289,10 +290,10 @@ class _Builder:
         port_sd = _restrict(self.port.state_dict, self.free_port())
         if not ref_sd or not port_sd:
             return
-        from paritykit.convert import infer_conversion_map, match_modules
+        from paritykit.convert import match_modules
 
         # Only what is still unaligned takes part: value matching is the expensive pass.
-        cmap = infer_conversion_map(ref_sd, port_sd)
+        cmap, ref_sd, port_sd = _infer(ref_sd, port_sd)
         self.cmap = cmap
         ambiguous = {a.target for a in cmap.ambiguous}
         informative = {t for t in sources_of_all(cmap) if t not in ambiguous and _informative(port_sd.get(t))}
@@ -542,12 +543,34 @@ def _output_layouts(mapping: Sequence[Any]) -> dict[str, str]:
     return out
 
 
-def _restrict(state_dict: dict[str, Any], modules: list[str]) -> dict[str, Any]:
-    """The entries of ``state_dict`` under any of ``modules`` (all of them when the top level is among them)."""
+def _restrict(state_dict: Mapping[str, Any], modules: list[str]) -> Mapping[str, Any]:
+    """The entries of ``state_dict`` under any of ``modules`` (all of them when the top level is among them);
+    a lazy mapping (offloaded weights) stays lazy: nothing is read here."""
     if "" in modules:
         return state_dict
     prefixes = tuple(m + "." for m in modules)
+    if not isinstance(state_dict, dict):
+        from paritykit.bounded_weights import Subset
+
+        return Subset(state_dict, [k for k in state_dict if k.startswith(prefixes)])
     return {k: v for k, v in state_dict.items() if k.startswith(prefixes)}
+
+
+def _infer(ref_sd: Mapping[str, Any], port_sd: Mapping[str, Any]) -> tuple[Any, dict, dict]:
+    """The conversion map of the two sides and the dicts it was inferred from. Weights read on access
+    (offloaded) are compacted first, so unique equal pairs never sit in memory together
+    (:mod:`paritykit.bounded_weights`)."""
+    from paritykit.convert import infer_conversion_map
+
+    if isinstance(ref_sd, dict) and isinstance(port_sd, dict):
+        return infer_conversion_map(ref_sd, port_sd), ref_sd, port_sd
+    from paritykit.bounded_weights import compact_pair, restore_for
+
+    src, tgt, stood_in = compact_pair(ref_sd, port_sd)
+    cmap = infer_conversion_map(src, tgt)
+    if restore_for(cmap, ref_sd, port_sd, src, tgt, stood_in):
+        cmap = infer_conversion_map(src, tgt)
+    return cmap, src, tgt
 
 
 def _under(module: str, keys: list[str]) -> set[str]:
