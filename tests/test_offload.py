@@ -184,3 +184,43 @@ def test_offloaded_alignment_memory_stays_below_the_weights(tmp_path):
     assert any(how == "weights" for _, _, how in offloaded["pairs"])
     assert offloaded["weight_bytes"] > 400e6
     assert offloaded["growth_bytes"] < 0.5 * offloaded["weight_bytes"], offloaded["growth_bytes"]
+
+
+def _cmap_view(cmap):
+    return sorted((e.target, tuple(e.sources), e.op, repr(e.args)) for e in cmap.mapping), sorted(
+        a.target for a in cmap.ambiguous
+    )
+
+
+def _compacted(source, target):
+    from paritykit.bounded_weights import compact_pair, restore_for
+    from paritykit.convert import infer_conversion_map
+
+    src, tgt, stood_in = compact_pair(source, target)
+    cmap = infer_conversion_map(src, tgt)
+    restored = restore_for(cmap, source, target, src, tgt, stood_in)
+    return (infer_conversion_map(src, tgt) if restored else cmap), stood_in, restored
+
+
+def test_compacted_weights_give_the_same_conversion_map():
+    from paritykit.convert import infer_conversion_map
+
+    reference, port, _ = dit_pair(None)
+    source, target = reference.state_dict(), port.state_dict()
+    cmap, stood_in, restored = _compacted(source, target)
+    assert stood_in and not restored  # most tensors never needed their values
+    assert _cmap_view(cmap) == _cmap_view(infer_conversion_map(source, target))
+
+
+def test_a_stand_in_hiding_a_concatenation_is_restored():
+    # "a" equals "x" uniquely, and "ab" is a and b concatenated: standing in for a would hide that
+    from paritykit.convert import infer_conversion_map
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    source = {"one.a": a, "one.b": b}
+    target = {"two.x": a.clone(), "two.ab": torch.cat([a, b])}
+    cmap, stood_in, restored = _compacted(source, target)
+    assert restored and not stood_in
+    assert _cmap_view(cmap) == _cmap_view(infer_conversion_map(source, target))
+    assert not cmap.unmapped_target
