@@ -224,3 +224,21 @@ def test_a_stand_in_hiding_a_concatenation_is_restored():
     assert restored and not stood_in
     assert _cmap_view(cmap) == _cmap_view(infer_conversion_map(source, target))
     assert not cmap.unmapped_target
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_trace_weights_file_is_written_one_tensor_at_a_time_and_loads_back(tmp_path, offloaded):
+    from paritykit.trace import write_weights
+    from safetensors.torch import load_file
+
+    reference, _, _ = dit_pair(None)
+    reference.register_buffer("steps", torch.arange(5))  # an integer buffer goes through as well
+    reference.half_scale = torch.nn.Parameter(torch.randn(3, 2).to(torch.bfloat16), requires_grad=False)
+    expected = {k: v.clone() for k, v in reference.state_dict().items()}
+    if offloaded:
+        _offload("disk_offload", reference, tmp_path / "offload")
+    n = write_weights(reference, tmp_path / "weights.safetensors")
+    loaded = load_file(str(tmp_path / "weights.safetensors"))
+    assert n == len(expected) and set(loaded) == set(expected)
+    for name, value in expected.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value), name

@@ -324,7 +324,6 @@ def trace_spec(
     from pathlib import Path
 
     import torch
-    from safetensors.torch import save_file
 
     from paritykit.trace import MANIFEST, WEIGHTS_FILE, capture
 
@@ -343,11 +342,10 @@ def trace_spec(
     with torch.no_grad():
         with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
-    from paritykit.trace import ModelWeights
+    from paritykit.trace import write_weights
 
-    # offloaded weights are read from their offload (ModelWeights), not from their meta placeholders
-    weights = {k: v.detach().cpu().contiguous().clone() for k, v in ModelWeights(model).items()}
-    save_file(weights, str(out / WEIGHTS_FILE))
+    # one tensor at a time; offloaded weights are read from their offload, not their meta placeholders
+    n_weights = write_weights(model, out / WEIGHTS_FILE)
     write_fingerprints(model, out)
     info = trace.summary()
     return TraceSummary(
@@ -356,7 +354,7 @@ def trace_spec(
         info["calls"],
         info["modules"],
         info["tensors"],
-        len(weights),
+        n_weights,
         environment_stamp(device=device or "cpu", spec=str(spec_path)),
         spec=str(spec_path),
         other=_other_side_trace(out, side, spec_path),

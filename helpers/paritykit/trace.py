@@ -715,6 +715,58 @@ class ModelWeights(Mapping):
         return any(t.device.type == "meta" for t in self._entries.values())
 
 
+# safetensors' names of torch dtypes
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def write_weights(model: Any, path: str | Path) -> int:
+    r"""Write ``model``'s state dict to one safetensors file, one tensor at a time: offloaded weights are read
+    from their offload (:class:`ModelWeights`) and dropped once written, so memory holds one tensor, not the
+    model. The header comes first from shapes and dtypes, which the ``meta`` placeholders know. Returns the
+    number of tensors written."""
+    import struct
+
+    import torch
+
+    weights = ModelWeights(model)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in weights:
+        entry = weights._entries[name]
+        dtype = str(entry.dtype).removeprefix("torch.")
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ParityKitError(f"weight {name!r}: dtype {dtype} cannot be written to safetensors")
+        size = entry.numel() * entry.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in weights:
+            tensor = weights[name].detach().cpu().contiguous()
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            del tensor
+    return len(header)
+
+
 def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
     r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time
     (offloaded weights too, through :class:`ModelWeights`), so the other machine can tell whether both sides
