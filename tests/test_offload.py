@@ -170,10 +170,10 @@ def test_offloaded_alignment_memory_stays_below_the_weights(tmp_path):
     peak RSS by less than 50% of the weights' bytes; it measured ~50 MB. The bisect must not change because the
     weights are offloaded: same culprit and the same aligned pairs as the zoom on the in-memory models.
 
-    glibc's mmap threshold is fixed at 1 MiB in the child (``MALLOC_MMAP_THRESHOLD_``): with its default
-    dynamic threshold each freed 16 MiB tensor raises the threshold and later tensors come from a heap glibc
-    does not give back, so RSS counts freed memory (measured 1.2 GB of growth for 806 MB of weights, RSS
-    staying there after the run), which is not what is held at once."""
+    glibc's mmap threshold is fixed at 1 MiB in the child (``MALLOC_MMAP_THRESHOLD_``) so that RSS measures
+    what is held, not what glibc keeps after it was freed: with its default dynamic threshold, freed 16 MiB
+    tensors can stay in a heap glibc does not give back (measured once with 24 layers: 1.2 GB of growth for
+    806 MB of weights, RSS staying there after the run; with the fixed threshold RSS returned to its start)."""
     _child("prepare", tmp_path, {})
     in_memory = json.loads((tmp_path / "in_memory.json").read_text())
     offloaded = json.loads(
