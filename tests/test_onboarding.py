@@ -8,27 +8,17 @@ import shlex
 import subprocess
 import sys
 
+from tests._scaffold_fixtures.scaffold_parts import COND_UNET_CONFIG
 from tests.conftest import REPO
 
 README = REPO / "README.md"
 
-REFERENCE_MODULE = '''"""A stand-in for a research repository: its model builder, a tiny conditional UNet."""
+REFERENCE_MODULE = f'''"""A stand-in for a research repository: its model builder, a tiny conditional UNet."""
 
 import torch
 from diffusers import UNet2DConditionModel
 
-CONFIG = {
-    "sample_size": 8,
-    "in_channels": 4,
-    "out_channels": 4,
-    "layers_per_block": 1,
-    "block_out_channels": (8, 16),
-    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
-    "cross_attention_dim": 16,
-    "attention_head_dim": 2,
-    "norm_num_groups": 4,
-}
+CONFIG = {COND_UNET_CONFIG!r}
 
 
 def build():
