@@ -132,3 +132,18 @@ def test_every_printed_command_runs_and_prints_exactly_what_the_demo_shows_under
         if argv[:2] == ["weights", "map"]:  # its timing line carries the seconds it took
             actual, shown = (re.sub(r"\(\d+\.\d+ s\)", "(… s)", text) for text in (actual, shown))
         assert shown == actual, f"paritykit {' '.join(argv)}:\n--- demo\n{shown}\n--- command\n{actual}"
+
+
+def test_readme_demo_excerpt_is_what_the_demo_prints(demo_dir):
+    r"""The README quotes the bisect step of ``make demo``: every quoted line is a line the demo printed."""
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    excerpt = readme.split("[3/6] Find the culprit module", 1)[1].split("```", 1)[0]
+    quoted = [line.strip() for line in excerpt.splitlines() if line.strip()]
+    # the README shows `make demo`'s own folder; this run wrote to a temporary one
+    printed = {
+        line.strip().replace(str(demo_dir), "demo-output") for chunk in PRINTED for line in chunk.splitlines()
+    }
+    assert quoted, "the README no longer quotes the demo's bisect step"
+    assert [line for line in quoted if line not in printed] == []
