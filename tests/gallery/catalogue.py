@@ -245,6 +245,52 @@ CASES: tuple[Case, ...] = (
         conversion=True,
         planted="attn1.to_k.weight",
     ),
+    # ---- look-alikes: bugs whose signature resembles a known hint without being its cause
+    Case(
+        "clip-quick-gelu",
+        "clip",
+        "quick-gelu",
+        "reference CLIP uses quick_gelu (x * sigmoid(1.702 x)); the port keeps exact GELU",
+        (("mlp", "ff"),),
+        also=(("mlp.activation_fn", "ff.net.0"),),
+        hints=_hints("activation"),
+        # BasicTransformerBlock offers no quick-GELU setting: the port's activation code must change
+        cause="code",
+    ),
+    Case(
+        "clip-eps",
+        "clip",
+        "eps",
+        "port LayerNorm eps 1e-6, CLIP's layer_norm_eps 1e-5",
+        (("layer_norm1", "norm1"),),
+        hints=_hints("module-config", "norm-eps"),
+        cause="config",
+        fix="norm1.eps = 1e-05",
+        # fresh init (unit-scale LayerNorms, small attention logits): the block output moves by 3.9e-6 of a
+        # max 3.8, below float32 tolerance, so "match" is the right answer there (distinct: 1.8e-5, visible)
+        invisible_when_fresh=True,
+    ),
+    Case(
+        "mha-out-scale",
+        "mha",
+        "out-scale",
+        "port forward code multiplies the attention out-projection by 1.01 (no setting or weight explains it)",
+        (("attn", "attn1"),),
+        also=(("attn.out_proj", "attn1.to_out.0"),),
+        # a constant factor is the true observation; any config, weights or cast claim is false
+        hints=_hints("constant-scale"),
+        cause="code",
+    ),
+    Case(
+        "vae-attention-scale",
+        "vae",
+        "attention-scale",
+        "port decoder mid attention scaled by 1/sqrt(32) (the base width) instead of 1/sqrt(64)",
+        (("decoder.mid.attn_1", "decoder.mid_block.attentions.0"),),
+        hints=_hints("attention-scale", "module-config"),
+        cause="config",
+        fix="decoder.mid_block.attentions.0.scale = 0.125",
+    ),
 )
 
 BY_ID = {c.id: c for c in CASES}

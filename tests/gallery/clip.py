@@ -28,12 +28,12 @@ RENAMES = {
 }
 
 
-def make_reference() -> CLIPEncoderLayer:
+def make_reference(act: str = "gelu") -> CLIPEncoderLayer:
     config = CLIPVisionConfig(
         hidden_size=DIM,
         intermediate_size=HIDDEN,
         num_attention_heads=HEADS,
-        hidden_act="gelu",
+        hidden_act=act,
         attention_dropout=0.0,
     )
     config._attn_implementation = "eager"  # explicit softmax(QK^T)V; the port uses SDPA
@@ -61,9 +61,11 @@ def port_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def build(variant: str, bug: str | None = None) -> BuiltPair:
-    r"""The pair with ``bug`` planted: None, ``swap-kv``, ``swap-kv+gelu-tanh``."""
+    r"""The pair with ``bug`` planted: None, ``swap-kv``, ``swap-kv+gelu-tanh``, ``quick-gelu`` (the reference
+    is an OpenAI CLIP with quick_gelu, the port keeps exact GELU), ``eps`` (port norm1 eps 1e-6, CLIP's 1e-5)."""
     bugs = set(bug.split("+")) if bug else set()
-    reference = with_weights(seeded(make_reference), variant)
+    act = "quick_gelu" if "quick-gelu" in bugs else "gelu"
+    reference = with_weights(seeded(lambda: make_reference(act)), variant)
     sd = {k: t.detach().clone() for k, t in reference.state_dict().items()}
     port = BasicTransformerBlock(
         DIM,
@@ -75,5 +77,7 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         ff_inner_dim=HIDDEN,
     )
     load_exactly(port, convert(sd, swap_kv="swap-kv" in bugs))
+    if "eps" in bugs:  # the first norm written with a common default, not CLIP's layer_norm_eps
+        port.norm1.eps = 1e-6
     target = {k: t.detach().clone() for k, t in port.state_dict().items()}
     return BuiltPair(reference, port, inputs(), sd, target, port_inputs=port_inputs)

@@ -89,7 +89,8 @@ def inputs() -> tuple[tuple, dict]:
 
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``eps``, ``gelu-tanh``, ``swap-qk``,
-    ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``."""
+    ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the attention
+    out-projection by 1.01: no setting or weight explains it)."""
     bugs = set(bug.split("+")) if bug else set()
     reference = with_weights(seeded(TorchBlock), variant)
     sd = {k: t.detach().clone() for k, t in reference.state_dict().items()}
@@ -107,6 +108,8 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         port.attn1.scale = DIM**-0.5
     if "bf16-norm" in bugs:
         compute_in_bf16(port.norm3)
+    if "out-scale" in bugs:  # a stray factor in the port's forward code, after the out-projection
+        port.attn1.to_out[0].register_forward_hook(lambda _m, _a, out: out * 1.01)
     return BuiltPair(
         reference, port, inputs(), sd, {k: t.detach().clone() for k, t in port.state_dict().items()}
     )

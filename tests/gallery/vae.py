@@ -82,7 +82,8 @@ def select_output(side: str, output) -> torch.Tensor:
 
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``num-groups``, ``affine-off``,
-    ``transposed-1x1``, ``bf16-attention``, or several joined by ``+``."""
+    ``transposed-1x1``, ``bf16-attention``, ``attention-scale`` (decoder mid attention scaled by 1/sqrt of the
+    base width 32, not its own 64 channels), or several joined by ``+``."""
     bugs = set(bug.split("+")) if bug else set()
     with contextlib.redirect_stdout(io.StringIO()):  # taming prints the latent shape on construction
         reference = with_weights(seeded(LDMAutoencoder), variant)
@@ -105,6 +106,10 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         port.encoder.conv_norm_out = nn.GroupNorm(old.num_groups, old.num_channels, eps=old.eps, affine=False)
     if "bf16-attention" in bugs:
         compute_in_bf16(port.encoder.mid_block.attentions[0])
+    if "attention-scale" in bugs:  # softmax scale from the wrong width (explicit attention reads attn.scale)
+        attn = port.decoder.mid_block.attentions[0]
+        attn.set_processor(AttnProcessor())
+        attn.scale = DDCONFIG["ch"] ** -0.5
     port.eval()
     target = {k: t.detach().clone() for k, t in port.state_dict().items()}
     return BuiltPair(reference, port, inputs(), sd, target, select_output)
