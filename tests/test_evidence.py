@@ -451,3 +451,32 @@ def test_no_signature_names_a_layout_it_could_not_rule_out():
     (hint,) = E.culprit_evidence(c)
     assert hint.id == "no-signature" and "layout op (weight (transpose 0,1))" in hint.message
     assert "weights are identical" not in hint.message
+
+
+def _mlp(act: nn.Module) -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(8, 16), act, nn.Linear(16, 8)).eval()
+
+
+def test_inner_activation_names_the_reference_and_port_functions_inside_an_mlp():
+    from transformers.activations import QuickGELUActivation
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
+    (hint,) = E.inner_activation(_culprit(_mlp(QuickGELUActivation()), _mlp(nn.GELU()), x))
+    assert (hint.evidence["reference"], hint.evidence["port"]) == (["quick-GELU"], ["exact GELU"])
+    assert hint.evidence["port_module"] == "layers.0.norm.1" and hint.verified is None
+
+
+def test_inner_activation_must_not_fire_without_a_different_function_of_the_same_input():
+    from transformers.activations import QuickGELUActivation
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
+    # the same function on both sides
+    assert E.inner_activation(_culprit(_mlp(nn.GELU()), _mlp(nn.GELU()), x)) == []
+    # a different first projection: the port never sees the reference activation's input
+    port = _mlp(nn.GELU())
+    with torch.no_grad():
+        port[0].weight.mul_(1.1)
+    assert E.inner_activation(_culprit(_mlp(QuickGELUActivation()), port, x)) == []
+    # a parameterless culprit belongs to E.activation
+    assert E.inner_activation(_culprit(nn.GELU(), nn.SiLU(), x)) == []

@@ -1257,8 +1257,10 @@ def _with_inline(
     if not seen & {"inline-reference", "module-fit"}:
         # only where the difference shows (inside the culprit's own forward): the causes found so far lead
         return [*hints, *(h for h in extra if h.id not in {g.id for g in hints})]
-    # "the forward code differs" no longer stands once the difference is traced to a port module
-    return [*extra, *(h for h in hints if h.id != "no-signature" and h.id not in seen)]
+    # "the forward code differs" no longer stands once the difference is traced to a port module; a cause
+    # named at the culprit (an activation refitted inside it) leads an unverified locating hint
+    causes = [h for h in hints if h.id != "no-signature" and h.id not in seen]
+    return [*(h for h in extra if h.verified), *causes, *(h for h in extra if not h.verified)]
 
 
 # ------------------------------------------------------------------------------------- every culprit (--all)
