@@ -93,7 +93,8 @@ def main() -> None:
         "paritykit diagnosis benchmark: the real-ports gallery (tests/gallery), "
         f"{len(CASES)} cases ({n_bug} planted bugs, {len(CASES) - n_bug} clean ports) x {len(VARIANTS)} weight "
         f"variants ({', '.join(VARIANTS)}); 1 torch thread, {platform.machine()}, torch {torch.__version__}",
-        "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros) counts as clean.",
+        "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros, a zero bias added"
+        " twice) or leave below float tolerance (CLIP eps 1e-5 vs 1e-6) counts as clean.",
         "False hint: any hint on a clean port, a cause other than the true one, 'no known signature ... the forward",
         "code differs' where the cause is a weight slip or a config value, or a fix verified at a module that is not",
         "a culprit. Verified fix: a hint with verified=true at a true culprit, of a true kind.",

@@ -282,6 +282,18 @@ CASES: tuple[Case, ...] = (
         cause="code",
     ),
     Case(
+        "mha-bias-twice",
+        "mha",
+        "bias-twice",
+        "port forward code adds the attention out-projection bias a second time",
+        (("attn", "attn1"),),
+        also=(("attn.out_proj", "attn1.to_out.0"),),
+        # a per-channel offset fits no known signature: "unknown, the forward code differs" is the true answer
+        hints=_hints("no-signature"),
+        cause="code",
+        invisible_when_fresh=True,  # nn.MultiheadAttention initialises the out-projection bias to zero
+    ),
+    Case(
         "vae-attention-scale",
         "vae",
         "attention-scale",

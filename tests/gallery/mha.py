@@ -90,7 +90,7 @@ def inputs() -> tuple[tuple, dict]:
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``eps``, ``gelu-tanh``, ``swap-qk``,
     ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the attention
-    out-projection by 1.01: no setting or weight explains it)."""
+    out-projection by 1.01: no setting or weight explains it), ``bias-twice`` (its bias added a second time)."""
     bugs = set(bug.split("+")) if bug else set()
     reference = with_weights(seeded(TorchBlock), variant)
     sd = {k: t.detach().clone() for k, t in reference.state_dict().items()}
@@ -110,6 +110,9 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         compute_in_bf16(port.norm3)
     if "out-scale" in bugs:  # a stray factor in the port's forward code, after the out-projection
         port.attn1.to_out[0].register_forward_hook(lambda _m, _a, out: out * 1.01)
+    if "bias-twice" in bugs:  # forward code adds the out-projection bias a second time
+        out_proj = port.attn1.to_out[0]
+        out_proj.register_forward_hook(lambda m, _a, out: out + m.bias)
     return BuiltPair(
         reference, port, inputs(), sd, {k: t.detach().clone() for k, t in port.state_dict().items()}
     )
