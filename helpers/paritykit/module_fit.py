@@ -298,9 +298,9 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
         message = (
-            f"{where}; the port computes that input in {names}, which the reference computes inline in its own "
-            "forward (evidence: the port module's captured output is exactly that input, and no reference "
-            "module is aligned with it)"
+            f"{where}; the port computes that input in {names}, which no reference module is aligned with: "
+            f"the reference computes it inside {call.name}, inline or in a submodule without a port counterpart "
+            "(evidence: the port module's captured output is exactly that input)"
         )
     elif found.untested:
         hint_id = "inline-input"
