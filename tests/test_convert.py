@@ -528,18 +528,21 @@ def test_real_flux_fresh_init_norms_are_ambiguous_but_rules_still_reproduce(tmp_
     assert modules["transformer_blocks.0.attn.to_q"] == ["double_blocks.0.img_attn.qkv"]
 
 
+TINY_VAE_CONFIG = dict(
+    block_out_channels=(8, 16, 16),
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    latent_channels=4,
+    norm_num_groups=4,
+    layers_per_block=1,
+)
+
+
 def _tiny_vae(randomise=True):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(
-        block_out_channels=(8, 16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        latent_channels=4,
-        norm_num_groups=4,
-        layers_per_block=1,
-    )
+    vae = AutoencoderKL(**TINY_VAE_CONFIG)
     sd = vae.state_dict()
     return {k: torch.randn_like(v) for k, v in sd.items()} if randomise else sd
 

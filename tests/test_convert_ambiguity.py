@@ -16,7 +16,7 @@ import torch
 from paritykit.convert import apply_rules_to_state_dict, infer_conversion_map
 from paritykit.report import to_json
 
-from tests.test_convert import _ldm_name, _tiny_vae
+from tests.test_convert import TINY_VAE_CONFIG, _ldm_name, _tiny_vae
 
 L = 1  # layers per block of the tiny UNet
 _RESNET = {
@@ -122,20 +122,10 @@ def _vae_pair(randomise: bool):
         if ".attentions." in key and key.endswith("weight") and value.ndim == 2:
             value = value[:, :, None, None]
         source[_ldm_name(key)] = value
-    config = dict(AutoencoderKL(**_VAE_KW).config)
+    config = dict(AutoencoderKL(**TINY_VAE_CONFIG).config)
     target = convert_ldm_vae_checkpoint(dict(source), config)
     assert set(target) == set(sd) and all(torch.equal(target[k], sd[k]) for k in sd)
     return source, target, {k: _ldm_name(k) for k in target}
-
-
-_VAE_KW = dict(
-    block_out_channels=(8, 16, 16),
-    down_block_types=("DownEncoderBlock2D",) * 3,
-    up_block_types=("UpDecoderBlock2D",) * 3,
-    latent_channels=4,
-    norm_num_groups=4,
-    layers_per_block=1,
-)
 
 
 def _check_honest(cmap, truth):

@@ -1,13 +1,8 @@
-r"""Run one gallery case through paritykit and score the answer against the case's ground truth.
-
-The API of ``bisect`` is growing (verified fixes, ``--all``); this runner reads the new fields with
-``getattr`` so it scores whatever the installed paritykit offers and records what it does not.
-"""
+r"""Run one gallery case through paritykit and score the answer against the case's ground truth."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +19,6 @@ LOCATING_HINTS = frozenset({"inline-reference", "inline-input"})
 def build(case: Case, variant: str, bug: str | None = ...) -> BuiltPair:
     module = importlib.import_module(f"tests.gallery.{case.pair}")
     return module.build(variant, case.bug if bug is ... else bug)
-
-
-def all_culprits_argument() -> str | None:
-    r"""The keyword of :func:`paritykit.bisect` that asks for every culprit (``--all``), if it has one."""
-    from paritykit.search import bisect
-
-    params = inspect.signature(bisect).parameters
-    return next((n for n in ("all", "all_culprits", "find_all", "every") if n in params), None)
 
 
 @dataclass
@@ -59,15 +46,11 @@ class Outcome:
 
 
 def _pairs(report: Any) -> list[Pair]:
-    culprits = getattr(report, "culprits", None)
-    if culprits is None:
-        culprits = [report.culprit] if report.culprit is not None else []
-    return [(c.reference, c.port) for c in culprits]
+    return [(c.reference, c.port) for c in report.culprits]
 
 
 def _all_hints(report: Any) -> list[Any]:
-    culprits = getattr(report, "culprits", None) or ([report.culprit] if report.culprit else [])
-    hints = [h for c in culprits for h in c.hints]
+    hints = [h for c in report.culprits for h in c.hints]
     if report.first_output_divergence is not None:
         hints += list(report.first_output_divergence.hints)
     return hints
@@ -76,13 +59,12 @@ def _all_hints(report: Any) -> list[Any]:
 def _misplaced_fixes(report: Any, accepted: set[Pair]) -> list[str]:
     r"""Verified fixes at a module that is not a true culprit: applied to the real port they would break it
     (a GELU "fix" verified on the Dropout that follows the real activation applies GELU twice)."""
-    culprits = getattr(report, "culprits", None) or ([report.culprit] if report.culprit else [])
     return [
         f"{h.id} (fix verified at {c.port or '(top)'}, not a culprit)"
-        for c in culprits
+        for c in report.culprits
         if accepted and (c.reference, c.port) not in accepted
         for h in c.hints
-        if getattr(h, "verified", None) is True
+        if h.verified is True
     ]
 
 
@@ -123,10 +105,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
     bisect = paritykit.bisect  # the public function: no submodule of that name shadows it
 
     pair = build(case, variant)
-    kwargs: dict[str, Any] = {}
-    all_arg = all_culprits_argument() if use_all and len(case.culprits) > 1 else None
-    if all_arg:
-        kwargs[all_arg] = True
+    every = use_all and len(case.culprits) > 1
     started = time.perf_counter()
     report = bisect(
         pair.reference,
@@ -134,7 +113,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         pair.inputs,
         port_inputs=pair.port_inputs,
         select_output=pair.select_output,
-        **kwargs,
+        all_culprits=every,
     )
     conversion, conversion_ok = _conversion(case, pair, variant)
     seconds = time.perf_counter() - started
@@ -145,7 +124,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
     else:
         culprit_ok = report.verdict == "match" and not found
     all_ok = None
-    if all_arg and expected:
+    if every and expected:
         allowed = [{e, *case.also} for e in expected]
         all_ok = len(found) == len(expected) and all(f in ok for f, ok in zip(found, allowed))
     first = report.culprit.hints[0] if report.culprit is not None and report.culprit.hints else None
@@ -153,11 +132,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
     # a verified fix counts only at a true culprit: a fix verified on a misaligned module would break the port
     accepted = {*expected, *case.also}
     verified = [
-        h
-        for c in getattr(report, "culprits", None) or ([report.culprit] if report.culprit else [])
-        if (c.reference, c.port) in accepted
-        for h in c.hints
-        if getattr(h, "verified", None) is True
+        h for c in report.culprits if (c.reference, c.port) in accepted for h in c.hints if h.verified is True
     ]
     return Outcome(
         case=case.id,
@@ -171,7 +146,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         # a true first hint is the true cause stated at the true culprit
         first_hint_true=(culprit_ok and first is not None and first.id in case.hints) if expected else None,
         false_hints=[h.id for h in hints if is_false(h, case, variant)] + _misplaced_fixes(report, accepted),
-        fix=getattr(verified[0], "fix", None) if verified else None,
+        fix=verified[0].fix if verified else None,
         fix_verified=(bool(verified) and verified[0].id in case.hints) if case.fix and expected else None,
         conversion=conversion,
         conversion_ok=conversion_ok,
