@@ -222,7 +222,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @dataclass
-class ConfigDifference:
+class SettingDifference:
     r"""One setting that differs between two aligned modules: ``port.<attr>`` is ``port_value``."""
 
     reference: str
@@ -274,9 +274,9 @@ def _rope_theta(inv_freq: Any) -> float | None:
     return theta if torch.allclose(inv_freq, expected, rtol=1e-4) else None
 
 
-def config_diff(
+def settings_diff(
     reference: Any, port: Any, reference_name: str = "", port_name: str = ""
-) -> list[ConfigDifference]:
+) -> list[SettingDifference]:
     r"""Settings that differ between two modules: common configuration names, then same-named buffers, then
     parameters the reference has and the port lacks (``elementwise_affine=False``)."""
     import torch
@@ -286,7 +286,7 @@ def config_diff(
     for name in sorted(ref_cfg.keys() & port_cfg.keys()):
         (_, a), (attr, b) = ref_cfg[name], port_cfg[name]
         if not _same(a, b):
-            out.append(ConfigDifference(reference_name, port_name, name, attr, a, b))
+            out.append(SettingDifference(reference_name, port_name, name, attr, a, b))
     ref_bufs = dict(reference.named_buffers(recurse=False))
     for key, b in port.named_buffers(recurse=False):
         a = ref_bufs.get(key)
@@ -294,7 +294,7 @@ def config_diff(
             continue
         if not torch.allclose(a.double().cpu(), b.double().cpu(), rtol=1e-6, atol=0.0):
             out.append(
-                ConfigDifference(
+                SettingDifference(
                     reference_name,
                     port_name,
                     key,
@@ -306,22 +306,24 @@ def config_diff(
             )
     for key, a in reference.named_parameters(recurse=False):
         if a is not None and key in port._parameters and port._parameters[key] is None:
-            out.append(ConfigDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
+            out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
     return out
 
 
-def config_differences(reference: Any, port: Any, pairs: Sequence[tuple[str, str]]) -> list[ConfigDifference]:
+def config_differences(
+    reference: Any, port: Any, pairs: Sequence[tuple[str, str]]
+) -> list[SettingDifference]:
     r"""Every setting that differs over aligned ``(reference, port)`` module pairs of two whole models."""
     ref_modules, port_modules = dict(reference.named_modules()), dict(port.named_modules())
     out = []
     for ref_name, port_name in pairs:
         a, b = ref_modules.get(ref_name), port_modules.get(port_name)
         if a is not None and b is not None:
-            out += config_diff(a, b, ref_name, port_name)
+            out += settings_diff(a, b, ref_name, port_name)
     return out
 
 
-def _fix_value(d: ConfigDifference, reference: Any) -> Any:
+def _fix_value(d: SettingDifference, reference: Any) -> Any:
     if d.kind == "attribute":
         value = d.reference_value
         return tuple(value) if isinstance(value, tuple) else value
@@ -338,13 +340,13 @@ def module_config(c: Culprit) -> list[Hint]:
     """
     if c.reference is None or c.port is None:
         return []
-    diffs = config_diff(c.reference, c.port)
+    diffs = settings_diff(c.reference, c.port)
     for ref_sub, port_sub in c.subpairs:
         try:
             a, b = c.reference.get_submodule(ref_sub), c.port.get_submodule(port_sub)
         except AttributeError:
             continue
-        diffs += config_diff(a, b, ref_sub, port_sub)
+        diffs += settings_diff(a, b, ref_sub, port_sub)
     if not diffs:
         return []
     edits = [(".".join(p for p in (d.port, d.attr) if p), _fix_value(d, c.reference)) for d in diffs]
@@ -396,7 +398,7 @@ def _needed(c: Culprit, edits: list[tuple[str, Any]]) -> list[int] | None:
     return keep
 
 
-def _config_hint(c: Culprit, d: ConfigDifference) -> Hint:
+def _config_hint(c: Culprit, d: SettingDifference) -> Hint:
     cls = type(c.reference.get_submodule(d.reference) if d.reference else c.reference).__name__
     if d.kind == "attribute":
         fix = f"{c.port_path(d.port, d.attr)} = {_fix_value(d, c.reference)!r}"
