@@ -85,14 +85,14 @@ def child(mode: str, blocks: int) -> dict:
     out = {"mode": mode, "modules": sum(1 for _ in reference.named_modules()), "rss_before": rss}
     try:
         if mode == "capture-unlimited":
-            from paritykit.trace import capture
+            from paritykit.tracing.trace import capture
 
             with torch.no_grad(), capture(reference) as trace:
                 reference(**inputs)
             out["captured_bytes"] = trace.summary()["bytes_in_memory"]
             out["calls"] = len(trace)
         else:
-            from paritykit.search import bisect
+            from paritykit.bisection.search import bisect
 
             report = bisect(reference, port, ((), inputs), levels=mode)
             out["culprit"] = report.culprit.reference if report.culprit else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
-from paritykit.trace import capture
+from paritykit.tracing.trace import capture
 
 RESULTS = Path(__file__).resolve().parent / "results" / "capture.txt"
 

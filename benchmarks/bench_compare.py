@@ -12,7 +12,7 @@ under another's peak. Inside the process:
 Cases: "close" (B = A * (1 + 2**-22), within float32 tolerance: both pass) and "differ" (every 1000th element
 +1e-3: both fail; assert_close builds its message, compare_tensors also runs its diagnoses).
 torch keeps its default intra-op threads; compare_tensors walks its chunks on one thread by design
-(paritykit.compare.WALK_THREADS); the "2-thread walk" row measures that choice.
+(paritykit.compare.tolerances.WALK_THREADS); the "2-thread walk" row measures that choice.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ REPO = HERE.parent
 WORKER = r"""
 import json, resource, sys, time
 import torch
-import paritykit.compare
+import paritykit.compare.tolerances
 from paritykit.compare import compare_tensors
 
 method, case, gib = sys.argv[1], sys.argv[2], float(sys.argv[3])
 if method == "paritykit-2threads":
-    paritykit.compare.WALK_THREADS = 2
+    paritykit.compare.tolerances.WALK_THREADS = 2
 n = int(gib * 2**30) // 4
 a = torch.empty(n)
 a.normal_(generator=torch.Generator().manual_seed(0))

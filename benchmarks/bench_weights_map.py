@@ -32,7 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from paritykit.convert import infer_conversion_map  # noqa: E402
+from paritykit.forensics.conversion.matching import infer_conversion_map  # noqa: E402
 from test_convert import _research_layout  # noqa: E402  (the same research layout the tests map back)
 
 

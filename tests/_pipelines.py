@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline, UNet2DModel
-from paritykit.checkpoints import maybe_checkpoint, seeded_noise
+from paritykit.tracing.checkpoints import maybe_checkpoint, seeded_noise
 
 TINY_STEPS = 4
 TINY_SAMPLE_SIZE = 16

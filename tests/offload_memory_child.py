@@ -103,7 +103,7 @@ def prepare(folder: Path) -> None:
 def measure(folder: Path) -> None:
     import accelerate
     from paritykit import bisect
-    from paritykit.zoom import use_zoom
+    from paritykit.bisection.zoom import use_zoom
 
     # every code path once on a tiny offloaded pair: imports and allocator arenas are not the weights
     small_ref, small_port = pair(64, 4, 2)

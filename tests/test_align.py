@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from paritykit.align import align_modules
-from paritykit.report import to_json
-from paritykit.trace import Trace, capture
+from paritykit.base.report import to_json
+from paritykit.bisection.align import align_modules
+from paritykit.tracing.trace import Trace, capture
 from torch import nn
 
 from tests.bisect_pairs import conv_pair, dit_pair, randomize, time_pair
@@ -264,7 +264,7 @@ def _mlp_pair(approximate: str = "none"):
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_an_activation_never_pairs_with_the_dropout_after_the_module_that_applies_it(approximate):
-    from paritykit.search import bisect
+    from paritykit.bisection.search import bisect
 
     reference, port, inputs = _mlp_pair(approximate)
     al = aligned(reference, port, inputs)

@@ -7,10 +7,12 @@ import textwrap
 
 import pytest
 import torch
-from paritykit.errors import ParityKitError
-from paritykit.report import to_json
-from paritykit.search import bisect, bisect_traces, first_divergence, remix_hint
-from paritykit.trace import Trace, capture
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import to_json
+from paritykit.bisection.findings import first_divergence
+from paritykit.bisection.remix import remix_hint
+from paritykit.bisection.search import bisect, bisect_traces
+from paritykit.tracing.trace import Trace, capture
 
 from tests.bisect_pairs import conv_pair, dit_pair, time_pair
 
@@ -124,7 +126,7 @@ def test_first_output_divergence_can_differ_from_the_culprit():
 
 def test_first_divergence_api():
     reference, port, (args, kwargs) = time_pair("remix")
-    from paritykit.align import align_modules
+    from paritykit.bisection.align import align_modules
 
     with torch.no_grad(), capture(reference) as rt:
         reference(*args)
@@ -150,7 +152,7 @@ def _trace_dirs(tmp_path, family, bug):
 )
 def test_error_jump_without_models(tmp_path, family, bug, ref_name, hint):
     reference, port, rt, pt = _trace_dirs(tmp_path, family, bug)
-    from paritykit.align import align_modules
+    from paritykit.bisection.align import align_modules
 
     alignment = align_modules(reference, port, rt, pt)  # the weights stay with their own environments
     report = bisect_traces(rt, pt, alignment)
@@ -166,19 +168,19 @@ def test_replay_from_trace_folders_with_the_port_model(tmp_path):
 
 
 def test_jump_ratio_separates_made_errors_from_inherited_ones(tmp_path):
-    from paritykit.align import align_modules
-    from paritykit.search import _Bisector
+    from paritykit.bisection.align import align_modules
+    from paritykit.bisection.searcher import Searcher
 
     reference, port, rt, pt = _trace_dirs(tmp_path, "dit", "eps")
     report = bisect_traces(rt, pt, reference=reference, port=None)
     assert report.culprit.port == "transformer_blocks.0.norm1" and report.culprit.test == "jump"
     assert "inputs agree within tolerance" in report.culprit.note
 
-    searcher = _Bisector(rt, pt, align_modules(reference, port, rt, pt), atol=None, rtol=None, ratio=10.0)
+    searcher = Searcher(rt, pt, align_modules(reference, port, rt, pt), atol=None, rtol=None, ratio=10.0)
     downstream = searcher.test(rt["head"])  # the last Linear only carries the error it is given
     assert downstream.test == "jump" and downstream.status == "pass"
     assert downstream.input_error > 0 and "inherited" in downstream.note
-    strict = _Bisector(rt, pt, searcher.alignment, atol=None, rtol=None, ratio=1e-3)
+    strict = Searcher(rt, pt, searcher.alignment, atol=None, rtol=None, ratio=1e-3)
     assert strict.test(rt["head"]).status == "fail"
 
 

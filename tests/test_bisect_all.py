@@ -9,9 +9,9 @@ import textwrap
 import pytest
 import torch
 from click.testing import CliRunner
+from paritykit.base.report import to_json
+from paritykit.bisection.search import bisect
 from paritykit.cli import cli
-from paritykit.report import to_json
-from paritykit.search import bisect
 from torch import nn
 
 from tests.bisect_pairs import mha_pair, vit_pair

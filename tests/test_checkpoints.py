@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from paritykit.checkpoints import (
+from paritykit.base.errors import ParityKitError
+from paritykit.base.io import load_tensors
+from paritykit.tracing.checkpoints import (
     Checkpoint,
     CheckpointNotReached,
     PipelineStop,
@@ -17,8 +19,6 @@ from paritykit.checkpoints import (
     save_checkpoints,
     seeded_noise,
 )
-from paritykit.errors import ParityKitError
-from paritykit.io import load_tensors
 from safetensors.torch import load_file
 
 from tests._pipelines import TINY_STEPS, make_tiny_unet_pipeline

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from paritykit.checkpoints import Checkpoint, save_checkpoints
+from paritykit.base.errors import ParityKitError
 from paritykit.cli import cli
-from paritykit.compare import compare_paths
-from paritykit.errors import ParityKitError
+from paritykit.compare.sets import compare_paths
+from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
 from safetensors.torch import save_file
 
 from tests._pipelines import TINY_STEPS, TinyUNetPipeline, make_tiny_unet

@@ -65,7 +65,7 @@ def files(tmp_path_factory) -> Path:
     """A folder of tiny real inputs, good and bad, shared by the read-only tests."""
     import numpy as np
     import torch
-    from paritykit.checkpoints import Checkpoint, save_checkpoints
+    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
     from PIL import Image
     from safetensors.torch import save_file
 

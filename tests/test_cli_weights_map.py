@@ -108,7 +108,7 @@ def test_bad_input_with_json_is_a_json_error(cli, checkpoints, tmp_path):
 
 def test_importing_the_command_and_library_is_torch_free():
     code = (
-        "import sys, paritykit.convert, paritykit.cli.weights_map; "
+        "import sys, paritykit.forensics.conversion, paritykit.cli.weights_map; "
         "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "helpers"))

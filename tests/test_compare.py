@@ -11,19 +11,17 @@ from collections import namedtuple
 
 import pytest
 import torch
-from paritykit.compare import (
-    CHUNK,
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import to_json
+from paritykit.compare.sets import (
     OutputComparison,
     SetComparison,
-    TensorComparison,
     assert_parity,
     compare_outputs,
     compare_tensor_sets,
-    compare_tensors,
-    default_tolerances,
 )
-from paritykit.errors import ParityKitError
-from paritykit.report import to_json
+from paritykit.compare.tensors import CHUNK, TensorComparison, compare_tensors
+from paritykit.compare.tolerances import default_tolerances
 from torch.testing._comparison import default_tolerances as torch_default_tolerances
 
 from tests.conftest import REPO
@@ -284,7 +282,7 @@ def test_to_dict_is_strict_json_and_mirrors_the_fields():
 
 
 def test_render_and_table_row_read_the_same_numbers():
-    from paritykit.report import format_number
+    from paritykit.base.report import format_number
 
     a = randn(6, 7)
     r = compare_tensors(a, a + 0.25, name="latents")

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from paritykit.configs import config_diff, flatten, load_config, values_equal
-from paritykit.errors import ParityKitError
+from paritykit.base.errors import ParityKitError
+from paritykit.forensics.config_diff import config_diff
+from paritykit.forensics.config_files import flatten, load_config, values_equal
 
 
 def tiny_unet(cross_attention_dim=32):
@@ -246,7 +247,7 @@ def test_equal_keys_are_counted_and_listed():
 
 # ------------------------------------------------------------------------------------ class defaults
 def test_port_keys_at_the_class_default_are_listed_not_counted(tmp_path):
-    from paritykit.configs import DEFAULT
+    from paritykit.forensics.config_diff import DEFAULT
 
     tiny_unet().save_pretrained(tmp_path / "unet")
     reference = {k: v for k, v in load_config(tmp_path / "unet").items() if not k.startswith("_")}
@@ -261,7 +262,7 @@ def test_port_keys_at_the_class_default_are_listed_not_counted(tmp_path):
 
 
 def test_reference_keys_compares_only_what_the_reference_has(tmp_path):
-    from paritykit.configs import NOT_IN_REFERENCE
+    from paritykit.forensics.config_diff import NOT_IN_REFERENCE
 
     tiny_unet().save_pretrained(tmp_path / "unet")
     reference = {"ldm.in_channels": 4, "ldm.context_dim": 32}
@@ -323,7 +324,7 @@ def test_unknown_class_is_one_line_naming_the_option(cli, tmp_path):
 
 # ----------------------------------------------------------------------------------------- --suggest-map
 def test_suggest_map_proposes_rules_that_line_keys_up():
-    from paritykit.naming import parse_map_options
+    from paritykit.base.naming import parse_map_options
 
     reference = {"net": {"in_channels": 4, "out_channels": 4, "context_dim": 77, "depth": 2}}
     port = {"in_channels": 4, "out_channels": 4, "cross_attention_dim": 77, "layers": 3}

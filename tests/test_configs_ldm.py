@@ -5,9 +5,9 @@ import json
 
 import pytest
 import yaml
-from paritykit.config_ldm import UNET_HELPER, VAE_HELPER, derive_from_ldm, is_ldm_config
-from paritykit.configs import DEFAULT, NO_COUNTERPART, REFERENCE_ONLY, config_diff
-from paritykit.errors import ParityKitError
+from paritykit.base.errors import ParityKitError
+from paritykit.forensics.config_diff import DEFAULT, NO_COUNTERPART, REFERENCE_ONLY, config_diff
+from paritykit.forensics.config_ldm import UNET_HELPER, VAE_HELPER, derive_from_ldm, is_ldm_config
 
 # The public layout of Stable Diffusion v1's v1-inference.yaml, with tiny sizes (32 channels, 2 levels).
 V1_INFERENCE = {

@@ -14,16 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paritykit.convert import (
-    OPS,
-    _multiset_hashes,
-    apply_rules_to_state_dict,
-    emit_rules,
-    infer_conversion_map,
-    match_modules,
-)
-from paritykit.errors import ParityKitError
-from paritykit.report import to_json
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import to_json
+from paritykit.forensics.conversion.emit import apply_rules_to_state_dict, emit_rules
+from paritykit.forensics.conversion.fingerprints import _multiset_hashes
+from paritykit.forensics.conversion.matching import infer_conversion_map
+from paritykit.forensics.conversion.modules import match_modules
+from paritykit.forensics.conversion.runtime import OPS
 
 D = 16
 
@@ -788,7 +785,8 @@ def test_values_rounded_through_bf16_are_a_cast_round_trip():
 @settings(max_examples=60, deadline=None)
 @given(st.permutations(list(range(12))) | st.permutations(list(range(16))))
 def test_any_row_permutation_is_described_compactly_and_exactly(perm):
-    from paritykit.convert import _describe_permutation, _row_index
+    from paritykit.forensics.conversion.fingerprints import _describe_permutation
+    from paritykit.forensics.conversion.runtime import _row_index
 
     description = _describe_permutation(perm)
     assert _row_index(description, len(perm)).tolist() == perm

@@ -13,8 +13,9 @@ import re
 
 import pytest
 import torch
-from paritykit.convert import apply_rules_to_state_dict, infer_conversion_map
-from paritykit.report import to_json
+from paritykit.base.report import to_json
+from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
+from paritykit.forensics.conversion.matching import infer_conversion_map
 
 from tests.test_convert import TINY_VAE_CONFIG, _ldm_name, _tiny_vae
 

@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 import torch
+from paritykit.base.errors import ParityKitError
 from paritykit.demo.conversion import convert_reference_state_dict
 from paritykit.demo.port import TinyControlDenoiserModel, port_config_from_reference
 from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
 from paritykit.demo.run import run_demo
-from paritykit.errors import ParityKitError
 from PIL import Image
 
 PRINTED: list[str] = []

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 
-import paritykit.diagnose as D
+import paritykit.compare.diagnose as D
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from paritykit.diagnose import Hint, diagnose
+from paritykit.compare.diagnose import Hint, diagnose
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 IDS = {"bf16-cast", "fp16-cast", "constant-scale", "offset", "transpose", "permute", "swapped-halves", "zeroed",

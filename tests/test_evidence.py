@@ -12,13 +12,13 @@ import copy
 import functools
 import json
 
-import paritykit.diagnose as D
+import paritykit.compare.diagnose as D
 import pytest
 import torch
 import torch.nn.functional as F
-from paritykit import evidence as E
-from paritykit.report import to_json
-from paritykit.search import bisect
+from paritykit.base.report import to_json
+from paritykit.bisection import evidence as E
+from paritykit.bisection.search import bisect
 from torch import nn
 
 from tests.evidence_pairs import mha_pair, rope_pair, vit_pair

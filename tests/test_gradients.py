@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from paritykit.errors import ParityKitError, UserCodeError
-from paritykit.gradients import compare_gradients
-from paritykit.report import to_json
+from paritykit.base.errors import ParityKitError, UserCodeError
+from paritykit.base.report import to_json
+from paritykit.compare.gradients import compare_gradients
 from torch import nn
 
 from tests._pipelines import make_tiny_unet
@@ -135,7 +135,7 @@ RULES = [
 
 
 def _port_from(ref: TwoBranch) -> PortModel:
-    from paritykit.naming import rename_all
+    from paritykit.base.naming import rename_all
 
     port = PortModel()
     names = rename_all([n for n, _ in ref.named_parameters()], RULES)
@@ -176,7 +176,7 @@ def test_differently_named_models_align_by_rules_and_by_mapping():
 
 
 def test_module_alignment_from_align_modules_pairs_parameters():
-    from paritykit.align import align_modules
+    from paritykit.bisection.align import align_modules
 
     ref = _reference()
     port = _port_from(ref)
@@ -258,7 +258,7 @@ def test_fused_qkv_aligns_with_split_projections_through_the_conversion():
     assert result.how_aligned == "conversion" and len(result.pairs) == 8
     assert result.exit_code == 0, result.render()
     # the conversion inferred from the weights' values aligns the gradients the same way
-    from paritykit.convert import infer_conversion_map
+    from paritykit.forensics.conversion.matching import infer_conversion_map
 
     inferred = infer_conversion_map(ref, port)
     by_map = compare_gradients(ref, port, x, mse, inferred, atol=1e-6, rtol=1e-5)

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from paritykit.errors import ParityKitError
-from paritykit.io import dangerous_global, load_state_dict, load_tensors, safe_torch_load
+from paritykit.base.errors import ParityKitError
+from paritykit.base.io import dangerous_global, load_state_dict, load_tensors, safe_torch_load
 from safetensors.torch import save_file
 
 # ----------------------------------------------------------------------------------------------- malicious pickles
@@ -423,7 +423,7 @@ def test_torchscript_archive_is_refused(tmp_path):
 
 
 def test_a_checkpoint_manifest_path_reads_as_its_folder(tmp_path):
-    from paritykit.checkpoints import Checkpoint, save_checkpoints
+    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
 
     manifest = save_checkpoints(tmp_path / "ckpts", {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
     assert os.path.basename(manifest) == "paritykit.json"
@@ -449,10 +449,10 @@ def _research_and_port(tmp_path):
 
 
 def test_compare_and_weights_diff_name_tensors_alike_so_one_map_fits_both(tmp_path):
-    from paritykit.compare import compare_paths
-    from paritykit.io import load_named_tensors
-    from paritykit.naming import parse_map_options
-    from paritykit.weights import open_checkpoint, weights_diff
+    from paritykit.base.io import load_named_tensors
+    from paritykit.base.naming import parse_map_options
+    from paritykit.compare.sets import compare_paths
+    from paritykit.forensics.weights_diff import open_checkpoint, weights_diff
 
     research, port = _research_and_port(tmp_path)
     for path in (research, port):
@@ -468,8 +468,8 @@ def test_compare_and_weights_diff_name_tensors_alike_so_one_map_fits_both(tmp_pa
 
 
 def test_named_tensors_keep_output_folders_and_single_tensors_as_before(tmp_path):
-    from paritykit.checkpoints import Checkpoint, save_checkpoints
-    from paritykit.io import load_named_tensors
+    from paritykit.base.io import load_named_tensors
+    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
 
     torch.save(torch.ones(2), tmp_path / "x.pt")
     np.save(tmp_path / "y.npy", np.zeros(3, dtype=np.float32))
@@ -485,8 +485,8 @@ def test_named_tensors_keep_output_folders_and_single_tensors_as_before(tmp_path
 
 
 def test_a_pipeline_folder_is_named_component_dot_key(tmp_path):
-    from paritykit.io import load_named_tensors
-    from paritykit.weights import open_checkpoint
+    from paritykit.base.io import load_named_tensors
+    from paritykit.forensics.weights_diff import open_checkpoint
 
     _, port = _research_and_port(tmp_path)
     pipeline = tmp_path / "port"

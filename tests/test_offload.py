@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from paritykit.search import bisect
-from paritykit.trace import ModelWeights, capture
-from paritykit.zoom import use_zoom
+from paritykit.bisection.search import bisect
+from paritykit.bisection.zoom import use_zoom
+from paritykit.tracing.trace import ModelWeights, capture
 
 from tests.bisect_pairs import dit_pair
 
@@ -193,8 +193,8 @@ def _cmap_view(cmap):
 
 
 def _compacted(source, target):
-    from paritykit.bounded_weights import compact_pair, restore_for
-    from paritykit.convert import infer_conversion_map
+    from paritykit.forensics.conversion.bounded import compact_pair, restore_for
+    from paritykit.forensics.conversion.matching import infer_conversion_map
 
     src, tgt, stood_in = compact_pair(source, target)
     cmap = infer_conversion_map(src, tgt)
@@ -203,7 +203,7 @@ def _compacted(source, target):
 
 
 def test_compacted_weights_give_the_same_conversion_map():
-    from paritykit.convert import infer_conversion_map
+    from paritykit.forensics.conversion.matching import infer_conversion_map
 
     reference, port, _ = dit_pair(None)
     source, target = reference.state_dict(), port.state_dict()
@@ -214,7 +214,7 @@ def test_compacted_weights_give_the_same_conversion_map():
 
 def test_a_stand_in_hiding_a_concatenation_is_restored():
     # "a" equals "x" uniquely, and "ab" is a and b concatenated: standing in for a would hide that
-    from paritykit.convert import infer_conversion_map
+    from paritykit.forensics.conversion.matching import infer_conversion_map
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
@@ -228,7 +228,7 @@ def test_a_stand_in_hiding_a_concatenation_is_restored():
 
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_trace_weights_file_is_written_one_tensor_at_a_time_and_loads_back(tmp_path, offloaded):
-    from paritykit.trace import write_weights
+    from paritykit.tracing.trace import write_weights
     from safetensors.torch import load_file
 
     reference, _, _ = dit_pair(None)

@@ -147,7 +147,7 @@ TRACE_SPEC = (
 
 
 def test_trace_suggests_the_other_side_only_after_the_first(tmp_path):
-    from paritykit.spec import trace_spec
+    from paritykit.bisection.spec import trace_spec
 
     (tmp_path / "spec.py").write_text(TRACE_SPEC)
     first = trace_spec(tmp_path / "spec.py", side="reference", out=tmp_path / "ref_trace")

@@ -69,7 +69,7 @@ def test_installed_wheel_finds_its_data_away_from_the_checkout(wheel, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     code = (
-        "import paritykit, paritykit.data as d\n"
+        "import paritykit, paritykit.base.data as d\n"
         "print(paritykit.__file__)\n"
         "print(d.data_dir('skills'))\n"
         "print(d.data_dir('templates'))\n"

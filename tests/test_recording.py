@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from paritykit import compare_paths, load_checkpoints, record_loop
-from paritykit.compare import run_order
-from paritykit.visual import step_curve
+from paritykit.compare.sets import run_order
+from paritykit.compare.steps import step_curve
 
 from tests._pipelines import make_tiny_unet
 

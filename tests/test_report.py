@@ -3,9 +3,9 @@ import math
 import re
 
 import pytest
-from paritykit.errors import ParityKitError
-from paritykit.naming import apply_rules, natural_key, parse_map_options, rename_all
-from paritykit.report import environment_stamp, render_table, to_json, with_verdict
+from paritykit.base.errors import ParityKitError
+from paritykit.base.naming import apply_rules, natural_key, parse_map_options, rename_all
+from paritykit.base.report import environment_stamp, render_table, to_json, with_verdict
 
 
 def test_to_json_is_strict_and_flags_nonfinite():
@@ -80,7 +80,7 @@ def test_natural_sort():
 
 def test_images_heatmap_colorbar_shows_the_amplified_values_its_title_names():
     import numpy as np
-    from paritykit.visual import compare_images
+    from paritykit.compare.images import compare_images
 
     rng = np.random.RandomState(0)
     reference = rng.rand(16, 16, 3).astype(np.float32)
@@ -101,7 +101,7 @@ def test_images_heatmap_colorbar_shows_the_amplified_values_its_title_names():
 @pytest.mark.parametrize(("side", "flag"), [(0, "--range-a"), (1, "--range-b")])
 def test_images_range_error_names_the_cli_flag_of_that_side(side, flag):
     import numpy as np
-    from paritykit.visual import compare_images
+    from paritykit.compare.images import compare_images
 
     fine, odd = np.zeros((4, 4, 3), np.float32), np.full((4, 4, 3), 900.0, np.float32)
     pair = (odd, fine) if side == 0 else (fine, odd)

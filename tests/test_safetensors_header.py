@@ -2,8 +2,8 @@ import json
 
 import pytest
 import torch
-from paritykit.errors import ParityKitError
-from paritykit.safetensors_header import read_safetensors_header
+from paritykit.base.errors import ParityKitError
+from paritykit.forensics.safetensors_header import read_safetensors_header
 from safetensors.torch import save_file
 
 

@@ -20,8 +20,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from paritykit import scaffold
-from paritykit.errors import ParityKitError
+from paritykit.base.errors import ParityKitError
+from paritykit.pack import scaffold
 
 from tests.conftest import REPO
 

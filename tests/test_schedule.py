@@ -21,8 +21,8 @@ from diffusers import (
 )
 from paritykit import compare_schedules, fit_scheduler, record_loop
 from paritykit.cli import cli
-from paritykit.schedule import sigma_family, timestep_family
-from paritykit.visual import step_curve
+from paritykit.compare.steps import step_curve
+from paritykit.schedule.families import sigma_family, timestep_family
 
 from tests import reference_loops as R
 
@@ -305,7 +305,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
 
 # ------------------------------------------------------------------------------------------- reports on loops
 def test_offset_hint_on_a_timestep_list_names_the_scheduler_keys_and_not_elsewhere():
-    from paritykit.diagnose import diagnose
+    from paritykit.compare.diagnose import diagnose
 
     ts = torch.tensor(R.ddim_timesteps(10, "trailing"), dtype=torch.float32)
     (hint,) = [h for h in diagnose(ts, ts - 99) if h.id == "offset"]
@@ -317,7 +317,7 @@ def test_offset_hint_on_a_timestep_list_names_the_scheduler_keys_and_not_elsewhe
 
 
 def test_steps_growth_class_agrees_with_the_fitted_exponent():
-    from paritykit.visual import classify_growth
+    from paritykit.compare.steps import classify_growth
 
     fit = classify_growth([1e-6 * (i + 1) ** 2.74 for i in range(12)])
     assert fit.growth == "polynomial" and fit.power_exponent == pytest.approx(2.74, rel=1e-6)

@@ -109,7 +109,8 @@ def test_the_checker_catches_a_stale_command(tmp_path):
 
 
 def test_installing_for_claude_makes_every_skill_visible_where_claude_code_looks(tmp_path):
-    from paritykit.skills import install, validate
+    from paritykit.pack.installer import install
+    from paritykit.pack.skill_check import validate
 
     fork = tmp_path / "diffusers"
     (fork / ".git").mkdir(parents=True)

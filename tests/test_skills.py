@@ -12,19 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from paritykit.errors import ParityKitError
-from paritykit.skills import (
-    AGENTS,
-    MANIFEST_NAME,
-    detect_agents,
-    find_skills,
-    install,
-    list_skills,
-    pack_dir,
-    show_skill,
-    uninstall,
-    validate,
-)
+from paritykit.base.errors import ParityKitError
+from paritykit.pack.installer import AGENTS, MANIFEST_NAME, detect_agents, install, uninstall
+from paritykit.pack.skill_check import validate
+from paritykit.pack.skills import find_skills, list_skills, pack_dir, show_skill
 
 from tests.conftest import REPO, run_cli
 
@@ -558,7 +549,7 @@ def test_cli_global_uses_home(tmp_path):
 
 
 def test_every_agent_has_project_and_user_folders():
-    from paritykit.skills import INSTRUCTION_FILES, PROJECT_FOLDERS, USER_FOLDERS
+    from paritykit.pack.installer import INSTRUCTION_FILES, PROJECT_FOLDERS, USER_FOLDERS
 
     assert set(PROJECT_FOLDERS) == set(USER_FOLDERS) == set(INSTRUCTION_FILES) == set(AGENTS)
     assert PROJECT_FOLDERS["claude"] == ".claude/skills"  # Claude Code does not read .agents/skills

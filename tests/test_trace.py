@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
-from paritykit.errors import ParityKitError
-from paritykit.trace import OutputDict, Trace, capture
+from paritykit.base.errors import ParityKitError
+from paritykit.tracing.trace import OutputDict, Trace, capture
 from torch import nn
 
 from tests.bisect_pairs import conv_pair, dit_pair
@@ -180,7 +180,7 @@ def test_outputs_only_capture_cannot_replay():
 
 
 def test_to_dir_round_trip_streams_shards(tmp_path, monkeypatch, unet_run):
-    import paritykit.trace as trace_module
+    import paritykit.tracing.trace as trace_module
 
     model, (sample, timestep, context), plain, _, memory = unet_run
     monkeypatch.setattr(trace_module, "_SHARD_BYTES", 1 << 20)
@@ -314,7 +314,7 @@ def test_zoom_request_must_match_the_folders(tmp_path, monkeypatch):
 
 
 def test_comparing_loaded_traces_keeps_no_tensor_in_memory(tmp_path):
-    from paritykit.search import bisect_traces
+    from paritykit.bisection.search import bisect_traces
 
     reference, port, (args, kwargs) = dit_pair("gelu")
     with torch.no_grad(), capture(reference, to_dir=tmp_path / "r"):

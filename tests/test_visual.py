@@ -9,23 +9,23 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, DiffusionPipeline
-from paritykit.checkpoints import (
-    Checkpoint,
-    load_checkpoints,
-    maybe_checkpoint,
-    save_checkpoints,
-    seeded_noise,
-)
-from paritykit.errors import ParityKitError
-from paritykit.report import to_json
-from paritykit.visual import (
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import to_json
+from paritykit.compare.images import compare_images
+from paritykit.compare.steps import (
     BOUNDED_MAX_GROWTH,
     BOUNDED_MAX_LATE_GROWTH,
     EXPONENTIAL_MIN_FACTOR,
     EXPONENTIAL_MIN_R2,
     classify_growth,
-    compare_images,
     step_curve,
+)
+from paritykit.tracing.checkpoints import (
+    Checkpoint,
+    load_checkpoints,
+    maybe_checkpoint,
+    save_checkpoints,
+    seeded_noise,
 )
 from PIL import Image
 

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
-from paritykit import weights as weights_module
-from paritykit.errors import ParityKitError
-from paritykit.safetensors_header import read_safetensors_header
-from paritykit.weights import component_of, kind_of, plot_weights_diff, weights_diff
+from paritykit.base.errors import ParityKitError
+from paritykit.forensics import weights_diff as weights_module
+from paritykit.forensics.safetensors_header import read_safetensors_header
+from paritykit.forensics.weights_diff import component_of, kind_of, plot_weights_diff, weights_diff
 from safetensors.torch import save_file
 
 from .conftest import REPO
@@ -363,7 +363,7 @@ def test_bad_safetensors_inputs_exit_2_with_one_line(cli, tmp_path):
 
 
 def test_pickled_checkpoints_via_safe_loader(cli, tmp_path):
-    pytest.importorskip("paritykit.io")
+    pytest.importorskip("paritykit.base.io")
     a = ldm_state()
     b = {k: v.clone() for k, v in a.items()}
     b["first_stage_model.encoder.conv_in.weight"] += 0.5
@@ -462,7 +462,7 @@ def test_kinds_follow_the_leaf_module_role_in_diffusers_and_research_names():
 
 def test_plot_shows_a_lone_small_change_and_tick_labels_do_not_overlap(tmp_path):
     from matplotlib import pyplot as plt
-    from paritykit.weights import draw_weights_diff
+    from paritykit.forensics.weights_diff import draw_weights_diff
 
     g = torch.Generator().manual_seed(0)
     a = {f"blocks.{i}.mlp.fc1.weight": torch.randn(8, 8, generator=g) for i in range(40)}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paritykit.errors import ParityKitError
-from paritykit.search import bisect
-from paritykit.trace import capture
-from paritykit.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
+from paritykit.base.errors import ParityKitError
+from paritykit.bisection.search import bisect
+from paritykit.bisection.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
+from paritykit.tracing.trace import capture
 from torch import nn
 
 from tests.test_bisect import PAIRS, PLANTED

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, Transformer2DModel, UNet2DModel
-from paritykit.checkpoints import Checkpoint, load_checkpoints, run_until_stop
+from paritykit.tracing.checkpoints import Checkpoint, load_checkpoints, run_until_stop
 
 STEPS = 5
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel, UNet2DModel
-from paritykit.checkpoints import maybe_checkpoint
+from paritykit.tracing.checkpoints import maybe_checkpoint
 
 UNET_CONFIG = {
     "sample_size": 8,

@@ -12,7 +12,7 @@ import sys
 import click
 
 from paritykit._version import __version__
-from paritykit.errors import ParityKitError, UserCodeError
+from paritykit.base.errors import ParityKitError, UserCodeError
 
 # name -> (module:attribute, one-line help shown by `paritykit --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,7 +94,7 @@ class LazyGroup(click.Group):
 def _fail(message: str, as_json: bool, code: int, detail: str = "") -> None:
     message = " ".join(message.split()) if not detail else message.strip()
     if as_json:
-        from paritykit.report import to_json
+        from paritykit.base.report import to_json
 
         payload = {"error": message}
         if detail:

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import click
 
-from paritykit.report import DEFAULT_LIMIT, to_json, with_verdict
+from paritykit.base.report import DEFAULT_LIMIT, to_json, with_verdict
 
 
 class Report(Protocol):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
+from paritykit.base.errors import ParityKitError
 from paritykit.cli._common import emit, json_option, limit_option, map_option
-from paritykit.errors import ParityKitError
 
 SPEC_HELP = """
 \b
@@ -100,8 +100,8 @@ your files).
 def bisect(
     spec, traces, atol, rtol, maps, device, ops, levels, zoom, all_culprits, allow_masked, as_json, limit
 ):
-    from paritykit.naming import parse_map_options
-    from paritykit.spec import bisect_spec
+    from paritykit.base.naming import parse_map_options
+    from paritykit.bisection.spec import bisect_spec
 
     if spec is None and not traces:
         raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
@@ -156,7 +156,7 @@ in its own environment; then run `paritykit bisect --traces REF_DIR PORT_DIR [SP
 )
 @json_option
 def trace(spec, side, out, device, levels, inside, as_json):
-    from paritykit.spec import trace_spec
+    from paritykit.bisection.spec import trace_spec
 
     _check_device(device)
     emit(trace_spec(spec, side=side, out=out, device=device, levels=levels, inside=inside), as_json=as_json)

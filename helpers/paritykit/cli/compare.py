@@ -33,7 +33,7 @@ def compare(a, b, atol, rtol, maps, only, broadcast, as_json, limit) -> None:
     |a-b| <= atol + rtol*|b| everywhere. Prints a table, then the first divergence and its likely causes.
     Exit 0 all pass, 1 any fail / shape mismatch / one-sided name, 2 bad input.
     """
-    from paritykit.compare import compare_paths
+    from paritykit.compare.sets import compare_paths
 
     report = compare_paths(a, b, atol=atol, rtol=rtol, maps=maps, only=only, broadcast=broadcast)
     emit(report, as_json=as_json, limit=limit)

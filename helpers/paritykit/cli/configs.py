@@ -70,8 +70,8 @@ def config_diff(
       paritykit config-diff ref/scheduler.json port/scheduler --with-defaults
       paritykit config-diff ref_pipeline/ port_pipeline/ --ignore _diffusers_version --ignore _name_or_path
     """
-    from paritykit.configs import config_diff as run
-    from paritykit.naming import parse_map_options
+    from paritykit.base.naming import parse_map_options
+    from paritykit.forensics.config_diff import config_diff as run
 
     report = run(
         a,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.scaffold import generate, template_list, templates
+from paritykit.pack.scaffold import generate, template_list, templates
 
 out_option = click.option(
     "--out",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
+from paritykit.base.errors import ParityKitError
 from paritykit.cli._common import emit, json_option, limit_option
-from paritykit.errors import ParityKitError
 
 
 @click.command(
@@ -52,7 +52,8 @@ from paritykit.errors import ParityKitError
 @json_option
 @limit_option
 def schedule(ref, port, fit_class, config, steps, step_check, num_train_timesteps, as_json, limit):
-    from paritykit.schedule import compare_schedules, fit_scheduler
+    from paritykit.schedule.compare import compare_schedules
+    from paritykit.schedule.fit import fit_scheduler
 
     if fit_class:
         if port:

@@ -58,7 +58,7 @@ def skills() -> None:
 @limit_option
 def list_command(as_json: bool, limit: int) -> None:
     """Each skill of the pack with its one-line description."""
-    from paritykit.skills import list_skills
+    from paritykit.pack.skills import list_skills
 
     emit(list_skills(), as_json=as_json, limit=limit)
 
@@ -67,7 +67,7 @@ def list_command(as_json: bool, limit: int) -> None:
 @click.argument("name")
 def show_command(name: str) -> None:
     """Print one skill's SKILL.md (for agents without skill support)."""
-    from paritykit.skills import show_skill
+    from paritykit.pack.skills import show_skill
 
     click.echo(show_skill(name), nl=False)
 
@@ -82,7 +82,7 @@ def validate_command(paths: tuple[str, ...], as_json: bool, limit: int) -> None:
     PATHS may be skill folders, SKILL.md files or folders of skills. Exit 0 when every skill passes, 1 when a
     rule is broken, 2 when a path does not exist.
     """
-    from paritykit.skills import validate
+    from paritykit.pack.skill_check import validate
 
     emit(validate(list(paths) or None), as_json=as_json, limit=limit)
 
@@ -126,7 +126,7 @@ def install_command(
     folder that is itself a symlink, stops the install with exit 2 and nothing changed (with --dry-run: the
     plan is shown with its conflicts, exit 1).
     """
-    from paritykit.skills import install
+    from paritykit.pack.installer import install
 
     report = install(
         agents,
@@ -155,7 +155,7 @@ def uninstall_command(
     Links and unchanged copies recorded in the manifest are removed, as are links into the pack left by an
     older `make claude`; an edited copy is kept with a warning; a folder moved aside by --force is put back.
     """
-    from paritykit.skills import uninstall
+    from paritykit.pack.installer import uninstall
 
     emit(
         uninstall(agents, target=target, user_scope=user_scope, dry_run=dry_run), as_json=as_json, limit=limit

@@ -43,7 +43,7 @@ _GROWTH_HELP = (
 @json_option
 @limit_option
 def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
-    from paritykit.visual import step_curve
+    from paritykit.compare.steps import step_curve
 
     curve = step_curve(a, b, key=key, sigmas=sigmas, atol=atol, rtol=rtol, plot=plot_path)
     emit(curve, as_json=as_json, limit=limit)
@@ -86,7 +86,7 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 @json_option
 @limit_option
 def images(a, b, out, psnr_min, range_a, range_b, as_json, limit):
-    from paritykit.visual import compare_images
+    from paritykit.compare.images import compare_images
 
     result = compare_images(a, b, psnr_min=psnr_min, out=out, value_range=(range_a, range_b))
     emit(result, as_json=as_json, limit=limit)

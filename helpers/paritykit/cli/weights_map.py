@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
+from paritykit.base.errors import ParityKitError
 from paritykit.cli._common import emit, json_option, limit_option
-from paritykit.errors import ParityKitError
 
 
 @click.command("map")
@@ -67,7 +67,8 @@ def weights_map(
             f"--emit-rules {str(emit_rules_path)!r} already exists; pass --force to overwrite it"
         )
 
-    from paritykit.convert import emit_rules, infer_conversion_map
+    from paritykit.forensics.conversion.emit import emit_rules
+    from paritykit.forensics.conversion.matching import infer_conversion_map
 
     report = infer_conversion_map(source, target, allow_ambiguous=allow_ambiguous)
     if emit_rules_path is not None:

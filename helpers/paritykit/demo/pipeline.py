@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-from paritykit.checkpoints import maybe_checkpoint, seeded_noise
+from paritykit.tracing.checkpoints import maybe_checkpoint, seeded_noise
 
 
 class TinyControlPipeline(DiffusionPipeline):

@@ -55,7 +55,7 @@ def _indent(text: str) -> str:
 
 
 def _write_report(out: Path, name: str, report) -> None:
-    from paritykit.report import to_json
+    from paritykit.base.report import to_json
 
     (out / f"{name}.json").write_text(to_json(report.to_dict()) + "\n")
 
@@ -65,7 +65,7 @@ def _prepare_output(out: Path) -> set[Path]:
 
     Returns the files already there (a user's), which this run must not claim as its own.
     """
-    from paritykit.errors import ParityKitError
+    from paritykit.base.errors import ParityKitError
 
     marker = out / MARKER
     if out.exists() and not out.is_dir():
@@ -116,15 +116,17 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     import yaml
     from safetensors.torch import save_file
 
-    from paritykit.checkpoints import Checkpoint, save_checkpoints
-    from paritykit.compare import compare_paths
-    from paritykit.configs import config_diff
-    from paritykit.convert import emit_rules, infer_conversion_map
+    from paritykit.bisection.search import bisect
+    from paritykit.compare.images import compare_images
+    from paritykit.compare.sets import compare_paths
+    from paritykit.compare.steps import step_curve
     from paritykit.demo.pipeline import make_hint, make_pipeline
     from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
     from paritykit.demo.specs import build_port_model, make_inputs, select_output
-    from paritykit.search import bisect
-    from paritykit.visual import compare_images, step_curve
+    from paritykit.forensics.config_diff import config_diff
+    from paritykit.forensics.conversion.emit import emit_rules
+    from paritykit.forensics.conversion.matching import infer_conversion_map
+    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
 
     result = DemoResult(out)
     torch.set_grad_enabled(False)

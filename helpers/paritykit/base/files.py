@@ -1,0 +1,73 @@
+"""Writing files the user keeps (generated code, manifests): atomically, with ordinary permissions."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = False) -> None:
+    r"""Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
+
+    A crash or a full disk leaves either the old file or the new one, never half of either. The file gets the
+    mode a plain ``open(..., "w")`` would give (``mkstemp`` alone makes it private, 0600).
+
+    Args:
+        path: the file to write; its folder must exist.
+        text: the content, written as UTF-8 with ``\n`` line endings.
+        executable: also set the executable bits the umask allows.
+    """
+    path = Path(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = (0o777 if executable else 0o666) & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Path:
+    r"""Save a matplotlib figure a user asked for (``--plot``, ``--out``), creating its folder.
+
+    An unwritable path or a format matplotlib cannot write becomes one line naming the file (exit 2 from the
+    CLI), never a traceback.
+    """
+    from paritykit.base.errors import ParityKitError
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, **savefig_kwargs)
+    except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib cannot write, e.g. .ckpt
+        raise ParityKitError(
+            f"{path}: cannot write the plot ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
+    return path
+
+
+def refuse_overwriting_an_input(label: str, out: Any, *inputs: Any) -> None:
+    r"""Refuse a report path that names one of the command's input files.
+
+    ``images ref.png port.png --out port.png`` would otherwise replace the port's image with the report.
+    ``label`` names the argument in the one-line error (``--out``, ``--plot``); non-path inputs are ignored.
+    """
+    from paritykit.base.errors import ParityKitError
+
+    if not isinstance(out, (str, os.PathLike)):
+        return
+    target = Path(out).resolve()
+    for given in inputs:
+        if isinstance(given, (str, os.PathLike)) and Path(given).resolve() == target:
+            raise ParityKitError(
+                f"{label} {out}: is an input of this command; write the report to another file"
+            )

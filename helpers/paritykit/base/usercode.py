@@ -1,0 +1,140 @@
+r"""A user's Python file (``SPEC.py``) loaded as a module, and every call into it guarded: a user's exception becomes one line plus the user's own frames, never paritykit's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paritykit.base.calls import split_inputs, to_device
+from paritykit.base.errors import ParityKitError
+
+SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
+
+
+@dataclass
+class Spec:
+    r"""A loaded ``SPEC.py``: its builders and options, every call into it guarded by :func:`call_user`."""
+
+    path: Any
+    module: Any
+
+    def has(self, name: str) -> bool:
+        return callable(getattr(self.module, name, None))
+
+    def call(self, name: str, *args: Any) -> Any:
+        if not self.has(name):
+            raise ParityKitError(f"{self.path}: defines no {name}(); see `paritykit bisect --help`")
+        return call_user(getattr(self.module, name), *args, what=f"{name}() in {self.path.name}", spec=self)
+
+    @property
+    def name_map(self) -> list[tuple[str, str]]:
+        rules = getattr(self.module, "NAME_MAP", None) or []
+        try:
+            return [(str(a), str(b)) for a, b in rules]
+        except (TypeError, ValueError):
+            raise ParityKitError(
+                f"{self.path}: NAME_MAP must be a list of (regex, replacement) pairs"
+            ) from None
+
+    @property
+    def tolerance(self) -> dict[str, float]:
+        tol = getattr(self.module, "TOLERANCE", None) or {}
+        if not isinstance(tol, dict) or set(tol) - {"atol", "rtol"}:
+            raise ParityKitError(f"{self.path}: TOLERANCE must be a dict with 'atol' and/or 'rtol'")
+        return {k: float(v) for k, v in tol.items()}
+
+    def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
+        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
+        if side == "port" and self.has("port_inputs"):
+            args, kwargs = _split_spec_inputs(
+                self.call("port_inputs", args, kwargs), self.path, "port_inputs()"
+            )
+        if device is not None:
+            args, kwargs = to_device((args, kwargs), device)
+        return args, kwargs
+
+    def build(self, side: str, device: Any = None) -> Any:
+        model = self.call(f"build_{side}")
+        if not hasattr(model, "named_modules") or not callable(model):
+            raise ParityKitError(
+                f"{self.path}: build_{side}() returned {type(model).__name__}, not a torch module"
+            )
+        if device is not None:
+            model = model.to(device)
+        return model.eval()
+
+    def select(self) -> Callable | None:
+        if not self.has("select_output"):
+            return None
+        fn = self.module.select_output
+        return lambda side, output: call_user(
+            fn, side, output, what=f"select_output() in {self.path.name}", spec=self
+        )
+
+
+def _split_spec_inputs(value: Any, path: Any, what: str) -> tuple[tuple, dict]:
+    try:
+        return split_inputs(value)
+    except ParityKitError:
+        raise ParityKitError(f"{path}: {what} must return (args, kwargs) or a kwargs dict") from None
+
+
+def _user_frames(exc: BaseException, spec: Spec | None) -> str:
+    """The traceback of ``exc`` trimmed to the frames in the spec's folder (the user's own files)."""
+    import traceback
+    from pathlib import Path
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if spec is not None:
+        folder = Path(spec.path).resolve().parent
+        mine = [
+            f
+            for f in frames
+            if not f.filename.startswith("<") and Path(f.filename).resolve().is_relative_to(folder)
+        ]
+    else:
+        mine = []
+    # With a spec, only its folder's frames are the user's (a SyntaxError has none: its own lines name the file).
+    kept = mine if spec is not None else frames[-3:]
+    lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)] if kept else []
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
+
+
+def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> Any:
+    r"""Call user code; any exception becomes a :class:`paritykit.errors.UserCodeError` naming ``what`` and
+    carrying the traceback trimmed to the user's frames."""
+    from paritykit.base.errors import UserCodeError
+
+    try:
+        return fn(*args)
+    except (ParityKitError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise UserCodeError(
+            f"{what} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, spec)
+        ) from exc
+
+
+def load_spec(path: Any) -> Spec:
+    r"""Import ``SPEC.py`` with its own folder on ``sys.path`` (so it may import sibling files)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ParityKitError(f"SPEC {str(path)!r}: no such file")
+    if path.suffix != ".py":
+        raise ParityKitError(f"SPEC {str(path)!r}: expected a .py file")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = f"_paritykit_spec_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    spec = Spec(path, module)
+    sys.modules[name] = module
+    call_user(module_spec.loader.exec_module, module, what=f"importing {path.name}", spec=spec)
+    return spec

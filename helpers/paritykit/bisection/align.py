@@ -1,0 +1,637 @@
+r"""Pair the modules of a reference and a port that name them differently.
+
+``blocks.0.attn.qkv`` in a research repository is ``transformer_blocks.0.attn1.to_q/k/v`` in diffusers. The
+alignment is built in five passes, each working only on what the earlier ones left unaligned:
+
+1. ``names``: identical dotted names (with the same class or the same output shape);
+2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.naming`);
+3. ``weights``: a module corresponds to another when their parameters map onto each other by value
+   (:func:`paritykit.convert.infer_conversion_map`); containers pair when the parameters under them do, and
+   a fused tensor split into several gives a 1:N correspondence (``group``). When several modules hold the
+   same parameters (a wrapper around a layer), the deepest pair first: an embedding table pairs with the
+   port's table, never with a block that holds the table and adds positions in its own forward;
+4. ``order``: parameterless modules (activations, dropout, pooling, positional tables) between two aligned
+   neighbours, by execution order and class, so a GELU variant or a rotary table is named itself
+   (``confidence="medium"``);
+5. ``order`` with ``confidence="low"``: what is left, by execution order and output shape.
+
+A pair by weights whose parameters carry no information (constant tensors such as fresh all-ones norms, or
+values that several modules share) is ``low`` confidence too. Port modules whose parameters the reference
+keeps in a module it does not pair with them (positions added inline by the reference's top level, in an
+``embeddings`` block by the port) are listed in ``split_work`` instead of being paired with unequal work.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.base.naming import apply_rules, compile_rules
+from paritykit.base.report import DEFAULT_LIMIT, render_table
+
+HOW = ("names", "map", "weights", "order")
+
+
+@dataclass
+class AlignedPair:
+    r"""One correspondence. ``group`` marks a part of a 1:N or N:1 correspondence (fused <-> split tensors),
+    which cannot be compared call by call."""
+
+    reference: str
+    port: str
+    how: str
+    confidence: str = "high"
+    group: bool = False
+    # set when the port's parameters are a row permutation of the reference's (shift/scale halves swapped,
+    # reordered heads): the two outputs then differ by that permutation by design, so they are not compared
+    layout: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "reference": self.reference,
+            "port": self.port,
+            "how": self.how,
+            "confidence": self.confidence,
+            "group": self.group,
+        }
+        if self.layout:
+            out["layout"] = self.layout
+        return out
+
+
+@dataclass
+class Alignment:
+    r"""The module correspondence of two models; one object, two faces (``to_dict`` and ``render``)."""
+
+    pairs: list[AlignedPair] = field(default_factory=list)
+    unaligned_reference: list[str] = field(default_factory=list)
+    unaligned_port: list[str] = field(default_factory=list)
+    split_work: list[SplitWork] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._index()
+
+    def _index(self) -> None:
+        self._ref = {p.reference: p for p in self.pairs if not p.group}
+        self._port = {p.port: p for p in self.pairs if not p.group}
+
+    def port_of(self, reference: str) -> str | None:
+        """The port module aligned one-to-one with a reference module."""
+        pair = self._ref.get(reference)
+        return pair.port if pair else None
+
+    def reference_of(self, port: str) -> str | None:
+        pair = self._port.get(port)
+        return pair.reference if pair else None
+
+    def pair_of(self, reference: str) -> AlignedPair | None:
+        return self._ref.get(reference)
+
+    @property
+    def one_to_one(self) -> list[AlignedPair]:
+        return [p for p in self.pairs if not p.group]
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if not (self.unaligned_reference or self.unaligned_port) else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {how: sum(1 for p in self.pairs if p.how == how) for how in HOW}
+        return {
+            "aligned": len(self.pairs),
+            "by": counts,
+            "pairs": [p.to_dict() for p in self.pairs],
+            "unaligned_reference": list(self.unaligned_reference),
+            "unaligned_port": list(self.unaligned_port),
+            "split_work": [s.to_dict() for s in self.split_work],
+        }
+
+    def summary(self) -> str:
+        """One line: how many modules were aligned, by which pass, and how many were not."""
+        by = ", ".join(f"{n} by {how}" for how, n in self.to_dict()["by"].items() if n)
+        return (
+            f"{len(self.pairs)} aligned ({by}); unaligned: {len(self.unaligned_reference)} reference, "
+            f"{len(self.unaligned_port)} port"
+        )
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        rows = [
+            [
+                _shown(p.reference),
+                _shown(p.port),
+                p.how + ("" if p.confidence == "high" else f" ({p.confidence})"),
+            ]
+            for p in self.pairs
+        ]
+        lines = [render_table(["reference", "port", "how"], rows, limit=limit, summary=self.summary())]
+        for side, names in (("reference", self.unaligned_reference), ("port", self.unaligned_port)):
+            if names:
+                shown = names if not limit else names[:limit]
+                more = f" … {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+                lines.append(f"unaligned {side}: {', '.join(shown)}{more}")
+        lines += [s.render() for s in self.split_work]
+        return "\n".join(lines)
+
+
+@dataclass
+class SplitWork:
+    r"""A port module doing work the reference does elsewhere: its parameters are held directly by
+    ``reference`` (a module the port module is not paired with), so the two sides split the computation
+    differently and the port module has no reference counterpart to be compared with."""
+
+    port: str
+    reference: str
+    parameters: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "reference": self.reference, "parameters": list(self.parameters)}
+
+    def render(self) -> str:
+        return (
+            f"split differently: port {_shown(self.port)} holds the reference's {_shown(self.reference)} "
+            f"parameters {', '.join(self.parameters[:4])}, used inline in that module's forward; the port "
+            "module has no reference counterpart and is not compared one-to-one"
+        )
+
+
+def _shown(name: str) -> str:
+    return name if name else "(top level)"
+
+
+# ------------------------------------------------------------------------------------------------- sides
+
+
+@dataclass
+class _Side:
+    """What alignment needs to know about one model: executed modules in completion order, classes, output
+    shapes, weights."""
+
+    order: list[str]
+    types: dict[str, str]
+    params: dict[str, dict[str, list[int]]]
+    out_shapes: dict[str, tuple | None]
+    state_dict: Mapping[str, Any] | None
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.order)}
+
+    def parameterless(self, name: str) -> bool:
+        prefix = name + "." if name else ""
+        return not any(k == name or k.startswith(prefix) for k in self._keys)
+
+    def __post_init__(self) -> None:
+        keys = []
+        for module, params in self.params.items():
+            keys += [f"{module}.{p}" if module else p for p in params]
+        self._keys = keys
+
+
+def _side(model: Any, trace: Any) -> _Side:
+    from paritykit.tracing.trace import module_table
+
+    table = trace.modules if trace is not None and trace.modules else (module_table(model) if model else {})
+    if trace is not None and len(trace):
+        # Completion order: a container comes after its children, where its own (inline) work happens.
+        order, out_shapes = [], {}
+        for record in trace.completion_order():
+            if record.call == 0:
+                order.append(record.module)
+                out_shapes[record.module] = _first_output_shape(record)
+    else:
+        order = list(table)
+        out_shapes = {name: None for name in order}
+    state_dict = None
+    if model is not None:
+        from paritykit.tracing.trace import ModelWeights
+
+        weights = ModelWeights(model)
+        # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
+        # tensor per access, and never all at once (the mapping stays lazy)
+        state_dict = weights if weights.offloaded else dict(model.state_dict())
+    elif trace is not None:
+        state_dict = trace.weights()
+    types = {name: info.type for name, info in table.items()}
+    for record in trace.records if trace is not None else ():
+        types.setdefault(record.module, record.type)
+    params = {name: info.params for name, info in table.items()}
+    return _Side(order, types, params, out_shapes, state_dict)
+
+
+def _first_output_shape(record: Any) -> tuple | None:
+    keys = record.output_keys
+    if not keys:
+        return None
+    first = next(iter(keys.values()))
+    try:
+        return tuple(record._trace.tensor(first).shape)
+    except Exception:  # a trace folder with a missing shard still aligns by names and types
+        return None
+
+
+# ------------------------------------------------------------------------------------------------- passes
+
+
+class _Builder:
+    def __init__(self, ref: _Side, port: _Side):
+        self.ref = ref
+        self.port = port
+        self.pairs: list[AlignedPair] = []
+        self.ref_done: set[str] = set()
+        self.port_done: set[str] = set()
+        self.cmap: Any = None
+
+    def add(self, r: str, p: str, how: str, confidence: str = "high", group: bool = False) -> None:
+        self.pairs.append(AlignedPair(r, p, how, confidence, group))
+        self.ref_done.add(r)
+        self.port_done.add(p)
+
+    def free_ref(self) -> list[str]:
+        return [n for n in self.ref.order if n not in self.ref_done]
+
+    def free_port(self) -> list[str]:
+        return [n for n in self.port.order if n not in self.port_done]
+
+    def compatible(self, r: str, p: str, own_params: bool = True) -> bool:
+        same_type = self.ref.types.get(r) == self.port.types.get(p)
+        rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
+        same_shape = rs is not None and rs == ps
+        if not own_params:
+            return same_type or same_shape
+        rp = sorted(map(tuple, self.ref.params.get(r, {}).values()))
+        pp = sorted(map(tuple, self.port.params.get(p, {}).values()))
+        return (same_type or same_shape) and rp == pp
+
+    # 1 + 2 ------------------------------------------------------------------------------------------
+    def by_names(self, rules: Sequence[tuple[str, str]]) -> None:
+        port_free = set(self.free_port())
+        for r in self.free_ref():
+            # the two top levels always correspond: they are the two models being compared
+            if r in port_free and (r == "" or self.compatible(r, r)):
+                self.add(r, r, "names")
+                port_free.discard(r)
+        if not rules:
+            return
+        compiled = compile_rules(rules)
+        port_free = set(self.free_port())
+        for r in self.free_ref():
+            p = apply_rules(r, compiled)
+            if p in port_free and self.compatible(r, p):
+                self.add(r, p, "map")
+                port_free.discard(p)
+
+    # 3 ----------------------------------------------------------------------------------------------
+    def by_weights(self) -> None:
+        if not self.ref.state_dict or not self.port.state_dict:
+            return
+        ref_sd = _restrict(self.ref.state_dict, self.free_ref())
+        port_sd = _restrict(self.port.state_dict, self.free_port())
+        if not ref_sd or not port_sd:
+            return
+        from paritykit.forensics.conversion.modules import match_modules
+
+        # Only what is still unaligned takes part: value matching is the expensive pass.
+        cmap, ref_sd, port_sd = _infer(ref_sd, port_sd)
+        self.cmap = cmap
+        ambiguous = {a.target for a in cmap.ambiguous}
+        informative = {t for t in sources_of_all(cmap) if t not in ambiguous and _informative(port_sd.get(t))}
+        sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
+
+        # Containers and leaves alike: a module pairs with another when the value-unique parameters under
+        # them map onto each other exactly.
+        ref_keys = list(ref_sd)
+        port_keys = list(port_sd)
+        ref_sig: dict[frozenset, list[str]] = defaultdict(list)
+        image_of: dict[str, frozenset] = {}
+        port_by_set: dict[frozenset, list[str]] = defaultdict(list)
+        targets_of: dict[str, set[str]] = defaultdict(set)
+        for t, sources in sources_of.items():
+            for s in sources:
+                targets_of[s].add(t)
+        for r in self.free_ref():
+            under = _under(r, ref_keys)
+            image = frozenset(t for s in under for t in targets_of.get(s, ()))
+            if not image:
+                continue
+            if any(not set(sources_of[t]) <= under for t in image):
+                continue
+            image_of[r] = image
+            ref_sig[image].append(r)
+        for p in self.free_port():
+            mapped = frozenset(t for t in _under(p, port_keys) if t in sources_of)
+            if mapped:
+                port_by_set[mapped].append(p)
+        layout = _output_layouts(cmap.mapping)
+        first_new = len(self.pairs)
+        for image, refs in ref_sig.items():
+            ports = port_by_set.get(image)
+            if not ports:
+                continue
+            # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one set:
+            # pair innermost first, each with the first compatible partner (same class or output shape), so a
+            # layer never pairs with a block that holds it and does more (an embedding table and the
+            # ``embeddings`` block that also adds positions): the block is left over.
+            ports = sorted(ports, key=_depth, reverse=True)
+            confidence = "high" if image & informative else "low"
+            for r in sorted(refs, key=_depth, reverse=True):
+                for p in ports:
+                    if self.compatible(r, p, own_params=False):
+                        self.add(r, p, "weights", confidence)
+                        ports.remove(p)
+                        break
+        for pair in self.pairs[first_new:]:
+            pair.layout = layout.get(pair.port, "")
+
+        # Fused <-> split (1:N) and leaves whose evidence is only ambiguous (constant initialisations).
+        modules = match_modules(ref_sd, port_sd, conversion_map=cmap)
+        ref_free, port_free = set(self.free_ref()), set(self.free_port())
+        split: dict[str, list[str]] = defaultdict(list)
+        for p, refs in modules.items():
+            if p not in port_free:
+                continue
+            refs = [r for r in refs if r in ref_free]
+            if len(refs) == 1:
+                split[refs[0]].append(p)
+            elif len(refs) > 1:
+                for r in refs:
+                    # a many-to-one guess from constants alone is no correspondence at all
+                    if self._evidence(r, p, port_keys, informative) == "high":
+                        self.add(r, p, "weights", group=True)
+        for r, ports in split.items():
+            if r in self.ref_done:
+                continue
+            if len(ports) == 1:
+                if self._parents_agree(r, ports[0]):
+                    self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, informative))
+            else:
+                for p in ports:
+                    if self._evidence(r, p, port_keys, informative) == "high":
+                        self.add(r, p, "weights", group=True)
+
+    def _evidence(self, ref: str, port: str, port_keys: list[str], informative: set[str]) -> str:
+        """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under ``ref``."""
+        prefix = ref + "." if ref else ""
+        sources = {e.target: e.sources for e in self.cmap.mapping}
+        backed = [
+            t
+            for t in _under(port, port_keys) & informative
+            if any(s.startswith(prefix) for s in sources.get(t, ()))
+        ]
+        return "high" if backed else "low"
+
+    def split_work(self) -> list[SplitWork]:
+        """Unaligned port modules whose own parameters equal tensors the reference holds directly in a module
+        paired with something else (the top level adding positions inline, say)."""
+        ref_sd, port_sd = self.ref.state_dict or {}, self.port.state_dict or {}
+        by_shape: dict[tuple, list[str]] = defaultdict(list)
+        for key, value in ref_sd.items():
+            if _informative(value):
+                by_shape[tuple(value.shape)].append(key)
+        paired = {(q.reference, q.port) for q in self.pairs}
+        out = []
+        for p in self.free_port():
+            sources = []
+            for local in self.port.params.get(p, {}):
+                tensor = port_sd.get(f"{p}.{local}" if p else local)
+                if not _informative(tensor):
+                    continue
+                sources += [k for k in by_shape.get(tuple(tensor.shape), []) if _equal(ref_sd[k], tensor)]
+            owners = {k.rsplit(".", 1)[0] if "." in k else "" for k in sources}
+            if len(owners) != 1:
+                continue
+            owner = owners.pop()
+            if owner in self.ref_done and (owner, p) not in paired:
+                out.append(SplitWork(p, owner, sorted(k.rsplit(".", 1)[-1] for k in sources)))
+        return out
+
+    def _parents_agree(self, r: str, p: str) -> bool:
+        """An alignment from ambiguous evidence is kept only when the nearest aligned ancestors correspond."""
+        lookup = {q.reference: q.port for q in self.pairs if not q.group}
+        ra = _ancestors(r)
+        pa = set(_ancestors(p))
+        for a in ra:
+            if a in lookup:
+                return lookup[a] in pa
+        return True
+
+    # 4 + 5 ------------------------------------------------------------------------------------------
+    def by_order(self) -> None:
+        for low in (False, True):
+            for ref_run, port_run in self._runs():
+                if low:
+                    self._pair_by_shape(ref_run, port_run)
+                else:
+                    self._pair_parameterless(ref_run, port_run)
+
+    def _runs(self) -> list[tuple[list[str], list[str]]]:
+        """Stretches of unaligned modules between consecutive aligned anchors, on both sides."""
+        anchors = {q.reference: q.port for q in self.pairs if not q.group}
+        port_pos = self.port.position
+        runs = []
+        current: list[str] = []
+        last_anchor: str | None = None
+        for name in [*self.ref.order, None]:
+            if name is not None and name not in anchors:
+                if name not in self.ref_done:
+                    current.append(name)
+                continue
+            if current:
+                lo = port_pos.get(anchors[last_anchor], -1) if last_anchor is not None else -1
+                hi = (
+                    port_pos.get(anchors[name], len(self.port.order))
+                    if name is not None
+                    else len(self.port.order)
+                )
+                if lo < hi:
+                    port_run = [p for p in self.port.order[lo + 1 : hi] if p not in self.port_done]
+                    runs.append((current, port_run))
+            current = []
+            last_anchor = name
+        return runs
+
+    def _pair_parameterless(self, ref_run: list[str], port_run: list[str]) -> None:
+        refs = [r for r in ref_run if r not in self.ref_done and self.ref.parameterless(r)]
+        ports = [p for p in port_run if p not in self.port_done and self.port.parameterless(p)]
+        by_type_r: dict[str, list[str]] = defaultdict(list)
+        by_type_p: dict[str, list[str]] = defaultdict(list)
+        for r in refs:
+            by_type_r[self.ref.types.get(r, "")].append(r)
+        for p in ports:
+            by_type_p[self.port.types.get(p, "")].append(p)
+        for type_name, rs in by_type_r.items():
+            ps = by_type_p.get(type_name, [])
+            if len(rs) == len(ps):
+                for r, p in zip(rs, ps):
+                    self.add(r, p, "order", "medium")
+        refs = [r for r in refs if r not in self.ref_done]
+        ports = [p for p in ports if p not in self.port_done]
+        if len(refs) == 1 and len(ports) == 1 and self._same_work(refs[0], ports[0]):
+            rs, ps = self.ref.out_shapes.get(refs[0]), self.port.out_shapes.get(ports[0])
+            if rs is not None and rs == ps:
+                self.add(refs[0], ports[0], "order", "medium")
+
+    def _same_work(self, r: str, p: str) -> bool:
+        """Two modules of different classes may do the same work (GELU vs a diffusers activation class), but
+        an identity in eval (Dropout, Identity) never does an activation's: the activation may sit inside a
+        port module that also holds the preceding Linear (diffusers' ``GELU(dim_in, dim_out)``)."""
+        return _identity_like(self.ref.types.get(r, "")) == _identity_like(self.port.types.get(p, ""))
+
+    def _pair_by_shape(self, ref_run: list[str], port_run: list[str]) -> None:
+        refs = [r for r in ref_run if r not in self.ref_done]
+        ports = [p for p in port_run if p not in self.port_done]
+        j = 0
+        for r in refs:
+            shape = self.ref.out_shapes.get(r)
+            if shape is None:
+                continue
+            for k in range(j, len(ports)):
+                if self.port.out_shapes.get(ports[k]) == shape and self._alike(r, ports[k]):
+                    self.add(r, ports[k], "order", confidence="low")
+                    j = k + 1
+                    break
+
+    def _alike(self, r: str, p: str) -> bool:
+        """Same parameter shapes (a norm never pairs with a dropout that happens to return the same shape);
+        or the same class where one side has no parameters (a GroupNorm built with ``affine=False`` against
+        the reference's affine one: the same work, the missing scale and shift being the difference)."""
+        if self.ref.parameterless(r) and self.port.parameterless(p):
+            return self._same_work(r, p)
+        same_type = self.ref.types.get(r) is not None and self.ref.types.get(r) == self.port.types.get(p)
+        if same_type and (self.ref.parameterless(r) or self.port.parameterless(p)):
+            return True
+        return self.compatible(r, p)
+
+
+_ROW_OPS = ("swap_halves", "permute_rows")
+# classes that return their input unchanged in eval: never the counterpart of a module that computes
+_IDENTITY_TYPES = frozenset(
+    {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "Identity"}
+)
+
+
+def _identity_like(type_name: str) -> bool:
+    return type_name.rsplit(".", 1)[-1] in _IDENTITY_TYPES
+
+
+def sources_of_all(cmap: Any) -> set[str]:
+    return {e.target for e in cmap.mapping}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and bool((a == b).all())
+
+
+def _informative(tensor: Any) -> bool:
+    """A tensor whose values can identify it: more than one element and not constant (not all ones/zeros)."""
+    if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
+        return False
+    flat = tensor.detach().reshape(-1)
+    return bool((flat != flat[0]).any())
+
+
+def _output_layouts(mapping: Sequence[Any]) -> dict[str, str]:
+    """Port modules whose parameters are the reference's with output rows reordered (dim 0 of a weight)."""
+    out: dict[str, str] = {}
+    for entry in mapping:
+        steps = [{"op": entry.op, **entry.args}, *entry.args.get("then", [])]
+        for step in steps:
+            if step.get("op") in _ROW_OPS and step.get("dim") == 0:
+                module = entry.target.rsplit(".", 1)[0] if "." in entry.target else ""
+                out[module] = step["op"]
+    return out
+
+
+def _restrict(state_dict: Mapping[str, Any], modules: list[str]) -> Mapping[str, Any]:
+    """The entries of ``state_dict`` under any of ``modules`` (all of them when the top level is among them);
+    a lazy mapping (offloaded weights) stays lazy: nothing is read here."""
+    if "" in modules:
+        return state_dict
+    prefixes = tuple(m + "." for m in modules)
+    if not isinstance(state_dict, dict):
+        from paritykit.forensics.conversion.bounded import Subset
+
+        return Subset(state_dict, [k for k in state_dict if k.startswith(prefixes)])
+    return {k: v for k, v in state_dict.items() if k.startswith(prefixes)}
+
+
+def _infer(ref_sd: Mapping[str, Any], port_sd: Mapping[str, Any]) -> tuple[Any, dict, dict]:
+    """The conversion map of the two sides and the dicts it was inferred from. Weights read on access
+    (offloaded) are compacted first, so unique equal pairs never sit in memory together
+    (:mod:`paritykit.bounded_weights`)."""
+    from paritykit.forensics.conversion.matching import infer_conversion_map
+
+    if isinstance(ref_sd, dict) and isinstance(port_sd, dict):
+        return infer_conversion_map(ref_sd, port_sd), ref_sd, port_sd
+    from paritykit.forensics.conversion.bounded import compact_pair, restore_for
+
+    src, tgt, stood_in = compact_pair(ref_sd, port_sd)
+    cmap = infer_conversion_map(src, tgt)
+    if restore_for(cmap, ref_sd, port_sd, src, tgt, stood_in):
+        cmap = infer_conversion_map(src, tgt)
+    return cmap, src, tgt
+
+
+def _under(module: str, keys: list[str]) -> set[str]:
+    if not module:
+        return set(keys)
+    prefix = module + "."
+    return {k for k in keys if k.startswith(prefix)}
+
+
+def _depth(name: str) -> int:
+    return 0 if not name else name.count(".") + 1
+
+
+def _ancestors(name: str) -> list[str]:
+    """Enclosing module names, nearest first, ending with the top level ``""``."""
+    out = []
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        out.append(name)
+    return out
+
+
+def align_modules(
+    reference: Any,
+    port: Any,
+    ref_trace: Any = None,
+    port_trace: Any = None,
+    *,
+    rules: Sequence[tuple[str, str]] = (),
+    use_weights: bool = True,
+) -> Alignment:
+    r"""Pair the modules of ``reference`` and ``port``.
+
+    Args:
+        reference: the reference ``nn.Module`` (or ``None`` when only its trace is at hand; its weights are then
+            read from the trace folder when present).
+        port: the port ``nn.Module`` (or ``None``).
+        ref_trace: a :class:`paritykit.trace.Trace` of the reference; only executed modules are aligned and
+            execution order comes from it. Without traces every named module takes part, in definition order.
+        port_trace: the same for the port.
+        rules: ``[(regex, repl), …]`` renaming reference names into the port's naming (pass 2).
+        use_weights: run pass 3 (value matching of parameters).
+
+    Returns:
+        An :class:`Alignment`: ``pairs`` (each with ``how`` = ``names``/``map``/``weights``/``order`` and a
+        ``confidence``), ``unaligned_reference`` and ``unaligned_port`` in execution order.
+    """
+    ref_side = _side(reference, ref_trace)
+    port_side = _side(port, port_trace)
+    builder = _Builder(ref_side, port_side)
+    builder.by_names(rules)
+    if use_weights:
+        builder.by_weights()
+    builder.by_order()
+    ref_pos, port_pos = ref_side.position, port_side.position
+    pairs = sorted(
+        builder.pairs, key=lambda q: (ref_pos.get(q.reference, 1 << 30), port_pos.get(q.port, 1 << 30))
+    )
+    return Alignment(
+        pairs=pairs,
+        unaligned_reference=builder.free_ref(),
+        unaligned_port=builder.free_port(),
+        split_work=builder.split_work(),
+    )

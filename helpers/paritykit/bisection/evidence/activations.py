@@ -1,0 +1,181 @@
+r"""Activation evidence (``activation``): which known elementwise function each side computes on the captured input."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from paritykit.bisection.evidence.culprit import (
+    FIT_REL,
+    Culprit,
+    _rel,
+    _verify,
+)
+from paritykit.compare.diagnose import Hint
+
+# inner_activation looks inside culprits of at most this many modules (an MLP, a feed-forward block)
+INNER_ACTIVATION_MODULES = 12
+
+
+def _known_functions() -> dict[str, tuple[Callable, str]]:
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "exact GELU": (F.gelu, "torch.nn.GELU()"),
+        "tanh-GELU": (lambda x: F.gelu(x, approximate="tanh"), "torch.nn.GELU(approximate='tanh')"),
+        "quick-GELU": (lambda x: x * torch.sigmoid(1.702 * x), "x * torch.sigmoid(1.702 * x)"),
+        "SiLU": (F.silu, "torch.nn.SiLU()"),
+        "ReLU": (F.relu, "torch.nn.ReLU()"),
+        "Mish": (F.mish, "torch.nn.Mish()"),
+        "sigmoid": (torch.sigmoid, "torch.nn.Sigmoid()"),
+        "tanh": (torch.tanh, "torch.nn.Tanh()"),
+        "LeakyReLU(0.01)": (F.leaky_relu, "torch.nn.LeakyReLU()"),
+        "ELU": (F.elu, "torch.nn.ELU()"),
+        "softplus": (F.softplus, "torch.nn.Softplus()"),
+        "identity": (lambda x: x, "torch.nn.Identity()"),
+    }
+
+
+def identify_function(x: Any, y: Any) -> tuple[list[str], float]:
+    r"""The known elementwise functions ``f`` with ``f(x) == y`` to near float precision (best first).
+
+    Several names come back when they agree on this input (ReLU and identity on positive values).
+    """
+    import torch
+
+    if x is None or y is None or tuple(x.shape) != tuple(y.shape) or not y.is_floating_point():
+        return [], math.inf
+    fits = []
+    with torch.no_grad():
+        for name, (fn, _) in _known_functions().items():
+            err = _rel(fn(x.to(y.dtype)), y)
+            if err <= FIT_REL:
+                fits.append((err, name))
+    fits.sort()
+    return [n for _, n in fits], (fits[0][0] if fits else math.inf)
+
+
+def _single_input(c: Culprit) -> Any:
+    if c.reference_inputs is None:
+        return None
+    args, kwargs = c.reference_inputs
+    tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")]
+    return tensors[0] if len(tensors) == 1 else None
+
+
+def activation(c: Culprit) -> list[Hint]:
+    r"""``activation``: for parameterless modules, name the known function each side computes on its input;
+    for modules with parameters, :func:`inner_activation`."""
+    if c.reference is None or c.port is None:
+        return []
+    if any(True for _ in c.reference.parameters()) or any(True for _ in c.port.parameters()):
+        return inner_activation(c)  # an MLP: look for the activation inside it
+    x = _single_input(c)
+    if x is None:
+        return []
+    ref_names, ref_err = identify_function(x, c.reference_output)
+    port_names, port_err = identify_function(x, c.port_output)
+    if not ref_names or set(ref_names) & set(port_names):
+        return []
+    ref_name = " or ".join(ref_names[:2])
+    port_name = " or ".join(port_names[:2]) if port_names else "none of the known functions"
+    fn, ctor = _known_functions()[ref_names[0]]
+    hint = Hint(
+        "activation",
+        f"reference computes {ref_name} (relative error {ref_err:.1e} on its captured input), port computes "
+        f"{port_name}"
+        + (f" ({port_err:.1e})" if port_names else "")
+        + " (evidence: each side's output refitted "
+        "from the same input)",
+        {"reference": ref_names, "port": port_names, "reference_fit": ref_err, "port_fit": port_err},
+        score=0.9,
+        fix=f"{c.port_path()} = {ctor}",
+    )
+    return [_verify(c, lambda: fn, hint)]
+
+
+def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless: bool) -> list[tuple]:
+    r"""Run ``module`` through ``run`` with hooks on its leaf submodules: ``(name, input, output)`` per call with
+    one tensor in and one tensor out, in execution order."""
+    calls: list[tuple] = []
+    handles = []
+
+    def hook(name: str) -> Callable:
+        def record(_m: Any, args: tuple, out: Any) -> None:
+            if len(args) == 1 and hasattr(args[0], "shape") and hasattr(out, "shape"):
+                calls.append((name, args[0].detach(), out.detach()))
+
+        return record
+
+    for name, sub in module.named_modules():
+        if not name or any(True for _ in sub.children()):
+            continue
+        if only_parameterless and any(True for _ in sub.parameters(recurse=False)):
+            continue
+        handles.append(sub.register_forward_hook(hook(name)))
+    # the port's fused modules (a GELU with its projection) hold the activation's output one level up
+    if not only_parameterless:
+        for name, sub in module.named_modules():
+            if name and any(True for _ in sub.children()):
+                handles.append(sub.register_forward_hook(hook(name)))
+    try:
+        run(module)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def inner_activation(c: Culprit) -> list[Hint]:
+    r"""``activation`` inside a culprit with parameters (an MLP): a parameterless reference submodule computes a
+    known function ``f`` of its input ``x``; the port computes a different known function ``g`` of that same
+    ``x`` in one of its submodules, and ``f(x)`` nowhere."""
+    if c.reference is None or c.port is None or c.run_reference is None or c.run_port is None:
+        return []
+    if not any(True for _ in c.reference.parameters()):
+        return []  # a parameterless culprit is :func:`activation`'s
+    if sum(1 for _ in c.reference.modules()) > INNER_ACTIVATION_MODULES:
+        return []  # a block, not an MLP: a rerun with every leaf refitted would cost a forward per culprit
+    functions = _known_functions()
+    port_calls = None
+    for name, x, y in _leaf_calls(c.reference, c.run_reference, only_parameterless=True):
+        ref_names, ref_err = identify_function(x, y)
+        if not ref_names or "identity" in ref_names:
+            continue  # dropout and friends say nothing about the activation
+        if port_calls is None:
+            port_calls = _leaf_calls(c.port, c.run_port, only_parameterless=False)
+        fits = []
+        for port_name, _px, out in port_calls:
+            names, err = identify_function(x, out)
+            names = [n for n in names if n != "identity"]
+            if set(names) & set(ref_names):
+                fits = []  # the port computes the reference's function of x somewhere: no case to make
+                break
+            if names:
+                fits.append((port_name, names, err))
+        if not fits:
+            continue
+        port_name, names, err = fits[0]
+        ref_name = " or ".join(ref_names[:2])
+        return [
+            Hint(
+                "activation",
+                f"reference {c.reference_path(name)} computes {ref_name} (relative error {ref_err:.1e} on its "
+                f"captured input); the port computes {' or '.join(names[:2])} ({err:.1e}) of that same tensor in "
+                f"{c.port_path(port_name)} and {ref_names[0]} nowhere (evidence: submodule outputs of both sides "
+                f"refitted from the reference activation's input; not verified: the fix is code, "
+                f"{functions[ref_names[0]][1]})",
+                {
+                    "reference": ref_names,
+                    "port": names,
+                    "reference_fit": ref_err,
+                    "port_fit": err,
+                    "reference_module": c.reference_path(name),
+                    "port_module": c.port_path(port_name),
+                },
+                score=0.85,
+            )
+        ]
+    return []

@@ -1,0 +1,121 @@
+r"""All evidence at a culprit, ranked: the registry of detectors (``EVIDENCE``), :func:`culprit_evidence`, and the
+plain ``no-signature`` hint that lists what was ruled out when no detector finds anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from paritykit.bisection.evidence.activations import activation
+from paritykit.bisection.evidence.casts import reduced_precision
+from paritykit.bisection.evidence.constants import attention_scale, norm_eps
+from paritykit.bisection.evidence.culprit import (
+    Culprit,
+)
+from paritykit.bisection.evidence.settings import module_config
+from paritykit.bisection.evidence.weight_slices import weights
+from paritykit.compare.diagnose import Hint
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+# ------------------------------------------------------------------------------------------ module config
+
+
+# ------------------------------------------------------------------------------------------- activations
+
+
+# ---------------------------------------------------------------------------------------------- fits
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+# --------------------------------------------------------------------------------------- reduced precision
+
+
+# -------------------------------------------------------------------------------------------- the whole
+
+
+EVIDENCE: tuple[tuple[str, Callable[[Culprit], list[Hint]]], ...] = (
+    ("module config", module_config),
+    ("activation", activation),
+    ("norm eps", norm_eps),
+    ("attention scale", attention_scale),
+    ("weight slices", weights),
+    ("reduced precision", reduced_precision),
+)
+
+
+def rank(hints: Sequence[Hint]) -> list[Hint]:
+    r"""Verified fixes first, then by score; one hint per fix."""
+    seen, out = set(), []
+    for h in sorted(hints, key=lambda h: (h.verified is not True, -h.score)):
+        key = h.fix or (h.id, h.message)  # two detectors proposing one fix: the first says it
+        if key not in seen:
+            seen.add(key)
+            out.append(h)
+    return out
+
+
+def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint]:
+    r"""Run every evidence function at a culprit; with nothing found anywhere, one ``no-signature`` hint.
+
+    Args:
+        c: the culprit.
+        tensor_hints: what the tensor-level detectors (:func:`paritykit.diagnose.diagnose`, remix) found.
+    Returns:
+        Hints, verified fixes first.
+    """
+    import torch
+
+    found: list[Hint] = []
+    ran: list[str] = []
+    failed: list[str] = []
+    with torch.no_grad():
+        for name, fn in EVIDENCE:
+            if name == "norm eps" and any(
+                h.id == "module-config" and h.evidence.get("difference", {}).get("name") == "eps"
+                for h in found
+            ):
+                continue  # the eps is named already; a fit would only repeat it
+            try:
+                found += fn(c)
+                ran.append(name)
+            except Exception as exc:  # one broken check must not hide the others, nor count as passed
+                failed.append(f"{name} ({type(exc).__name__}: {str(exc)[:80]})")
+    hints = rank([*found, *tensor_hints])
+    verified = [h for h in hints if h.verified]
+    if verified:
+        return verified  # a fix that makes the module match explains all of it; the rest would only distract
+    if hints:
+        return hints
+    return [no_signature(c, ran, failed)]
+
+
+def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> Hint:
+    r"""The plain statement when no detector has evidence, with what was ruled out and what could not run."""
+    ruled_out = [*ran, "tensor signatures"]
+    checked_all = (
+        c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
+    )
+    if checked_all and c.layouts:
+        message = (
+            "no known signature; module config is identical and every parameter holds the reference tensor its "
+            f"name implies, some through a layout op ({', '.join(c.layouts[:3])}): if that layout is not what "
+            "the port's forward expects, it is the cause; otherwise the forward code differs"
+        )
+    elif checked_all:
+        message = (
+            "no known signature; module config and weights are identical (every parameter holds the reference "
+            "tensor its name implies), so the forward code differs"
+        )
+    elif c.reference is None or c.port is None:
+        message = (
+            "no known signature in the output tensors; module objects were not available, so configuration "
+            "and weights were not checked"
+        )
+    else:
+        message = "no known signature; not every check could run, so the cause is unknown"
+    message += f" (ruled out: {', '.join([*ran, 'tensor signatures (casts, transposes, scales, offsets)'])}"
+    message += f"; could not run: {', '.join(failed)})" if failed else ")"
+    return Hint("no-signature", message, {"ruled_out": ruled_out, "not_run": list(failed)}, score=0.1)

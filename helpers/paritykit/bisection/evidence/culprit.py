@@ -1,0 +1,141 @@
+r"""The culprit every detector reads (``Culprit``: the two modules, their captured call, replay of a patched copy) and the helpers detectors share."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.compare.diagnose import Hint
+
+# a fitted constant "reproduces" an output when the relative error left is at most this (near float precision)
+FIT_REL = 1e-5
+
+
+# …and at most this share of the error before the fit
+FIT_GAIN = 0.01
+
+
+# attributes that never change a module's numbers
+_IGNORED = frozenset({"training", "inplace", "dump_patches", "call_super_init"})
+
+
+# names that mean the same setting in different code bases
+_SYNONYMS = {
+    "epsilon": "eps",
+    "variance_epsilon": "eps",
+    "norm_eps": "eps",
+    "layer_norm_eps": "eps",
+    "scaling": "scale",
+    "softmax_scale": "scale",
+    "sm_scale": "scale",
+    "rope_theta": "theta",
+    "num_heads": "heads",
+    "num_attention_heads": "heads",
+    "n_heads": "heads",
+}
+
+
+_EPS_NAMES = ("eps", "epsilon", "variance_epsilon")
+
+
+_SCALE_NAMES = ("scale", "scaling", "softmax_scale")
+
+
+@dataclass
+class Culprit:
+    r"""What is known at a culprit: the two modules, their captured call and a way to re-run the port.
+
+    Args:
+        reference_name, port_name: dotted module names in their models (``""`` for the top level).
+        reference, port: the module objects (``None`` when only traces are available).
+        reference_output, port_output: the first output leaf that differs, as replayed on identical inputs.
+        run_reference: ``run_reference(fn)`` calls ``fn`` on fresh copies of the reference's captured inputs
+            and returns the output leaf that corresponds to ``reference_output``.
+        run_port: the same for the port's call (the reference's tensors in the port's signature).
+        check: ``check(fn) -> (matches, max_abs)``: ``fn`` run on the port's inputs, every output leaf compared
+            with the reference's within the bisect tolerances.
+        subpairs: aligned ``(reference, port)`` module names inside the culprit, relative to it.
+        reference_inputs: the reference call's captured ``(args, kwargs)``.
+    """
+
+    reference_name: str
+    port_name: str
+    reference: Any
+    port: Any
+    reference_output: Any
+    port_output: Any
+    run_reference: Callable[[Callable], Any] | None = None
+    run_port: Callable[[Callable], Any] | None = None
+    check: Callable[[Callable], tuple[bool, float]] | None = None
+    subpairs: list[tuple[str, str]] = field(default_factory=list)
+    reference_inputs: tuple[tuple, dict] | None = None
+    # filled by :func:`weights`: port parameters built from the reference through a layout op (transpose, …)
+    layouts: list[str] = field(default_factory=list)
+
+    def port_path(self, sub: str = "", attr: str = "") -> str:
+        r"""The dotted name of an attribute of the port (``port`` stands for the top level)."""
+        return ".".join(p for p in (self.port_name, sub, attr) if p) or "port"
+
+    def reference_path(self, sub: str = "") -> str:
+        return ".".join(p for p in (self.reference_name, sub) if p) or "reference"
+
+
+def _rel(x: Any, y: Any) -> float:
+    r"""||x - y|| / ||y|| in float64 (inf for a shape mismatch or a non-finite value)."""
+    import torch
+
+    if x is None or y is None or tuple(x.shape) != tuple(y.shape):
+        return math.inf
+    x64, y64 = x.detach().double().cpu(), y.detach().double().cpu()
+    diff = float(torch.linalg.vector_norm(x64 - y64))
+    den = float(torch.linalg.vector_norm(y64))
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / den if den else (0.0 if diff == 0 else math.inf)
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}" if value != 0 and 1e-4 <= abs(value) < 1e5 else f"{value:g}"
+    return repr(value)
+
+
+def _verify(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
+    r"""Build the fixed port (``make()``, e.g. a patched deep copy), run it on the port's inputs and record the
+    before/after error: ``verified`` is True when it then matches the reference, False when it does not, and
+    stays None when it could not be tried (no replay, or the copy or the call raised)."""
+    if c.check is None:
+        return hint
+    try:
+        ok, after = c.check(make())
+    except Exception as exc:  # could not be tried (a module that cannot be copied, a fix the call rejects)
+        hint.evidence["verify_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        return hint
+    hint.verified = bool(ok)
+    hint.evidence["max_abs_before"] = float((c.reference_output - c.port_output).abs().max())
+    hint.evidence["max_abs_after"] = after
+    if ok:
+        hint.score = max(hint.score, 0.99)
+    return hint
+
+
+def _patched(module: Any, changes: dict[str, Any]) -> Any:
+    r"""A deep copy of ``module`` with ``{"sub.attr": value}`` set (a missing parameter is added as one)."""
+    import torch
+
+    clone = copy.deepcopy(module)
+    for path, value in changes.items():
+        owner_path, _, attr = path.rpartition(".")
+        owner = clone.get_submodule(owner_path) if owner_path else clone
+        if isinstance(value, torch.nn.Parameter) or (
+            isinstance(value, torch.Tensor) and attr in owner._parameters
+        ):
+            owner._parameters[attr] = torch.nn.Parameter(value.detach().clone(), requires_grad=False)
+        elif isinstance(value, torch.Tensor) and attr in owner._buffers:
+            owner._buffers[attr] = value.detach().clone()
+        else:
+            setattr(owner, attr, value)
+    return clone

@@ -1,0 +1,270 @@
+r"""Settings evidence (``module-config``): public attributes, ``extra_repr()`` fields and buffers of two aligned modules that differ, each fix replayed on a copy."""
+
+from __future__ import annotations
+
+import ast
+import enum
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from paritykit.bisection.evidence.culprit import (
+    _IGNORED,
+    _SYNONYMS,
+    Culprit,
+    _num,
+    _patched,
+    _verify,
+)
+from paritykit.compare.diagnose import Hint
+
+
+def _plain(value: Any) -> Any:
+    r"""``value`` when it is a configuration value (number, string, bool, None, enum, short tuple of those)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (tuple, list)) and len(value) <= 8:
+        items = [_plain(v) for v in value]
+        if all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+            return tuple(items)
+    return _SKIP
+
+
+_SKIP = object()
+
+
+def _repr_fields(module: Any) -> dict[str, Any]:
+    r"""``key=value`` fields of ``extra_repr()`` that parse as Python literals."""
+    try:
+        text = module.extra_repr()
+    except Exception:
+        return {}
+    out = {}
+    for key, raw in re.findall(r"(\w+)=((?:\([^)]*\))|[^,]+)", text):
+        try:
+            out[key] = _plain(ast.literal_eval(raw.strip()))
+        except (ValueError, SyntaxError):
+            out[key] = raw.strip()
+    return {k: v for k, v in out.items() if v is not _SKIP}
+
+
+def config_of(module: Any) -> dict[str, tuple[str, Any]]:
+    r"""A module's own configuration: ``{canonical name: (attribute name, value)}``.
+
+    Public attributes holding numbers, strings, bools, enums or short tuples of them, plus ``extra_repr()``
+    fields; synonyms share one canonical name (``variance_epsilon`` and ``eps`` are both ``eps``).
+    """
+    out: dict[str, tuple[str, Any]] = {}
+    slots = module._parameters.keys() | module._buffers.keys() | module._modules.keys()
+    for key, value in _repr_fields(module).items():
+        if key not in slots:  # ``bias=False`` in a repr says a parameter is absent: compared as a parameter
+            out[_SYNONYMS.get(key, key)] = (key, value)
+    for key, value in vars(module).items():
+        if key.startswith("_") or key in _IGNORED:
+            continue
+        plain = _plain(value)
+        if plain is not _SKIP:
+            out[_SYNONYMS.get(key, key)] = (key, plain)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+@dataclass
+class SettingDifference:
+    r"""One setting that differs between two aligned modules: ``port.<attr>`` is ``port_value``."""
+
+    reference: str
+    port: str
+    name: str
+    attr: str
+    reference_value: Any
+    port_value: Any
+    kind: str = "attribute"  # attribute | buffer | parameter
+
+    def describe(self, reference_class: str = "") -> str:
+        what = f"{reference_class} " if reference_class else ""
+        if self.kind == "attribute":
+            return f"reference {what}{self.name}={_num(self.reference_value)}, port {self.attr}={_num(self.port_value)}"
+        if self.kind == "parameter":
+            return f"reference {what}has parameter {self.attr}, the port's is None"
+        return f"{self.kind} {self.attr}: {self.reference_value} (reference) vs {self.port_value} (port)"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "reference": self.reference,
+            "port": self.port,
+            "name": self.name,
+            "attr": self.attr,
+            "kind": self.kind,
+            "reference_value": self.reference_value,
+            "port_value": self.port_value,
+        }
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+def _tensor_summary(t: Any, name: str = "") -> str:
+    flat = t.detach().double().flatten()
+    head = ", ".join(f"{float(v):.4g}" for v in flat[:3])
+    text = f"[{head}{', …' if flat.numel() > 3 else ''}] shape {list(t.shape)}"
+    theta = _rope_theta(flat) if "freq" in name else None
+    return text + (f" (rotary theta {theta:.6g})" if theta else "")
+
+
+def _rope_theta(inv_freq: Any) -> float | None:
+    r"""The base of a rotary table ``inv_freq[i] = theta ** (-i / n)``, if the buffer is one."""
+    import torch
+
+    n = inv_freq.numel()
+    if n < 2 or not bool((inv_freq > 0).all()) or float(inv_freq[0]) != 1.0:
+        return None
+    theta = float(inv_freq[1]) ** -n
+    expected = theta ** (-torch.arange(n, dtype=torch.float64) / n)
+    return theta if torch.allclose(inv_freq, expected, rtol=1e-4) else None
+
+
+def settings_diff(
+    reference: Any, port: Any, reference_name: str = "", port_name: str = ""
+) -> list[SettingDifference]:
+    r"""Settings that differ between two modules: common configuration names, then same-named buffers, then
+    parameters the reference has and the port lacks (``elementwise_affine=False``)."""
+    import torch
+
+    out = []
+    ref_cfg, port_cfg = config_of(reference), config_of(port)
+    for name in sorted(ref_cfg.keys() & port_cfg.keys()):
+        (_, a), (attr, b) = ref_cfg[name], port_cfg[name]
+        if not _same(a, b):
+            out.append(SettingDifference(reference_name, port_name, name, attr, a, b))
+    ref_bufs = dict(reference.named_buffers(recurse=False))
+    for key, b in port.named_buffers(recurse=False):
+        a = ref_bufs.get(key)
+        if a is None or a.shape != b.shape or not (a.is_floating_point() and b.is_floating_point()):
+            continue
+        if not torch.allclose(a.double().cpu(), b.double().cpu(), rtol=1e-6, atol=0.0):
+            out.append(
+                SettingDifference(
+                    reference_name,
+                    port_name,
+                    key,
+                    key,
+                    _tensor_summary(a, key),
+                    _tensor_summary(b, key),
+                    "buffer",
+                )
+            )
+    for key, a in reference.named_parameters(recurse=False):
+        if a is not None and key in port._parameters and port._parameters[key] is None:
+            out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
+    return out
+
+
+def config_differences(
+    reference: Any, port: Any, pairs: Sequence[tuple[str, str]]
+) -> list[SettingDifference]:
+    r"""Every setting that differs over aligned ``(reference, port)`` module pairs of two whole models."""
+    ref_modules, port_modules = dict(reference.named_modules()), dict(port.named_modules())
+    out = []
+    for ref_name, port_name in pairs:
+        a, b = ref_modules.get(ref_name), port_modules.get(port_name)
+        if a is not None and b is not None:
+            out += settings_diff(a, b, ref_name, port_name)
+    return out
+
+
+def _fix_value(d: SettingDifference, reference: Any) -> Any:
+    if d.kind == "attribute":
+        value = d.reference_value
+        return tuple(value) if isinstance(value, tuple) else value
+    owner = reference.get_submodule(d.reference) if d.reference else reference
+    return getattr(owner, d.attr)
+
+
+def module_config(c: Culprit) -> list[Hint]:
+    r"""``module-config``: the culprit's settings (and those of the aligned pairs inside it) that differ.
+
+    Fixes are tried on a copy of the port (the attribute set to the reference's value, a differing buffer or a
+    missing parameter copied from the reference): all differences together, then without each one that is not
+    needed, so a verified fix names only the settings that matter (the rest do not change this output).
+    """
+    if c.reference is None or c.port is None:
+        return []
+    diffs = settings_diff(c.reference, c.port)
+    for ref_sub, port_sub in c.subpairs:
+        try:
+            a, b = c.reference.get_submodule(ref_sub), c.port.get_submodule(port_sub)
+        except AttributeError:
+            continue
+        diffs += settings_diff(a, b, ref_sub, port_sub)
+    if not diffs:
+        return []
+    edits = [(".".join(p for p in (d.port, d.attr) if p), _fix_value(d, c.reference)) for d in diffs]
+    if len(diffs) > 1 and c.check is not None:
+        needed = _needed(c, edits)
+        if needed is not None:  # the fewest differences that together make the module match
+            diffs, edits = [diffs[k] for k in needed], [edits[k] for k in needed]
+    hints = [_config_hint(c, d) for d in diffs]
+    if len(diffs) > 1:
+        # the settings usually go together (affine on = a flag and two parameters): try them as one fix first
+        combined = Hint(
+            "module-config",
+            f"{len(diffs)} settings differ: "
+            + "; ".join(h.message.removesuffix(_CONFIG_EVIDENCE) for h in hints)
+            + _CONFIG_EVIDENCE,
+            {"differences": [d.to_dict() for d in diffs]},
+            score=0.8,
+            fix="; ".join(h.fix for h in hints if h.fix),
+        )
+        if _verify(c, lambda: _patched(c.port, dict(edits)), combined).verified:
+            return [combined]
+    for hint, (path, value) in zip(hints, edits):
+        _verify(c, lambda p=path, v=value: _patched(c.port, {p: v}), hint)
+        if hint.verified is False:
+            hint.message += " - setting it alone does not make the module match"
+            hint.score = 0.6
+    return hints
+
+
+_CONFIG_EVIDENCE = " (evidence: the two modules' configuration)"
+
+
+def _needed(c: Culprit, edits: list[tuple[str, Any]]) -> list[int] | None:
+    r"""Indices of the edits that matter: all of them make the port match, and dropping any one does not."""
+
+    def matches(keep: list[int]) -> bool:
+        try:
+            return c.check(_patched(c.port, dict(edits[k] for k in keep)))[0]
+        except Exception:
+            return False
+
+    keep = list(range(len(edits)))
+    if not matches(keep):
+        return None
+    for k in list(keep):
+        trial = [j for j in keep if j != k]
+        if trial and matches(trial):
+            keep = trial
+    return keep
+
+
+def _config_hint(c: Culprit, d: SettingDifference) -> Hint:
+    cls = type(c.reference.get_submodule(d.reference) if d.reference else c.reference).__name__
+    if d.kind == "attribute":
+        fix = f"{c.port_path(d.port, d.attr)} = {_fix_value(d, c.reference)!r}"
+    else:
+        fix = f"copy {d.kind} {c.reference_path(d.reference)}.{d.attr} into {c.port_path(d.port, d.attr)}"
+    return Hint(
+        "module-config", d.describe(cls) + _CONFIG_EVIDENCE, {"difference": d.to_dict()}, score=0.8, fix=fix
+    )

@@ -1,0 +1,209 @@
+r"""Weights evidence (``weights``): port parameters holding a different reference slice than their name implies, found by conversion inference and verified by undoing it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from paritykit.bisection.evidence.culprit import (
+    Culprit,
+    _patched,
+    _verify,
+)
+from paritykit.compare.diagnose import Hint
+
+# the order a fused projection holds its parts in, by the role word in a split module's name
+_ROLES = {
+    3: (
+        ("q", "query", "to_q", "q_proj", "wq"),
+        ("k", "key", "to_k", "k_proj", "wk"),
+        ("v", "value", "to_v", "v_proj", "wv"),
+    ),  # fmt: skip
+    2: (("k", "key", "to_k", "k_proj", "wk"), ("v", "value", "to_v", "v_proj", "wv")),
+}
+
+
+def _implied_index(target: str, count: int) -> int | None:
+    r"""The chunk a split parameter's name implies (``to_k.weight`` is chunk 1 of 3), if its name says."""
+    words = set(re.split(r"[._]", target.rpartition(".")[0] or target)) | set(target.split("."))
+    roles = _ROLES.get(count)
+    if roles is None:
+        return None
+    hits = [i for i, names in enumerate(roles) if words & set(names)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _state(module: Any) -> dict[str, Any]:
+    return {k: v for k, v in module.state_dict().items() if v.is_floating_point() and v.ndim > 0}
+
+
+def weights(c: Culprit) -> list[Hint]:
+    r"""``weights``: port parameters built from another reference slice than their name implies.
+
+    The two modules' state dicts go through :func:`paritykit.convert.infer_conversion_map` (the value matching
+    of ``paritykit weights map``); a split parameter whose chunk index differs from the one its role word
+    implies is a conversion bug. The fix loads each from its implied slice, through the same rule runtime.
+    """
+    if c.reference is None or c.port is None:
+        return []
+    from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
+    from paritykit.forensics.conversion.matching import infer_conversion_map
+
+    # keyed by their names in the whole models, as `paritykit weights map` sees them (and names them)
+    ref_prefix, port_prefix = _prefix(c.reference_name), _prefix(c.port_name)
+    ref_sd = {ref_prefix + k: v for k, v in _state(c.reference).items()}
+    port_sd = {port_prefix + k: v for k, v in _state(c.port).items()}
+    if not ref_sd or not port_sd:
+        return []
+    cmap = infer_conversion_map(ref_sd, port_sd)
+    ambiguous = {a.target for a in cmap.ambiguous}
+    entries = [e for e in cmap.mapping if e.target not in ambiguous]
+    c.layouts = [
+        f"{e.target} ({e.describe()})" for e in entries if any(st["op"] in _LAYOUT_OPS for st in _steps(e))
+    ]
+    rules, lines = [], []
+    for entry in entries:
+        found = _misassigned(entry, ref_sd)
+        if found is not None:
+            rules.append(found[0])
+            lines.append(found[1])
+    if rules:
+        message = "conversion bug: " + "; ".join(lines)
+    else:
+        # a layout op (transpose, reordered rows) the names do not call for is only a slip when undoing it
+        # makes the module match, so these come back only verified
+        rules = [r for r in (_without_layout(e, ref_sd, port_sd) for e in entries) if r is not None]
+        if not rules:
+            return _unmatched(c, cmap, ref_sd)
+        message = "conversion slip: " + "; ".join(
+            f"port {r['target']} is reference {r['sources'][0]} after {r['layout']}" for r in rules
+        )
+    fixed = apply_rules_to_state_dict(rules, {k: ref_sd[k] for k in {r["sources"][0] for r in rules}})
+    hint = Hint(
+        "weights",
+        message + " (evidence: parameter values matched as in `paritykit weights map`)",
+        {"rules": [{k: v for k, v in r.items() if k != "pattern"} for r in rules]},
+        score=0.95,
+        fix="; ".join(f"load {r['target']} from {r['sources'][0]}" + _describe(r) for r in rules),
+    )
+    patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
+    _verify(c, lambda: _patched(c.port, patch), hint)
+    if "layout" in rules[0] and not hint.verified:
+        return _unmatched(c, cmap, ref_sd)
+    return [hint]
+
+
+_LAYOUT_OPS = ("transpose", "permute", "swap_halves", "permute_rows")
+
+
+def _describe(rule: dict[str, Any]) -> str:
+    from paritykit.forensics.conversion.results import describe_op
+
+    text = describe_op(rule["op"], rule["args"])
+    return f" ({text})" if text else ""
+
+
+def _rule(source: str, target: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    op, args = (
+        ("identity", {}) if not steps else (steps[0]["op"], {k: v for k, v in steps[0].items() if k != "op"})
+    )
+    if len(steps) > 1:
+        args["then"] = steps[1:]
+    return {"pattern": re.escape(source), "sources": [source], "target": target, "op": op, "args": args}
+
+
+def _steps(entry: Any) -> list[dict[str, Any]]:
+    main = {"op": entry.op, **{k: v for k, v in entry.args.items() if k != "then"}}
+    return ([main] if entry.op != "identity" else []) + list(entry.args.get("then", []))
+
+
+def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    r"""The corrected rule and a sentence when a port parameter holds another role's tensor than its name says:
+    a chunk of a fused projection other than the one its role implies, or a whole tensor of another role
+    (``to_k`` loaded from ``v_proj``)."""
+    if len(entry.sources) != 1:
+        return None
+    source = entry.sources[0]
+    steps = _steps(entry)
+    if entry.op == "chunk" and "count" in entry.args:
+        count, index = entry.args["count"], entry.args["index"]
+        implied = _implied_index(entry.target, count)
+        if implied is None or implied == index:
+            return None
+        size = entry.args["stop"] - entry.args["start"]
+        steps[0] = dict(steps[0], index=implied, start=implied * size, stop=(implied + 1) * size)
+        return _rule(source, entry.target, steps), (
+            f"port {entry.target} holds chunk {index}/{count} of reference {source} "
+            f"(its name implies chunk {implied}/{count})"
+        )
+    want, have = _implied_index(entry.target, 3), _implied_index(source, 3)
+    if entry.op == "chunk" or want is None or have is None or want == have:
+        return None
+    leaf = source.rsplit(".", 1)[-1]
+    others = [k for k in ref_sd if k.rsplit(".", 1)[-1] == leaf and _implied_index(k, 3) == want
+              and k.count(".") == source.count(".") and _same_but_role(k, source)]  # fmt: skip
+    if len(others) != 1:
+        return None
+    return _rule(others[0], entry.target, steps), (
+        f"port {entry.target} holds reference {source} (its name implies {others[0]})"
+    )
+
+
+def _same_but_role(a: str, b: str) -> bool:
+    r"""Whether two names differ only in their role segment (``attn.k_proj.weight`` / ``attn.v_proj.weight``)."""
+    diff = [(x, y) for x, y in zip(a.split("."), b.split(".")) if x != y]
+    return len(diff) == 1
+
+
+def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any]) -> dict[str, Any] | None:
+    r"""The rule for ``entry`` with its layout steps (transpose, row reorders) dropped, when the shapes allow."""
+    if len(entry.sources) != 1:
+        return None
+    steps = _steps(entry)
+    kept = [s for s in steps if s["op"] not in _LAYOUT_OPS]
+    if len(kept) == len(steps):
+        return None
+    rule = _rule(entry.sources[0], entry.target, kept)
+    rule["layout"] = " + ".join(s["op"] for s in steps if s["op"] in _LAYOUT_OPS)
+    from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
+
+    # the shape must come out right without the layout step (a transposed square matrix, a reordered row set)
+    try:
+        out = apply_rules_to_state_dict([rule], {entry.sources[0]: ref_sd[entry.sources[0]]})
+    except Exception:
+        return None
+    return rule if tuple(out[entry.target].shape) == tuple(port_sd[entry.target].shape) else None
+
+
+def _prefix(name: str) -> str:
+    return name + "." if name else ""
+
+
+def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
+    r"""Port parameters that equal no reference tensor (nor a slice, transpose or cast of one), and reference
+    parameters with information (not constant) that no port parameter uses: dropped in the conversion."""
+    dropped = [k for k in cmap.unused_source if _informative(ref_sd[k])]
+    if not cmap.unmapped_target and not dropped:
+        return []
+    parts = []
+    if cmap.unmapped_target:
+        names = ", ".join(cmap.unmapped_target[:6])
+        parts.append(f"port parameters {names} equal no reference tensor of {c.reference_path()} by value")
+    if dropped:
+        names = ", ".join(dropped[:6])
+        parts.append(f"reference parameters {names} (not constant) are used by no port parameter")
+    return [
+        Hint(
+            "weights",
+            "; ".join(parts)
+            + " (evidence: parameter values matched as in `paritykit weights map`): the conversion "
+            "drops or alters them, or the port lacks the layer that uses them",
+            {"unmatched_port": list(cmap.unmapped_target), "unused_reference": dropped},
+            score=0.85,
+        )
+    ]
+
+
+def _informative(t: Any) -> bool:
+    flat = t.detach().reshape(-1)
+    return flat.numel() > 1 and bool((flat != flat[0]).any())

@@ -1,0 +1,287 @@
+r"""From a located call to a culprit finding: its tests, hints and verified fixes (evidence, remix, module fits, inline-reference hints), and the first output that differs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from paritykit.base.calls import is_tensor
+from paritykit.bisection.align import Alignment
+from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
+from paritykit.bisection.ops import op_divergence
+from paritykit.bisection.remix import culprit_hints
+from paritykit.bisection.results import ModuleFinding, ModuleTest
+from paritykit.bisection.searcher import Searcher, join_notes
+
+
+def first_divergence(
+    ref_trace: Any,
+    port_trace: Any,
+    alignment: Alignment,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    confidence: Sequence[str] = ("high", "medium", "low"),
+) -> ModuleFinding | None:
+    r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
+
+    This is where the error first becomes visible, not necessarily where it is made (it may come in with the
+    inputs); :func:`bisect` finds the latter. Only pairs aligned with one of ``confidence`` take part.
+    """
+    from paritykit.compare.tensors import compare_tensors
+
+    for record in ref_trace.completion_order():
+        pair = alignment.pair_of(record.module)
+        if pair is None or pair.layout or pair.confidence not in confidence:
+            continue
+        port_name = pair.port
+        port_call = port_name if record.call == 0 else f"{port_name}#{record.call}"
+        if port_call not in port_trace:
+            continue
+        other = port_trace[port_call]
+        a, b = list(record.outputs.items()), list(other.outputs.items())
+        pairs = pair_leaves(a, b)
+        if pairs is None:
+            continue
+        for i, j in pairs:
+            cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
+            if not cmp.passed:
+                return ModuleFinding(
+                    record.name,
+                    port_call,
+                    pair.how,
+                    "output",
+                    cmp.max_abs,
+                    cmp.cosine,
+                    hints=list(cmp.hints),
+                    confidence=pair.confidence,
+                )
+    return None
+
+
+def culprit_finding(
+    searcher: Searcher, call: Any, children_passed: int, output: Any, ops: bool = False
+) -> ModuleFinding:
+    alignment = searcher.alignment
+    port_call = searcher.port_record(call)
+    pair = alignment.pair_of(call.module)
+    if call.parent is None:
+        # Nothing below the top level fails: the top level's own forward differs.
+        return ModuleFinding(
+            call.name,
+            port_call.name if port_call else "",
+            pair.how if pair else "names",
+            "output",
+            output.max_abs,
+            output.cosine,
+            inline=children_passed > 0,
+            children_passed=children_passed,
+            hints=_with_inline(
+                searcher,
+                call,
+                port_call,
+                children_passed,
+                output.max_abs,
+                _hints_at(searcher, call, port_call, None, output),
+            ),
+            note=_untested_inside(alignment, call.module),
+        )
+    result = searcher.results[call.name]
+    op = None
+    if ops and result.test == "replay":
+        ref_module = searcher.ref_modules.get(call.module)
+        port_module = searcher.port_modules.get(port_call.module)
+        adapted = searcher.adapt_inputs(call, port_call, module_device(port_module))
+        if ref_module is not None and adapted is not None:
+            op = op_divergence(
+                ref_module, port_module, call.call_inputs(), adapted, atol=searcher.atol, rtol=searcher.rtol
+            )
+    return ModuleFinding(
+        call.name,
+        port_call.name,
+        pair.how,
+        result.test,
+        result.max_abs,
+        result.cosine,
+        inline=children_passed > 0,
+        children_passed=children_passed,
+        hints=_with_extra_inputs(
+            searcher,
+            call,
+            port_call,
+            result.max_abs,
+            _with_inline(
+                searcher,
+                call,
+                port_call,
+                children_passed,
+                result.max_abs,
+                _hints_at(searcher, call, port_call, result, None),
+            ),
+        ),
+        confidence=pair.confidence,
+        note=join_notes(result.note, _untested_inside(alignment, call.module)),
+        op=op,
+    )
+
+
+def _with_extra_inputs(
+    searcher: Searcher, call: Any, port_call: Any, before: float | None, hints: list
+) -> list:
+    """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
+    inside the module), the port modules producing them and a verified constructor fit of those
+    (:func:`paritykit.module_fit.extra_input_hints`); a verified fix goes first."""
+    if call.name not in searcher.own_inputs or any(h.verified for h in hints):
+        return hints
+    from paritykit.bisection.module_fit import extra_input_hints
+
+    extra = extra_input_hints(searcher, call, port_call, before)
+    verified = [h for h in extra if h.verified]
+    if not verified:
+        return [*hints, *extra]
+    # the difference is traced to the port module the fit changed: "the forward code differs" no longer stands
+    rest = [h for h in extra if not h.verified]
+    return [*verified, *(h for h in hints if h.id != "no-signature"), *rest]
+
+
+def _with_inline(
+    searcher: Searcher, call: Any, port_call: Any, children_passed: int, before: float | None, hints: list
+) -> list:
+    """At an inline culprit, the evidence of the first differing child input goes first
+    (:func:`paritykit.module_fit.inline_reference_hints`); a "forward code differs" hint then no longer
+    stands, since the difference was traced to a port module the reference has no counterpart for."""
+    if children_passed == 0 or port_call is None:
+        return hints
+    if any(h.verified for h in hints):
+        return hints  # a fix verified at the culprit (paritykit.evidence) explains all of it
+    from paritykit.bisection.module_fit import inline_reference_hints
+
+    extra = inline_reference_hints(searcher, call, port_call, before)
+    if not extra:
+        return hints
+    seen = {h.id for h in extra}
+    if not seen & {"inline-reference", "module-fit"}:
+        # only where the difference shows (inside the culprit's own forward): the causes found so far lead
+        return [*hints, *(h for h in extra if h.id not in {g.id for g in hints})]
+    # "the forward code differs" no longer stands once the difference is traced to a port module; a cause
+    # named at the culprit (an activation refitted inside it) leads an unverified locating hint
+    causes = [h for h in hints if h.id != "no-signature" and h.id not in seen]
+    return [*(h for h in extra if h.verified), *causes, *(h for h in extra if not h.verified)]
+
+
+def _untested_inside(alignment: Alignment, module: str) -> str:
+    """Name the correspondences under ``module`` that replay cannot check one-to-one (they may hide the bug)."""
+    prefix = module + "." if module else ""
+    groups = sorted({p.reference for p in alignment.pairs if p.group and p.reference.startswith(prefix)})
+    layouts = [p for p in alignment.pairs if p.layout and p.reference.startswith(prefix)]
+    notes = []
+    if groups:
+        notes.append(f"fused<->split parameters not replayed one-to-one: {', '.join(groups[:4])}")
+    if layouts:
+        shown = ", ".join(f"{p.reference} ({p.layout})" for p in layouts[:4])
+        notes.append(f"outputs reordered by the weight conversion, not compared: {shown}")
+    return "; ".join(notes)
+
+
+def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
+    """Evidence at the culprit (:func:`paritykit.evidence.culprit_evidence`: configuration, activation,
+    fitted constants, weight slices, each fix verified on a copy of the port), with the input-aware and
+    tensor-level hints on its first differing output pair (its inputs and its children's outputs as mixing
+    candidates)."""
+    from paritykit.bisection.evidence.collect import culprit_evidence
+    from paritykit.compare.diagnose import diagnose
+
+    replayed = result is not None and result.test == "replay"
+    if replayed:
+        ref_leaves, port_leaves = searcher.replays[call.name]
+    else:
+        ref_leaves = list(call.outputs.items())
+        port_leaves = list(port_call.outputs.items()) if port_call is not None else []
+    pairs = pair_leaves(ref_leaves, port_leaves) or []
+    worst = next(
+        (
+            (i, j)
+            for i, j in pairs
+            if not searcher.compare(ref_leaves[i][1], port_leaves[j][1], call.name).passed
+        ),
+        None,
+    )
+    if worst is None:
+        return []
+    i, j = worst
+    a, b = ref_leaves[i][1], port_leaves[j][1]
+    candidates = list(call.inputs.items())
+    for child in searcher.frontier(call):
+        child_out = child.output
+        if child_out is not None:
+            candidates.append((f"{child.name} output", child_out))
+    tensor_hints = culprit_hints(a, b, candidates, diagnose(a, b))
+    context = _culprit_context(searcher, call, port_call, ref_leaves, (i, j), replayed)
+    return culprit_evidence(context, tensor_hints)
+
+
+def _culprit_context(
+    searcher: Searcher, call: Any, port_call: Any, ref_leaves: list, leaf: tuple[int, int], replayed: bool
+) -> Any:
+    """The culprit as :mod:`paritykit.evidence` sees it: modules, outputs, and ways to re-run either side."""
+    from paritykit.bisection.evidence.culprit import Culprit
+
+    i, j = leaf
+    ref_module = searcher.ref_modules.get(call.module)
+    port_module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    ref_out = ref_leaves[i][1]
+    port_out = searcher.replays[call.name][1][j][1] if replayed else list(port_call.outputs.items())[j][1]
+
+    def ref_inputs() -> tuple[tuple, dict] | None:
+        if ref_module is None or not call.replayable:
+            return None
+        args, kwargs = call.call_inputs()
+        device = module_device(ref_module)
+        args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
+        return args, {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
+
+    def port_inputs() -> tuple[tuple, dict] | None:
+        if port_module is None or port_call is None:
+            return None
+        return searcher.adapt_inputs(call, port_call, module_device(port_module))
+
+    def leaf_of(fn: Callable, inputs: tuple[tuple, dict] | None, index: int) -> Any:
+        if inputs is None:
+            raise ValueError("the call cannot be re-run")
+        return flatten_tensors(fn(*inputs[0], **inputs[1]))[index][1]
+
+    def check(fn: Callable) -> tuple[bool, float]:
+        inputs = port_inputs()
+        if inputs is None:
+            raise ValueError("the port call cannot be re-run")
+        cmp = searcher.compare_leaves(ref_leaves, flatten_tensors(fn(*inputs[0], **inputs[1])), call.name)
+        return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
+
+    ref_prefix = call.module + "." if call.module else ""
+    port_prefix = port_call.module + "." if port_call is not None and port_call.module else ""
+    subpairs = [
+        (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
+        for p in searcher.alignment.one_to_one
+        if p.reference.startswith(ref_prefix)
+        and p.port.startswith(port_prefix)
+        and p.reference != call.module
+        and (p.reference or p.port)
+    ]
+    # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
+    can_run = replayed
+    return Culprit(
+        reference_name=call.module,
+        port_name=port_call.module if port_call is not None else "",
+        reference=ref_module,
+        port=port_module,
+        reference_output=ref_out,
+        port_output=port_out,
+        run_reference=(lambda fn: leaf_of(fn, ref_inputs(), i))
+        if ref_module is not None and can_run
+        else None,
+        run_port=(lambda fn: leaf_of(fn, port_inputs(), j)) if port_module is not None and can_run else None,
+        check=check if port_module is not None and can_run else None,
+        subpairs=subpairs,
+        reference_inputs=ref_inputs() if can_run else None,
+    )

@@ -1,0 +1,154 @@
+r"""Tensor leaves of module calls: flattening nested inputs and outputs, pairing two sides' leaves by path, order and shape, and moving them between devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from paritykit.base.calls import is_tensor
+from paritykit.base.errors import ParityKitError
+
+
+def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]:
+    """``(path, tensor)`` for every tensor in a nested value (tuples, lists, dicts, ``BaseOutput``)."""
+    if is_tensor(value):
+        return [(prefix, value)]
+    out: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += flatten_tensors(v, f"{prefix}.{k}")
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            out += flatten_tensors(v, f"{prefix}.{i}")
+    return out
+
+
+def pair_leaves(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> list[tuple[int, int]] | None:
+    """Index pairs matching two leaf lists: by path when the paths agree, else in order with equal shapes,
+    else by unique shape. ``None`` when no consistent pairing exists."""
+    if not a or not b:
+        return None
+    paths_a = [p for p, _ in a]
+    paths_b = [p for p, _ in b]
+    if paths_a == paths_b and all(ta.shape == tb.shape for (_, ta), (_, tb) in zip(a, b)):
+        return list(zip(range(len(a)), range(len(b))))
+    if len(a) == len(b) and all(ta.shape == tb.shape for (_, ta), (_, tb) in zip(a, b)):
+        return list(zip(range(len(a)), range(len(b))))
+    pairs = []
+    used: set[int] = set()
+    for j, (_, tb) in enumerate(b):
+        hits = [i for i, (_, ta) in enumerate(a) if ta.shape == tb.shape and i not in used]
+        if len(hits) != 1:
+            return None
+        used.add(hits[0])
+        pairs.append((hits[0], j))
+    return pairs
+
+
+def pair_inputs(ref: list, port: list) -> tuple[list, list[tuple[int, int]] | None]:
+    """Input leaves paired as :func:`pair_leaves` does; when that fails, the reference's repeated tensors are
+    taken once (``attn(h, h, h)`` in self-attention against a port's ``attn(hidden_states)``)."""
+    pairs = pair_leaves(ref, port)
+    if pairs is not None or len(ref) <= len(port):
+        return ref, pairs
+    unique: list[tuple[str, Any]] = []
+    for path, tensor in ref:
+        if not any(t is tensor or (t.shape == tensor.shape and bool((t == tensor).all())) for _, t in unique):
+            unique.append((path, tensor))
+    if len(unique) == len(ref):
+        return ref, None
+    return unique, pair_leaves(unique, port)
+
+
+def pair_with_extras(ref: list, port: list) -> tuple[list[tuple[int, int]] | None, list[int]]:
+    """Each reference input leaf paired with the one port leaf of its shape, when the port takes more inputs
+    than the reference; the port leaves left over (their indices) keep the port's own captured values."""
+    if not ref or len(port) <= len(ref):
+        return None, []
+    pairs = []
+    for i, (_, tensor) in enumerate(ref):
+        hits = [j for j, (_, t) in enumerate(port) if t.shape == tensor.shape]
+        if len(hits) != 1 or any(j == hits[0] for _, j in pairs):
+            return None, []
+        pairs.append((i, hits[0]))
+    used = {j for _, j in pairs}
+    return pairs, [j for j in range(len(port)) if j not in used]
+
+
+def rel_error(a: Any, b: Any) -> float:
+    import torch
+
+    a64, b64 = a.detach().double().flatten().cpu(), b.detach().double().flatten().cpu()
+    finite = torch.isfinite(a64) & torch.isfinite(b64)
+    if not bool(finite.all()):
+        return math.inf
+    denom = float(a64.norm())
+    diff = float((a64 - b64).norm())
+    if denom == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / denom
+
+
+def module_device(module: Any) -> Any:
+    import torch
+
+    for tensor in (*module.parameters(), *module.buffers()):
+        # weights offloaded by accelerate sit on "meta"; its hook moves inputs to the execution device itself
+        if tensor.device.type != "meta":
+            return tensor.device
+    hook = getattr(module, "_hf_hook", None)
+    return torch.device(getattr(hook, "execution_device", None) or "cpu")
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.cpu(), b.detach().cpu()))
+
+
+def replace_leaves(value: Any, ref_leaves: list) -> Any:
+    """``value`` with its tensors replaced by the paired reference tensors (same dtype and device), or ``None``."""
+    port_leaves = flatten_tensors(value)
+    pairs = pair_leaves(ref_leaves, port_leaves)
+    if pairs is None:
+        return None
+    swap = {}
+    for i, j in pairs:
+        path, own = port_leaves[j]
+        swap[path] = ref_leaves[i][1].to(device=own.device, dtype=own.dtype)
+    return rebuild_leaves(value, swap, "output")
+
+
+def rebuild_leaves(value: Any, swap: dict[str, Any], prefix: str) -> Any:
+    import copy
+
+    if is_tensor(value):
+        return swap.get(prefix, value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = rebuild_leaves(v, swap, f"{prefix}.{k}")
+        return out
+    if isinstance(value, (tuple, list)):
+        items = [rebuild_leaves(v, swap, f"{prefix}.{i}") for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def final_output(side: str, output: Any, select_output: Callable | None) -> Any:
+    r"""The tensor of a model's output that is compared: ``select_output(side, output)`` when given (a user's
+    function: its exception becomes one line naming it), else the output's first tensor."""
+    if select_output is not None:
+        from paritykit.base.errors import UserCodeError
+
+        try:
+            return select_output(side, output)
+        except ParityKitError:
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"select_output({side!r}, …) raised {type(exc).__name__}: {exc}") from exc
+    leaves = flatten_tensors(output)
+    if not leaves:
+        raise ParityKitError(f"the {side} model returned no tensor; give select_output(side, output)")
+    return leaves[0][1]

@@ -1,0 +1,675 @@
+r"""Find the constructor setting of a configurable module that makes it produce a wanted tensor.
+
+Research code often computes inline what a port delegates to a library module (a sinusoidal timestep
+embedding, a positional add). When the port's module is configured differently from what the reference
+computes (``flip_sin_to_cos``, a frequency shift, a scale), nothing is aligned with it, so bisect can only say
+"this parent's own forward differs". :func:`fit_module` searches the module's constructor arguments, bounded
+and read from its signature and its current attribute values, for a setting whose output on the captured
+input reproduces the tensor the reference fed onward.
+
+The search is honest by construction: the module is first rebuilt with its *current* values, and the search
+goes on only when that rebuild reproduces the module's own output exactly (so the values read back are the
+ones it was built with); each candidate changes one or two arguments and keeps the module's weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+# a bounded search: at most this many candidate settings are built and run
+MAX_TRIALS = 64
+_SCALARS = (bool, int, float, str)
+
+
+@dataclass
+class ModuleFit:
+    r"""A constructor setting that reproduces the wanted tensor.
+
+    ``changes`` maps each argument to ``(current, fitted)``; ``before`` / ``after`` are the max abs errors of
+    the current and the fitted module against the wanted tensor; ``trials`` counts the settings tried.
+    """
+
+    module_type: str
+    changes: dict[str, tuple[Any, Any]]
+    before: float
+    after: float
+    trials: int
+    fitted: Any = field(default=None, repr=False)
+
+    def fix(self, path: str) -> str:
+        """One line: the attribute assignments (constructor arguments) that make the fix."""
+        where = path or "(top level)"
+        return "; ".join(f"{where}.{name} = {new!r}" for name, (_, new) in self.changes.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module_type": self.module_type,
+            "changes": {k: {"current": a, "fitted": b} for k, (a, b) in self.changes.items()},
+            "before": self.before,
+            "after": self.after,
+            "trials": self.trials,
+        }
+
+
+def constructor_values(module: Any) -> tuple[dict[str, Any], list[str]] | None:
+    r"""The module's constructor arguments with the values it holds now (attribute, else ``config`` entry,
+    else the signature default), and the names whose values were read from the module (so may be varied).
+    ``None`` when a required argument cannot be read or is not a plain scalar."""
+    try:
+        signature = inspect.signature(type(module).__init__)
+    except (TypeError, ValueError):
+        return None
+    config = getattr(module, "config", None)
+    values: dict[str, Any] = {}
+    readable: list[str] = []
+    for name, param in list(signature.parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if hasattr(module, name) and _plain(getattr(module, name)):
+            values[name] = getattr(module, name)
+            readable.append(name)
+        elif isinstance(config, dict) and name in config and _plain(config[name]):
+            values[name] = config[name]
+            readable.append(name)
+        elif param.default is not inspect.Parameter.empty:
+            values[name] = param.default
+        else:
+            return None
+    return values, readable
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, _SCALARS)
+
+
+def _literal_options(module: Any, name: str) -> list[str]:
+    """The string values a ``Literal[...]`` annotation allows for ``name`` (empty when unannotated)."""
+    try:
+        hints = typing.get_type_hints(type(module).__init__)
+    except Exception:  # unresolvable forward references: no annotation to read
+        return []
+    options: list[str] = []
+    for arg in typing.get_args(hints.get(name)) or ((hints.get(name),) if hints.get(name) else ()):
+        if typing.get_origin(arg) is typing.Literal:
+            options += [a for a in typing.get_args(arg) if isinstance(a, str)]
+    return options
+
+
+def candidate_values(module: Any, name: str, value: Any) -> list[Any]:
+    """A few alternative values for one argument: the other boolean, the other literals, simple numbers."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, str):
+        return [o for o in _literal_options(module, name) if o != value]
+    if isinstance(value, (int, float)):
+        out = [0, 1, -value, 2 * value, value / 2] + ([1 / value] if value else [])
+        if isinstance(value, int):
+            out = [int(v) for v in out if float(v).is_integer()]
+        return [v for v in dict.fromkeys(out) if v != value]
+    return []
+
+
+def _settings(module: Any, values: dict[str, Any], readable: list[str]) -> list[dict[str, Any]]:
+    """One-argument changes first, then pairs of boolean changes; at most :data:`MAX_TRIALS`."""
+    singles = [(n, v) for n in readable for v in candidate_values(module, n, values[n])]
+    out = [{n: v} for n, v in singles]
+    flags = [n for n in readable if isinstance(values[n], bool)]
+    out += [{a: not values[a], b: not values[b]} for a, b in itertools.combinations(flags, 2)]
+    return out[:MAX_TRIALS]
+
+
+def _build(module: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        new = type(module)(**kwargs)
+        new.load_state_dict(module.state_dict(), strict=True)
+    except Exception:  # a setting the class rejects, or one that changes parameter shapes
+        return None
+    for tensor in (*module.parameters(), *module.buffers()):
+        new = new.to(device=tensor.device, dtype=tensor.dtype if tensor.is_floating_point() else None)
+        break
+    return new.train(module.training)
+
+
+def _first_tensor(value: Any) -> Any:
+    from paritykit.bisection.leaves import flatten_tensors
+
+    leaves = flatten_tensors(value)
+    return leaves[0][1] if leaves else None
+
+
+def _run(module: Any, call: tuple[tuple, dict]) -> Any:
+    import torch
+
+    args, kwargs = call
+    try:
+        with torch.no_grad():
+            return _first_tensor(module(*args, **kwargs))
+    except Exception:  # a candidate setting whose forward fails is no fit
+        return None
+
+
+def _error(a: Any, b: Any) -> float:
+    if b is None or a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max())
+
+
+def fit_module(
+    module: Any,
+    call: tuple[tuple, dict],
+    target: Any,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> ModuleFit | None:
+    r"""Search ``module``'s constructor arguments for a setting whose output on ``call`` matches ``target``.
+
+    Args:
+        module: a configured ``nn.Module`` (its weights are kept; only constructor arguments change).
+        call: ``(args, kwargs)`` the module was called with.
+        target: the tensor the module should have produced (what the reference fed onward).
+        atol, rtol: tolerances of the match (default: by dtype).
+
+    Returns:
+        The :class:`ModuleFit` with the fewest changes that matches, or ``None`` (no readable configuration,
+        the rebuild with current values does not reproduce the module, or no setting matches).
+    """
+    from paritykit.compare.tensors import compare_tensors
+
+    read = constructor_values(module)
+    if read is None:
+        return None
+    values, readable = read
+    own = _run(module, call)
+    if own is None or not own.is_floating_point():
+        return None
+    rebuilt = _build(module, values)
+    if rebuilt is None or _error(own, _run(rebuilt, call)) != 0:
+        return None
+    before = _error(target, own)
+    trials = 0
+    for change in _settings(module, values, readable):
+        trials += 1
+        candidate = _build(module, {**values, **change})
+        if candidate is None:
+            continue
+        out = _run(candidate, call)
+        if out is None or out.shape != target.shape:
+            continue
+        if compare_tensors(target, out.to(target.dtype), atol=atol, rtol=rtol, diagnose=False).passed:
+            return ModuleFit(
+                type(module).__name__,
+                {k: (values[k], v) for k, v in change.items()},
+                before,
+                _error(target, out),
+                trials,
+                fitted=candidate,
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------- the inline reference
+
+
+@dataclass
+class InlineInput:
+    r"""Where an inline culprit's difference first shows: the first aligned child whose captured inputs
+    differ, the two input tensors, and the unaligned port calls whose output is exactly that port input."""
+
+    child: Any
+    port_child: Any
+    reference_input: Any
+    port_input: Any
+    producers: list[Any]
+    # aligned children before ``child`` that could not be tested one-to-one (they may hold the difference)
+    untested: list[str] = field(default_factory=list)
+
+
+def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
+    """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
+    from paritykit.bisection.leaves import pair_leaves
+
+    untested = []
+    for child in searcher.frontier(call):
+        result = searcher.results.get(child.name)
+        if result is not None and result.status == "untestable":
+            untested.append(child.name)
+        port_child = searcher.port_record(child)
+        ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
+        pairs = pair_leaves(ref_in, port_in) if ref_in and port_in else None
+        for i, j in pairs or ():
+            a, b = ref_in[i][1], port_in[j][1]
+            if not (a.is_floating_point() and b.is_floating_point()):
+                continue
+            if not searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}").passed:
+                return InlineInput(child, port_child, a, b, _producers(searcher, call, b), untested)
+    return None
+
+
+def _producers(searcher: Any, call: Any, tensor: Any) -> list[Any]:
+    """Unaligned port calls inside the culprit whose output is exactly ``tensor`` (nearest producer last)."""
+    import torch
+
+    port_call = searcher.port_record(call) if call.parent is not None else searcher.pt.root
+    prefix = port_call.module + "." if port_call is not None and port_call.module else ""
+    out = []
+    for record in searcher.pt.records:
+        if not record.module.startswith(prefix) or searcher.alignment.reference_of(record.module) is not None:
+            continue
+        for value in record.outputs.values():
+            if (
+                value.shape == tensor.shape
+                and value.dtype == tensor.dtype
+                and bool(torch.equal(value, tensor))
+            ):
+                out.append(record)
+                break
+    return out
+
+
+def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+    r"""Evidence for an inline culprit (a parent whose aligned children all pass on replay): the tensor
+    diagnoses of the first differing child input, the unaligned port modules that produced it, and a module
+    fit of those modules, verified by replaying the culprit with the fitted module in a copy of the port.
+
+    Args:
+        searcher: the bisect search state (traces, alignment, models).
+        call: the culprit's reference call; ``port_call`` its port call.
+        before: the culprit's error before any fix (max abs).
+
+    Returns:
+        Hints, a verified fix first; empty when no child input differs.
+    """
+    from paritykit.compare.diagnose import Hint, diagnose
+
+    found = first_differing_input(searcher, call)
+    if found is None:
+        return []
+    cmp = searcher.compare(found.reference_input, found.port_input, found.child.name)
+    where = (
+        f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
+    )
+    where += f"(max_abs {_num(cmp.max_abs)})"
+    if found.producers:
+        names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
+        hint_id = "inline-reference"
+        message = (
+            f"{where}; the port computes that input in {names}, which no reference module is aligned with: "
+            f"the reference computes it inside {call.name}, inline or in a submodule without a port counterpart "
+            "(evidence: the port module's captured output is exactly that input)"
+        )
+    elif found.untested:
+        hint_id = "inline-input"
+        message = (
+            f"{where}; no port module returns that input, and {', '.join(found.untested)} before it could not "
+            "be tested one-to-one, so the difference comes from there or from the culprit's own forward"
+        )
+    else:
+        hint_id = "inline-input"
+        message = (
+            f"{where}; no port module returns that input, so it is computed in the culprit's own forward "
+            "before that submodule is called"
+        )
+    hints = list(_fit_producers(searcher, call, port_call, found, before))
+    hints.append(
+        Hint(
+            hint_id,
+            message,
+            {
+                "child": found.child.name,
+                "port_child": found.port_child.name,
+                "producers": [r.module for r in found.producers],
+                "untested": found.untested,
+                "max_abs": cmp.max_abs,
+            },
+            score=0.9,
+        )
+    )
+    for hint in diagnose(found.reference_input, found.port_input):
+        hints.append(
+            Hint(
+                hint.id,
+                f"at the input of {found.child.name}: {hint.message}",
+                {**hint.evidence, "at": f"input of {found.child.name}"},
+                score=hint.score,
+            )
+        )
+    return hints
+
+
+def _fit_producers(
+    searcher: Any, call: Any, port_call: Any, found: InlineInput, before: float | None
+) -> list:
+    from paritykit.compare.diagnose import Hint
+
+    hints = []
+    for record in reversed(found.producers):
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+        fit = fit_module(
+            module, record.call_inputs(), found.reference_input, atol=searcher.atol, rtol=searcher.rtol
+        )
+        if fit is None:
+            continue
+        after = _verify(searcher, call, port_call, record.module, fit.fitted)
+        changes = ", ".join(f"{k}={new!r} (now {old!r})" for k, (old, new) in fit.changes.items())
+        verified = after is not None and after.passed
+        hints.append(
+            Hint(
+                "module-fit",
+                f"port {record.module} ({fit.module_type}) built with {changes} reproduces the tensor the "
+                f"reference feeds {found.child.name} (max_abs {_num(fit.before)} -> {_num(fit.after)}, "
+                f"{fit.trials} constructor settings tried)"
+                + (
+                    f"; replaying the culprit with it: max_abs {_num(before)} -> {_num(after.max_abs)}"
+                    if after is not None
+                    else ""
+                ),
+                {
+                    **fit.to_dict(),
+                    "module": record.module,
+                    "culprit_before": before,
+                    "culprit_after": after.max_abs if after is not None else None,
+                },
+                score=0.99 if verified else 0.8,
+                verified=verified if after is not None else None,
+                fix=fit.fix(record.module),
+            )
+        )
+        break
+    return hints
+
+
+def _verify(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) -> Any:
+    """Replay the culprit on a copy of its port module with ``fitted`` in place of the module at ``path``;
+    the comparison against the reference's captured outputs, or ``None`` when it cannot be run."""
+    import copy
+
+    import torch
+
+    from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
+
+    owner = port_call.module if port_call is not None else ""
+    module = searcher.port_modules.get(owner)
+    if module is None:
+        return None
+    local = path[len(owner) + 1 :] if owner else path
+    clone = copy.deepcopy(module)
+    parent_name, _, leaf = local.rpartition(".")
+    parent = clone.get_submodule(parent_name) if parent_name else clone
+    setattr(parent, leaf, copy.deepcopy(fitted))
+    adapted = (
+        searcher.adapt_inputs(call, port_call, module_device(module)) if port_call is not None else None
+    )
+    if adapted is None and port_call is not None and port_call.replayable:
+        adapted = port_call.call_inputs()
+    if adapted is None:
+        return None
+    try:
+        with torch.no_grad():
+            out = flatten_tensors(clone(*adapted[0], **adapted[1]))
+    except Exception:  # the fitted module changes what the parent can consume
+        return None
+    ref = list(call.outputs.items())
+    if pair_leaves(ref, out) is None:
+        return None
+    return searcher.compare_leaves(ref, out, call.name)
+
+
+def _num(value: float | None) -> str:
+    from paritykit.base.report import format_number
+
+    return format_number(value)
+
+
+# ------------------------------------------------------------------- port inputs the reference computes inside
+
+# bounded refinement of one numeric argument: a log grid of factors around the current value, then a search
+GRID = tuple(10 ** (k / 4) for k in range(-12, 13))
+REFINE_STEPS = 24
+
+
+def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+    r"""Evidence for a culprit whose replay fed the port some inputs from the port's own run, because the
+    reference computes them inside the module (rotary cos/sin a port passes as ``image_rotary_emb``).
+
+    The unaligned port modules whose outputs are exactly those inputs are named; each configurable one is
+    searched (its constructor arguments: flags, literals, and numbers on a bounded log grid refined and
+    rounded) for a setting with which the culprit, replayed on the reference's inputs and that module's new
+    output, matches the reference. A match is a verified ``module-fit`` fix; otherwise an
+    ``inline-reference`` hint names the producing modules.
+    """
+    from paritykit.compare.diagnose import Hint
+
+    paths = searcher.own_inputs.get(call.name)
+    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+        return []
+    captured = dict(port_call.inputs.items())
+    extras = {p: captured[p] for p in paths if p in captured}
+    producers = _extra_producers(searcher, extras)
+    hints = []
+    for record, feeds in producers:
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+        found = _fit_by_replay(searcher, call, port_call, module, record, feeds)
+        if found is None:
+            continue
+        changes, after, trials = found
+        text = ", ".join(f"{k}={new!r} (now {old!r})" for k, (old, new) in changes.items())
+        where = record.module or "(top level)"
+        hints.append(
+            Hint(
+                "module-fit",
+                f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name}, which "
+                f"the reference computes inside {call.name}; built with {text} it makes {port_call.name} match "
+                f"the reference (replayed on the reference's inputs: max_abs {_num(before)} -> "
+                f"{_num(after.max_abs)}, {trials} constructor settings tried)",
+                {
+                    "module": record.module,
+                    "module_type": record.type,
+                    "changes": {k: {"current": a, "fitted": b} for k, (a, b) in changes.items()},
+                    "inputs": list(feeds.values()),
+                    "culprit_before": before,
+                    "culprit_after": after.max_abs,
+                    "trials": trials,
+                },
+                score=0.99,
+                verified=True,
+                # a key with a dot is a full path (a coupled flag on the consuming module)
+                fix="; ".join(
+                    f"{k if '.' in k else f'{where}.{k}'} = {new!r}" for k, (_, new) in changes.items()
+                ),
+            )
+        )
+        break
+    if producers:
+        names = ", ".join(f"{r.module} ({r.type})" for r, _ in producers)
+        fed = ", ".join(sorted({p for _, feeds in producers for p in feeds.values()}))
+        hints.append(
+            Hint(
+                "inline-reference",
+                f"port {port_call.name} takes {fed} from {names}, which the reference computes inside "
+                f"{call.name} (evidence: that port module's captured output is exactly the input, and no "
+                "reference module is aligned with it); the culprit was replayed with the port's own values of "
+                "those inputs, so the difference is in them or in the culprit's forward"
+                + ("" if hints else "; no constructor setting of that module made the culprit match"),
+                {"producers": [r.module for r, _ in producers], "inputs": fed.split(", ")},
+                score=0.9,
+            )
+        )
+    return hints
+
+
+def _extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
+    """Unaligned port calls with an output exactly equal to an extra input: (record, {output path: input})."""
+    import torch
+
+    out = []
+    for record in searcher.pt.records:
+        if record.call != 0 or searcher.alignment.reference_of(record.module) is not None:
+            continue
+        feeds = {}
+        for key, value in record.outputs.items():
+            for path, tensor in extras.items():
+                if value.shape == tensor.shape and value.dtype == tensor.dtype and torch.equal(value, tensor):
+                    feeds[key] = path
+                    break
+        if feeds:
+            out.append((record, feeds))
+    return out
+
+
+def _fit_by_replay(
+    searcher: Any, call: Any, port_call: Any, module: Any, record: Any, feeds: dict[str, str]
+) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
+    """The fewest constructor changes of ``module`` that make the culprit's replay match, or ``None``."""
+    from paritykit.bisection.leaves import flatten_tensors
+
+    read = constructor_values(module)
+    if read is None:
+        return None
+    values, readable = read
+    inputs = record.call_inputs()
+    rebuilt = _build(module, values)
+    if rebuilt is None:
+        return None
+    own = flatten_tensors(_call(rebuilt, inputs))
+    # the rebuild must reproduce the module's captured outputs: the values read back are the ones it runs with
+    if any(not _same(dict(own).get(k), t) for k, t in record.outputs.items() if k in feeds):
+        return None
+    trials = 0
+
+    def attempt(change: dict[str, Any]) -> Any:
+        nonlocal trials
+        trials += 1
+        candidate = _build(module, {**values, **change})
+        return (
+            None if candidate is None else _replay_with(searcher, call, port_call, candidate, inputs, feeds)
+        )
+
+    for change in _settings(module, values, readable):
+        cmp = attempt(change)
+        if cmp is not None and cmp.passed:
+            return {k: (values[k], v) for k, v in change.items()}, cmp, trials
+    for name in readable:
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, float) or value == 0:
+            continue
+        fitted = _refine(lambda v, n=name: attempt({n: v}), value)
+        for v in _rounded(fitted):
+            cmp = attempt({name: v})
+            if cmp is not None and cmp.passed:
+                return {name: (value, v)}, cmp, trials
+    return _fit_coupled_flag(searcher, port_call, values, readable, attempt, trials)
+
+
+def _fit_coupled_flag(
+    searcher: Any, port_call: Any, values: dict[str, Any], readable: list[str], attempt: Any, trials: int
+) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
+    """A flag the producer and its consumer both hold under one name (``interleaved`` on a rotary module and
+    on the attention processor that unpacks its output): a layout is set on both sides or the pair breaks, so
+    the flag is flipped on both together. The consumer's attribute is restored after each trial."""
+    consumer = searcher.port_modules[port_call.module]
+    holders = {port_call.module: consumer}
+    if getattr(consumer, "processor", None) is not None:
+        holders[f"{port_call.module}.processor" if port_call.module else "processor"] = consumer.processor
+    for name in readable:
+        value = values[name]
+        if not isinstance(value, bool):
+            continue
+        for path, holder in holders.items():
+            if getattr(holder, name, None) is not value:
+                continue
+            try:
+                setattr(holder, name, not value)
+                cmp = attempt({name: not value})
+            finally:
+                setattr(holder, name, value)
+            trials += 1
+            if cmp is not None and cmp.passed:
+                return {name: (value, not value), f"{path}.{name}": (value, not value)}, cmp, trials
+    return None
+
+
+def _refine(attempt: Any, value: float) -> float | None:
+    """The value (log-grid minimum, then a golden-section search between its neighbours) of least error."""
+    import math
+
+    def err(v: float) -> float:
+        cmp = attempt(v)
+        return math.inf if cmp is None or cmp.max_abs is None else float(cmp.max_abs)
+
+    errors = [err(value * f) for f in GRID]
+    best = min(range(len(GRID)), key=errors.__getitem__)
+    if not math.isfinite(errors[best]):
+        return None
+    lo = math.log(value * GRID[max(best - 1, 0)])
+    hi = math.log(value * GRID[min(best + 1, len(GRID) - 1)])
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(REFINE_STEPS):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if err(math.exp(a)) < err(math.exp(b)):
+            hi = b
+        else:
+            lo = a
+    return math.exp((lo + hi) / 2)
+
+
+def _rounded(value: float | None) -> list[float]:
+    """Round numbers near ``value`` (1 to 3 significant digits): configured constants are written round."""
+    if value is None:
+        return []
+    return list(dict.fromkeys(float(f"{value:.{d}g}") for d in (1, 2, 3)))
+
+
+def _replay_with(
+    searcher: Any,
+    call: Any,
+    port_call: Any,
+    candidate: Any,
+    inputs: tuple[tuple, dict],
+    feeds: dict[str, str],
+) -> Any:
+    """The culprit's port module replayed on the reference's inputs, with ``candidate``'s outputs as the
+    extra inputs it feeds; compared with the reference's captured outputs."""
+    import torch
+
+    from paritykit.bisection.leaves import flatten_tensors, module_device
+
+    produced = dict(flatten_tensors(_call(candidate, inputs)))
+    if any(k not in produced for k in feeds):
+        return None
+    port_module = searcher.port_modules[port_call.module]
+    adapted = searcher.adapt_inputs(
+        call, port_call, module_device(port_module), replace={p: produced[k] for k, p in feeds.items()}
+    )
+    if adapted is None:
+        return None
+    try:
+        with torch.no_grad():
+            out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+    except Exception:  # a setting whose output the port module cannot consume is no fit
+        return None
+    return searcher.compare_leaves(list(call.outputs.items()), out, call.name)
+
+
+def _call(module: Any, inputs: tuple[tuple, dict]) -> Any:
+    import torch
+
+    try:
+        with torch.no_grad():
+            return module(*inputs[0], **inputs[1])
+    except Exception:  # a candidate setting whose forward fails produces nothing
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    return a is not None and a.shape == b.shape and bool(torch.equal(a, b))

@@ -1,0 +1,288 @@
+r"""What the culprit search reports: each module test, the culprit finding, the first differing op, and the whole ``BisectReport`` (table and JSON from one object)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
+from paritykit.bisection.align import Alignment
+
+
+@dataclass
+class ModuleTest:
+    r"""The verdict on one aligned call: ``status`` is ``pass``, ``fail`` or ``untestable``."""
+
+    reference: str
+    port: str
+    test: str  # replay | jump | output
+    status: str
+    max_abs: float | None = None
+    cosine: float | None = None
+    input_error: float | None = None
+    output_error: float | None = None
+    note: str = ""
+    comparison: Any = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "reference": self.reference,
+            "port": self.port,
+            "test": self.test,
+            "status": self.status,
+            "max_abs": self.max_abs,
+            "cosine": self.cosine,
+        }
+        if self.test == "jump":
+            out["input_error"] = self.input_error
+            out["output_error"] = self.output_error
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+@dataclass
+class ModuleFinding:
+    r"""A named divergence: the culprit, or the first aligned module whose captured outputs differ."""
+
+    reference: str
+    port: str
+    how_aligned: str
+    test: str
+    max_abs: float | None
+    cosine: float | None
+    inline: bool = False
+    hints: list[Any] = field(default_factory=list)
+    confidence: str = "high"
+    children_passed: int = 0
+    note: str = ""
+    op: OpDivergence | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "reference": self.reference,
+            "port": self.port,
+            "how_aligned": self.how_aligned,
+            "confidence": self.confidence,
+            "test": self.test,
+            "max_abs": self.max_abs,
+            "cosine": self.cosine,
+            "inline": self.inline,
+            "children_passed": self.children_passed,
+            "hints": [h.to_dict() for h in self.hints],
+            "note": self.note,
+        }
+        if self.op is not None:
+            out["op"] = self.op.to_dict()
+        return out
+
+
+@dataclass
+class OpDivergence:
+    r"""The first op inside the culprit whose result differs while its inputs still agree (``--ops``)."""
+
+    index: int
+    port_op: str
+    port_args: str
+    shape: list[int]
+    reference_op: str | None = None
+    reference_args: str | None = None
+    max_abs: float | None = None
+    port_ops: int = 0
+    reference_ops: int = 0
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "note": self.note,
+            "index": self.index,
+            "port_op": self.port_op,
+            "port_args": self.port_args,
+            "shape": self.shape,
+            "reference_op": self.reference_op,
+            "reference_args": self.reference_args,
+            "max_abs": self.max_abs,
+            "port_ops": self.port_ops,
+            "reference_ops": self.reference_ops,
+        }
+
+    def render(self) -> str:
+        text = f"  first differing op: port op #{self.index} {self.port_op}({self.port_args}) -> {self.shape}"
+        if self.reference_op:
+            text += (
+                f"\n    closest reference op: {self.reference_op}({self.reference_args}), "
+                f"max_abs {format_number(self.max_abs)}"
+            )
+        if self.note:
+            text += f"\n    {self.note}"
+        return text
+
+
+@dataclass
+class BisectReport:
+    r"""What ``paritykit bisect`` prints; one object, two faces (``to_dict`` and ``render``)."""
+
+    verdict: str
+    culprit: ModuleFinding | None
+    first_output_divergence: ModuleFinding | None
+    output: Any
+    alignment: Alignment
+    tested: list[ModuleTest] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    # every independent culprit in execution order (``all_culprits=True``); else just ``[culprit]``
+    culprits: list[ModuleFinding] = field(default_factory=list)
+    allow_masked: bool = False
+    # with all_culprits: the final output once every culprit is replaced by the reference's behaviour
+    output_after: Any = None
+    all_note: str = ""
+    # commands to run next when the culprit is a block the traces did not look inside (paritykit.zoom)
+    next_steps: list[str] = field(default_factory=list)
+    # settings that differ between aligned modules, over the whole models (paritykit.evidence.config_differences)
+    config_differences: list[Any] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        if self.verdict == "masked" and self.allow_masked:
+            return 0
+        return 0 if self.verdict == "match" else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        al = self.alignment.to_dict()
+        return {
+            "verdict": self.verdict,
+            "culprit": self.culprit.to_dict() if self.culprit else None,
+            "first_output_divergence": (
+                self.first_output_divergence.to_dict() if self.first_output_divergence else None
+            ),
+            "aligned": al["aligned"],
+            "unaligned_reference": al["unaligned_reference"],
+            "unaligned_port": al["unaligned_port"],
+            "output": _comparison_summary(self.output),
+            "alignment": {"by": al["by"], "pairs": al["pairs"]},
+            "tested": [t.to_dict() for t in self.tested],
+            "culprits": [c.to_dict() for c in self.culprits],
+            "output_after_substitution": _comparison_summary(self.output_after),
+            "matches_after_substitution": (
+                None if self.output_after is None else bool(self.output_after.passed)
+            ),
+            "split_work": al["split_work"],
+            "environment": self.environment,
+            "next_steps": self.next_steps,
+            "config_differences": [d.to_dict() for d in self.config_differences],
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        out = _comparison_summary(self.output) or {}
+        lines = [
+            f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
+            f"cosine {format_number(out.get('cosine'), 6)})"
+        ]
+        if out.get("status") == "shape_mismatch":
+            lines.append(
+                f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"
+            )
+        if self.verdict == "masked":
+            lines.append(
+                "masked: the final output is within tolerance, but the aligned module below fails on identical "
+                "inputs" + (" (accepted: --allow-masked)" if self.allow_masked else "")
+            )
+        if len(self.culprits) > 1:
+            for i, finding in enumerate(self.culprits, 1):
+                lines += _render_finding(f"culprit {i}", finding)
+        elif self.culprit:
+            lines += _render_finding("culprit", self.culprit)
+        if self.all_note:
+            lines.append(self.all_note)
+        if not self.culprit and self.verdict == "diverge":
+            lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
+        if self.first_output_divergence:
+            f = self.first_output_divergence
+            lines.append(
+                f"first aligned module whose outputs differ: {shown_name(f.reference)} <-> {shown_name(f.port)} "
+                f"(max_abs {format_number(f.max_abs)}; errors there may be inherited from upstream)"
+            )
+        rows = [
+            [shown_name(t.reference), shown_name(t.port), t.test, t.status, t.max_abs, t.cosine, t.note]
+            for t in self.tested
+        ]
+        if rows:
+            lines.append("")
+            lines.append(
+                render_table(
+                    ["reference", "port", "test", "status", "max_abs", "cosine", "note"], rows, limit=limit
+                )
+            )
+        lines.append("")
+        lines.append(self.alignment.summary())
+        lines += [s.render() for s in self.alignment.split_work]
+        al = self.alignment
+        for side, names in (("reference", al.unaligned_reference), ("port", al.unaligned_port)):
+            if names:
+                lines.append(
+                    f"unaligned {side} ({len(names)}): {', '.join(shown_name(n) for n in names[:10])}"
+                    + (" …" if len(names) > 10 else "")
+                )
+        if self.next_steps:
+            lines += [
+                "",
+                "the traces hold this block's outputs only; to look inside it, run the first command where the "
+                "reference runs, the second where the port runs, the third where both folders are:",
+            ]
+            lines += [f"  {command}" for command in self.next_steps]
+        return "\n".join(lines)
+
+
+# evidence ids that explain an inline culprit by something other than its forward code
+_NOT_FORWARD_CODE = frozenset({"weights", "module-config", "attention-scale", "norm-eps"})
+
+
+def _render_finding(label: str, f: ModuleFinding) -> list[str]:
+    low = "" if f.confidence == "high" else f", {f.confidence} confidence"
+    lines = [
+        f"{label}: reference {shown_name(f.reference)}  <->  port {shown_name(f.port)}",
+        f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
+        f"cosine {format_number(f.cosine, 6)}",
+    ]
+    if f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
+        lines.append(
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters through "
+            "a port module the reference has no module for (it computes that step inline): see the hints"
+        )
+    elif f.inline:
+        lines.append(
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in this "
+            "module's own forward code, not in a submodule"
+            if not any(h.id in _NOT_FORWARD_CODE for h in f.hints)
+            else f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name "
+            "the difference (settings or weights this module holds, which replaying its children cannot see)"
+        )
+    elif f.children_passed == 0:
+        lines.append("  no aligned submodules: the module's own computation or configuration differs")
+    if f.note:
+        lines.append(f"  note: {f.note}")
+    for hint in f.hints:
+        if hint.verified and hint.fix:
+            lines.append(f"  fix (verified): {hint.fix}")
+    for i, hint in enumerate(f.hints, 1):
+        lines.append(f"  hint {i}: [{hint.id}] {hint.message}")
+    if f.op is not None:
+        lines.append(f.op.render())
+    return lines
+
+
+def shown_name(name: str) -> str:
+    return name if name else "(top level)"
+
+
+def _comparison_summary(cmp: Any) -> dict[str, Any] | None:
+    if cmp is None:
+        return None
+    return {
+        "status": cmp.status,
+        "max_abs": cmp.max_abs,
+        "cosine": cmp.cosine,
+        "shape_reference": list(cmp.shape_a),
+        "shape_port": list(cmp.shape_b),
+        "atol": cmp.atol,
+        "rtol": cmp.rtol,
+    }

@@ -1,0 +1,330 @@
+r"""Name the module where a port parts from its reference, and say why.
+
+Both models run once under :func:`paritykit.trace.capture`; :func:`paritykit.align.align_modules` pairs their
+modules. Then, from the top level down, every aligned module is tested:
+
+* **replay** (primary): the reference module's captured inputs are fed to the aligned port module *and* to the
+  reference module, and the two outputs are compared. A module that fails on identical inputs is itself wrong,
+  whatever happened upstream. Arguments are matched by path, else by order and shape, so ``forward(x, c)``
+  replays into ``forward(hidden_states, conditioning_embedding)``.
+* **error jump** (fallback, when replay is impossible: no models, no matching signature, a non-reproducible
+  reference call): the module is blamed when its inputs agree within tolerance but its outputs do not, or
+  when its relative output error is more than ``ratio`` (10) times its relative input error.
+
+The culprit is the deepest aligned call that fails while none of its aligned children does. When it has
+aligned children and all of them pass, the divergence is in its own ``forward`` (``inline``). At the culprit,
+input-aware hints come first: ``remix`` (each side's output fitted as a linear combination of the module's
+tensor inputs and its children's outputs; different coefficients mean one knob may stand for two concepts)
+and ``constant-scale``, then the core hints of :func:`paritykit.diagnose.diagnose`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from paritykit.base.calls import split_inputs, to_device
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import format_number
+from paritykit.bisection.align import Alignment, align_modules
+from paritykit.bisection.findings import culprit_finding
+from paritykit.bisection.leaves import (
+    final_output,
+    flatten_tensors,
+    module_device,
+    pair_leaves,
+    replace_leaves,
+    torch_equal,
+)
+from paritykit.bisection.results import BisectReport, shown_name
+from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
+from paritykit.bisection.strategy import FullSearch, run_search
+
+
+def bisect_traces(
+    ref_trace: Any,
+    port_trace: Any,
+    alignment: Alignment | None = None,
+    *,
+    reference: Any = None,
+    port: Any = None,
+    rules: Sequence[tuple[str, str]] = (),
+    select_output: Callable[[str, Any], Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ratio: float = JUMP_RATIO,
+    ops: bool = False,
+    environment: dict[str, Any] | None = None,
+    allow_masked: bool = False,
+    all_culprits: bool = False,
+) -> BisectReport:
+    r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
+
+    With ``port`` (and ideally ``reference``) given, calls are replayed; without them every test is an error
+    jump over the captured tensors. ``ops=True`` re-runs a replayed culprit under an op logger on both sides
+    and names the first op whose result differs (:func:`op_divergence`).
+
+    When the final output matches, the search still runs: an aligned module (medium or high confidence) that
+    fails on identical inputs makes the verdict ``masked`` (exit 1 unless ``allow_masked``).
+    ``all_culprits=True`` (needs ``port``) replaces each culprit's output in the port by the reference's and
+    searches again, until the port's output matches or no further culprit is found (:func:`every_culprit`).
+    """
+    if alignment is None:
+        alignment = align_modules(reference, port, ref_trace, port_trace, rules=rules)
+    ref_root, port_root = ref_trace.root, port_trace.root
+    if ref_root is None or port_root is None:
+        raise ParityKitError("both traces must include the top-level call (capture the whole model)")
+    ref_final = final_output("reference", ref_root.output_value(), select_output)
+    port_final = final_output("port", port_root.output_value(), select_output)
+    searcher = Searcher(
+        ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
+    )
+    report = run_search(
+        FullSearch(searcher),
+        ref_final,
+        port_final,
+        atol=atol,
+        rtol=rtol,
+        ops=ops,
+        environment=environment,
+        allow_masked=allow_masked,
+    )
+    if reference is not None and port is not None:
+        from paritykit.bisection.evidence.settings import config_differences
+
+        pairs = [(p.reference, p.port) for p in alignment.one_to_one]
+        report.config_differences = config_differences(reference, port, pairs)
+    if all_culprits and report.culprit is not None:
+        every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
+    return report
+
+
+# ------------------------------------------------------------------------------------- every culprit (--all)
+
+MAX_CULPRITS = 8
+
+
+def every_culprit(
+    report: BisectReport,
+    searcher: Searcher,
+    ref_final: Any,
+    *,
+    select_output: Callable | None = None,
+    ops: bool = False,
+) -> None:
+    r"""Extend ``report.culprits`` to every independent culprit, in execution order.
+
+    Each culprit found so far is given the reference's behaviour in the port (a forward hook returning the
+    reference call's captured output, adapted to the port's output structure); the port runs again on its
+    captured inputs and the search restarts. It stops when the port's output matches
+    (``report.output_after``), when no new culprit is found, or when a culprit cannot be substituted.
+    """
+    import torch
+
+    from paritykit.compare.tensors import compare_tensors
+    from paritykit.tracing.trace import capture
+
+    port, port_root = searcher.port_modules.get(""), searcher.pt.root
+    if port is None or port_root is None or not port_root.replayable:
+        report.all_note = "--all: not searched further (needs the port model and its captured inputs)"
+        return
+    args, kwargs = to_device(port_root.call_inputs(), module_device(port))
+    handles: list[Any] = []
+    try:
+        while len(report.culprits) < MAX_CULPRITS:
+            last = report.culprits[-1]
+            if not last.reference:
+                report.all_note = "--all: stopped at the top level's own forward (nothing to substitute)"
+                return
+            handle = _substitute(searcher, last.reference.split("#", 1)[0])
+            if handle is None:
+                report.all_note = (
+                    f"--all: stopped: the reference output of {shown_name(last.reference)} cannot be put in place of "
+                    "the port's (outputs do not pair)"
+                )
+                return
+            handles.append(handle)
+            with torch.no_grad(), capture(port) as trace:
+                port(*args, **kwargs)
+            port_final = final_output("port", trace.root.output_value(), select_output)
+            output = compare_tensors(
+                ref_final, port_final, atol=searcher.atol, rtol=searcher.rtol, name="output"
+            )
+            report.output_after = output
+            again = Searcher(
+                searcher.rt,
+                trace,
+                searcher.alignment,
+                reference=None,
+                port=None,
+                atol=searcher.atol,
+                rtol=searcher.rtol,
+                ratio=searcher.ratio,
+            )
+            again.ref_modules, again.port_modules = searcher.ref_modules, searcher.port_modules
+            with torch.no_grad():
+                call, passed = again.descend(searcher.rt.root)
+                if output.passed:
+                    # a matching output still hides the next masked culprit, if any
+                    hidden = (
+                        (call, passed) if call.parent is not None and again.masking() else again.masked_call()
+                    )
+                    if hidden is None:
+                        break
+                    call, passed = hidden
+                if call.name in {c.reference for c in report.culprits}:
+                    break
+                report.culprits.append(culprit_finding(again, call, passed, output, ops=ops))
+            report.tested += [t for t in again.results.values() if t.reference not in searcher.results]
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = {r.name: i for i, r in enumerate(searcher.rt.records)}
+    report.culprits.sort(key=lambda c: order.get(c.reference, 1 << 30))
+    after = report.output_after
+    if after is not None:
+        state = "matches" if after.passed else f"still differs (max_abs {format_number(after.max_abs)})"
+        report.all_note = join_notes(
+            report.all_note,
+            f"with the {len(report.culprits)} culprit(s) given the reference's outputs, the port's output {state}",
+        )
+
+
+def _substitute(searcher: Searcher, reference: str) -> Any:
+    """Hook the aligned port module so it returns the reference's captured output for the call whose captured
+    inputs are nearest its own (so replays of its parents see the substitution too)."""
+    pair = searcher.alignment.pair_of(reference)
+    module = searcher.port_modules.get(pair.port) if pair is not None else None
+    calls = searcher.rt.calls(reference)
+    if module is None or not calls:
+        return None
+
+    def hook(mod: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        leaves = flatten_tensors((args, kwargs), "input")
+        best = min(calls, key=lambda record: _distance(list(record.inputs.items()), leaves))
+        replaced = replace_leaves(output, list(best.outputs.items()))
+        return output if replaced is None else replaced
+
+    probe = replace_leaves(searcher.pt[pair.port].output_value(), list(calls[0].outputs.items()))
+    if probe is None:
+        return None
+    return module.register_forward_hook(hook, with_kwargs=True)
+
+
+def _distance(ref_leaves: list, port_leaves: list) -> float:
+    pairs = pair_leaves(ref_leaves, port_leaves)
+    if not pairs:
+        return math.inf
+    total = 0.0
+    for i, j in pairs:
+        a, b = ref_leaves[i][1], port_leaves[j][1]
+        if a.is_floating_point() and b.is_floating_point():
+            total += float((a.double().cpu() - b.detach().double().cpu()).abs().max()) if a.numel() else 0.0
+        elif not torch_equal(a, b):
+            total += 1.0
+    return total
+
+
+def bisect(
+    reference: Any,
+    port: Any,
+    inputs: Any,
+    *,
+    rules: Sequence[tuple[str, str]] = (),
+    port_inputs: Callable[[tuple, dict], Any] | None = None,
+    select_output: Callable[[str, Any], Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ratio: float = JUMP_RATIO,
+    ops: bool = False,
+    environment: dict[str, Any] | None = None,
+    levels: str = "auto",
+    allow_masked: bool = False,
+    all_culprits: bool = False,
+) -> BisectReport:
+    r"""Run both models on the same inputs and name the module where the port parts from the reference.
+
+    Args:
+        reference: the reference ``nn.Module`` (put it in eval mode first; dropout defeats replay).
+        port: the port ``nn.Module``.
+        inputs: ``(args, kwargs)`` or a kwargs dict, fed to both.
+        rules: ``[(regex, repl), …]`` renaming reference module names into the port's naming.
+        port_inputs: ``port_inputs(args, kwargs) -> (args, kwargs) | kwargs`` adapting the inputs to the port.
+        select_output: ``select_output(side, output) -> Tensor`` picking the comparable tensor of each side
+            (``side`` is ``"reference"`` or ``"port"``); default: the first tensor of the output.
+        atol, rtol: tolerances (default: :func:`paritykit.compare.default_tolerances` of the dtypes).
+        ratio: error-jump threshold (output error over input error) where replay is impossible.
+        ops: also name the first op inside a replayed culprit whose result differs.
+        allow_masked: accept the ``masked`` verdict (exit code 0).
+        all_culprits: after each culprit, give it the reference's output in the port and search again, so
+            ``culprits`` lists every independent one in execution order.
+        levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
+            (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
+            weights are offloaded by accelerate.
+
+    Returns:
+        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and ``culprits``),
+        ``first_output_divergence``,
+        the alignment, every module tested, ``exit_code``.
+    """
+    args, kwargs = split_inputs(inputs)
+    if port_inputs is not None:
+        from paritykit.base.errors import UserCodeError
+
+        try:
+            adapted = port_inputs(args, kwargs)
+        except Exception as exc:
+            raise UserCodeError(f"port_inputs raised {type(exc).__name__}: {exc}") from exc
+        port_args, port_kwargs = split_inputs(adapted)
+    else:
+        port_args, port_kwargs = args, kwargs
+    return run_and_search(
+        reference,
+        port,
+        (args, kwargs),
+        (port_args, port_kwargs),
+        rules=rules,
+        select_output=select_output,
+        atol=atol,
+        rtol=rtol,
+        ratio=ratio,
+        ops=ops,
+        environment=environment,
+        levels=levels,
+        allow_masked=allow_masked,
+        all_culprits=all_culprits,
+    )
+
+
+def run_and_search(
+    reference: Any,
+    port: Any,
+    ref_call: tuple[tuple, dict],
+    port_call: tuple[tuple, dict],
+    *,
+    run: Callable[[Any, tuple, dict], Any] | None = None,
+    levels: str = "auto",
+    all_culprits: bool = False,
+    **search: Any,
+) -> BisectReport:
+    r"""Run both sides on their inputs under capture and search the two traces (by levels when ``levels``
+    asks for it). ``run(model, args, kwargs)`` replaces the plain call (a spec guards user code with it);
+    ``search`` holds :func:`bisect_traces`' options."""
+    import torch
+
+    from paritykit.bisection.zoom import use_zoom, zoom_bisect
+    from paritykit.tracing.trace import capture
+
+    # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
+    if not all_culprits and use_zoom(levels, reference):
+        return zoom_bisect(reference, port, ref_call, port_call, run=run, **search)
+    call = run or (lambda model, args, kwargs: model(*args, **kwargs))
+    with torch.no_grad():
+        with capture(reference) as ref_trace:
+            call(reference, *ref_call)
+        with capture(port) as port_trace:
+            call(port, *port_call)
+    return bisect_traces(
+        ref_trace, port_trace, reference=reference, port=port, all_culprits=all_culprits, **search
+    )

@@ -1,0 +1,350 @@
+r"""The tests of one pair of traces: replay each aligned call on the reference's inputs (else an error jump), and walk down to the deepest failing call."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from paritykit.base.calls import is_tensor
+from paritykit.base.report import format_number
+from paritykit.bisection.align import Alignment
+from paritykit.bisection.leaves import (
+    flatten_tensors,
+    module_device,
+    pair_inputs,
+    pair_leaves,
+    pair_with_extras,
+    rel_error,
+)
+from paritykit.bisection.results import ModuleTest
+
+JUMP_RATIO = 10.0
+# captured-output differences confirmed by replay when looking for a masked divergence
+MAX_MASKED_CHECKS = 32
+
+
+class Searcher:
+    r"""Tests the aligned calls of one pair of traces (each at most once) and walks down to the culprit.
+
+    Both search strategies (:mod:`paritykit.bisection.strategy`) test calls only through a searcher: the full
+    search has one over the whole capture, the zoom one per captured level. What a strategy may use:
+
+    * :meth:`port_record` — the port call aligned with a reference call (``None`` when unaligned);
+    * :meth:`frontier` — the nearest aligned calls below a call, looking through unaligned ones;
+    * :meth:`test` — replay, else error jump: a :class:`~paritykit.bisection.results.ModuleTest`, cached in
+      ``results``;
+    * :meth:`descend` — the deepest failing call below a failing one;
+    * :meth:`masking`, :meth:`outputs_disagree`, :meth:`masked_call` — for a matching output: is a failure
+      hidden, and where;
+    * :meth:`inherit` — take over a verdict a searcher one level up already reached.
+    """
+
+    def __init__(
+        self,
+        ref_trace: Any,
+        port_trace: Any,
+        alignment: Alignment,
+        *,
+        reference: Any = None,
+        port: Any = None,
+        atol: float | None,
+        rtol: float | None,
+        ratio: float,
+    ):
+        self.rt = ref_trace
+        self.pt = port_trace
+        self.alignment = alignment
+        self.ref_modules = dict(reference.named_modules()) if reference is not None else {}
+        self.port_modules = dict(port.named_modules()) if port is not None else {}
+        self.atol = atol
+        self.rtol = rtol
+        self.ratio = ratio
+        self.results: dict[str, ModuleTest] = {}
+        self.why_not_replayed: dict[str, str] = {}
+        self.replays: dict[str, tuple[list, list]] = {}
+        # replays that fed some port inputs from the port's own capture (no reference counterpart): their paths
+        self.own_inputs: dict[str, list[str]] = {}
+        self.children_of: dict[str, list[Any]] = {}
+        for record in ref_trace.records:
+            self.children_of.setdefault(record.parent, []).append(record)
+
+    # pairing ---------------------------------------------------------------------------------------
+    def port_record(self, ref_record: Any) -> Any:
+        pair = self.alignment.pair_of(ref_record.module)
+        if pair is None or pair.layout:
+            return None
+        port_module = pair.port
+        name = port_module if ref_record.call == 0 else f"{port_module}#{ref_record.call}"
+        return self.pt[name] if name in self.pt else None
+
+    def frontier(self, record: Any) -> list[Any]:
+        """The nearest aligned calls below ``record`` (unaligned calls in between are looked through)."""
+        out = []
+        for child in self.children_of.get(record.name, []):
+            if self.port_record(child) is not None:
+                out.append(child)
+            else:
+                out += self.frontier(child)
+        return out
+
+    # tests -----------------------------------------------------------------------------------------
+    def compare(self, a: Any, b: Any, name: str, diagnose: bool = False) -> Any:
+        from paritykit.compare.tensors import compare_tensors
+
+        return compare_tensors(a, b, atol=self.atol, rtol=self.rtol, name=name, diagnose=diagnose)
+
+    def compare_leaves(self, a: list, b: list, name: str) -> Any:
+        """Worst comparison over paired output leaves (``None`` when the outputs cannot be paired)."""
+        pairs = pair_leaves(a, b)
+        if pairs is None:
+            return None
+        worst = None
+        for i, j in pairs:
+            cmp = self.compare(a[i][1], b[j][1], f"{name}:{a[i][0]}")
+            if worst is None or (worst.passed and not cmp.passed):
+                worst = cmp
+            elif not cmp.passed and not worst.passed and (cmp.max_abs or 0) > (worst.max_abs or 0):
+                worst = cmp
+        return worst
+
+    def test(self, ref_record: Any) -> ModuleTest:
+        if ref_record.name in self.results:
+            return self.results[ref_record.name]
+        port_record = self.port_record(ref_record)
+        result = self.replay(ref_record, port_record)
+        if result is None:
+            result = self.jump(ref_record, port_record)
+        self.results[ref_record.name] = result
+        return result
+
+    def adapt_inputs(
+        self, ref_record: Any, port_record: Any, device: Any = None, replace: dict[str, Any] | None = None
+    ) -> tuple[tuple, dict] | None:
+        """The port call's own arguments with the reference's tensors put in place of its tensors; the port's
+        extra inputs (no reference counterpart) stay its own, or ``replace[path]`` where given."""
+        from paritykit.tracing.trace import unpack_call
+
+        if not ref_record.replayable or not port_record.replayable:
+            return None
+        ref_leaves = list(ref_record.inputs.items())
+        port_leaves = list(port_record.inputs.items())
+        if not port_leaves:
+            return None
+        ref_leaves, pairs = pair_inputs(ref_leaves, port_leaves)
+        extra: list[int] = []
+        if pairs is None:
+            # the port call may take inputs the reference computes inside the module (rotary cos/sin passed
+            # as ``image_rotary_emb``): the reference's inputs go in, the extras are the port's own captured
+            pairs, extra = pair_with_extras(ref_leaves, port_leaves)
+            if pairs is None:
+                return None
+            self.own_inputs[ref_record.name] = [port_leaves[j][0] for j in extra]
+        port_keys = list(port_record.input_keys.values())
+        swap = {}
+        for j in extra:
+            tensor = (replace or {}).get(port_leaves[j][0], port_leaves[j][1])
+            swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
+        for i, j in pairs:
+            tensor = ref_leaves[i][1]
+            own = port_leaves[j][1]
+            if tensor.is_floating_point() and own.is_floating_point():
+                tensor = tensor.to(own.dtype)
+            # a copy: an in-place op in the port module must not change the trace
+            swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
+        if len(swap) != len(port_keys):
+            return None
+        args, kwargs = unpack_call(port_record.inputs_skeleton, lambda key: swap[key])
+        return tuple(args), dict(kwargs)
+
+    def run_replay(self, ref_record: Any, port_record: Any) -> tuple[list, list] | str:
+        """Outputs of both modules on the reference's captured inputs, or the reason replay is impossible."""
+        port_module = self.port_modules.get(port_record.module)
+        if port_module is None:
+            return "no port model to replay on"
+        if not ref_record.replayable:
+            return "reference inputs not replayable"
+        adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module))
+        if adapted is None:
+            return "signatures differ (inputs cannot be paired by path, order or shape)"
+        ref_module = self.ref_modules.get(ref_record.module)
+        if ref_module is not None:
+            args, kwargs = ref_record.call_inputs()
+            device = module_device(ref_module)
+            args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
+            kwargs = {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
+            try:
+                ref_out = flatten_tensors(ref_module(*args, **kwargs))
+            except Exception as exc:  # e.g. state its parent sets up before calling it
+                return f"reference call failed on its own captured inputs ({type(exc).__name__})"
+            # A reference call that does not reproduce its own captured output (randomness, hidden state)
+            # cannot be replayed meaningfully.
+            captured = list(ref_record.outputs.items())
+            check = self.compare_leaves(captured, ref_out, ref_record.name)
+            if check is None or not check.passed:
+                return "the reference call does not reproduce its captured output"
+        else:
+            ref_out = list(ref_record.outputs.items())
+        try:
+            port_out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+        except Exception as exc:  # the port's own signature rejects the reference's inputs
+            return f"port call failed on reference inputs ({type(exc).__name__})"
+        return ref_out, port_out
+
+    def replay(self, ref_record: Any, port_record: Any) -> ModuleTest | None:
+        outcome = self.run_replay(ref_record, port_record)
+        if isinstance(outcome, str):
+            self.why_not_replayed[ref_record.name] = outcome
+            return None
+        ref_out, port_out = outcome
+        cmp = self.compare_leaves(ref_out, port_out, ref_record.name)
+        if cmp is None:
+            self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
+            return None
+        self.replays[ref_record.name] = (ref_out, port_out)
+        own = self.own_inputs.get(ref_record.name)
+        return ModuleTest(
+            ref_record.name,
+            port_record.name,
+            "replay",
+            "pass" if cmp.passed else "fail",
+            cmp.max_abs,
+            cmp.cosine,
+            comparison=cmp,
+            note=f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own)}"
+            if own
+            else "",
+        )
+
+    def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
+        note = self.why_not_replayed.get(ref_record.name, "")
+        out_cmp = self.compare_leaves(
+            list(ref_record.outputs.items()), list(port_record.outputs.items()), ref_record.name
+        )
+        if out_cmp is None:
+            return ModuleTest(
+                ref_record.name,
+                port_record.name,
+                "jump",
+                "untestable",
+                note=join_notes(note, _unpaired_shapes(ref_record, port_record)),
+            )
+        base = ModuleTest(
+            ref_record.name,
+            port_record.name,
+            "jump",
+            "pass",
+            out_cmp.max_abs,
+            out_cmp.cosine,
+            note=note,
+            comparison=out_cmp,
+        )
+        if out_cmp.passed:
+            return base
+        ref_in = list(ref_record.inputs.items())
+        port_in = list(port_record.inputs.items())
+        ref_in, pairs = pair_inputs(ref_in, port_in) if ref_in and port_in else (ref_in, None)
+        if pairs is None:
+            base.status = "untestable"
+            base.note = join_notes(note, "inputs cannot be paired")
+            return base
+        in_pass = all(self.compare(ref_in[i][1], port_in[j][1], "input").passed for i, j in pairs)
+        in_err = max(rel_error(ref_in[i][1], port_in[j][1]) for i, j in pairs)
+        out_pairs = pair_leaves(list(ref_record.outputs.items()), list(port_record.outputs.items())) or []
+        ref_outs, port_outs = list(ref_record.outputs.values()), list(port_record.outputs.values())
+        out_err = max((rel_error(ref_outs[i], port_outs[j]) for i, j in out_pairs), default=math.inf)
+        base.input_error, base.output_error = in_err, out_err
+        if in_pass:
+            base.status = "fail"
+            base.note = join_notes(note, "inputs agree within tolerance, outputs do not")
+        elif in_err == 0 or out_err / in_err > self.ratio:
+            base.status = "fail"
+            base.note = join_notes(
+                note,
+                f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}",
+            )
+        else:
+            base.note = join_notes(note, "error inherited from the inputs")
+        return base
+
+    def inherit(self, upper: Searcher, name: str) -> None:
+        """Carry over the verdict (and replayed outputs) of call ``name``, tested already by ``upper``, the
+        searcher one level up (a zoom enters a block it has tested from the level above)."""
+        for table in ("results", "replays", "why_not_replayed"):
+            source = getattr(upper, table)
+            if name in source:
+                getattr(self, table)[name] = source[name]
+
+    # search ----------------------------------------------------------------------------------------
+    def descend(self, record: Any) -> tuple[Any, int]:
+        """Deepest failing call under a failing ``record``; returns (call, number of aligned children passed)."""
+        found, passed = self._failing_below(record)
+        return found if found is not None else (record, passed)
+
+    def _failing_below(self, record: Any) -> tuple[tuple[Any, int] | None, int]:
+        # Untestable children (no aligned partner to replay) are looked through, not counted as passed.
+        passed = 0
+        for child in self.frontier(record):
+            result = self.test(child)
+            if result.status == "fail":
+                return self.descend(child), passed
+            if result.status == "untestable":
+                found, _ = self._failing_below(child)
+                if found is not None:
+                    return found, passed
+            else:
+                passed += 1
+        return None, passed
+
+
+    def masking(self) -> bool:
+        """Whether a failing test sits on a pair aligned with medium or high confidence."""
+        for test in self.results.values():
+            pair = self.alignment.pair_of(test.reference.split("#", 1)[0])
+            if test.status == "fail" and pair is not None and pair.confidence != "low":
+                return True
+        return False
+
+    def outputs_disagree(self, record: Any) -> bool:
+        """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two sides."""
+        from paritykit.compare.tensors import compare_tensors
+
+        port_record = self.port_record(record)
+        if port_record is None:
+            return False
+        a, b = list(record.outputs.items()), list(port_record.outputs.items())
+        return not all(
+            compare_tensors(a[i][1], b[j][1], atol=self.atol, rtol=self.rtol, diagnose=False).passed
+            for i, j in pair_leaves(a, b) or []
+        )
+
+    def masked_call(self) -> tuple[Any, int] | None:
+        """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
+        shrunk by what follows, inside a passing parent). Candidates are aligned calls (medium or high
+        confidence) whose captured outputs differ, deepest first; the first that also fails on replay is the
+        culprit (at most :data:`MAX_MASKED_CHECKS` replayed)."""
+        checks = 0
+        for record in self.rt.completion_order():
+            pair = self.alignment.pair_of(record.module)
+            if record.parent is None or pair is None or pair.confidence == "low":
+                continue
+            if not self.outputs_disagree(record):
+                continue
+            checks += 1
+            if self.test(record).status == "fail":
+                return self.descend(record)
+            if checks >= MAX_MASKED_CHECKS:
+                break
+        return None
+
+
+def join_notes(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def _unpaired_shapes(ref_record: Any, port_record: Any) -> str:
+    """Why two calls' outputs cannot be compared, with both sides' shapes (a shape mismatch, usually)."""
+
+    def shapes(record: Any) -> str:
+        return ", ".join(str(list(t.shape)) for t in record.outputs.values()) or "no tensor"
+
+    return f"outputs cannot be paired: reference {shapes(ref_record)} vs port {shapes(port_record)}"

@@ -1,0 +1,157 @@
+r"""The culprit search: two strategies behind one interface, and the one function that turns either into a report.
+
+A strategy decides what is captured at a time and in which order aligned calls are tested; the tests themselves
+are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two strategies exist:
+
+* :class:`FullSearch` (``--levels full``): every module captured at once on each side, one searcher;
+* :class:`paritykit.bisection.zoom.ZoomSearch` (``--levels zoom``): one level of blocks captured at a time, a
+  searcher per level, a block entered (re-run alone from its captured inputs) only when the search needs to
+  look inside it. Peak memory is one level's instead of every module's.
+
+:func:`run_search` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the verdict,
+the culprit finding and the first output divergence are one piece of code whichever strategy found them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from paritykit.base.report import environment_stamp
+from paritykit.bisection.align import Alignment
+from paritykit.bisection.findings import culprit_finding, first_divergence
+from paritykit.bisection.results import BisectReport, ModuleTest
+from paritykit.bisection.searcher import Searcher
+
+
+@dataclass
+class Located:
+    r"""Where a strategy stopped: a reference call, the searcher that tested it, and how many of the call's
+    aligned children passed (a call whose children all pass differs in its own ``forward``)."""
+
+    searcher: Searcher
+    call: Any
+    children_passed: int
+
+
+class SearchStrategy(Protocol):
+    r"""How the culprit search walks two models. Implementations: :class:`FullSearch`,
+    :class:`paritykit.bisection.zoom.ZoomSearch`."""
+
+    @property
+    def top(self) -> Searcher:
+        """The searcher over the top-level traces: its root calls hold the final outputs."""
+        ...
+
+    def locate(self) -> Located:
+        """The deepest failing aligned call below the top level; the top-level call itself (with the count of
+        its aligned children that passed) when nothing below it fails."""
+        ...
+
+    def masking(self) -> bool:
+        """Whether a failing test found so far sits on a pair aligned with medium or high confidence."""
+        ...
+
+    def masked(self) -> Located | None:
+        """For a matching output: the first call failing on identical inputs among those whose captured outputs
+        differ (its error shrunk by what follows), or ``None``."""
+        ...
+
+    def tested(self) -> list[ModuleTest]:
+        """Every module test run, once each."""
+        ...
+
+    def final_alignment(self) -> Alignment:
+        """The module pairs the search used, with the modules left unaligned on each side."""
+        ...
+
+    def describe(self, environment: dict[str, Any]) -> dict[str, Any]:
+        """The report's environment, with what the strategy adds (levels entered)."""
+        ...
+
+
+class FullSearch:
+    r"""Both models captured whole: one :class:`~paritykit.bisection.searcher.Searcher` over the two traces."""
+
+    def __init__(self, searcher: Searcher):
+        self.searcher = searcher
+
+    @property
+    def top(self) -> Searcher:
+        return self.searcher
+
+    def locate(self) -> Located:
+        call, passed = self.searcher.descend(self.searcher.rt.root)
+        return Located(self.searcher, call, passed)
+
+    def masking(self) -> bool:
+        return self.searcher.masking()
+
+    def masked(self) -> Located | None:
+        found = self.searcher.masked_call()
+        return Located(self.searcher, *found) if found is not None else None
+
+    def tested(self) -> list[ModuleTest]:
+        return list(self.searcher.results.values())
+
+    def final_alignment(self) -> Alignment:
+        return self.searcher.alignment
+
+    def describe(self, environment: dict[str, Any]) -> dict[str, Any]:
+        return environment
+
+
+def run_search(
+    strategy: SearchStrategy,
+    ref_final: Any,
+    port_final: Any,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    ops: bool = False,
+    environment: dict[str, Any] | None = None,
+    allow_masked: bool = False,
+) -> BisectReport:
+    r"""Run ``strategy`` and report: ``diverge`` with the culprit when the final outputs differ, ``masked`` when
+    they match but an aligned module fails on identical inputs, else ``match``.
+
+    Args:
+        strategy: a :class:`SearchStrategy` over the two sides.
+        ref_final, port_final: the compared tensor of each side's final output.
+        atol, rtol: tolerances (default: per dtype).
+        ops: name the first differing op inside a replayed culprit.
+        environment: the report's environment stamp (default: this process's).
+        allow_masked: accept the ``masked`` verdict (exit 0).
+    """
+    import torch
+
+    from paritykit.compare.tensors import compare_tensors
+
+    output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
+    top = strategy.top
+    # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
+    trusted = ("high", "medium", "low") if not output.passed else ("high",)
+    first = first_divergence(top.rt, top.pt, top.alignment, atol=atol, rtol=rtol, confidence=trusted)
+    culprit = None
+    verdict = "match" if output.passed else "diverge"
+    with torch.no_grad():
+        located = strategy.locate()
+        if output.passed:
+            # the output matches, yet a module may fail on identical inputs, its error masked downstream
+            below_top = located.call is not top.rt.root
+            located = located if below_top and strategy.masking() else strategy.masked()
+            verdict = "masked" if located is not None else verdict
+        if located is not None and verdict != "match":
+            culprit = culprit_finding(located.searcher, located.call, located.children_passed, output, ops=ops)
+    stamp = environment if environment is not None else environment_stamp()
+    return BisectReport(
+        verdict=verdict,
+        culprit=culprit,
+        first_output_divergence=first,
+        output=output,
+        alignment=strategy.final_alignment(),
+        tested=strategy.tested(),
+        environment=strategy.describe(stamp),
+        culprits=[culprit] if culprit is not None else [],
+        allow_masked=allow_masked,
+    )

@@ -1,0 +1,188 @@
+r"""Schedule families: which closed form (linspace/leading/trailing spacing, Karras, exponential, flow shift) a timestep or sigma list follows, with its fitted parameters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from paritykit.base.report import format_number
+from paritykit.schedule.load import (
+    FAMILY_FIT,
+    SIGMA_ATOL,
+    SIGMA_RTOL,
+    TIMESTEP_ATOL,
+    _dedupe,
+)
+
+
+# ================================================================================================================
+# closed-form families a list may follow
+# ================================================================================================================
+def spacing_lists(n: int, train_steps: int) -> dict[str, list[float]]:
+    r"""The timesteps diffusers' ``timestep_spacing`` values give for ``n`` steps (``steps_offset`` 0)."""
+    import numpy as np
+
+    ratio = train_steps // n if n else 1
+    return {
+        "leading": [float(v) for v in (np.arange(n) * ratio)[::-1]],
+        "trailing": [float(v) for v in np.round(np.arange(train_steps, 0, -train_steps / n)) - 1],
+        "linspace": [float(v) for v in np.linspace(0, train_steps - 1, n)[::-1]],
+    }
+
+
+def _close(a: Sequence[float], b: Sequence[float], kind: str) -> bool:
+    if len(a) != len(b):
+        return False
+    if kind == "timesteps":
+        return all(abs(x - y) <= TIMESTEP_ATOL for x, y in zip(a, b))
+    return all(abs(x - y) <= SIGMA_ATOL + SIGMA_RTOL * abs(y) for x, y in zip(a, b))
+
+
+@dataclass
+class Family:
+    r"""A closed form a list follows; ``generate(n)`` gives the same family at ``n`` steps."""
+
+    name: str
+    params: dict[str, float] = field(default_factory=dict)
+    generate: Callable[[int], list[float]] | None = field(default=None, repr=False)
+    # other closed forms the same list fits equally well (a list of whole numbers may be float linspace)
+    alternatives: list[Callable[[int], list[float]]] = field(default_factory=list, repr=False)
+
+    def describe(self) -> str:
+        extra = ", ".join(f"{k} {format_number(v)}" for k, v in self.params.items())
+        return f"{self.name} ({extra})" if extra else self.name
+
+
+def timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
+    r"""Which spacing a timestep list follows: exact families first, then one with a constant offset."""
+    n = len(ts)
+    if n < 2:
+        return None
+    lists = spacing_lists(n, train_steps)
+    integral = all(v == round(v) for v in ts)
+    for name, values in lists.items():
+        rounded = [float(round(v)) for v in values]
+        if _close(ts, values, "timesteps") or _close(ts, rounded, "timesteps"):
+            # an integer list is read as the rounded family: at other counts it stays integer
+            exact = not integral
+
+            def generate(m: int, name=name, exact=exact) -> list[float]:
+                vals = spacing_lists(m, train_steps)[name]
+                return vals if exact else [float(round(v)) for v in vals]
+
+            family = Family(
+                f"{name} spacing" + ("" if exact or name != "linspace" else ", integer"), {}, generate
+            )
+            if not exact and name == "linspace":
+                family.alternatives.append(lambda m, name=name: spacing_lists(m, train_steps)[name])
+            return family
+    for name, values in lists.items():
+        shift = ts[-1] - values[-1]
+        if shift and _close(ts, [v + shift for v in values], "timesteps"):
+
+            def generate(m: int, name=name, shift=shift) -> list[float]:
+                return [v + shift for v in spacing_lists(m, train_steps)[name]]
+
+            return Family(f"{name} spacing + offset", {"offset": shift}, generate)
+    return None
+
+
+def _linear_residual(ys: Sequence[float]) -> float:
+    r"""Largest deviation of ``ys`` from its least-squares line in the index, as a share of its range."""
+    n = len(ys)
+    mx = (n - 1) / 2
+    my = sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    slope = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
+    span = max(ys) - min(ys)
+    if span == 0:
+        return 0.0
+    return max(abs(y - (my + slope * (i - mx))) for i, y in enumerate(ys)) / span
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 60) -> float:
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    for _ in range(iters):
+        c, d = b - g * (b - a), a + g * (b - a)
+        if f(c) < f(d):
+            b = d
+        else:
+            a = c
+    return (a + b) / 2
+
+
+def _best(f: Callable[[float], float], grid: Sequence[float]) -> float:
+    i = min(range(len(grid)), key=lambda k: f(grid[k]))
+    return _golden(f, grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)])
+
+
+def _shift(u: float, s: float) -> float:
+    return s * u / (1 + (s - 1) * u)
+
+
+def _unshift(sigma: float, s: float) -> float:
+    return sigma / (s - (s - 1) * sigma)
+
+
+def sigma_family(sigmas: Sequence[float]) -> Family | None:
+    r"""Karras (with its rho), exponential, or flow-matching (with its fitted shift), else ``None``.
+
+    Trailing zeros are set aside (``final sigma 0``) and regenerated.
+    """
+    tail = 0
+    while tail < len(sigmas) and sigmas[len(sigmas) - 1 - tail] == 0:
+        tail += 1
+    pos = list(sigmas[: len(sigmas) - tail])
+    if len(pos) < 3 or min(pos) <= 0 or any(b >= a for a, b in zip(pos, pos[1:])):
+        return None
+    zeros = [0.0] * tail
+    smax, smin = pos[0], pos[-1]
+
+    def lin(a: float, b: float, m: int) -> list[float]:
+        return [a + (b - a) * i / (m - 1) for i in range(m)] if m > 1 else [a]
+
+    if abs(smax - 1) < 1e-5 and smax <= 1 + 1e-5:
+
+        def resid(log_s: float) -> float:
+            return _linear_residual([_unshift(p, math.exp(log_s)) for p in pos])
+
+        log_s = _best(resid, [math.log(v) for v in (0.1, 0.3, 0.5, 1, 2, 3, 5, 8, 12, 20, 40)])
+        if resid(log_s) <= FAMILY_FIT:
+            s = math.exp(log_s)
+            s = round(s, 4) if resid(math.log(round(s, 4))) <= FAMILY_FIT else s
+            u0, u1 = _unshift(smax, s), _unshift(smin, s)
+
+            def generate(m: int) -> list[float]:
+                return [_shift(u, s) for u in lin(u0, u1, m)] + zeros
+
+            name = "flow-matching, shifted" if abs(s - 1) > 1e-3 else "flow-matching, linear"
+            return Family(name, {"shift": s}, generate)
+    if _linear_residual([math.log(p) for p in pos]) <= FAMILY_FIT:
+
+        def generate(m: int) -> list[float]:
+            return [math.exp(v) for v in lin(math.log(smax), math.log(smin), m)] + zeros
+
+        return Family("exponential", {"sigma_min": smin, "sigma_max": smax}, generate)
+
+    def resid_rho(rho: float) -> float:
+        return _linear_residual([p ** (1 / rho) for p in pos])
+
+    rho = _best(resid_rho, [1, 2, 3, 4, 5, 6, 7, 8, 10, 14, 20, 30])
+    if resid_rho(rho) <= FAMILY_FIT:
+        rho = float(round(rho)) if resid_rho(float(round(rho))) <= FAMILY_FIT else rho
+
+        def generate(m: int) -> list[float]:
+            a, b = smax ** (1 / rho), smin ** (1 / rho)
+            return [v**rho for v in lin(a, b, m)] + zeros
+
+        return Family("Karras", {"rho": rho, "sigma_min": smin, "sigma_max": smax}, generate)
+    return None
+
+
+def family_of(kind: str, values: Sequence[float] | None, train_steps: int) -> Family | None:
+    if values is None:
+        return None
+    values = _dedupe(values)
+    return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values)

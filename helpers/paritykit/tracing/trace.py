@@ -1,0 +1,801 @@
+r"""Capture every module call of a model: inputs, outputs, call order, nesting.
+
+``with capture(model) as trace: model(x)`` records, for the top level and each submodule, the positional and
+keyword inputs and the outputs of every call, in execution order. Repeated calls are named ``name``,
+``name#1``, ``name#2`` …; nested outputs (tuples, dicts, ``BaseOutput``) are flattened by path
+(``output.0``, ``output.sample``, ``args.1``, ``kwargs.temb``). A trace keeps enough structure to *replay* a
+call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.search` needs to compare two different
+implementations module by module.
+
+``to_dir=`` streams the tensors into safetensors shards next to a JSON manifest, so models larger than RAM can
+be traced; :meth:`Trace.load` reads such a folder back lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import math
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paritykit.base.errors import ParityKitError
+
+MANIFEST = "trace.json"
+WEIGHTS_FILE = "weights.safetensors"
+FORMAT = "paritykit-trace"
+FORMAT_VERSION = 1
+_SHARD_BYTES = 256 * 2**20
+
+
+# --------------------------------------------------------------------------------------------- structure
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A captured tensor inside an input/output skeleton, stored under ``key`` in the trace."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A non-tensor value that could not be written to JSON; calls holding one cannot be replayed from disk."""
+
+    text: str
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.text}>"
+
+
+class OutputDict(dict):
+    """Stands in for a ``BaseOutput`` read from disk: ``out.sample``, ``out["sample"]`` and ``out[0]`` all work."""
+
+    def __getattr__(self, item: str) -> Any:
+        try:
+            return self[item]
+        except KeyError:
+            raise AttributeError(item) from None
+
+    def __getitem__(self, item: Any) -> Any:
+        if isinstance(item, int):
+            return list(self.values())[item]
+        return super().__getitem__(item)
+
+
+@dataclass
+class ModuleInfo:
+    r"""A module of the traced model: class name and its own (non-recursive) parameters ``{local: shape}``."""
+
+    name: str
+    type: str
+    params: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "params": self.params}
+
+
+@dataclass
+class Record:
+    r"""One call of one module.
+
+    Attributes:
+        name: ``module`` for the first call, ``module#k`` for the (k+1)-th.
+        module: the module's dotted name (``""`` is the top level).
+        call: 0 for the first call of this module, 1 for the second, …
+        type: class name of the module.
+        parent: name of the enclosing record (``None`` at the top).
+        order: position in start order (pre-order of the call tree).
+        done: position in completion order (children finish before their parent); -1 if the call raised.
+    """
+
+    name: str
+    module: str
+    call: int
+    type: str
+    parent: str | None
+    depth: int
+    order: int
+    done: int = -1
+    inputs_skeleton: Any = None
+    outputs_skeleton: Any = None
+    input_keys: dict[str, str] = field(default_factory=dict)
+    output_keys: dict[str, str] = field(default_factory=dict)
+    _trace: Trace | None = field(default=None, repr=False, compare=False)
+
+    # tensors ----------------------------------------------------------------------------------------
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """Input tensors by path (``args.0``, ``kwargs.temb``, ``kwargs.added.text_embeds``)."""
+        return {path: self._trace.tensor(key) for path, key in self.input_keys.items()}
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        """Output tensors by path (``output``, ``output.0``, ``output.sample``)."""
+        return {path: self._trace.tensor(key) for path, key in self.output_keys.items()}
+
+    @property
+    def output(self) -> Any:
+        """The first output tensor (``None`` when the call returned no tensor)."""
+        for key in self.output_keys.values():
+            return self._trace.tensor(key)
+        return None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether :meth:`call_inputs` can rebuild this call's arguments (inputs captured, nothing opaque)."""
+        return self.inputs_skeleton is not None and not _has_opaque(self.inputs_skeleton)
+
+    def call_inputs(self) -> tuple[tuple, dict]:
+        """The call's ``(args, kwargs)`` rebuilt with the captured tensors."""
+        if self.inputs_skeleton is None:
+            raise ParityKitError(f"record {self.name!r} holds no inputs (captured with inputs=False)")
+        args, kwargs = unpack_call(self.inputs_skeleton, self._trace.tensor)
+        return tuple(args), dict(kwargs)
+
+    def output_value(self) -> Any:
+        """The call's return value rebuilt (``BaseOutput`` from disk comes back as an :class:`OutputDict`)."""
+        return unpack_call(self.outputs_skeleton, self._trace.tensor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "call": self.call,
+            "type": self.type,
+            "parent": self.parent,
+            "depth": self.depth,
+            "order": self.order,
+            "done": self.done,
+            "inputs": _encode(self.inputs_skeleton),
+            "outputs": _encode(self.outputs_skeleton),
+            "input_keys": self.input_keys,
+            "output_keys": self.output_keys,
+        }
+
+
+class Trace:
+    r"""What :func:`capture` recorded: :class:`Record` objects in start order plus the model's module table."""
+
+    def __init__(self, model_type: str = "", directory: Path | None = None):
+        self.model_type = model_type
+        self.records: list[Record] = []
+        self.modules: dict[str, ModuleInfo] = {}
+        self.directory = directory
+        # what the folder says about itself: side, spec, levels, the block it was taken inside, environment
+        self.about: dict[str, Any] = {}
+        self.weight_source: Mapping[str, Any] | None = None
+        self._by_name: dict[str, Record] = {}
+        self._tensors: dict[str, Any] = {}
+        self._shard_of: dict[str, str] = {}
+        self._open: dict[str, Any] = {}
+
+    # access -----------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> Record:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no call named {name!r} in this trace") from None
+
+    def names(self) -> list[str]:
+        """Record names in start order."""
+        return [r.name for r in self.records]
+
+    def calls(self, module: str) -> list[Record]:
+        """Every call of one module, first call first."""
+        return [r for r in self.records if r.module == module]
+
+    def children(self, record: Record | str) -> list[Record]:
+        """Calls made directly inside ``record``, in start order."""
+        name = record if isinstance(record, str) else record.name
+        return [r for r in self.records if r.parent == name]
+
+    def completion_order(self) -> list[Record]:
+        """Records in the order their calls returned (a child before its parent)."""
+        return sorted((r for r in self.records if r.done >= 0), key=lambda r: r.done)
+
+    @property
+    def root(self) -> Record | None:
+        """The first call of the top-level module, if it was captured."""
+        return self._by_name.get("")
+
+    def tensor(self, key: str) -> Any:
+        """One captured tensor by its storage key (read lazily from disk for a loaded trace)."""
+        if key in self._tensors:
+            return self._tensors[key]
+        shard = self._shard_of.get(key)
+        if shard is None or self.directory is None:
+            raise KeyError(f"tensor {key!r} is not in this trace")
+        handle = self._open.get(shard)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(str(self.directory / shard), framework="pt")
+            self._open[shard] = handle
+        return handle.get_tensor(key)
+
+    def weights(self) -> Mapping[str, Any] | None:
+        """The traced model's state dict: :attr:`weight_source` when set (an offloaded model's
+        :class:`ModelWeights`), else the trace folder's copy (written by ``paritykit trace``)."""
+        if self.weight_source is not None:
+            return self.weight_source
+        if self.directory is None or not (self.directory / WEIGHTS_FILE).is_file():
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(self.directory / WEIGHTS_FILE))
+
+    def graft(self, call: Record) -> None:
+        r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and depth,
+        so its records join a trace of the level above (:mod:`paritykit.zoom`)."""
+        if not self.records:
+            raise ParityKitError("an empty trace cannot be grafted")
+        top = self.records[0]
+        old = top.name
+        for record in self.records:
+            record.depth += call.depth
+            if record.parent == old:
+                record.parent = call.name
+        top.name, top.call, top.parent, top.depth = call.name, call.call, call.parent, call.depth
+        self._by_name = {r.name: r for r in self.records}
+
+    def _add(self, record: Record) -> None:
+        record._trace = self
+        self.records.append(record)
+        self._by_name[record.name] = record
+
+    # persistence ------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Write this trace (tensors + manifest) to ``directory``; returns the folder."""
+        writer = _ShardWriter(Path(directory))
+        for key in sorted(
+            {k for r in self.records for k in (*r.input_keys.values(), *r.output_keys.values())}
+        ):
+            writer.add(key, self.tensor(key))
+        writer.close()
+        _write_manifest(Path(directory), self, writer.shard_of)
+        return Path(directory)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Trace:
+        r"""Read a trace folder written by ``capture(..., to_dir=)`` or :meth:`save`; tensors load on access."""
+        directory = Path(directory)
+        manifest_path = directory / MANIFEST
+        if not manifest_path.is_file():
+            raise ParityKitError(
+                f"{directory}: not a paritykit trace folder (no {MANIFEST}); write one with `paritykit trace`"
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({exc})") from None
+        if manifest.get("format") != FORMAT:
+            raise ParityKitError(f"{manifest_path}: not a paritykit trace manifest")
+        trace = cls(manifest.get("model_type", ""), directory)
+        trace.about = dict(manifest.get("about") or {})
+        trace.modules = {
+            name: ModuleInfo(name, info["type"], {k: list(v) for k, v in info.get("params", {}).items()})
+            for name, info in manifest.get("modules", {}).items()
+        }
+        trace._shard_of = dict(manifest.get("tensors", {}))
+        for item in manifest["records"]:
+            trace._add(
+                Record(
+                    name=item["name"],
+                    module=item["module"],
+                    call=item["call"],
+                    type=item["type"],
+                    parent=item["parent"],
+                    depth=item["depth"],
+                    order=item["order"],
+                    done=item["done"],
+                    inputs_skeleton=_decode(item["inputs"]),
+                    outputs_skeleton=_decode(item["outputs"]),
+                    input_keys=dict(item["input_keys"]),
+                    output_keys=dict(item["output_keys"]),
+                )
+            )
+        return trace
+
+    def summary(self) -> dict[str, Any]:
+        """Counts a person wants after a capture: calls, distinct modules, tensors, bytes held in memory."""
+        keys = {k for r in self.records for k in (*r.input_keys.values(), *r.output_keys.values())}
+        nbytes = sum(t.numel() * t.element_size() for k, t in self._tensors.items() if k in keys)
+        return {
+            "model_type": self.model_type,
+            "calls": len(self.records),
+            "modules": len({r.module for r in self.records}),
+            "tensors": len(keys),
+            "bytes_in_memory": nbytes,
+            "directory": str(self.directory) if self.directory else None,
+        }
+
+
+# ----------------------------------------------------------------------------------------------- capture
+
+
+def module_table(model: Any) -> dict[str, ModuleInfo]:
+    """Class name and own parameter shapes of every named module of ``model``."""
+    table = {}
+    for name, module in model.named_modules():
+        params = {k: list(p.shape) for k, p in module.named_parameters(recurse=False)}
+        table[name] = ModuleInfo(name, type(module).__name__, params)
+    return table
+
+
+def _selected(name: str, module: Any, patterns: Sequence[Any] | None) -> bool:
+    if patterns is None:
+        return True
+    for pattern in patterns:
+        if isinstance(pattern, str):
+            if fnmatch.fnmatchcase(name, pattern):
+                return True
+        elif isinstance(module, pattern):
+            return True
+    return False
+
+
+class _Recorder:
+    """The hooks' shared state. Kept small and flat: these methods run for every module call."""
+
+    def __init__(self, trace: Trace, *, inputs: bool, to_cpu: bool, writer: _ShardWriter | None):
+        import torch
+
+        self.torch = torch
+        self.trace = trace
+        self.inputs = inputs
+        self.to_cpu = to_cpu
+        self.writer = writer
+        self.names: dict[int, tuple[str, str]] = {}
+        self.counts: dict[str, int] = {}
+        self.stack: list[Record] = []
+        self.started = 0
+        self.finished = 0
+        self.next_key = 0
+        # id(tensor) -> (weakref to the tensor, its version counter, key): one copy per tensor value, even when
+        # the same tensor is a child's output, the next sibling's input and the parent's output.
+        self.seen: dict[int, tuple[Any, int, str]] = {}
+
+    def store(self, value: Any) -> str:
+        ident = id(value)
+        hit = self.seen.get(ident)
+        version = value._version
+        if hit is not None and hit[0]() is value and hit[1] == version:
+            return hit[2]
+        tensor = value.detach()
+        if self.to_cpu and tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        else:
+            # The caller may change this tensor in place later (``x += y``, ``inplace=True`` activations).
+            tensor = tensor.clone()
+        key = f"t{self.next_key}"
+        self.next_key += 1
+        try:
+            ref = weakref.ref(value, lambda _r, i=ident, s=self.seen: s.pop(i, None))
+            self.seen[ident] = (ref, version, key)
+        except TypeError:
+            pass
+        if self.writer is not None:
+            self.writer.add(key, tensor)
+        else:
+            self.trace._tensors[key] = tensor
+        return key
+
+    def pack(self, obj: Any, path: str, keys: dict[str, str]) -> Any:
+        torch = self.torch
+        if isinstance(obj, torch.Tensor):
+            key = self.store(obj)
+            keys[path] = key
+            return TensorRef(key)
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, dict):
+            packed = {k: self.pack(v, f"{path}.{k}", keys) for k, v in obj.items()}
+            return _DictSkeleton(packed, type(obj))
+        if isinstance(obj, (tuple, list)):
+            packed = [self.pack(v, f"{path}.{i}", keys) for i, v in enumerate(obj)]
+            return packed if isinstance(obj, list) else tuple(packed)
+        return obj
+
+    def pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        name, type_name = self.names[id(module)]
+        count = self.counts.get(name, 0)
+        self.counts[name] = count + 1
+        parent = self.stack[-1] if self.stack else None
+        record = Record(
+            name=name if count == 0 else f"{name}#{count}",
+            module=name,
+            call=count,
+            type=type_name,
+            parent=parent.name if parent else None,
+            depth=parent.depth + 1 if parent else 0,
+            order=self.started,
+        )
+        self.started += 1
+        if self.inputs:
+            keys: dict[str, str] = {}
+            record.inputs_skeleton = (
+                tuple(self.pack(a, f"args.{i}", keys) for i, a in enumerate(args)),
+                _DictSkeleton({k: self.pack(v, f"kwargs.{k}", keys) for k, v in kwargs.items()}),
+            )
+            record.input_keys = keys
+        self.trace._add(record)
+        self.stack.append(record)
+
+    def post(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        name = self.names[id(module)][0]
+        # A call that raised inside a caught exception leaves its record open; close it without outputs.
+        while self.stack and self.stack[-1].module != name:
+            self.stack.pop()
+        if not self.stack:
+            return
+        record = self.stack.pop()
+        keys: dict[str, str] = {}
+        record.outputs_skeleton = self.pack(output, "output", keys)
+        record.output_keys = keys
+        record.done = self.finished
+        self.finished += 1
+
+
+@dataclass(frozen=True)
+class _DictSkeleton:
+    """A captured dict (or ``BaseOutput``) with its original class, so replay rebuilds the same type."""
+
+    items: dict[str, Any]
+    cls: type = dict
+
+
+@contextlib.contextmanager
+def capture(
+    model: Any,
+    *,
+    modules: Sequence[Any] | str | type | None = None,
+    inputs: bool = True,
+    to_cpu: bool = True,
+    to_dir: str | Path | None = None,
+    about: dict[str, Any] | None = None,
+) -> Iterator[Trace]:
+    r"""Record every module call of ``model`` while the block runs.
+
+    Args:
+        model: a ``torch.nn.Module``; the top level is recorded as ``""``.
+        modules: which modules to record: glob patterns on dotted names (``"blocks.*.attn"``) and/or module
+            classes; ``None`` records all of them.
+        inputs: record positional and keyword inputs (needed for replay); outputs are always recorded.
+        to_cpu: move copies to the CPU (on the CPU this is a plain copy, which protects against later in-place
+            changes); ``False`` keeps them on the model's device.
+        to_dir: stream tensors into safetensors shards in this folder and write a manifest (``trace.json``) on
+            exit; the returned trace then reads tensors lazily from disk.
+        about: JSON-safe facts written into the manifest (``Trace.about``), so a folder describes itself.
+
+    Returns:
+        A :class:`Trace`, filled in while the block runs. Hooks are removed on exit, also when the block raises,
+        and they never change what the model computes.
+    """
+    if isinstance(modules, (str, type)):
+        modules = [modules]
+    directory = Path(to_dir) if to_dir is not None else None
+    writer = _ShardWriter(directory) if directory is not None else None
+    trace = Trace(type(model).__name__, directory)
+    trace.modules = module_table(model)
+    trace.about = dict(about or {})
+    recorder = _Recorder(trace, inputs=inputs, to_cpu=to_cpu, writer=writer)
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            if not _selected(name, module, modules):
+                continue
+            recorder.names[id(module)] = (name, type(module).__name__)
+            handles.append(module.register_forward_pre_hook(recorder.pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(recorder.post, with_kwargs=True, always_call=True))
+        yield trace
+    finally:
+        for handle in handles:
+            handle.remove()
+        recorder.seen.clear()
+        if writer is not None:
+            writer.close()
+            trace._shard_of = dict(writer.shard_of)
+            _write_manifest(directory, trace, writer.shard_of)
+
+
+# ------------------------------------------------------------------------------------------- persistence
+
+
+class _ShardWriter:
+    """Buffers tensors and writes them as numbered safetensors shards of about ``shard_bytes`` each."""
+
+    def __init__(self, directory: Path, shard_bytes: int | None = None):
+        if directory.exists() and not directory.is_dir():
+            raise ParityKitError(f"{directory}: exists and is not a folder")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ParityKitError(
+                f"{directory}: cannot create the trace folder ({exc.strerror or exc})"
+            ) from None
+        for old in directory.glob("tensors-*.safetensors"):
+            old.unlink()
+        (directory / MANIFEST).unlink(missing_ok=True)
+        self.directory = directory
+        self.shard_bytes = shard_bytes or _SHARD_BYTES
+        self.pending: dict[str, Any] = {}
+        self.pending_bytes = 0
+        self.shard_of: dict[str, str] = {}
+        self.index = 0
+
+    def add(self, key: str, tensor: Any) -> None:
+        self.pending[key] = tensor.contiguous()
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"tensors-{self.index:05d}.safetensors"
+        save_file(self.pending, str(self.directory / name))
+        for key in self.pending:
+            self.shard_of[key] = name
+        self.index += 1
+        self.pending = {}
+        self.pending_bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _write_manifest(directory: Path, trace: Trace, shard_of: dict[str, str]) -> None:
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "model_type": trace.model_type,
+        "modules": {name: info.to_dict() for name, info in trace.modules.items()},
+        "records": [r.to_dict() for r in trace.records],
+        "tensors": shard_of,
+        "about": trace.about,
+    }
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, allow_nan=False))
+    tmp.replace(directory / MANIFEST)
+
+
+def _encode(node: Any) -> Any:
+    """Skeleton -> JSON. Tensors become ``{"tensor": key}``; values JSON cannot hold become ``{"opaque": repr}``."""
+    if isinstance(node, TensorRef):
+        return {"tensor": node.key}
+    if node is None or isinstance(node, (bool, int, str)):
+        return node
+    if isinstance(node, float):
+        return node if math.isfinite(node) else {"float": repr(node)}
+    if isinstance(node, _DictSkeleton):
+        output = node.cls is not dict
+        return {"dict": [[str(k), _encode(v)] for k, v in node.items.items()], "output": output}
+    if isinstance(node, tuple):
+        return {"tuple": [_encode(v) for v in node]}
+    if isinstance(node, list):
+        return {"list": [_encode(v) for v in node]}
+    if isinstance(node, Opaque):
+        return {"opaque": node.text}
+    text = type(node).__module__ + "." + type(node).__qualname__
+    try:
+        import torch
+
+        if isinstance(node, torch.dtype):
+            return {"dtype": str(node).removeprefix("torch.")}
+        if isinstance(node, torch.device):
+            return {"device": str(node)}
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return {"opaque": f"{text}: {repr(node)[:200]}"}
+
+
+def _decode(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if "tensor" in node:
+        return TensorRef(node["tensor"])
+    if "float" in node:
+        return float(node["float"])
+    if "dict" in node:
+        return _DictSkeleton(
+            {k: _decode(v) for k, v in node["dict"]}, OutputDict if node.get("output") else dict
+        )
+    if "tuple" in node:
+        return tuple(_decode(v) for v in node["tuple"])
+    if "list" in node:
+        return [_decode(v) for v in node["list"]]
+    if "dtype" in node:
+        import torch
+
+        return getattr(torch, node["dtype"])
+    if "device" in node:
+        import torch
+
+        return torch.device(node["device"])
+    return Opaque(node.get("opaque", "?"))
+
+
+def unpack_call(node: Any, tensor: Any) -> Any:
+    if isinstance(node, TensorRef):
+        return tensor(node.key)
+    if isinstance(node, _DictSkeleton):
+        values = {k: unpack_call(v, tensor) for k, v in node.items.items()}
+        try:
+            return node.cls(**values) if node.cls is not dict else values
+        except TypeError:
+            return OutputDict(values)
+    if isinstance(node, tuple):
+        return tuple(unpack_call(v, tensor) for v in node)
+    if isinstance(node, list):
+        return [unpack_call(v, tensor) for v in node]
+    if isinstance(node, Opaque):
+        raise ParityKitError(f"cannot rebuild a captured value from disk: {node.text}")
+    return node
+
+
+def _has_opaque(node: Any) -> bool:
+    if isinstance(node, Opaque):
+        return True
+    if isinstance(node, _DictSkeleton):
+        return any(_has_opaque(v) for v in node.items.values())
+    if isinstance(node, (tuple, list)):
+        return any(_has_opaque(v) for v in node)
+    return False
+
+
+def tensor_paths(node: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
+    """``(path, key)`` for every tensor in a skeleton, in order."""
+    if isinstance(node, TensorRef):
+        yield prefix, node.key
+    elif isinstance(node, _DictSkeleton):
+        for k, v in node.items.items():
+            yield from tensor_paths(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, (tuple, list)):
+        for i, v in enumerate(node):
+            yield from tensor_paths(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+# -------------------------------------------------------------------------------------- two machines
+
+
+class ModelWeights(Mapping):
+    r"""A model's state dict that reads weights offloaded by accelerate (``disk_offload``, ``dispatch_model``
+    with disk or CPU entries: the parameter itself sits on ``meta``) from the offload, one tensor per access.
+
+    Nothing is loaded up front, and nothing is kept: each ``weights[name]`` reads that tensor (memory-mapped
+    from the offload folder for disk entries). Weights that are not offloaded are the model's own tensors.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        # meta tensors for offloaded weights, references (not copies) for the others
+        self._entries = model.state_dict(keep_vars=True)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __getitem__(self, name: str) -> Any:
+        tensor = self._entries[name]
+        if tensor.device.type != "meta":
+            return tensor.detach()
+        owner, _, local = name.rpartition(".")
+        module = self.model.get_submodule(owner) if owner else self.model
+        hook = getattr(module, "_hf_hook", None)
+        for each in getattr(hook, "hooks", None) or [hook]:
+            stored = getattr(each, "weights_map", None)
+            if stored is not None:
+                try:
+                    return stored[local]
+                except KeyError:
+                    continue
+        raise ParityKitError(f"weight {name!r} is on 'meta' and no accelerate hook holds its value")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any weight sits on ``meta`` (read from an offload on access)."""
+        return any(t.device.type == "meta" for t in self._entries.values())
+
+
+# safetensors' names of torch dtypes
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+def write_weights(model: Any, path: str | Path) -> int:
+    r"""Write ``model``'s state dict to one safetensors file, one tensor at a time: offloaded weights are read
+    from their offload (:class:`ModelWeights`) and dropped once written, so memory holds one tensor, not the
+    model. The header comes first from shapes and dtypes, which the ``meta`` placeholders know. Returns the
+    number of tensors written."""
+    import struct
+
+    import torch
+
+    weights = ModelWeights(model)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in weights:
+        entry = weights._entries[name]
+        dtype = str(entry.dtype).removeprefix("torch.")
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ParityKitError(f"weight {name!r}: dtype {dtype} cannot be written to safetensors")
+        size = entry.numel() * entry.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in weights:
+            tensor = weights[name].detach().cpu().contiguous()
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            del tensor
+    return len(header)
+
+
+def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
+    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time
+    (offloaded weights too, through :class:`ModelWeights`), so the other machine can tell whether both sides
+    loaded the same checkpoint without the weights."""
+    out = {}
+    weights = ModelWeights(model)
+    for name in weights:
+        tensor = weights[name]
+        values = tensor.detach().double()
+        out[name] = {
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "sum": float(values.sum()) if values.numel() else 0.0,
+            "abs_sum": float(values.abs().sum()) if values.numel() else 0.0,
+        }
+    return out
+
+
+def check_request(ref_trace: Trace, port_trace: Trace, zoom: str | None) -> None:
+    r"""``bisect --traces … --zoom BLOCK``: both folders must have been traced inside that block (reference
+    naming for the reference folder); without ``--zoom`` nothing is checked."""
+    if zoom is None:
+        return
+    inside = ref_trace.about.get("inside")
+    if inside != zoom:
+        where = f"inside {inside!r}" if inside is not None else "without --inside"
+        folder = ref_trace.directory
+        raise ParityKitError(
+            f"--zoom {zoom!r}: {folder} was traced {where}; trace it with `paritykit trace … --inside {zoom}`"
+        )
+    if port_trace.about.get("inside") is None:
+        raise ParityKitError(f"--zoom {zoom!r}: {port_trace.directory} was not traced with --inside")
