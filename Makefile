@@ -30,6 +30,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check helpers tests benchmarks
 	$(BIN)/ruff format --check helpers tests benchmarks
+	$(BIN)/lint-imports
 
 style: install
 	$(BIN)/ruff check --fix helpers tests benchmarks

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 from paritykit.base.errors import ParityKitError
-from paritykit.forensics.config_diff import config_diff
 from paritykit.forensics.config_files import flatten, load_config, values_equal
+from paritykit.forensics.configs import config_diff
 
 
 def tiny_unet(cross_attention_dim=32):
@@ -247,7 +247,7 @@ def test_equal_keys_are_counted_and_listed():
 
 # ------------------------------------------------------------------------------------ class defaults
 def test_port_keys_at_the_class_default_are_listed_not_counted(tmp_path):
-    from paritykit.forensics.config_diff import DEFAULT
+    from paritykit.forensics.configs import DEFAULT
 
     tiny_unet().save_pretrained(tmp_path / "unet")
     reference = {k: v for k, v in load_config(tmp_path / "unet").items() if not k.startswith("_")}
@@ -262,7 +262,7 @@ def test_port_keys_at_the_class_default_are_listed_not_counted(tmp_path):
 
 
 def test_reference_keys_compares_only_what_the_reference_has(tmp_path):
-    from paritykit.forensics.config_diff import NOT_IN_REFERENCE
+    from paritykit.forensics.configs import NOT_IN_REFERENCE
 
     tiny_unet().save_pretrained(tmp_path / "unet")
     reference = {"ldm.in_channels": 4, "ldm.context_dim": 32}

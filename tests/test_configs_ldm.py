@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 from paritykit.base.errors import ParityKitError
-from paritykit.forensics.config_diff import DEFAULT, NO_COUNTERPART, REFERENCE_ONLY, config_diff
 from paritykit.forensics.config_ldm import UNET_HELPER, VAE_HELPER, derive_from_ldm, is_ldm_config
+from paritykit.forensics.configs import DEFAULT, NO_COUNTERPART, REFERENCE_ONLY, config_diff
 
 # The public layout of Stable Diffusion v1's v1-inference.yaml, with tiny sizes (32 channels, 2 levels).
 V1_INFERENCE = {

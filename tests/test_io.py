@@ -452,7 +452,7 @@ def test_compare_and_weights_diff_name_tensors_alike_so_one_map_fits_both(tmp_pa
     from paritykit.base.io import load_named_tensors
     from paritykit.base.naming import parse_map_options
     from paritykit.compare.sets import compare_paths
-    from paritykit.forensics.weights_diff import open_checkpoint, weights_diff
+    from paritykit.forensics.weights import open_checkpoint, weights_diff
 
     research, port = _research_and_port(tmp_path)
     for path in (research, port):
@@ -486,7 +486,7 @@ def test_named_tensors_keep_output_folders_and_single_tensors_as_before(tmp_path
 
 def test_a_pipeline_folder_is_named_component_dot_key(tmp_path):
     from paritykit.base.io import load_named_tensors
-    from paritykit.forensics.weights_diff import open_checkpoint
+    from paritykit.forensics.weights import open_checkpoint
 
     _, port = _research_and_port(tmp_path)
     pipeline = tmp_path / "port"

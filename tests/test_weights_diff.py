@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 from paritykit.base.errors import ParityKitError
-from paritykit.forensics import weights_diff as weights_module
+from paritykit.forensics import weights as weights_module
 from paritykit.forensics.safetensors_header import read_safetensors_header
-from paritykit.forensics.weights_diff import component_of, kind_of, plot_weights_diff, weights_diff
+from paritykit.forensics.weights import component_of, kind_of, plot_weights_diff, weights_diff
 from safetensors.torch import save_file
 
 from .conftest import REPO
@@ -462,7 +462,7 @@ def test_kinds_follow_the_leaf_module_role_in_diffusers_and_research_names():
 
 def test_plot_shows_a_lone_small_change_and_tick_labels_do_not_overlap(tmp_path):
     from matplotlib import pyplot as plt
-    from paritykit.forensics.weights_diff import draw_weights_diff
+    from paritykit.forensics.weights import draw_weights_diff
 
     g = torch.Generator().manual_seed(0)
     a = {f"blocks.{i}.mlp.fc1.weight": torch.randn(8, 8, generator=g) for i in range(40)}

@@ -1,15 +1,15 @@
 """paritykit: agent skills and executable helpers for porting diffusion models with proven parity.
 
 The public API is imported lazily (PEP 562) so that ``import paritykit`` and the CLI's ``--help`` stay fast and
-never import torch until a tensor helper is used.
+never import torch until a tensor helper is used. The code lives in rooms named after what they hold (``base``,
+``tracing``, ``compare``, ``forensics``, ``bisection``, ``schedule``, ``pack``, ``cli``, ``demo``); how they fit
+together is docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from paritykit._version import __version__
+from paritykit.base.lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -40,8 +40,8 @@ _EXPORTS: dict[str, str] = {
     "load_state_dict": "paritykit.base.io",
     "safe_torch_load": "paritykit.base.io",
     # forensics
-    "config_diff": "paritykit.forensics.config_diff",
-    "weights_diff": "paritykit.forensics.weights_diff",
+    "config_diff": "paritykit.forensics.configs",
+    "weights_diff": "paritykit.forensics.weights",
     "load_config": "paritykit.forensics.config_files",
     "derive_from_ldm": "paritykit.forensics.config_ldm",
     "suggest_map": "paritykit.forensics.config_suggest",
@@ -81,16 +81,8 @@ _EXPORTS: dict[str, str] = {
     "record_loop": "paritykit.tracing.recording",
 }
 
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paritykit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, _, _names = lazy_exports(__name__, _EXPORTS)
+__all__ = ["__version__", *_names]
 
 
 def __dir__() -> list[str]:

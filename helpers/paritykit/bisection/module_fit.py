@@ -403,9 +403,7 @@ def _verify(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) ->
     parent_name, _, leaf = local.rpartition(".")
     parent = clone.get_submodule(parent_name) if parent_name else clone
     setattr(parent, leaf, copy.deepcopy(fitted))
-    adapted = (
-        searcher.adapt_inputs(call, port_call, module_device(module)) if port_call is not None else None
-    )
+    adapted = searcher.adapt_inputs(call, port_call, module_device(module)) if port_call is not None else None
     if adapted is None and port_call is not None and port_call.replayable:
         adapted = port_call.call_inputs()
     if adapted is None:

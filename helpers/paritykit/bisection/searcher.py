@@ -295,7 +295,6 @@ class Searcher:
                 passed += 1
         return None, passed
 
-
     def masking(self) -> bool:
         """Whether a failing test sits on a pair aligned with medium or high confidence."""
         for test in self.results.values():

@@ -142,7 +142,9 @@ def run_search(
             located = located if below_top and strategy.masking() else strategy.masked()
             verdict = "masked" if located is not None else verdict
         if located is not None and verdict != "match":
-            culprit = culprit_finding(located.searcher, located.call, located.children_passed, output, ops=ops)
+            culprit = culprit_finding(
+                located.searcher, located.call, located.children_passed, output, ops=ops
+            )
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(
         verdict=verdict,

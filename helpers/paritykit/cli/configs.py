@@ -71,7 +71,7 @@ def config_diff(
       paritykit config-diff ref_pipeline/ port_pipeline/ --ignore _diffusers_version --ignore _name_or_path
     """
     from paritykit.base.naming import parse_map_options
-    from paritykit.forensics.config_diff import config_diff as run
+    from paritykit.forensics.configs import config_diff as run
 
     report = run(
         a,

@@ -82,7 +82,7 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
       paritykit weights diff a.ckpt b.safetensors --map '^cond_stage_model\\.transformer\\.(?!text_model)=cond_stage_model.transformer.text_model.'
     """
     from paritykit.base.naming import parse_map_options
-    from paritykit.forensics.weights_diff import plot_weights_diff, weights_diff
+    from paritykit.forensics.weights import plot_weights_diff, weights_diff
 
     report = weights_diff(
         a, b, rules=parse_map_options(maps), metric=metric, group_by=group_by, keys_only=keys_only,

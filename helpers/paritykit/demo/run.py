@@ -123,7 +123,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     from paritykit.demo.pipeline import make_hint, make_pipeline
     from paritykit.demo.reference import REFERENCE_CONFIG, build_reference
     from paritykit.demo.specs import build_port_model, make_inputs, select_output
-    from paritykit.forensics.config_diff import config_diff
+    from paritykit.forensics.configs import config_diff
     from paritykit.forensics.conversion.emit import emit_rules
     from paritykit.forensics.conversion.matching import infer_conversion_map
     from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints

@@ -290,5 +290,3 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
         )
     hints = [h for k in kinds if not k.same for h in _hints_for(k, sa.integer, sb.integer)]
     return ScheduleComparison(sa.source, sb.source, kinds, hints, only, notes)
-
-

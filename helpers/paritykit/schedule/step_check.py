@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import format_number
@@ -16,9 +16,6 @@ from paritykit.schedule.load import (
     load_schedule,
 )
 from paritykit.schedule.schedulers import _changes, _make
-
-if TYPE_CHECKING:
-    from paritykit.schedule.fit import FitResult
 
 
 @dataclass
@@ -36,7 +33,6 @@ class StepCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
 
 
 # --- step check --------------------------------------------------------------------------------------------------
@@ -183,7 +179,7 @@ def _recorded_inputs_are_scaled(cls: type, base: dict[str, Any], steps: int, sou
     return not torch.equal(scheduler.scale_model_input(x, scheduler.timesteps[0]), x)
 
 
-def _run_step_check(result: FitResult, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
+def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
     result.step_checked = True
     if "Ancestral" in cls.__name__ or cls.__name__.startswith(("Heun", "KDPM2")):
         result.notes.append(f"--step-check: {cls.__name__} is not checked (a stochastic or two-call step); "

@@ -1,0 +1,22 @@
+r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline checkpoints
+saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser (``recording``)."""
+
+from paritykit.base.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "Trace": "paritykit.tracing.trace",
+        "ModelWeights": "paritykit.tracing.trace",
+        "capture": "paritykit.tracing.trace",
+        "Checkpoint": "paritykit.tracing.checkpoints",
+        "PipelineStop": "paritykit.tracing.checkpoints",
+        "CheckpointNotReached": "paritykit.tracing.checkpoints",
+        "maybe_checkpoint": "paritykit.tracing.checkpoints",
+        "run_until_stop": "paritykit.tracing.checkpoints",
+        "save_checkpoints": "paritykit.tracing.checkpoints",
+        "load_checkpoints": "paritykit.tracing.checkpoints",
+        "seeded_noise": "paritykit.tracing.checkpoints",
+        "record_loop": "paritykit.tracing.recording",
+    },
+)
