@@ -1,4 +1,4 @@
-"""Overhead of `paritykit.trace.capture` on a tiny UNet2DConditionModel (CPU), optionally beside torchlens.
+"""Overhead of `paritykit.tracing.trace.capture` on a tiny UNet2DConditionModel (CPU), optionally beside torchlens.
 
 Run: python benchmarks/bench_capture.py   (writes benchmarks/results/capture.txt)
 

@@ -1,4 +1,4 @@
-"""paritykit.align: differently named modules are paired by names, rules, weights and order."""
+"""paritykit.bisection.align: differently named modules are paired by names, rules, weights and order."""
 
 from __future__ import annotations
 

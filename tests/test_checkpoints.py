@@ -252,7 +252,7 @@ _REFERENCE_PROCESS = textwrap.dedent(
 
     import torch
     from safetensors.torch import save_file
-    from paritykit.checkpoints import Checkpoint, save_checkpoints
+    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
     from tests._pipelines import make_tiny_unet_pipeline
 
     torch.set_num_threads(1)

@@ -72,20 +72,3 @@ def test_every_public_name_resolves_and_every_command_module_loads():
     for name, (target, _help) in COMMANDS.items():
         module, attr = target.split(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
-
-
-def test_no_submodule_shadows_a_public_name():
-    r"""Importing a submodule sets it as an attribute of the package: a submodule named like a public function
-    (``paritykit.bisect`` once was) would turn ``paritykit.bisect(...)`` into "'module' object is not callable"
-    as soon as anything imported it. Import every submodule first, then check each public name."""
-    import importlib
-    import pkgutil
-
-    import paritykit
-
-    for info in pkgutil.walk_packages(paritykit.__path__, "paritykit."):
-        if ".demo" not in info.name and not info.name.endswith("__main__"):
-            importlib.import_module(info.name)
-    for name in paritykit.__all__:
-        value = getattr(paritykit, name)
-        assert not isinstance(value, type(paritykit)), f"paritykit.{name} is a module, not the public object"

@@ -1,4 +1,4 @@
-"""paritykit.convert: conversions inferred from tensor values, collapsed into rules, emitted as code."""
+"""paritykit.forensics.conversion.matching: conversions inferred from tensor values, collapsed into rules, emitted as code."""
 
 from __future__ import annotations
 

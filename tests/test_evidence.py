@@ -1,4 +1,4 @@
-"""paritykit.evidence: planted bugs in independently written port pairs get one true, verified explanation.
+"""paritykit.bisection.evidence.collect: planted bugs in independently written port pairs get one true, verified explanation.
 
 The pairs (tests/evidence_pairs.py) put research-style code against transformers' ViTLayer, diffusers'
 Attention against torch's MultiheadAttention, and a hand-written rotary table against Llama's. Every case runs

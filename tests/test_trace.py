@@ -1,4 +1,4 @@
-"""paritykit.trace: capture is complete, non-destructive, leak-free, and round-trips through to_dir."""
+"""paritykit.tracing.trace: capture is complete, non-destructive, leak-free, and round-trips through to_dir."""
 
 from __future__ import annotations
 

@@ -612,7 +612,7 @@ def load_named_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     them: ``state_dict``/``model``/``module`` wrappers unwrapped, nested dicts joined with dots, no file-stem
     prefix. A pipeline folder (``model_index.json``) gives ``<component>.<key>``. A single-tensor file
     (``.npy``, a pickled tensor) is named by its stem. Anything else (a folder of outputs, a checkpoint folder
-    from :func:`paritykit.checkpoints.save_checkpoints`) keeps :func:`load_tensors`' names.
+    from :func:`paritykit.tracing.checkpoints.save_checkpoints`) keeps :func:`load_tensors`' names.
 
     Args:
         path: a file or a folder.
@@ -683,7 +683,7 @@ def _stem(relative: Path) -> str:
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
-    r"""The ``paritykit.json`` manifest :func:`paritykit.checkpoints.save_checkpoints` wrote into ``folder``."""
+    r"""The ``paritykit.json`` manifest :func:`paritykit.tracing.checkpoints.save_checkpoints` wrote into ``folder``."""
     manifest_path = folder / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -726,7 +726,7 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     given (``sub/x.pt`` -> ``sub/x``); a multi-tensor container (``.safetensors``, ``.npz``, a pickled dict,
     a sharded set) by ``stem/key`` whatever its count; nested pickled dicts use dotted keys.
 
-    Order: a checkpoint folder written by :func:`paritykit.checkpoints.save_checkpoints` (it has a
+    Order: a checkpoint folder written by :func:`paritykit.tracing.checkpoints.save_checkpoints` (it has a
     ``paritykit.json``) gives ``<checkpoint>/<key>`` in execution order; anything else is sorted naturally
     (``after_step_2`` before ``after_step_10``). Folders are walked recursively; files with other suffixes
     (configs, images) are skipped there, while naming one directly is an error.

@@ -4,9 +4,9 @@ r"""Pair the modules of a reference and a port that name them differently.
 alignment is built in five passes, each working only on what the earlier ones left unaligned:
 
 1. ``names``: identical dotted names (with the same class or the same output shape);
-2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.naming`);
+2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.base.naming`);
 3. ``weights``: a module corresponds to another when their parameters map onto each other by value
-   (:func:`paritykit.convert.infer_conversion_map`); containers pair when the parameters under them do, and
+   (:func:`paritykit.forensics.conversion.matching.infer_conversion_map`); containers pair when the parameters under them do, and
    a fused tensor split into several gives a 1:N correspondence (``group``). When several modules hold the
    same parameters (a wrapper around a layer), the deepest pair first: an embedding table pairs with the
    port's table, never with a block that holds the table and adds positions in its own forward;
@@ -559,7 +559,7 @@ def _restrict(state_dict: Mapping[str, Any], modules: list[str]) -> Mapping[str,
 def _infer(ref_sd: Mapping[str, Any], port_sd: Mapping[str, Any]) -> tuple[Any, dict, dict]:
     """The conversion map of the two sides and the dicts it was inferred from. Weights read on access
     (offloaded) are compacted first, so unique equal pairs never sit in memory together
-    (:mod:`paritykit.bounded_weights`)."""
+    (:mod:`paritykit.forensics.conversion.bounded`)."""
     from paritykit.forensics.conversion.matching import infer_conversion_map
 
     if isinstance(ref_sd, dict) and isinstance(port_sd, dict):
@@ -608,7 +608,7 @@ def align_modules(
         reference: the reference ``nn.Module`` (or ``None`` when only its trace is at hand; its weights are then
             read from the trace folder when present).
         port: the port ``nn.Module`` (or ``None``).
-        ref_trace: a :class:`paritykit.trace.Trace` of the reference; only executed modules are aligned and
+        ref_trace: a :class:`paritykit.tracing.trace.Trace` of the reference; only executed modules are aligned and
             execution order comes from it. Without traces every named module takes part, in definition order.
         port_trace: the same for the port.
         rules: ``[(regex, repl), …]`` renaming reference names into the port's naming (pass 2).

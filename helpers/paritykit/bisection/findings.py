@@ -131,7 +131,7 @@ def _with_extra_inputs(
 ) -> list:
     """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
     inside the module), the port modules producing them and a verified constructor fit of those
-    (:func:`paritykit.module_fit.extra_input_hints`); a verified fix goes first."""
+    (:func:`paritykit.bisection.module_fit.extra_input_hints`); a verified fix goes first."""
     if call.name not in searcher.own_inputs or any(h.verified for h in hints):
         return hints
     from paritykit.bisection.module_fit import extra_input_hints
@@ -149,12 +149,12 @@ def _with_inline(
     searcher: Searcher, call: Any, port_call: Any, children_passed: int, before: float | None, hints: list
 ) -> list:
     """At an inline culprit, the evidence of the first differing child input goes first
-    (:func:`paritykit.module_fit.inline_reference_hints`); a "forward code differs" hint then no longer
+    (:func:`paritykit.bisection.module_fit.inline_reference_hints`); a "forward code differs" hint then no longer
     stands, since the difference was traced to a port module the reference has no counterpart for."""
     if children_passed == 0 or port_call is None:
         return hints
     if any(h.verified for h in hints):
-        return hints  # a fix verified at the culprit (paritykit.evidence) explains all of it
+        return hints  # a fix verified at the culprit (paritykit.bisection.evidence) explains all of it
     from paritykit.bisection.module_fit import inline_reference_hints
 
     extra = inline_reference_hints(searcher, call, port_call, before)
@@ -185,7 +185,7 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
 
 
 def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
-    """Evidence at the culprit (:func:`paritykit.evidence.culprit_evidence`: configuration, activation,
+    """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration, activation,
     fitted constants, weight slices, each fix verified on a copy of the port), with the input-aware and
     tensor-level hints on its first differing output pair (its inputs and its children's outputs as mixing
     candidates)."""
@@ -224,7 +224,7 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
 def _culprit_context(
     searcher: Searcher, call: Any, port_call: Any, ref_leaves: list, leaf: tuple[int, int], replayed: bool
 ) -> Any:
-    """The culprit as :mod:`paritykit.evidence` sees it: modules, outputs, and ways to re-run either side."""
+    """The culprit as :mod:`paritykit.bisection.evidence` sees it: modules, outputs, and ways to re-run either side."""
     from paritykit.bisection.evidence.culprit import Culprit
 
     i, j = leaf

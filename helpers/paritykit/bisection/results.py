@@ -135,9 +135,9 @@ class BisectReport:
     # with all_culprits: the final output once every culprit is replaced by the reference's behaviour
     output_after: Any = None
     all_note: str = ""
-    # commands to run next when the culprit is a block the traces did not look inside (paritykit.zoom)
+    # commands to run next when the culprit is a block the traces did not look inside (paritykit.bisection.zoom)
     next_steps: list[str] = field(default_factory=list)
-    # settings that differ between aligned modules, over the whole models (paritykit.evidence.config_differences)
+    # settings that differ between aligned modules, over the whole models (paritykit.bisection.evidence.settings.config_differences)
     config_differences: list[Any] = field(default_factory=list)
 
     @property

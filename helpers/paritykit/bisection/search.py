@@ -1,6 +1,6 @@
 r"""Name the module where a port parts from its reference, and say why.
 
-Both models run once under :func:`paritykit.trace.capture`; :func:`paritykit.align.align_modules` pairs their
+Both models run once under :func:`paritykit.tracing.trace.capture`; :func:`paritykit.bisection.align.align_modules` pairs their
 modules. Then, from the top level down, every aligned module is tested:
 
 * **replay** (primary): the reference module's captured inputs are fed to the aligned port module *and* to the
@@ -15,7 +15,7 @@ The culprit is the deepest aligned call that fails while none of its aligned chi
 aligned children and all of them pass, the divergence is in its own ``forward`` (``inline``). At the culprit,
 input-aware hints come first: ``remix`` (each side's output fitted as a linear combination of the module's
 tensor inputs and its children's outputs; different coefficients mean one knob may stand for two concepts)
-and ``constant-scale``, then the core hints of :func:`paritykit.diagnose.diagnose`.
+and ``constant-scale``, then the core hints of :func:`paritykit.compare.diagnose.diagnose`.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def bisect(
         all_culprits: after each culprit, give it the reference's output in the port and search again, so
             ``culprits`` lists every independent one in execution order.
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
-            (:mod:`paritykit.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
+            (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
             weights are offloaded by accelerate.
 
     Returns:

@@ -3,7 +3,7 @@ r"""``SPEC.py`` files: what ``paritykit bisect SPEC.py`` and ``paritykit trace S
 A spec builds both sides (``build_reference``, ``build_port``), makes their inputs (``make_inputs``, optional
 ``port_inputs``) and may pick the compared output (``select_output``), rename modules (``NAME_MAP``) and set
 ``TOLERANCE``. Every call into it is guarded by :func:`call_user`, so a user's exception is one line plus the
-user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.search`.
+user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.bisection.search`.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def trace_spec(
     r"""What ``paritykit trace`` runs: build one side from the spec, capture it into ``out`` (tensors,
     manifest, and the model's weights so the other environment can align by value). ``levels="blocks"``
     records the top-level blocks only; ``inside=BLOCK`` records that block and one level inside it
-    (:func:`paritykit.zoom.trace_patterns`)."""
+    (:func:`paritykit.bisection.zoom.trace_patterns`)."""
     from pathlib import Path
 
     import torch

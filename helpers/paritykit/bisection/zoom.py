@@ -73,7 +73,7 @@ def level_children(model: Any, name: str = "") -> list[str]:
 
 
 def level_patterns(model: Any, name: str = "") -> list[str]:
-    r"""What :func:`paritykit.trace.capture` must hook to record block ``name`` and its level children (exact
+    r"""What :func:`paritykit.tracing.trace.capture` must hook to record block ``name`` and its level children (exact
     names, with glob characters escaped)."""
     import glob
 
@@ -261,7 +261,7 @@ def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
 
 def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
     """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
-    tensor per access (:class:`paritykit.trace.ModelWeights`), in place of its ``meta`` state dict."""
+    tensor per access (:class:`paritykit.tracing.trace.ModelWeights`), in place of its ``meta`` state dict."""
     from paritykit.tracing.trace import ModelWeights
 
     models = []
@@ -393,7 +393,7 @@ def trace_about(
 
 
 def write_fingerprints(model: Any, directory: Any) -> None:
-    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.trace.weight_fingerprints`)."""
+    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.tracing.trace.weight_fingerprints`)."""
     import json
     from pathlib import Path
 

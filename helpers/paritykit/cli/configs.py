@@ -1,4 +1,4 @@
-"""``paritykit config-diff A B``: a thin shell over :func:`paritykit.configs.config_diff`."""
+"""``paritykit config-diff A B``: a thin shell over :func:`paritykit.forensics.configs.config_diff`."""
 
 from __future__ import annotations
 

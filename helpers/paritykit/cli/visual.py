@@ -6,7 +6,7 @@ import click
 
 from paritykit.cli._common import emit, json_option, limit_option
 
-# the thresholds live in paritykit.visual; quoted here without importing torch or matplotlib
+# the thresholds live in paritykit.compare.steps; quoted here without importing torch or matplotlib
 _GROWTH_HELP = (
     "Growth: log(max_abs) is fitted against the step. bounded: the fitted error grows < 2x over the run, or "
     "< 1.25x over its last half. exponential: >= 1.1x per step with R^2 >= 0.9, fitting at least as well as "

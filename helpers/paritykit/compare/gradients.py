@@ -24,7 +24,7 @@ HINTED_FAILURES = 5
 
 #: ``alignment`` may be None (same names), a {reference name: port name} mapping, [(regex, repl), …] rules
 #: applied to reference names, a callable converting a reference state dict into the port's naming, or a
-#: ``paritykit.convert.ConversionMap`` (a ``paritykit.align.Alignment`` is accepted too).
+#: ``paritykit.forensics.conversion.results.ConversionMap`` (a ``paritykit.bisection.align.Alignment`` is accepted too).
 ParameterAlignment = (
     None | Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[dict[str, Any]], dict[str, Any]]
 )
@@ -244,7 +244,9 @@ def _align(
     """
     if alignment is None:
         return dict(ref_grads), {n: n for n in ref_grads}, "names"
-    if hasattr(alignment, "rules") and hasattr(alignment, "mapping"):  # a paritykit.convert.ConversionMap
+    if hasattr(alignment, "rules") and hasattr(
+        alignment, "mapping"
+    ):  # a paritykit.forensics.conversion.results.ConversionMap
         from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
 
         conversion = alignment
@@ -329,13 +331,13 @@ def compare_gradients(
             * ``None`` — identical names;
             * a mapping ``{reference name: port name}`` — only the listed parameters are compared;
             * a list of ``(regex, replacement)`` rules applied in order to every reference name (the ``--map``
-              spelling of :mod:`paritykit.naming`);
+              spelling of :mod:`paritykit.base.naming`);
             * a callable ``convert(state_dict) -> state_dict`` — the weight conversion (e.g. the module
               ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients* — or the
-              :class:`paritykit.convert.ConversionMap` that ``infer_conversion_map`` returned. Valid for
+              :class:`paritykit.forensics.conversion.results.ConversionMap` that ``infer_conversion_map`` returned. Valid for
               conversions that only rename, split, concatenate, transpose, permute, reshape or cast (all that
               ``weights map`` infers); a conversion that scales values would need the inverse scale on gradients;
-            * a :class:`paritykit.align.Alignment` from ``align_modules(reference, port)`` — each one-to-one
+            * a :class:`paritykit.bisection.align.Alignment` from ``align_modules(reference, port)`` — each one-to-one
               module pair's own parameters are paired by local name (``weight`` ↔ ``weight``); parameters of
               fused ↔ split groups stay unaligned (use the ConversionMap form for those).
 
@@ -377,7 +379,9 @@ def compare_gradients(
     )
 
     port_names = list(grads_port)
-    if hasattr(alignment, "one_to_one") and hasattr(alignment, "unaligned_port"):  # paritykit.align.Alignment
+    if hasattr(alignment, "one_to_one") and hasattr(
+        alignment, "unaligned_port"
+    ):  # paritykit.bisection.align.Alignment
         mapping = _parameters_of_aligned_modules(reference, port, alignment)
         aligned_ref, origin, _ = _align(grads_ref, port_names, mapping)
         how = "modules"

@@ -152,7 +152,7 @@ def compare_tensor_sets(
     Args:
         a, b: name -> tensor, in order (A's order orders the report; checkpoint folders load in execution order).
         atol, rtol: tolerances for every pair (default: per dtype pair).
-        rules: ``(regex, replacement)`` renaming rules applied to A's names (see :mod:`paritykit.naming`).
+        rules: ``(regex, replacement)`` renaming rules applied to A's names (see :mod:`paritykit.base.naming`).
         broadcast: align shapes that differ only by a repeated batch dimension by tiling the smaller side.
         only: a glob (``fnmatch``) on the (renamed) names; other tensors are left out.
         diagnose: attach hints to failing pairs.
@@ -225,7 +225,7 @@ def compare_paths(
 ) -> SetComparison:
     r"""Load two tensor files/folders/checkpoint folders and compare them (what ``paritykit compare`` runs).
 
-    Names come from :func:`paritykit.io.load_named_tensors`, as in ``weights diff``: a checkpoint file or
+    Names come from :func:`paritykit.base.io.load_named_tensors`, as in ``weights diff``: a checkpoint file or
     model folder gives its state dict's keys (wrappers unwrapped, no file stem), so ``a.safetensors`` and
     ``port/unet`` pair up by key. ``maps`` are ``'REGEX=REPL'`` strings applied to A's names.
     """

@@ -455,7 +455,7 @@ def compare_tensors(
             when ``RMSE(b, oracle) <= m * RMSE(a, oracle) + 1e-5`` (m = 3 for fp16/bf16 B or < 1000 elements,
             else 2): the rule of ``torch._dynamo.utils.same``, for a low-precision port of a low-precision
             reference.
-        diagnose: attach ranked :class:`~paritykit.diagnose.Hint` s to a failing pair.
+        diagnose: attach ranked :class:`~paritykit.compare.diagnose.Hint` s to a failing pair.
         equal_nan: NaN (and same-signed Inf) at the same position on both sides count as agreement.
         name_b: B's own name when it differs from ``name`` (renamed or paired single tensors).
         note: free text shown with the pair (e.g. how shapes were aligned).

@@ -55,7 +55,7 @@ def suggest_map(
     Args:
         only_a: A's keys (already renamed by the user's rules) that B lacks, with their values.
         only_b: B's keys that A lacks, with their values (defaults included: a rename target is often one).
-        equal: the value comparison of the diff (:func:`paritykit.configs.values_equal`).
+        equal: the value comparison of the diff (:func:`paritykit.forensics.configs.values_equal`).
 
     Returns:
         Suggestions in the order they should be applied: a prefix strip first, then single-key renames.

@@ -233,15 +233,15 @@ def config_diff(
             ``*._name_or_path``), on either side's name, before and after ``rules``; an ignored key is dropped
             from both sides.
         rules: ``(regex, repl)`` renaming rules applied in order to A's dotted keys (see
-            :func:`paritykit.naming.parse_map_options`).
+            :func:`paritykit.base.naming.parse_map_options`).
         ldm: read A, an original LDM YAML, as the diffusers config(s) diffusers' single-file helpers derive
-            from it (:mod:`paritykit.config_ldm`). ``None`` (default): do so when A is such a YAML and B is not.
+            from it (:mod:`paritykit.forensics.config_ldm`). ``None`` (default): do so when A is such a YAML and B is not.
         reference_keys: compare only keys A has (after ``rules``); B's other keys are listed, not compared.
         compare_defaults: count B-only keys that hold B's class default as differences (by default they are
             listed as "default, not compared": a port's untouched default is not a claim about the reference).
         with_defaults: fill in each side's class defaults for keys its file never wrote, marked as defaults.
         class_name: B's class (``DDIMScheduler``) when its config has no ``_class_name``, or to override it.
-        suggest: propose ``--map`` renames for the keys left unmatched (:mod:`paritykit.config_suggest`).
+        suggest: propose ``--map`` renames for the keys left unmatched (:mod:`paritykit.forensics.config_suggest`).
 
     Returns:
         A :class:`ConfigDiff`; ``exit_code`` is 0 when every compared key matches.

@@ -7,7 +7,7 @@ are compared raw first (most tensors of a fine-tune or a merge are untouched, an
 any float maths), and only pairs whose bytes differ are decoded in fixed-size chunks to accumulate L2, L1,
 cosine and max-abs. Peak anonymous memory is a few chunk buffers per worker, whatever the file size.
 
-Pickled checkpoints (``.ckpt``/``.pt``/``.bin`` …) go through :func:`paritykit.io.load_state_dict` (the safe
+Pickled checkpoints (``.ckpt``/``.pt``/``.bin`` …) go through :func:`paritykit.base.io.load_state_dict` (the safe
 loader), so they are in memory as a whole; the same chunked comparison then runs on the loaded tensors.
 """
 

@@ -199,7 +199,7 @@ def templates(directory: Path | None = None) -> dict[str, TemplateSpec]:
     r"""Every template in the pack (``templates/*.py.j2`` and sets ``templates/<kind>/``), keyed by kind.
 
     Args:
-        directory: another template folder (tests); default: the pack's, via ``paritykit.data.data_dir``.
+        directory: another template folder (tests); default: the pack's, via ``paritykit.base.data.data_dir``.
     """
     root = Path(directory) if directory is not None else data_dir("templates")
     return _templates(root.resolve())

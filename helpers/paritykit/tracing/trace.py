@@ -4,7 +4,7 @@ r"""Capture every module call of a model: inputs, outputs, call order, nesting.
 keyword inputs and the outputs of every call, in execution order. Repeated calls are named ``name``,
 ``name#1``, ``name#2`` …; nested outputs (tuples, dicts, ``BaseOutput``) are flattened by path
 (``output.0``, ``output.sample``, ``args.1``, ``kwargs.temb``). A trace keeps enough structure to *replay* a
-call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.search` needs to compare two different
+call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.bisection.search` needs to compare two different
 implementations module by module.
 
 ``to_dir=`` streams the tensors into safetensors shards next to a JSON manifest, so models larger than RAM can
@@ -240,7 +240,7 @@ class Trace:
 
     def graft(self, call: Record) -> None:
         r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and depth,
-        so its records join a trace of the level above (:mod:`paritykit.zoom`)."""
+        so its records join a trace of the level above (:mod:`paritykit.bisection.zoom`)."""
         if not self.records:
             raise ParityKitError("an empty trace cannot be grafted")
         top = self.records[0]

@@ -62,7 +62,7 @@ def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint
 
     Args:
         c: the culprit.
-        tensor_hints: what the tensor-level detectors (:func:`paritykit.diagnose.diagnose`, remix) found.
+        tensor_hints: what the tensor-level detectors (:func:`paritykit.compare.diagnose.diagnose`, remix) found.
     Returns:
         Hints, verified fixes first.
     """

@@ -40,7 +40,7 @@ def _state(module: Any) -> dict[str, Any]:
 def weights(c: Culprit) -> list[Hint]:
     r"""``weights``: port parameters built from another reference slice than their name implies.
 
-    The two modules' state dicts go through :func:`paritykit.convert.infer_conversion_map` (the value matching
+    The two modules' state dicts go through :func:`paritykit.forensics.conversion.matching.infer_conversion_map` (the value matching
     of ``paritykit weights map``); a split parameter whose chunk index differs from the one its role word
     implies is a conversion bug. The fix loads each from its implied slice, through the same rule runtime.
     """

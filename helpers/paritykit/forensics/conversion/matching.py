@@ -689,7 +689,7 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
     r"""Explain every TARGET tensor from SOURCE tensors by value, and collapse the result into rules.
 
     Args:
-        source: the research checkpoint: a path (anything :func:`paritykit.io.load_state_dict` reads), a
+        source: the research checkpoint: a path (anything :func:`paritykit.base.io.load_state_dict` reads), a
             ``dict[str, Tensor]`` or a module (its ``state_dict()``).
         target: the converted (diffusers) weights, in the same forms.
         allow_ambiguous: targets whose source is a guess (equal values, no structure to choose) do not set
