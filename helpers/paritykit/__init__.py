@@ -8,8 +8,12 @@ together is docs/architecture.md.
 
 from __future__ import annotations
 
+from paritykit import _moved
 from paritykit._version import __version__
 from paritykit.base.lazy import lazy_exports
+
+# the flat layout's module paths (paritykit.checkpoints, …) stay importable for code written against them
+_moved.install()
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
