@@ -38,3 +38,10 @@ def lazy_exports(
         return names
 
     return __getattr__, __dir__, names
+
+
+def exports_of(package: str, *names: str) -> dict[str, str]:
+    r"""``{name: defining module}`` for ``names`` from room ``package``'s ``EXPORTS`` (imports only the room's
+    ``__init__``, which imports nothing heavy), so a name's home is written down once, in its room."""
+    exports = importlib.import_module(package).EXPORTS
+    return {name: exports[name] for name in names}

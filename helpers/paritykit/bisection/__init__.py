@@ -10,27 +10,27 @@ SPEC.py files; ``leaves`` pairs tensor leaves of calls. See docs/architecture.md
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "bisect": "paritykit.bisection.search",
-        "bisect_traces": "paritykit.bisection.search",
-        "first_divergence": "paritykit.bisection.findings",
-        "BisectReport": "paritykit.bisection.results",
-        "ModuleFinding": "paritykit.bisection.results",
-        "ModuleTest": "paritykit.bisection.results",
-        "Alignment": "paritykit.bisection.align",
-        "align_modules": "paritykit.bisection.align",
-        "Searcher": "paritykit.bisection.searcher",
-        "SearchStrategy": "paritykit.bisection.strategy",
-        "FullSearch": "paritykit.bisection.strategy",
-        "Located": "paritykit.bisection.strategy",
-        "run_search": "paritykit.bisection.strategy",
-        "ZoomSearch": "paritykit.bisection.zoom",
-        "zoom_bisect": "paritykit.bisection.zoom",
-        "fit_module": "paritykit.bisection.module_fit",
-        "ModuleFit": "paritykit.bisection.module_fit",
-        "bisect_spec": "paritykit.bisection.spec",
-        "trace_spec": "paritykit.bisection.spec",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "bisect": "paritykit.bisection.search",
+    "bisect_traces": "paritykit.bisection.search",
+    "first_divergence": "paritykit.bisection.findings",
+    "BisectReport": "paritykit.bisection.results",
+    "ModuleFinding": "paritykit.bisection.results",
+    "ModuleTest": "paritykit.bisection.results",
+    "Alignment": "paritykit.bisection.align",
+    "align_modules": "paritykit.bisection.align",
+    "Searcher": "paritykit.bisection.searcher",
+    "SearchStrategy": "paritykit.bisection.strategy",
+    "FullSearch": "paritykit.bisection.strategy",
+    "Located": "paritykit.bisection.strategy",
+    "run_search": "paritykit.bisection.strategy",
+    "ZoomSearch": "paritykit.bisection.zoom",
+    "zoom_bisect": "paritykit.bisection.zoom",
+    "fit_module": "paritykit.bisection.module_fit",
+    "ModuleFit": "paritykit.bisection.module_fit",
+    "bisect_spec": "paritykit.bisection.spec",
+    "trace_spec": "paritykit.bisection.spec",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -75,27 +75,24 @@ def bisect_traces(
     ref_root, port_root = ref_trace.root, port_trace.root
     if ref_root is None or port_root is None:
         raise ParityKitError("both traces must include the top-level call (capture the whole model)")
-    ref_final = final_output("reference", ref_root.output_value(), select_output)
-    port_final = final_output("port", port_root.output_value(), select_output)
     searcher = Searcher(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
-    report = run_search(
-        FullSearch(searcher),
-        ref_final,
-        port_final,
-        atol=atol,
-        rtol=rtol,
-        ops=ops,
-        environment=environment,
-        allow_masked=allow_masked,
-    )
+    options = {
+        "atol": atol,
+        "rtol": rtol,
+        "ops": ops,
+        "environment": environment,
+        "allow_masked": allow_masked,
+    }
+    report = run_search(FullSearch(searcher), select_output=select_output, **options)
     if reference is not None and port is not None:
         from paritykit.bisection.evidence.settings import config_differences
 
         pairs = [(p.reference, p.port) for p in alignment.one_to_one]
         report.config_differences = config_differences(reference, port, pairs)
     if all_culprits and report.culprit is not None:
+        ref_final = final_output("reference", ref_root.output_value(), select_output)
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
     return report
 

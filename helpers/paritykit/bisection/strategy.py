@@ -14,12 +14,14 @@ the culprit finding and the first output divergence are one piece of code whiche
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paritykit.base.report import environment_stamp
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
+from paritykit.bisection.leaves import final_output
 from paritykit.bisection.results import BisectReport, ModuleTest
 from paritykit.bisection.searcher import Searcher
 
@@ -103,9 +105,8 @@ class FullSearch:
 
 def run_search(
     strategy: SearchStrategy,
-    ref_final: Any,
-    port_final: Any,
     *,
+    select_output: Callable[[str, Any], Any] | None = None,
     atol: float | None = None,
     rtol: float | None = None,
     ops: bool = False,
@@ -117,7 +118,8 @@ def run_search(
 
     Args:
         strategy: a :class:`SearchStrategy` over the two sides.
-        ref_final, port_final: the compared tensor of each side's final output.
+        select_output: ``select_output(side, output)`` picks the compared tensor of each side's final output
+            (default: its first tensor).
         atol, rtol: tolerances (default: per dtype).
         ops: name the first differing op inside a replayed culprit.
         environment: the report's environment stamp (default: this process's).
@@ -127,8 +129,10 @@ def run_search(
 
     from paritykit.compare.tensors import compare_tensors
 
-    output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
     top = strategy.top
+    ref_final = final_output("reference", top.rt.root.output_value(), select_output)
+    port_final = final_output("port", top.pt.root.output_value(), select_output)
+    output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
     # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
     trusted = ("high", "medium", "low") if not output.passed else ("high",)
     first = first_divergence(top.rt, top.pt, top.alignment, atol=atol, rtol=rtol, confidence=trusted)

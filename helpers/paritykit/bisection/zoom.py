@@ -26,7 +26,7 @@ from typing import Any
 from paritykit.base.calls import to_device
 from paritykit.base.errors import ParityKitError
 from paritykit.bisection.align import AlignedPair, Alignment, align_modules
-from paritykit.bisection.leaves import final_output, module_device, pair_leaves
+from paritykit.bisection.leaves import module_device, pair_leaves
 from paritykit.bisection.results import ModuleTest
 from paritykit.bisection.searcher import MAX_MASKED_CHECKS, Searcher
 from paritykit.bisection.strategy import Located, run_search
@@ -342,18 +342,14 @@ def zoom_bisect(
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
-    ref_final = final_output("reference", ref_trace.root.output_value(), select_output)
-    port_final = final_output("port", port_trace.root.output_value(), select_output)
-    return run_search(
-        zoom,
-        ref_final,
-        port_final,
-        atol=atol,
-        rtol=rtol,
-        ops=ops,
-        environment=environment,
-        allow_masked=allow_masked,
-    )
+    options = {
+        "atol": atol,
+        "rtol": rtol,
+        "ops": ops,
+        "environment": environment,
+        "allow_masked": allow_masked,
+    }
+    return run_search(zoom, select_output=select_output, **options)
 
 
 # ------------------------------------------------------------------------------------ two machines

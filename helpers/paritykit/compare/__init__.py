@@ -8,25 +8,25 @@ loop), ``images`` (side by side with a heatmap), ``gradients`` (backward passes)
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "TensorComparison": "paritykit.compare.tensors",
-        "compare_tensors": "paritykit.compare.tensors",
-        "default_tolerances": "paritykit.compare.tolerances",
-        "Hint": "paritykit.compare.diagnose",
-        "SetComparison": "paritykit.compare.sets",
-        "OutputComparison": "paritykit.compare.sets",
-        "compare_tensor_sets": "paritykit.compare.sets",
-        "compare_outputs": "paritykit.compare.sets",
-        "compare_paths": "paritykit.compare.sets",
-        "assert_parity": "paritykit.compare.sets",
-        "StepCurve": "paritykit.compare.steps",
-        "step_curve": "paritykit.compare.steps",
-        "classify_growth": "paritykit.compare.steps",
-        "ImageComparison": "paritykit.compare.images",
-        "compare_images": "paritykit.compare.images",
-        "GradientComparison": "paritykit.compare.gradients",
-        "compare_gradients": "paritykit.compare.gradients",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "TensorComparison": "paritykit.compare.tensors",
+    "compare_tensors": "paritykit.compare.tensors",
+    "default_tolerances": "paritykit.compare.tolerances",
+    "Hint": "paritykit.compare.diagnose",
+    "SetComparison": "paritykit.compare.sets",
+    "OutputComparison": "paritykit.compare.sets",
+    "compare_tensor_sets": "paritykit.compare.sets",
+    "compare_outputs": "paritykit.compare.sets",
+    "compare_paths": "paritykit.compare.sets",
+    "assert_parity": "paritykit.compare.sets",
+    "StepCurve": "paritykit.compare.steps",
+    "step_curve": "paritykit.compare.steps",
+    "classify_growth": "paritykit.compare.steps",
+    "ImageComparison": "paritykit.compare.images",
+    "compare_images": "paritykit.compare.images",
+    "GradientComparison": "paritykit.compare.gradients",
+    "compare_gradients": "paritykit.compare.gradients",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -5,19 +5,19 @@ loading a tensor (``safetensors_header``)."""
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "weights_diff": "paritykit.forensics.weights",
-        "config_diff": "paritykit.forensics.configs",
-        "load_config": "paritykit.forensics.config_files",
-        "derive_from_ldm": "paritykit.forensics.config_ldm",
-        "suggest_map": "paritykit.forensics.config_suggest",
-        "read_safetensors_header": "paritykit.forensics.safetensors_header",
-        "infer_conversion_map": "paritykit.forensics.conversion.matching",
-        "ConversionMap": "paritykit.forensics.conversion.results",
-        "emit_rules": "paritykit.forensics.conversion.emit",
-        "apply_rules_to_state_dict": "paritykit.forensics.conversion.emit",
-        "match_modules": "paritykit.forensics.conversion.modules",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "weights_diff": "paritykit.forensics.weights",
+    "config_diff": "paritykit.forensics.configs",
+    "load_config": "paritykit.forensics.config_files",
+    "derive_from_ldm": "paritykit.forensics.config_ldm",
+    "suggest_map": "paritykit.forensics.config_suggest",
+    "read_safetensors_header": "paritykit.forensics.safetensors_header",
+    "infer_conversion_map": "paritykit.forensics.conversion.matching",
+    "ConversionMap": "paritykit.forensics.conversion.results",
+    "emit_rules": "paritykit.forensics.conversion.emit",
+    "apply_rules_to_state_dict": "paritykit.forensics.conversion.emit",
+    "match_modules": "paritykit.forensics.conversion.modules",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -5,15 +5,15 @@ diffusers schedulers by name, ``fit`` searches a scheduler's config for the refe
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "Schedule": "paritykit.schedule.load",
-        "load_schedule": "paritykit.schedule.load",
-        "family_of": "paritykit.schedule.families",
-        "ScheduleComparison": "paritykit.schedule.compare",
-        "compare_schedules": "paritykit.schedule.compare",
-        "FitResult": "paritykit.schedule.fit",
-        "fit_scheduler": "paritykit.schedule.fit",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "Schedule": "paritykit.schedule.load",
+    "load_schedule": "paritykit.schedule.load",
+    "family_of": "paritykit.schedule.families",
+    "ScheduleComparison": "paritykit.schedule.compare",
+    "compare_schedules": "paritykit.schedule.compare",
+    "FitResult": "paritykit.schedule.fit",
+    "fit_scheduler": "paritykit.schedule.fit",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -3,20 +3,20 @@ saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling lo
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "Trace": "paritykit.tracing.trace",
-        "ModelWeights": "paritykit.tracing.trace",
-        "capture": "paritykit.tracing.trace",
-        "Checkpoint": "paritykit.tracing.checkpoints",
-        "PipelineStop": "paritykit.tracing.checkpoints",
-        "CheckpointNotReached": "paritykit.tracing.checkpoints",
-        "maybe_checkpoint": "paritykit.tracing.checkpoints",
-        "run_until_stop": "paritykit.tracing.checkpoints",
-        "save_checkpoints": "paritykit.tracing.checkpoints",
-        "load_checkpoints": "paritykit.tracing.checkpoints",
-        "seeded_noise": "paritykit.tracing.checkpoints",
-        "record_loop": "paritykit.tracing.recording",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "Trace": "paritykit.tracing.trace",
+    "ModelWeights": "paritykit.tracing.trace",
+    "capture": "paritykit.tracing.trace",
+    "Checkpoint": "paritykit.tracing.checkpoints",
+    "PipelineStop": "paritykit.tracing.checkpoints",
+    "CheckpointNotReached": "paritykit.tracing.checkpoints",
+    "maybe_checkpoint": "paritykit.tracing.checkpoints",
+    "run_until_stop": "paritykit.tracing.checkpoints",
+    "save_checkpoints": "paritykit.tracing.checkpoints",
+    "load_checkpoints": "paritykit.tracing.checkpoints",
+    "seeded_noise": "paritykit.tracing.checkpoints",
+    "record_loop": "paritykit.tracing.recording",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -24,24 +24,24 @@ ruled out. A new detector is one function in one of these modules, registered in
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "Culprit": "paritykit.bisection.evidence.culprit",
-        "SettingDifference": "paritykit.bisection.evidence.settings",
-        "settings_diff": "paritykit.bisection.evidence.settings",
-        "config_differences": "paritykit.bisection.evidence.settings",
-        "module_config": "paritykit.bisection.evidence.settings",
-        "identify_function": "paritykit.bisection.evidence.activations",
-        "activation": "paritykit.bisection.evidence.activations",
-        "inner_activation": "paritykit.bisection.evidence.activations",
-        "norm_eps": "paritykit.bisection.evidence.constants",
-        "attention_scale": "paritykit.bisection.evidence.constants",
-        "weights": "paritykit.bisection.evidence.weight_slices",
-        "reduced_precision": "paritykit.bisection.evidence.casts",
-        "EVIDENCE": "paritykit.bisection.evidence.collect",
-        "culprit_evidence": "paritykit.bisection.evidence.collect",
-        "no_signature": "paritykit.bisection.evidence.collect",
-        "rank": "paritykit.bisection.evidence.collect",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "Culprit": "paritykit.bisection.evidence.culprit",
+    "SettingDifference": "paritykit.bisection.evidence.settings",
+    "settings_diff": "paritykit.bisection.evidence.settings",
+    "config_differences": "paritykit.bisection.evidence.settings",
+    "module_config": "paritykit.bisection.evidence.settings",
+    "identify_function": "paritykit.bisection.evidence.activations",
+    "activation": "paritykit.bisection.evidence.activations",
+    "inner_activation": "paritykit.bisection.evidence.activations",
+    "norm_eps": "paritykit.bisection.evidence.constants",
+    "attention_scale": "paritykit.bisection.evidence.constants",
+    "weights": "paritykit.bisection.evidence.weight_slices",
+    "reduced_precision": "paritykit.bisection.evidence.casts",
+    "EVIDENCE": "paritykit.bisection.evidence.collect",
+    "culprit_evidence": "paritykit.bisection.evidence.collect",
+    "no_signature": "paritykit.bisection.evidence.collect",
+    "rank": "paritykit.bisection.evidence.collect",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -11,19 +11,19 @@ report) → ``emit`` (rules applied to a state dict, or written as a module whos
 
 from paritykit.base.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(
-    __name__,
-    {
-        "infer_conversion_map": "paritykit.forensics.conversion.matching",
-        "ConversionMap": "paritykit.forensics.conversion.results",
-        "ConversionRule": "paritykit.forensics.conversion.results",
-        "MappingEntry": "paritykit.forensics.conversion.results",
-        "describe_op": "paritykit.forensics.conversion.results",
-        "collapse_rules": "paritykit.forensics.conversion.rules",
-        "conversion_warnings": "paritykit.forensics.conversion.checks",
-        "emit_rules": "paritykit.forensics.conversion.emit",
-        "apply_rules_to_state_dict": "paritykit.forensics.conversion.emit",
-        "render_rules_module": "paritykit.forensics.conversion.emit",
-        "match_modules": "paritykit.forensics.conversion.modules",
-    },
-)
+# public name -> the module that defines it
+EXPORTS = {
+    "infer_conversion_map": "paritykit.forensics.conversion.matching",
+    "ConversionMap": "paritykit.forensics.conversion.results",
+    "ConversionRule": "paritykit.forensics.conversion.results",
+    "MappingEntry": "paritykit.forensics.conversion.results",
+    "describe_op": "paritykit.forensics.conversion.results",
+    "collapse_rules": "paritykit.forensics.conversion.rules",
+    "conversion_warnings": "paritykit.forensics.conversion.checks",
+    "emit_rules": "paritykit.forensics.conversion.emit",
+    "apply_rules_to_state_dict": "paritykit.forensics.conversion.emit",
+    "render_rules_module": "paritykit.forensics.conversion.emit",
+    "match_modules": "paritykit.forensics.conversion.modules",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)
