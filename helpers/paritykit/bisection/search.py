@@ -78,13 +78,7 @@ def bisect_traces(
     searcher = Searcher(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
-    options = {
-        "atol": atol,
-        "rtol": rtol,
-        "ops": ops,
-        "environment": environment,
-        "allow_masked": allow_masked,
-    }
+    options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     report = run_search(FullSearch(searcher), select_output=select_output, **options)
     if reference is not None and port is not None:
         from paritykit.bisection.evidence.settings import config_differences

@@ -342,13 +342,7 @@ def zoom_bisect(
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
-    options = {
-        "atol": atol,
-        "rtol": rtol,
-        "ops": ops,
-        "environment": environment,
-        "allow_masked": allow_masked,
-    }
+    options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     return run_search(zoom, select_output=select_output, **options)
 
 
