@@ -48,6 +48,10 @@ MOVED: dict[str, str] = {
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     r"""Serves an old module path with the module that replaced it (the same object, not a copy)."""
 
+    def __init__(self) -> None:
+        # old path -> the new module's own spec, between create_module and exec_module
+        self._own_specs: dict[str, Any] = {}
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in MOVED:
             return None
@@ -62,11 +66,11 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         )
         module = importlib.import_module(new)
         # the import system stamps the alias spec onto the module it is given: keep the module's own
-        self._own_spec = module.__spec__
+        self._own_specs[spec.name] = module.__spec__
         return module
 
     def exec_module(self, module: Any) -> None:
-        module.__spec__ = self._own_spec
+        module.__spec__ = self._own_specs.pop(module.__spec__.name)
 
 
 def install() -> None:
