@@ -1,4 +1,5 @@
-r"""A call's inputs: ``(args, kwargs)`` from what a user gives, and moved to a device (tensors copied, everything else as is)."""
+r"""A call's inputs: ``(args, kwargs)`` from what a user gives, and moved to a device (tensors copied,
+everything else as is)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""A user's Python file (``SPEC.py``) loaded as a module, and every call into it guarded: a user's exception becomes one line plus the user's own frames, never paritykit's."""
+r"""A user's Python file (``SPEC.py``) loaded as a module, and every call into it guarded: a user's exception
+becomes one line plus the user's own frames, never paritykit's."""
 
 from __future__ import annotations
 

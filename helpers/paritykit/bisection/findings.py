@@ -1,4 +1,5 @@
-r"""From a located call to a culprit finding: its tests, hints and verified fixes (evidence, remix, module fits, inline-reference hints), and the first output that differs."""
+r"""From a located call to a culprit finding: its tests, hints and verified fixes (evidence, remix, module
+fits, inline-reference hints), and the first output that differs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-r"""The first op whose result differs inside a replayed culprit (``--ops``): both sides re-run under torch's dispatch logger."""
+r"""The first op whose result differs inside a replayed culprit (``--ops``): both sides re-run under torch's
+dispatch logger."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from paritykit.bisection.leaves import (
-    flatten_tensors,
-)
+from paritykit.bisection.leaves import flatten_tensors
 from paritykit.bisection.results import OpDivergence
 
 # Ops that only rearrange values: a result of one of them agrees whenever its input does.

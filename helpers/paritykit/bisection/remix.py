@@ -1,4 +1,5 @@
-r"""Input-aware hints at a culprit: each side's output fitted as a linear mix of the module's inputs and its children's outputs (``remix``: one knob standing for two concepts) and a constant scale."""
+r"""Input-aware hints at a culprit: each side's output fitted as a linear mix of the module's inputs and its
+children's outputs (``remix``: one knob standing for two concepts) and a constant scale."""
 
 from __future__ import annotations
 

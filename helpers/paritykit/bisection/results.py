@@ -1,4 +1,5 @@
-r"""What the culprit search reports: each module test, the culprit finding, the first differing op, and the whole ``BisectReport`` (table and JSON from one object)."""
+r"""What the culprit search reports: each module test, the culprit finding, the first differing op, and the
+whole ``BisectReport`` (table and JSON from one object)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""The tests of one pair of traces: replay each aligned call on the reference's inputs (else an error jump), and walk down to the deepest failing call."""
+r"""The tests of one pair of traces: replay each aligned call on the reference's inputs (else an error jump),
+and walk down to the deepest failing call."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-r"""Side-by-side images and videos of two runs: an amplified difference heatmap, PSNR and the largest pixel difference per frame.
+r"""Side-by-side images and videos of two runs: an amplified difference heatmap, PSNR and the largest pixel
+difference per frame.
 
-numpy, Pillow and matplotlib are imported inside the functions that need them, so importing this module is cheap."""
+numpy, Pillow and matplotlib are imported inside the functions that need them, so importing this module is cheap.
+"""
 
 from __future__ import annotations
 

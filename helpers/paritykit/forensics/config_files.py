@@ -1,4 +1,5 @@
-r"""Reading configs from any file a port meets (config.json, model_index.json folders, YAML, safetensors metadata), flattened to dotted keys."""
+r"""Reading configs from any file a port meets (config.json, model_index.json folders, YAML, safetensors
+metadata), flattened to dotted keys."""
 
 from __future__ import annotations
 

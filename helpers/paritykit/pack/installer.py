@@ -1,4 +1,5 @@
-r"""Installing the skill pack into agent folders: one relative link per skill, a manifest of what was made, a user's file never replaced (planned first, then carried out)."""
+r"""Installing the skill pack into agent folders: one relative link per skill, a manifest of what was made, a
+user's file never replaced (planned first, then carried out)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""Validating a skill against the Agent Skills spec: front matter fields and limits, name format, and every relative link resolving inside the pack."""
+r"""Validating a skill against the Agent Skills spec: front matter fields and limits, name format, and every
+relative link resolving inside the pack."""
 
 from __future__ import annotations
 

@@ -157,11 +157,3 @@ def show_skill(name: str, root: str | os.PathLike | None = None) -> str:
 def _is_within(path: str, root: str) -> bool:
     path, root = os.path.normcase(path), os.path.normcase(root)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Install / uninstall
-# ---------------------------------------------------------------------------------------------------------------
-
-
-# --- shared context ---------------------------------------------------------------------------------------------

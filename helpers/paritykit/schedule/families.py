@@ -1,4 +1,5 @@
-r"""Schedule families: which closed form (linspace/leading/trailing spacing, Karras, exponential, flow shift) a timestep or sigma list follows, with its fitted parameters."""
+r"""Schedule families: which closed form (linspace/leading/trailing spacing, Karras, exponential, flow shift)
+a timestep or sigma list follows, with its fitted parameters."""
 
 from __future__ import annotations
 

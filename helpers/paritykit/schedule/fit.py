@@ -1,4 +1,5 @@
-r"""Fitting a diffusers scheduler's config to a reference loop (``--fit``): search its own config keys, validate every candidate at several step counts."""
+r"""Fitting a diffusers scheduler's config to a reference loop (``--fit``): search its own config keys,
+validate every candidate at several step counts."""
 
 from __future__ import annotations
 

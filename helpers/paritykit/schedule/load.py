@@ -1,4 +1,5 @@
-r"""Sampling schedules from anything a port records (record_loop folders, checkpoint folders, tensor files, JSON lists, a SPEC.py), and the tolerances they are compared with."""
+r"""Sampling schedules from anything a port records (record_loop folders, checkpoint folders, tensor files,
+JSON lists, a SPEC.py), and the tolerances they are compared with."""
 
 from __future__ import annotations
 

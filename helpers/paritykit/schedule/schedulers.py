@@ -1,4 +1,5 @@
-r"""diffusers schedulers by class name: building one from a config, the keys it accepts, its timestep/sigma lists, and the paste-ready line that builds it."""
+r"""diffusers schedulers by class name: building one from a config, the keys it accepts, its timestep/sigma
+lists, and the paste-ready line that builds it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""The step check (``--step-check``): one scheduler step on recorded inputs, compared with the reference loop's own update."""
+r"""The step check (``--step-check``): one scheduler step on recorded inputs, compared with the reference
+loop's own update."""
 
 from __future__ import annotations
 

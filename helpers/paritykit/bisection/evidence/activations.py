@@ -1,4 +1,5 @@
-r"""Activation evidence (``activation``): which known elementwise function each side computes on the captured input."""
+r"""Activation evidence (``activation``): which known elementwise function each side computes on the captured
+input."""
 
 from __future__ import annotations
 

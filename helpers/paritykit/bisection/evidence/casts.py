@@ -1,4 +1,5 @@
-r"""Reduced-precision evidence (``bf16-cast`` / ``fp16-cast``): the reference re-run in that dtype reproduces the port's output."""
+r"""Reduced-precision evidence (``bf16-cast`` / ``fp16-cast``): the reference re-run in that dtype reproduces
+the port's output."""
 
 from __future__ import annotations
 

@@ -8,30 +8,10 @@ from collections.abc import Callable, Sequence
 from paritykit.bisection.evidence.activations import activation
 from paritykit.bisection.evidence.casts import reduced_precision
 from paritykit.bisection.evidence.constants import attention_scale, norm_eps
-from paritykit.bisection.evidence.culprit import (
-    Culprit,
-)
+from paritykit.bisection.evidence.culprit import Culprit
 from paritykit.bisection.evidence.settings import module_config
 from paritykit.bisection.evidence.weight_slices import weights
 from paritykit.compare.diagnose import Hint
-
-# ------------------------------------------------------------------------------------------------ helpers
-
-
-# ------------------------------------------------------------------------------------------ module config
-
-
-# ------------------------------------------------------------------------------------------- activations
-
-
-# ---------------------------------------------------------------------------------------------- fits
-
-
-# ------------------------------------------------------------------------------------------------ weights
-
-
-# --------------------------------------------------------------------------------------- reduced precision
-
 
 # -------------------------------------------------------------------------------------------- the whole
 

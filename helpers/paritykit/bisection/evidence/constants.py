@@ -1,4 +1,5 @@
-r"""Fitted-constant evidence: the norm epsilon (``norm-eps``) or softmax scale (``attention-scale``) that reproduces the other side's output."""
+r"""Fitted-constant evidence: the norm epsilon (``norm-eps``) or softmax scale (``attention-scale``) that
+reproduces the other side's output."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""The culprit every detector reads (``Culprit``: the two modules, their captured call, replay of a patched copy) and the helpers detectors share."""
+r"""The culprit every detector reads (``Culprit``: the two modules, their captured call, replay of a patched
+copy) and the helpers detectors share."""
 
 from __future__ import annotations
 

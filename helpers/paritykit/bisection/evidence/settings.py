@@ -1,4 +1,5 @@
-r"""Settings evidence (``module-config``): public attributes, ``extra_repr()`` fields and buffers of two aligned modules that differ, each fix replayed on a copy."""
+r"""Settings evidence (``module-config``): public attributes, ``extra_repr()`` fields and buffers of two
+aligned modules that differ, each fix replayed on a copy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""Weights evidence (``weights``): port parameters holding a different reference slice than their name implies, found by conversion inference and verified by undoing it."""
+r"""Weights evidence (``weights``): port parameters holding a different reference slice than their name
+implies, found by conversion inference and verified by undoing it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""Warnings on exact mappings that still look wrong: fused chunks in an order the names contradict, a layer converted unlike its siblings."""
+r"""Warnings on exact mappings that still look wrong: fused chunks in an order the names contradict, a layer
+converted unlike its siblings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""Fingerprints of tensor values that survive layout ops (multiset hashes, row keys), and the exact confirmation of which op turns one tensor into another."""
+r"""Fingerprints of tensor values that survive layout ops (multiset hashes, row keys), and the exact
+confirmation of which op turns one tensor into another."""
 
 from __future__ import annotations
 

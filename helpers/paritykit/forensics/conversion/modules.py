@@ -1,16 +1,13 @@
-r"""Module alignment from a conversion map: which module of one model holds the tensors of which module of the other."""
+r"""Module alignment from a conversion map: which module of one model holds the tensors of which module of the
+other."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from paritykit.forensics.conversion.matching import infer_conversion_map
-from paritykit.forensics.conversion.names import (
-    _module_of,
-)
-from paritykit.forensics.conversion.results import (
-    ConversionMap,
-)
+from paritykit.forensics.conversion.names import _module_of
+from paritykit.forensics.conversion.results import ConversionMap
 
 
 def match_modules(

@@ -1,4 +1,5 @@
-r"""Tensor names as structure: skeletons with the numbers taken out, layer indices, ancestors, and the word similarity that settles ambiguous matches."""
+r"""Tensor names as structure: skeletons with the numbers taken out, layer indices, ancestors, and the word
+similarity that settles ambiguous matches."""
 
 from __future__ import annotations
 

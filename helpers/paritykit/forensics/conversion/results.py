@@ -1,4 +1,5 @@
-r"""What conversion inference finds: one mapping entry per target tensor, the rules that collapse them, the ambiguities and warnings, and the report (``ConversionMap``)."""
+r"""What conversion inference finds: one mapping entry per target tensor, the rules that collapse them, the
+ambiguities and warnings, and the report (``ConversionMap``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
-from paritykit.forensics.conversion.names import (
-    _skeleton,
-)
+from paritykit.forensics.conversion.names import _skeleton
 from paritykit.forensics.conversion.runtime import (
     _SHOWN_CANDIDATES,
     _WIDTH,

@@ -1,4 +1,5 @@
-r"""Rule building: exact name mappings collapsed into few regex rules (prefix strips, numbered templates, merged suffixes)."""
+r"""Rule building: exact name mappings collapsed into few regex rules (prefix strips, numbered templates,
+merged suffixes)."""
 
 from __future__ import annotations
 
