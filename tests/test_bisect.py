@@ -24,7 +24,8 @@ PLANTED = [
     ("dit", "gelu", "blocks.0.mlp.act", "transformer_blocks.0.ff.act", False, None),
     ("dit", "inline", "blocks.1", "transformer_blocks.1", True, None),
     ("dit", "adaln", "final_norm", "norm_out", True, None),
-    ("time", "remix", "mix", "time_mixer", False, "remix"),
+    # the knob read from the wrong place is fixed by the repair search (time_mixer.scale = 1); remix follows
+    ("time", "remix", "mix", "time_mixer", False, "repair"),
     ("time", "bf16", "freq", "time_proj", False, "bf16-cast"),
     ("conv", "scale", "res", "resnet", True, "constant-scale"),
 ]
@@ -80,7 +81,10 @@ def test_ops_names_the_first_differing_op(family, bug, op, port_arg, ref_arg):
 
 def test_remix_hint_states_both_mixtures():
     reference, port, inputs = time_pair("remix")
-    hint = bisect(reference, port, inputs).culprit.hints[0]
+    hints = bisect(reference, port, inputs).culprit.hints
+    # the repair search's verified fix leads; the remix observation follows it
+    assert hints[0].id == "repair" and hints[0].fix.startswith("time_mixer.scale = 1 ")
+    hint = next(h for h in hints if h.id == "remix")
     assert "reference mixes (1.0, 0.0), port (0.857, 0.143)" in hint.message
     assert "one knob may mean two concepts" in hint.message
     assert hint.evidence["port"][0] == pytest.approx(0.95**3, abs=1e-6)
@@ -262,7 +266,17 @@ def test_cli_exit_codes_and_json_in_a_real_process(tmp_path, cli):
     diverge = cli("bisect", write_spec(tmp_path, "remix"), "--json")
     assert diverge.returncode == 1, diverge.stderr
     payload = json.loads(diverge.stdout)
-    assert payload["culprit"]["port"] == "time_mixer" and payload["culprit"]["hints"][0]["id"] == "remix"
+    assert payload["culprit"]["port"] == "time_mixer"
+    first = payload["culprit"]["hints"][0]
+    # a verified repair carries its edit and residual in the JSON
+    assert (
+        first["id"] == "repair"
+        and first["verified"] is True
+        and first["fix"].startswith("time_mixer.scale = 1")
+    )
+    assert first["edit"]["kind"] == "attribute" and first["edit"]["target"] == "time_mixer.scale"
+    assert first["residual"]["max_abs_after"] == 0.0 < first["residual"]["max_abs_before"]
+    assert "remix" in [h["id"] for h in payload["culprit"]["hints"]]
 
     broken = write_spec(
         tmp_path,

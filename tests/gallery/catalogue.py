@@ -31,6 +31,9 @@ class Case:
     conversion: bool = False  # the bug is in the weight conversion: weights map must show it
     planted: str | None = None  # for conversion bugs: the port tensor the slip wrote
     invisible_when_fresh: bool = False  # fresh init makes the bug a no-op (all-ones scale, zero shift)
+    # edits of the repair search that state the true fix, as "kind@target" prefixes (a verified repair
+    # matching none of them is a false hint): written from the planted bug, not from what the search says
+    repairs: tuple[str, ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -59,6 +62,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("module-config", "norm-eps"),
         cause="config",
         fix="norm1.eps = 1e-06",
+        repairs=("attribute@norm1.eps", "setting@norm1"),
     ),
     Case(
         "mha-gelu-tanh",
@@ -70,6 +74,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("activation", "module-config"),
         cause="config",
         fix="ff.net.0.approximate = 'none'",
+        repairs=("attribute@ff.net.0.approximate", "setting@ff"),
     ),
     Case(
         "mha-swap-qk",
@@ -82,6 +87,7 @@ CASES: tuple[Case, ...] = (
         fix="attn1.to_q <- in_proj_weight chunk 0, attn1.to_k <- chunk 1",
         conversion=True,
         planted="attn1.to_q.weight",
+        repairs=("swap-parameters@attn1.to_k <-> attn1.to_q",),
     ),
     Case(
         "mha-attention-scale",
@@ -92,6 +98,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("attention-scale", "module-config"),
         cause="config",
         fix="attn1.scale = 0.3536",
+        repairs=("attribute@attn1.scale",),
     ),
     Case(
         "mha-bf16-norm",
@@ -113,6 +120,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("module-config", "norm-eps", "activation"),
         cause="config",
         fix="norm1.eps = 1e-06",
+        repairs=("attribute@norm1.eps", "setting@norm1", "attribute@ff.net.0.approximate", "setting@ff"),
     ),
     # ---- pair 2: taming Encoder/Decoder (original SD VAE code) <-> diffusers AutoencoderKL
     Case(
@@ -130,6 +138,10 @@ CASES: tuple[Case, ...] = (
         hints=_hints("module-config"),
         cause="config",
         fix="decoder.mid_block.resnets.0.norm1.num_groups = 32",
+        repairs=(
+            "attribute@decoder.mid_block.resnets.0.norm1.num_groups",
+            "setting@decoder.mid_block.resnets.0.norm1",
+        ),
     ),
     Case(
         "vae-affine-off",
@@ -153,6 +165,7 @@ CASES: tuple[Case, ...] = (
         fix="decoder.mid_block.attentions.0.to_q.weight = q.weight[:, :, 0, 0] (no transpose)",
         conversion=True,
         planted="decoder.mid_block.attentions.0.to_q.weight",
+        repairs=("transpose@decoder.mid_block.attentions.0.to_q.weight",),
     ),
     Case(
         "vae-bf16-attention",
@@ -176,6 +189,11 @@ CASES: tuple[Case, ...] = (
         hints=_hints("module-config", "weights"),
         cause="config",
         fix="decoder.mid_block.resnets.0.norm1.num_groups = 32",
+        repairs=(
+            "attribute@decoder.mid_block.resnets.0.norm1.num_groups",
+            "setting@decoder.mid_block.resnets.0.norm1",
+            "transpose@decoder.mid_block.attentions.0.to_q.weight",
+        ),
     ),
     # ---- pair 3: rotary-embedding-torch attention <-> diffusers Attention + get_1d_rotary_pos_embed
     Case("rope-clean", "rope", None, "faithful port: interleaved layout, theta 500, positions / 2"),
@@ -191,6 +209,7 @@ CASES: tuple[Case, ...] = (
         neutral=_hints("weights"),
         cause="config",
         fix="rope.interleaved = True (and the processor's unbind dim -1)",
+        repairs=("attribute@rope.interleaved", "setting@rope"),
     ),
     Case(
         "rope-theta-default",
@@ -204,6 +223,7 @@ CASES: tuple[Case, ...] = (
         neutral=_hints("weights"),
         cause="config",
         fix="rope.theta = 500.0",
+        repairs=("attribute@rope.theta", "setting@rope"),
     ),
     Case(
         "rope-interpolate-default",
@@ -217,6 +237,7 @@ CASES: tuple[Case, ...] = (
         neutral=_hints("weights"),
         cause="config",
         fix="rope.linear_factor = 2.0",
+        repairs=("attribute@rope.linear_factor", "setting@rope", "rescale@rope input 0"),
     ),
     # ---- pair 4: transformers CLIPEncoderLayer <-> diffusers BasicTransformerBlock
     Case("clip-clean", "clip", None, "faithful rename; eager attention vs SDPA (float noise only)"),
@@ -231,6 +252,7 @@ CASES: tuple[Case, ...] = (
         fix="attn1.to_k <- self_attn.k_proj, attn1.to_v <- self_attn.v_proj",
         conversion=True,
         planted="attn1.to_k.weight",
+        repairs=("swap-parameters@attn1.to_k <-> attn1.to_v",),
     ),
     Case(
         "clip-two-bugs",
@@ -244,6 +266,7 @@ CASES: tuple[Case, ...] = (
         fix="attn1.to_k <- self_attn.k_proj, attn1.to_v <- self_attn.v_proj",
         conversion=True,
         planted="attn1.to_k.weight",
+        repairs=("swap-parameters@attn1.to_k <-> attn1.to_v", "attribute@ff.net.0.approximate", "setting@ff"),
     ),
     # ---- look-alikes: bugs whose signature resembles a known hint without being its cause
     Case(
@@ -269,6 +292,7 @@ CASES: tuple[Case, ...] = (
         # fresh init (unit-scale LayerNorms, small attention logits): the block output moves by 3.9e-6 of a
         # max 3.8, below float32 tolerance, so "match" is the right answer there (distinct: 1.8e-5, visible)
         invisible_when_fresh=True,
+        repairs=("attribute@norm1.eps", "setting@norm1"),
     ),
     Case(
         "mha-out-scale",
@@ -280,6 +304,7 @@ CASES: tuple[Case, ...] = (
         # a constant factor is the true observation; any config, weights or cast claim is false
         hints=_hints("constant-scale"),
         cause="code",
+        repairs=("rescale@attn1 output",),
     ),
     Case(
         "mha-bias-twice",
@@ -292,6 +317,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("no-signature"),
         cause="code",
         invisible_when_fresh=True,  # nn.MultiheadAttention initialises the out-projection bias to zero
+        repairs=("rescale@attn1.to_out.0.bias",),
     ),
     Case(
         "vae-attention-scale",
@@ -302,6 +328,7 @@ CASES: tuple[Case, ...] = (
         hints=_hints("attention-scale", "module-config"),
         cause="config",
         fix="decoder.mid_block.attentions.0.scale = 0.125",
+        repairs=("attribute@decoder.mid_block.attentions.0.scale",),
     ),
 )
 

@@ -68,11 +68,23 @@ def _misplaced_fixes(report: Any, accepted: set[Pair]) -> list[str]:
     ]
 
 
+def is_true(hint: Any, case: Case) -> bool:
+    r"""A hint stating the true cause: one of the case's hint ids, or a repair whose edit is one of its fixes."""
+    if hint.id == "repair":
+        edit = getattr(hint, "edit", {}) or {}
+        said = f"{edit.get('kind')}@{edit.get('target')}"
+        return any(said.startswith(pattern) for pattern in case.repairs)
+    return hint.id in case.hints
+
+
 def is_false(hint: Any, case: Case, variant: str) -> bool:
     r"""A hint the ground truth contradicts: any hint on a clean port, an unknown-cause hint that says the
-    forward code differs when the cause is config or weights, or a named cause that is not the true one."""
+    forward code differs when the cause is config or weights, a repair whose edit is not a true fix, or a
+    named cause that is not the true one."""
     if not case.expected(variant):
         return True
+    if hint.id == "repair":
+        return not is_true(hint, case)
     if hint.id in UNKNOWN_HINTS:
         return case.cause != "code"
     if hint.id in LOCATING_HINTS or hint.id in case.neutral:
@@ -99,7 +111,9 @@ def _conversion(case: Case, pair: BuiltPair, variant: str) -> tuple[str | None, 
     return text, not same
 
 
-def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
+def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = True) -> Outcome:
+    r"""Bisect one case and score it; ``catalogue=False`` switches the catalogue's detectors off, so only the
+    repair search explains the culprits."""
     import paritykit
 
     bisect = paritykit.bisect  # the public function: no submodule of that name shadows it
@@ -114,6 +128,7 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         port_inputs=pair.port_inputs,
         select_output=pair.select_output,
         all_culprits=every,
+        catalogue=catalogue,
     )
     conversion, conversion_ok = _conversion(case, pair, variant)
     seconds = time.perf_counter() - started
@@ -144,10 +159,12 @@ def run_case(case: Case, variant: str, use_all: bool = True) -> Outcome:
         all_ok=all_ok,
         first_hint=f"[{first.id}] {first.message}" if first is not None else None,
         # a true first hint is the true cause stated at the true culprit
-        first_hint_true=(culprit_ok and first is not None and first.id in case.hints) if expected else None,
+        first_hint_true=(culprit_ok and first is not None and is_true(first, case)) if expected else None,
         false_hints=[h.id for h in hints if is_false(h, case, variant)] + _misplaced_fixes(report, accepted),
         fix=verified[0].fix if verified else None,
-        fix_verified=(bool(verified) and verified[0].id in case.hints) if case.fix and expected else None,
+        fix_verified=(bool(verified) and is_true(verified[0], case))
+        if (case.fix or case.repairs) and expected
+        else None,
         conversion=conversion,
         conversion_ok=conversion_ok,
         seconds=seconds,

@@ -12,6 +12,7 @@ from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.remix import culprit_hints
+from paritykit.bisection.repair.at_culprit import RepairOptions
 from paritykit.bisection.results import ModuleFinding, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 
@@ -62,11 +63,28 @@ def first_divergence(
 
 
 def culprit_finding(
-    searcher: Searcher, call: Any, children_passed: int, output: Any, ops: bool = False
+    searcher: Searcher,
+    call: Any,
+    children_passed: int,
+    output: Any,
+    ops: bool = False,
+    repair: RepairOptions | None = None,
 ) -> ModuleFinding:
+    r"""The finding at a located call: its test, the catalogue's hints (unless ``repair.catalogue`` is off)
+    and the repair search's verified edits (unless ``repair.enabled`` is off), and the first differing op
+    (``ops``)."""
+    repair = repair if repair is not None else RepairOptions()
     alignment = searcher.alignment
     port_call = searcher.port_record(call)
     pair = alignment.pair_of(call.module)
+
+    def explained(hints: list) -> list:
+        from paritykit.bisection.repair.at_culprit import repair_hints
+
+        at = port_call if port_call is not None or call.parent is not None else searcher.pt.root
+        return repair_hints(searcher, call, at, hints, repair, inline=children_passed > 0)
+
+    catalogue = repair.catalogue
     if call.parent is None:
         # Nothing below the top level fails: the top level's own forward differs.
         return ModuleFinding(
@@ -78,13 +96,17 @@ def culprit_finding(
             output.cosine,
             inline=children_passed > 0,
             children_passed=children_passed,
-            hints=_with_inline(
-                searcher,
-                call,
-                port_call,
-                children_passed,
-                output.max_abs,
-                _hints_at(searcher, call, port_call, None, output),
+            hints=explained(
+                _with_inline(
+                    searcher,
+                    call,
+                    port_call,
+                    children_passed,
+                    output.max_abs,
+                    _hints_at(searcher, call, port_call, None, output),
+                )
+                if catalogue
+                else []
             ),
             note=_untested_inside(alignment, call.module),
         )
@@ -107,19 +129,23 @@ def culprit_finding(
         result.cosine,
         inline=children_passed > 0,
         children_passed=children_passed,
-        hints=_with_extra_inputs(
-            searcher,
-            call,
-            port_call,
-            result.max_abs,
-            _with_inline(
+        hints=explained(
+            _with_extra_inputs(
                 searcher,
                 call,
                 port_call,
-                children_passed,
                 result.max_abs,
-                _hints_at(searcher, call, port_call, result, None),
-            ),
+                _with_inline(
+                    searcher,
+                    call,
+                    port_call,
+                    children_passed,
+                    result.max_abs,
+                    _hints_at(searcher, call, port_call, result, None),
+                ),
+            )
+            if catalogue
+            else []
         ),
         confidence=pair.confidence,
         note=join_notes(result.note, _untested_inside(alignment, call.module)),

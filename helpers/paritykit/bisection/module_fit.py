@@ -55,10 +55,11 @@ class ModuleFit:
         }
 
 
-def constructor_values(module: Any) -> tuple[dict[str, Any], list[str]] | None:
+def constructor_values(module: Any, tuples: bool = False) -> tuple[dict[str, Any], list[str]] | None:
     r"""The module's constructor arguments with the values it holds now (attribute, else ``config`` entry,
     else the signature default), and the names whose values were read from the module (so may be varied).
-    ``None`` when a required argument cannot be read or is not a plain scalar."""
+    ``None`` when a required argument cannot be read or is not a plain scalar (with ``tuples``, a tuple of
+    plain scalars counts as plain)."""
     try:
         signature = inspect.signature(type(module).__init__)
     except (TypeError, ValueError):
@@ -69,10 +70,10 @@ def constructor_values(module: Any) -> tuple[dict[str, Any], list[str]] | None:
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        if hasattr(module, name) and _plain(getattr(module, name)):
+        if hasattr(module, name) and _plain(getattr(module, name), tuples):
             values[name] = getattr(module, name)
             readable.append(name)
-        elif isinstance(config, dict) and name in config and _plain(config[name]):
+        elif isinstance(config, dict) and name in config and _plain(config[name], tuples):
             values[name] = config[name]
             readable.append(name)
         elif param.default is not inspect.Parameter.empty:
@@ -82,11 +83,13 @@ def constructor_values(module: Any) -> tuple[dict[str, Any], list[str]] | None:
     return values, readable
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: Any, tuples: bool = False) -> bool:
+    if tuples and isinstance(value, tuple):
+        return all(_plain(v) for v in value)
     return value is None or isinstance(value, _SCALARS)
 
 
-def _literal_options(module: Any, name: str) -> list[str]:
+def literal_options(module: Any, name: str) -> list[str]:
     """The string values a ``Literal[...]`` annotation allows for ``name`` (empty when unannotated)."""
     try:
         hints = typing.get_type_hints(type(module).__init__)
@@ -104,7 +107,7 @@ def candidate_values(module: Any, name: str, value: Any) -> list[Any]:
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, str):
-        return [o for o in _literal_options(module, name) if o != value]
+        return [o for o in literal_options(module, name) if o != value]
     if isinstance(value, (int, float)):
         out = [0, 1, -value, 2 * value, value / 2] + ([1 / value] if value else [])
         if isinstance(value, int):
@@ -122,7 +125,7 @@ def _settings(module: Any, values: dict[str, Any], readable: list[str]) -> list[
     return out[:MAX_TRIALS]
 
 
-def _build(module: Any, kwargs: dict[str, Any]) -> Any:
+def rebuild(module: Any, kwargs: dict[str, Any]) -> Any:
     try:
         new = type(module)(**kwargs)
         new.load_state_dict(module.state_dict(), strict=True)
@@ -187,14 +190,14 @@ def fit_module(
     own = _run(module, call)
     if own is None or not own.is_floating_point():
         return None
-    rebuilt = _build(module, values)
+    rebuilt = rebuild(module, values)
     if rebuilt is None or _error(own, _run(rebuilt, call)) != 0:
         return None
     before = _error(target, own)
     trials = 0
     for change in _settings(module, values, readable):
         trials += 1
-        candidate = _build(module, {**values, **change})
+        candidate = rebuild(module, {**values, **change})
         if candidate is None:
             continue
         out = _run(candidate, call)
@@ -356,7 +359,7 @@ def _fit_producers(
         )
         if fit is None:
             continue
-        after = _verify(searcher, call, port_call, record.module, fit.fitted)
+        after = replay_with_module(searcher, call, port_call, record.module, fit.fitted)
         changes = ", ".join(f"{k}={new!r} (now {old!r})" for k, (old, new) in fit.changes.items())
         verified = after is not None and after.passed
         hints.append(
@@ -385,7 +388,7 @@ def _fit_producers(
     return hints
 
 
-def _verify(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) -> Any:
+def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) -> Any:
     """Replay the culprit on a copy of its port module with ``fitted`` in place of the module at ``path``;
     the comparison against the reference's captured outputs, or ``None`` when it cannot be run."""
     import copy
@@ -449,7 +452,7 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
         return []
     captured = dict(port_call.inputs.items())
     extras = {p: captured[p] for p in paths if p in captured}
-    producers = _extra_producers(searcher, extras)
+    producers = extra_producers(searcher, extras)
     hints = []
     for record, feeds in producers:
         module = searcher.port_modules.get(record.module)
@@ -504,7 +507,7 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
     return hints
 
 
-def _extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
+def extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
     """Unaligned port calls with an output exactly equal to an extra input: (record, {output path: input})."""
     import torch
 
@@ -534,7 +537,7 @@ def _fit_by_replay(
         return None
     values, readable = read
     inputs = record.call_inputs()
-    rebuilt = _build(module, values)
+    rebuilt = rebuild(module, values)
     if rebuilt is None:
         return None
     own = flatten_tensors(_call(rebuilt, inputs))
@@ -546,9 +549,11 @@ def _fit_by_replay(
     def attempt(change: dict[str, Any]) -> Any:
         nonlocal trials
         trials += 1
-        candidate = _build(module, {**values, **change})
+        candidate = rebuild(module, {**values, **change})
         return (
-            None if candidate is None else _replay_with(searcher, call, port_call, candidate, inputs, feeds)
+            None
+            if candidate is None
+            else replay_with_extras(searcher, call, port_call, candidate, inputs, feeds)
         )
 
     for change in _settings(module, values, readable):
@@ -626,7 +631,7 @@ def _rounded(value: float | None) -> list[float]:
     return list(dict.fromkeys(float(f"{value:.{d}g}") for d in (1, 2, 3)))
 
 
-def _replay_with(
+def replay_with_extras(
     searcher: Any,
     call: Any,
     port_call: Any,

@@ -21,6 +21,7 @@ and ``constant-scale``, then the core hints of :func:`paritykit.compare.diagnose
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from paritykit.bisection.leaves import (
     replace_leaves,
     torch_equal,
 )
+from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, shown_name
 from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
 from paritykit.bisection.strategy import FullSearch, run_search
@@ -58,6 +60,8 @@ def bisect_traces(
     environment: dict[str, Any] | None = None,
     allow_masked: bool = False,
     all_culprits: bool = False,
+    repair: bool = True,
+    catalogue: bool = True,
 ) -> BisectReport:
     r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
 
@@ -69,6 +73,8 @@ def bisect_traces(
     fails on identical inputs makes the verdict ``masked`` (exit 1 unless ``allow_masked``).
     ``all_culprits=True`` (needs ``port``) replaces each culprit's output in the port by the reference's and
     searches again, until the port's output matches or no further culprit is found (:func:`every_culprit`).
+    ``repair=False`` skips the repair search at culprits (:mod:`paritykit.bisection.repair`);
+    ``catalogue=False`` skips the catalogue's detectors (to measure the repair search alone).
     """
     if alignment is None:
         alignment = align_modules(reference, port, ref_trace, port_trace, rules=rules)
@@ -78,8 +84,10 @@ def bisect_traces(
     searcher = Searcher(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
+    started = time.perf_counter()
+    explain = RepairOptions(enabled=repair, catalogue=catalogue)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
-    report = run_search(FullSearch(searcher), select_output=select_output, **options)
+    report = run_search(FullSearch(searcher), select_output=select_output, repair=explain, **options)
     if reference is not None and port is not None:
         from paritykit.bisection.evidence.settings import config_differences
 
@@ -87,7 +95,8 @@ def bisect_traces(
         report.config_differences = config_differences(reference, port, pairs)
     if all_culprits and report.culprit is not None:
         ref_final = final_output("reference", ref_root.output_value(), select_output)
-        every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops)
+        explain = with_budget(explain, time.perf_counter() - started)
+        every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops, repair=explain)
     return report
 
 
@@ -103,6 +112,7 @@ def every_culprit(
     *,
     select_output: Callable | None = None,
     ops: bool = False,
+    repair: RepairOptions | None = None,
 ) -> None:
     r"""Extend ``report.culprits`` to every independent culprit, in execution order.
 
@@ -166,7 +176,7 @@ def every_culprit(
                     call, passed = hidden
                 if call.name in {c.reference for c in report.culprits}:
                     break
-                report.culprits.append(culprit_finding(again, call, passed, output, ops=ops))
+                report.culprits.append(culprit_finding(again, call, passed, output, ops=ops, repair=repair))
             report.tested += [t for t in again.results.values() if t.reference not in searcher.results]
     finally:
         for handle in handles:
@@ -233,6 +243,8 @@ def bisect(
     levels: str = "auto",
     allow_masked: bool = False,
     all_culprits: bool = False,
+    repair: bool = True,
+    catalogue: bool = True,
 ) -> BisectReport:
     r"""Run both models on the same inputs and name the module where the port parts from the reference.
 
@@ -250,6 +262,9 @@ def bisect(
         allow_masked: accept the ``masked`` verdict (exit code 0).
         all_culprits: after each culprit, give it the reference's output in the port and search again, so
             ``culprits`` lists every independent one in execution order.
+        repair: at each culprit, search the small edits of the port that make it match the reference and
+            report the verified ones (``fix (verified)``); ``False`` is ``--no-repair``.
+        catalogue: run the catalogue's detectors at each culprit (``False`` only to measure the repair search).
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
             (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
             weights are offloaded by accelerate.
@@ -285,6 +300,8 @@ def bisect(
         levels=levels,
         allow_masked=allow_masked,
         all_culprits=all_culprits,
+        repair=repair,
+        catalogue=catalogue,
     )
 
 

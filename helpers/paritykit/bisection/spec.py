@@ -40,10 +40,11 @@ def bisect_spec(
     zoom: str | None = None,
     allow_masked: bool = False,
     all_culprits: bool = False,
+    repair: bool = True,
 ) -> BisectReport:
     r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
-    spec whose builders make replay possible). ``levels`` as in :func:`bisect`; ``zoom`` names the reference
-    block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
+    spec whose builders make replay possible). ``levels`` and ``repair`` as in :func:`bisect`; ``zoom`` names
+    the reference block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
     import torch
 
     from paritykit.tracing.trace import Trace
@@ -63,6 +64,7 @@ def bisect_spec(
         ops=ops,
         environment=environment,
         allow_masked=allow_masked,
+        repair=repair,
     )
     with torch.no_grad():
         if traces is not None:

@@ -22,6 +22,7 @@ from paritykit.base.report import environment_stamp
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
 from paritykit.bisection.leaves import final_output
+from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, ModuleTest
 from paritykit.bisection.searcher import Searcher
 
@@ -112,6 +113,7 @@ def run_search(
     ops: bool = False,
     environment: dict[str, Any] | None = None,
     allow_masked: bool = False,
+    repair: RepairOptions | None = None,
 ) -> BisectReport:
     r"""Run ``strategy`` and report: ``diverge`` with the culprit when the final outputs differ, ``masked`` when
     they match but an aligned module fails on identical inputs, else ``match``.
@@ -124,8 +126,14 @@ def run_search(
         ops: name the first differing op inside a replayed culprit.
         environment: the report's environment stamp (default: this process's).
         allow_masked: accept the ``masked`` verdict (exit 0).
+        repair: how the culprit is explained (:class:`~paritykit.bisection.repair.at_culprit.RepairOptions`);
+            its time budget, when not given, is about the time this search took (at least a few seconds).
     """
+    import time
+
     import torch
+
+    started = time.perf_counter()
 
     from paritykit.compare.tensors import compare_tensors
 
@@ -146,8 +154,9 @@ def run_search(
             located = located if below_top and strategy.masking() else strategy.masked()
             verdict = "masked" if located is not None else verdict
         if located is not None and verdict != "match":
+            repair = with_budget(repair, time.perf_counter() - started)
             culprit = culprit_finding(
-                located.searcher, located.call, located.children_passed, output, ops=ops
+                located.searcher, located.call, located.children_passed, output, ops=ops, repair=repair
             )
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(

@@ -27,6 +27,7 @@ from paritykit.base.calls import to_device
 from paritykit.base.errors import ParityKitError
 from paritykit.bisection.align import AlignedPair, Alignment, align_modules
 from paritykit.bisection.leaves import module_device, pair_leaves
+from paritykit.bisection.repair.at_culprit import RepairOptions
 from paritykit.bisection.results import ModuleTest
 from paritykit.bisection.searcher import MAX_MASKED_CHECKS, Searcher
 from paritykit.bisection.strategy import Located, run_search
@@ -321,6 +322,8 @@ def zoom_bisect(
     environment: dict[str, Any] | None = None,
     run: Callable | None = None,
     allow_masked: bool = False,
+    repair: bool = True,
+    catalogue: bool = True,
 ) -> Any:
     r""":func:`paritykit.bisect` by levels: same tests, same :class:`~paritykit.bisection.results.BisectReport`,
     peak memory of one level instead of every module.
@@ -328,7 +331,8 @@ def zoom_bisect(
     Args:
         reference, port: the two ``nn.Module`` (eval mode).
         ref_inputs, port_inputs: ``(args, kwargs)`` for each side.
-        rules, select_output, atol, rtol, ratio, ops, environment: as in :func:`paritykit.bisect`.
+        rules, select_output, atol, rtol, ratio, ops, environment, repair, catalogue: as in
+            :func:`paritykit.bisect`.
         run: ``run(model, args, kwargs)`` in place of the plain top-level call.
         allow_masked: accept the ``masked`` verdict (a block failing on identical inputs while the final
             output matches). The zoom looks for it on the way down from the top-level blocks, then inside
@@ -343,7 +347,8 @@ def zoom_bisect(
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
-    return run_search(zoom, select_output=select_output, **options)
+    explain = RepairOptions(enabled=repair, catalogue=catalogue)
+    return run_search(zoom, select_output=select_output, repair=explain, **options)
 
 
 # ------------------------------------------------------------------------------------ two machines

@@ -95,10 +95,30 @@ your files).
     is_flag=True,
     help="Exit 0 when the final output matches although an aligned module fails (verdict masked).",
 )
+@click.option(
+    "--no-repair",
+    "no_repair",
+    is_flag=True,
+    help="Skip the repair search (small edits of the port tried at each culprit and kept only when replay "
+    "then matches the reference).",
+)
 @json_option
 @limit_option
 def bisect(
-    spec, traces, atol, rtol, maps, device, ops, levels, zoom, all_culprits, allow_masked, as_json, limit
+    spec,
+    traces,
+    atol,
+    rtol,
+    maps,
+    device,
+    ops,
+    levels,
+    zoom,
+    all_culprits,
+    allow_masked,
+    no_repair,
+    as_json,
+    limit,
 ):
     from paritykit.base.naming import parse_map_options
     from paritykit.bisection.spec import bisect_spec
@@ -118,6 +138,7 @@ def bisect(
         zoom=zoom,
         all_culprits=all_culprits,
         allow_masked=allow_masked,
+        repair=not no_repair,
     )
     emit(report, as_json=as_json, limit=limit)
 

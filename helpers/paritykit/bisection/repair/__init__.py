@@ -1,0 +1,22 @@
+r"""The repair search: at a culprit, try the small edits that could turn the port's computation into the
+reference's (a grammar over parameters, inputs, outputs and settings, cheapest first), replay each on the
+captured inputs, and keep only those that make the numbers agree. ``edits`` defines an edit and the constants
+fitted numbers snap to; ``grammar`` generates the candidates; ``site`` says where the search runs;
+``engine`` runs it within a time budget; ``at_culprit`` joins its verified edits to the catalogue's hints."""
+
+from paritykit.base.lazy import lazy_exports
+
+# public name -> the module that defines it
+EXPORTS = {
+    "Edit": "paritykit.bisection.repair.edits",
+    "RepairHint": "paritykit.bisection.repair.edits",
+    "Site": "paritykit.bisection.repair.site",
+    "Budget": "paritykit.bisection.repair.engine",
+    "RepairOutcome": "paritykit.bisection.repair.engine",
+    "repair_site": "paritykit.bisection.repair.engine",
+    "RepairOptions": "paritykit.bisection.repair.at_culprit",
+    "culprit_site": "paritykit.bisection.repair.at_culprit",
+    "repair_hints": "paritykit.bisection.repair.at_culprit",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

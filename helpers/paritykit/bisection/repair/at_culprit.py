@@ -1,0 +1,267 @@
+r"""The repair search at a located culprit: its sites (the culprit itself, then the unaligned port modules
+that produce a differing input of an inline culprit), and how verified edits join the catalogue's hints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.bisection.leaves import module_device
+from paritykit.bisection.repair.engine import Budget, RepairOutcome, repair_site
+from paritykit.bisection.repair.site import Site, faithful_parameters, held_parameters
+from paritykit.compare.diagnose import Hint
+
+
+@dataclass
+class RepairOptions:
+    r"""How a bisect explains a culprit.
+
+    Args:
+        enabled: run the repair search (``--no-repair`` turns it off).
+        catalogue: run the catalogue's detectors (off only to measure the repair search alone).
+        budget: the time the search may take, shared by every site of one bisect.
+    """
+
+    enabled: bool = True
+    catalogue: bool = True
+    budget: Budget | None = field(default=None)
+
+
+def with_budget(options: RepairOptions | None, bisect_seconds: float) -> RepairOptions:
+    r"""``options`` (default: search on, catalogue on) with a time budget of about ``bisect_seconds``, unless
+    it has one already."""
+    import dataclasses
+
+    options = options if options is not None else RepairOptions()
+    if options.budget is not None:
+        return options
+    return dataclasses.replace(options, budget=Budget.like(bisect_seconds))
+
+
+def culprit_site(searcher: Any, call: Any, port_call: Any) -> Site | None:
+    r"""The culprit as a repair site: its port module replayed on the reference's inputs (``None`` when the
+    culprit was not replayed, so there is nothing to verify an edit against)."""
+    if port_call is None:
+        return None
+    module = searcher.port_modules.get(port_call.module)
+    if module is None:
+        return None
+    replayed = searcher.replays.get(call.name)
+    if replayed is None:
+        outcome = searcher.run_replay(call, port_call)
+        if isinstance(outcome, str):
+            return None
+        replayed = outcome
+    ref_leaves, port_leaves = replayed
+    device = module_device(module)
+
+    def inputs() -> tuple[tuple, dict]:
+        adapted = searcher.adapt_inputs(call, port_call, device)
+        if adapted is None:
+            raise ValueError("the port call cannot be re-run")
+        return adapted
+
+    if searcher.adapt_inputs(call, port_call, device) is None:
+        return None
+    reference = searcher.ref_modules.get(call.module)
+    return Site(
+        name=port_call.module,
+        reference_name=call.name,
+        module=module,
+        inputs=inputs,
+        wanted=list(ref_leaves),
+        got=list(port_leaves),
+        compare=lambda a, b: searcher.compare_leaves(a, b, call.name) if b is not None else None,
+        faithful=faithful_parameters(reference, module, _subpairs(searcher, call.module, port_call.module)),
+        held=held_parameters(reference, module),
+    )
+
+
+def _subpairs(searcher: Any, reference: str, port: str) -> list[tuple[str, str]]:
+    ref_prefix, port_prefix = (reference + "." if reference else ""), (port + "." if port else "")
+    return [
+        (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
+        for p in searcher.alignment.one_to_one
+        if p.reference.startswith(ref_prefix) and p.port.startswith(port_prefix) and p.reference != reference
+    ]
+
+
+def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+    r"""The unaligned port modules inside an inline culprit whose output is exactly the first differing input
+    of an aligned child (:func:`paritykit.bisection.module_fit.first_differing_input`): each must produce the
+    reference's tensor, and an edit there is verified by replaying the culprit with the edited module."""
+    from paritykit.bisection.module_fit import first_differing_input, replay_with_module
+
+    if port_call is None:
+        return []
+    found = first_differing_input(searcher, call)
+    if found is None:
+        return []
+    sites = []
+    for record in reversed(found.producers):
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+        outputs = list(record.outputs.items())
+        index = next((k for k, (_, t) in enumerate(outputs) if t is found.port_input), None)
+        if index is None:
+            index = next(
+                (
+                    k
+                    for k, (_, t) in enumerate(outputs)
+                    if t.shape == found.port_input.shape and bool((t == found.port_input).all())
+                ),
+                None,
+            )
+        if index is None:
+            continue
+        path = outputs[index][0]
+
+        def inputs(record: Any = record) -> tuple[tuple, dict]:
+            return record.call_inputs()
+
+        def compare(a: list, b: list | None, path: str = path) -> Any:
+            if b is None:
+                return None
+            leaf = dict(b).get(path)
+            return searcher.compare_leaves(a, [(path, leaf)], call.name) if leaf is not None else None
+
+        def verify(edited: Any, where: str = record.module) -> Any:
+            return replay_with_module(searcher, call, port_call, where, edited)
+
+        sites.append(
+            Site(
+                name=record.module,
+                reference_name=call.name,
+                module=module,
+                inputs=inputs,
+                wanted=[(path, found.reference_input)],
+                got=outputs,
+                compare=compare,
+                verify=verify,
+                role="producer",
+            )
+        )
+    return sites
+
+
+def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+    r"""The unaligned port modules that compute inputs the culprit's replay took from the port's own run
+    (the reference computes them inside the culprit: rotary cos/sin): nothing to compare them with, so an
+    edit there is verified only by replaying the culprit with the edited module's outputs."""
+    from paritykit.bisection.module_fit import extra_producers, replay_with_extras
+
+    paths = searcher.own_inputs.get(call.name)
+    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+        return []
+    captured = dict(port_call.inputs.items())
+    extras = {p: captured[p] for p in paths if p in captured}
+    sites = []
+    for record, feeds in extra_producers(searcher, extras):
+        module = searcher.port_modules.get(record.module)
+        if module is None or not record.replayable:
+            continue
+
+        def verify(edited: Any, record: Any = record, feeds: dict = feeds) -> Any:
+            return replay_with_extras(searcher, call, port_call, edited, record.call_inputs(), feeds)
+
+        sites.append(
+            Site(
+                name=record.module,
+                reference_name=call.name,
+                module=module,
+                inputs=record.call_inputs,
+                wanted=[],
+                got=list(record.outputs.items()),
+                compare=lambda a, b: None,
+                verify=verify,
+                role="producer",
+            )
+        )
+    return sites
+
+
+def repair_hints(
+    searcher: Any, call: Any, port_call: Any, hints: Sequence[Hint], options: RepairOptions, inline: bool
+) -> list[Hint]:
+    r"""``hints`` with the repair search's verified edits joined in.
+
+    A catalogue hint already verified explains the culprit and the search is skipped. Otherwise the culprit
+    is searched, then (inline) the producers of its first differing input. A verified edit leads; a catalogue
+    hint naming the same fix is marked verified instead of repeating it; the plain "unknown" hint goes, or,
+    when nothing verifies, says what the search covered.
+    """
+    if not options.enabled or any(h.verified for h in hints):
+        return list(hints)
+    budget = options.budget or Budget.like(0.0)
+    outcomes: list[RepairOutcome] = []
+    site = culprit_site(searcher, call, port_call)
+    sites = [site] if site is not None else []
+    if inline:
+        sites += producer_sites(searcher, call, port_call)
+    sites += extra_input_sites(searcher, call, port_call)
+    for s in sites:
+        outcome = repair_site(s, budget)
+        outcomes.append(outcome)
+        if outcome.verified:
+            break
+    verified = [h for o in outcomes for h in o.hints()]
+    if not verified:
+        return _with_ruled_out(list(hints), outcomes)
+    return _joined(verified, list(hints))
+
+
+def _joined(verified: list[Hint], hints: list[Hint]) -> list[Hint]:
+    r"""Verified edits first; a catalogue hint that states the same fix takes the edit's verification."""
+    rest = []
+    lead: list[Hint] = []
+    for h in hints:
+        if h.id in ("no-signature", "unknown"):
+            continue  # the cause is no longer unknown
+        same = next((r for r in verified if _agrees(h, r)), None)
+        if same is not None:
+            h.verified = True
+            h.score = max(h.score, 0.99)
+            h.evidence["verified_by_repair"] = same.to_dict()["edit"]
+            h.message += f" (verified by the repair search: {same.fix})"
+            h.fix = h.fix or same.fix
+            lead.append(h)
+            verified = [r for r in verified if r is not same]
+        else:
+            rest.append(h)
+    return [*lead, *verified, *rest]
+
+
+def _agrees(hint: Hint, repair: Any) -> bool:
+    r"""Whether a catalogue hint names the fix a repair verified (today: a constant output scale)."""
+    edit = repair.edit
+    if hint.id != "constant-scale" or edit.get("kind") != "rescale" or edit.get("tier") != "outputs":
+        return False
+    factor = hint.evidence.get("k")
+    fitted = edit["parameters"].get("factor")
+    if not isinstance(factor, (int, float)) or not fitted:
+        return False
+    # the hint gives port/reference; the edit multiplies the port by reference/port
+    return abs(factor * fitted - 1) < 1e-3
+
+
+def _with_ruled_out(hints: list[Hint], outcomes: list[RepairOutcome]) -> list[Hint]:
+    if not outcomes:
+        return hints
+    covered = "; ".join(o.ruled_out() for o in outcomes)
+    for h in hints:
+        if h.id == "no-signature":
+            h.message += f"; {covered}"
+            h.evidence["repair"] = covered
+            return hints
+    if hints:
+        return hints
+    return [
+        Hint(
+            "no-signature",
+            f"unknown: no verified explanation ({covered})",
+            {"repair": covered},
+            score=0.1,
+        )
+    ]

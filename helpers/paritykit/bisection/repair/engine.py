@@ -1,0 +1,285 @@
+r"""The repair search: try the grammar's edits at a site, tier by tier, and keep only those that make the
+replay match the reference (``repair_site``); turn the outcome into hints (``RepairOutcome.hints``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.base.report import format_number
+from paritykit.bisection.repair.edits import TIERS, Edit, RepairHint
+from paritykit.bisection.repair.grammar import (
+    input_edits,
+    output_edits,
+    parameter_edits,
+    setting_edits,
+    use_edits,
+)
+from paritykit.bisection.repair.site import Site, call_leaves
+
+GENERATORS: dict[str, Callable[[Site, Any], Iterator[Edit]]] = {
+    "parameters": parameter_edits,
+    "inputs": input_edits,
+    "outputs": output_edits,
+    "settings": setting_edits,
+    "uses": use_edits,
+}
+
+# the search's floor, in seconds, when the bisect itself took less (a tiny model still gets a real search)
+MIN_SECONDS = 3.0
+# a search longer than this shows a progress bar on stderr
+PROGRESS_AFTER = 2.0
+
+
+@dataclass
+class Budget:
+    r"""Time left for the repair search of one bisect (shared by its sites)."""
+
+    seconds: float
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def like(cls, bisect_seconds: float) -> Budget:
+        r"""About the time of the bisect itself, at least :data:`MIN_SECONDS`."""
+        return cls(max(MIN_SECONDS, bisect_seconds))
+
+    @property
+    def left(self) -> bool:
+        return time.perf_counter() - self.started < self.seconds
+
+
+@dataclass
+class RepairOutcome:
+    r"""What the search did at one site: the verified edits of the cheapest tier that had any, how many edits
+    were tried in which tiers, and whether the budget ran out first."""
+
+    site: Site
+    before: float
+    verified: list[tuple[Edit, float]] = field(default_factory=list)
+    tried: int = 0
+    tiers: list[str] = field(default_factory=list)
+    exhausted: bool = False
+    failed: list[str] = field(default_factory=list)
+    # edits that verified, but so did the same edit with its factor moved: evidence of nothing
+    unspecific: list[str] = field(default_factory=list)
+
+    @property
+    def ambiguous(self) -> bool:
+        return len(self.verified) > 1
+
+    def hints(self) -> list[RepairHint]:
+        r"""One hint per verified edit (``id`` ``repair``, ``verified`` True), smallest edit first."""
+        out = []
+        others = [e.words for e, _ in self.verified]
+        for edit, after in self.verified:
+            message = edit.words
+            evidence: dict[str, Any] = {"site": self.site.path(), "tried": self.tried, "tier": edit.tier}
+            if self.site.role == "producer":
+                evidence["producer_of"] = self.site.reference_name
+            if self.ambiguous:
+                rest = [w for w in others if w != edit.words]
+                evidence["ambiguous"] = rest
+                message = (
+                    f"ambiguous: {len(self.verified)} edits each make it match and the numbers cannot tell them "
+                    f"apart; read the port's code to choose. This one: {message}"
+                )
+            message += (
+                f" (verified: {self.site.path()} replayed with this edit matches the reference, max_abs "
+                f"{format_number(self.before)} -> {format_number(after)}; found by the repair search, "
+                f"{self.tried} edits tried)"
+            )
+            out.append(
+                RepairHint(
+                    "repair",
+                    message,
+                    evidence,
+                    score=0.995 if not self.ambiguous else 0.97,
+                    verified=True,
+                    fix=edit.words,
+                    edit=edit.to_dict(),
+                    residual={"max_abs_before": self.before, "max_abs_after": after},
+                )
+            )
+        return out
+
+    def ruled_out(self) -> str:
+        r"""What an unsuccessful search covered, for the "unknown" hint."""
+        text = f"repair search at {self.site.path()}: {self.tried} edits over {', '.join(self.tiers) or 'no tier'}"
+        text += ", none verified"
+        if self.exhausted:
+            text += " (stopped at its time budget)"
+        if self.unspecific:
+            text += (
+                f"; {len(self.unspecific)} rescaling edit(s) matched but so did other factors (the module is "
+                "nearly invariant to that scale), so they prove nothing"
+            )
+        if self.failed:
+            text += f"; could not run: {', '.join(self.failed)}"
+        return text
+
+
+def repair_site(
+    site: Site, budget: Budget | None = None, tiers: Sequence[str] = TIERS, progress: Any = None
+) -> RepairOutcome:
+    r"""Try the grammar at ``site``, cheapest tier first.
+
+    An edit counts as verified only when the edited port's outputs on the site's inputs are within tolerance
+    of the reference's (and, at a producer site, when the culprit replayed with the edited producer matches
+    too). The search stops after the first tier with an *exact* verified edit (residual at float precision);
+    an edit that verifies only within tolerance lets it go on, since an exact one in a later tier is the
+    better explanation (an input scaled by 1/π stands in for a LayerNorm eps ten times larger, to within
+    tolerance). Inside a tier, once an edit verifies only edits as cheap are still tried. The answer is the
+    best residual's edits: exact ones if any (several exact ones are ambiguous), else every verified one.
+    Edits whose outputs are identical count once.
+    """
+    import torch
+
+    budget = budget or Budget(MIN_SECONDS)
+    outcome = RepairOutcome(site, site.before)
+    if site.wanted and not site.failing():
+        return outcome
+    work = copy.deepcopy(site.module)
+    found: list[tuple[Edit, float, list]] = []
+    # rebuilding a module with a changed setting may warn (an empty layer initialised): not the user's concern
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for tier in tiers:
+            if not budget.left:
+                outcome.exhausted = True
+                break
+            outcome.tiers.append(tier)
+            here = _search_tier(site, work, tier, budget, outcome, found, progress)
+            if here and (not site.wanted or any(_exact(site, after, outcome.before) for _, after, _ in here)):
+                break
+    chosen = _best(site, found)
+    outcome.verified = [(e, after) for e, after, _ in sorted(chosen, key=lambda f: (f[1], f[0].cost))]
+    return outcome
+
+
+# a verified edit is exact when it removes all but this share of the difference, or leaves float noise only
+# (at most FLOAT_NOISE of the reference output's largest value)
+EXACT = 1e-3
+FLOAT_NOISE = 1e-7
+# edits whose residual is within this factor of the best one's (or at float precision) explain it as well
+AS_WELL = 10.0
+
+
+def _scale(site: Site) -> float:
+    return max((float(t.detach().abs().max()) if t.numel() else 0.0 for _, t in site.wanted), default=0.0)
+
+
+def _exact(site: Site, after: float, before: float) -> bool:
+    return not site.wanted or after <= max(EXACT * before, FLOAT_NOISE * _scale(site))
+
+
+def _best(site: Site, found: list[tuple[Edit, float, list]]) -> list[tuple[Edit, float, list]]:
+    r"""The edits that explain the difference best: those within :data:`AS_WELL` of the smallest residual
+    (or at float precision); an edit that verifies only within tolerance is dropped beside an exact one."""
+    if not found:
+        return []
+    best = min(after for _, after, _ in found)
+    floor = FLOAT_NOISE * _scale(site)
+    return [f for f in found if f[1] <= max(AS_WELL * best, floor)]
+
+
+def _search_tier(
+    site: Site,
+    work: Any,
+    tier: str,
+    budget: Budget,
+    outcome: RepairOutcome,
+    found: list[tuple[Edit, float, list]],
+    progress: Any,
+) -> list[tuple[Edit, float, list]]:
+    r"""Every verified edit of one tier (appended to ``found`` too)."""
+    here: list[tuple[Edit, float, list]] = []
+    edits = GENERATORS[tier](site, work)
+    while True:
+        if not budget.left:
+            outcome.exhausted = True
+            break
+        try:
+            edit = next(edits)
+        except StopIteration:
+            break
+        except Exception as exc:  # a generator that cannot read this module: the tier is skipped, and said
+            outcome.failed.append(f"{tier} ({type(exc).__name__}: {str(exc)[:60]})")
+            break
+        if here and edit.cost > here[0][0].cost:
+            continue
+        outcome.tried += 1
+        if progress is not None:
+            progress.update(1)
+        leaves = _try(site, work, edit)
+        if leaves is None:
+            continue
+        if edit.controls is not None and any(_try(site, work, c) is not None for c in edit.controls()):
+            outcome.unspecific.append(edit.words)
+            continue
+        if any(_same_leaves(leaves, other) for _, _, other in found):
+            continue
+        entry = (edit, _after(site, work, edit, leaves), leaves)
+        here.append(entry)
+        found.append(entry)
+    return here
+
+
+def _try(site: Site, work: Any, edit: Edit) -> list | None:
+    r"""The edited port's output leaves when they match the reference (verified), else ``None``."""
+    if edit.on_outputs is not None and site.verify is None:
+        leaves = edit.on_outputs(site.got)
+        cmp = site.compare(site.wanted, leaves)
+        return leaves if cmp is not None and cmp.passed else None
+    try:
+        module = edit.apply(work)
+        leaves = call_leaves(module, site.inputs())
+        if leaves is None:
+            return None
+        # a site with nothing to compare locally (an extra input the reference never computes) relies on verify
+        cmp = site.compare(site.wanted, leaves) if site.wanted else None
+        if site.wanted and (cmp is None or not cmp.passed):
+            return None
+        if site.verify is not None:
+            outer = site.verify(module)
+            if outer is None or not outer.passed:
+                return None
+        return leaves
+    except Exception:  # an edit the module cannot take (a shape its forward rejects) is no repair
+        return None
+    finally:
+        if edit.undo is not None:
+            edit.undo()
+
+
+def _after(site: Site, work: Any, edit: Edit, leaves: list) -> float:
+    r"""The residual max_abs once ``edit`` is made: at the site, or, for a site checked by replaying its
+    culprit, there."""
+    if site.wanted:
+        cmp = site.compare(site.wanted, leaves)
+    else:
+        try:
+            cmp = site.verify(edit.apply(work))
+        finally:
+            if edit.undo is not None:
+                edit.undo()
+    return cmp.max_abs if cmp is not None and cmp.max_abs is not None else math.inf
+
+
+def _same_leaves(a: list, b: list) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(
+        x.shape == y.shape and bool(torch.equal(x, y)) for (_, x), (_, y) in zip(a, b)
+    )
+
+
+def progress_bar(total: int | None = None) -> Any:
+    r"""A tqdm bar on stderr that appears only when the search runs longer than :data:`PROGRESS_AFTER`."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="repair search", unit="edit", delay=PROGRESS_AFTER, leave=False)
