@@ -79,5 +79,13 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
     load_exactly(port, convert(sd, swap_kv="swap-kv" in bugs))
     if "eps" in bugs:  # the first norm written with a common default, not CLIP's layer_norm_eps
         port.norm1.eps = 1e-6
+    with (
+        torch.no_grad()
+    ):  # bug classes planted after the repair search was written (issue 22's held-out split)
+        if "k-heads-permuted" in bugs:  # k_proj rows read with heads 0 and 1 crossed (q and v are not)
+            for t in (port.attn1.to_k.weight, port.attn1.to_k.bias):
+                t.copy_(torch.cat([t[8:16], t[0:8], t[16:]], dim=0))
+        if "norm-inverse-weight" in bugs:  # a converter that stores the reciprocal of the second norm's scale
+            port.norm3.weight.copy_(port.norm3.weight.reciprocal())
     target = {k: t.detach().clone() for k, t in port.state_dict().items()}
     return BuiltPair(reference, port, inputs(), sd, target, port_inputs=port_inputs)

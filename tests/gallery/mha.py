@@ -81,6 +81,24 @@ def rules_convert(sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) 
     return paritykit.apply_rules_to_state_dict(cmap, sd)
 
 
+def _plant_after_engine(port: BasicTransformerBlock, bugs: set[str]) -> None:
+    r"""Bug classes planted after the repair search was written (issue 22's held-out split)."""
+    with torch.no_grad():
+        if (
+            "out-heads-permuted" in bugs
+        ):  # conversion reads the out-projection's inputs with heads 0 and 1 crossed
+            w = port.attn1.to_out[0].weight
+            w.copy_(torch.cat([w[:, 8:16], w[:, 0:8], w[:, 16:]], dim=1))
+        if "norm-log-weight" in bugs:  # the checkpoint's log-scale written where the port wants the scale
+            port.norm3.weight.copy_(port.norm3.weight.log())
+        if "mlp-halves" in bugs:  # the first MLP projection's output rows loaded as (second half, first half)
+            proj = port.ff.net[0].proj
+            for t in (proj.weight, proj.bias):
+                t.copy_(torch.cat(t.chunk(2, dim=0)[::-1], dim=0))
+    if "attention-subtracted" in bugs:  # port forward code subtracts the attention branch
+        port.attn1.register_forward_hook(lambda _m, _a, out: -out)
+
+
 def inputs() -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(7)
     # a residual stream of modest scale, as inside a trained network
@@ -113,6 +131,7 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
     if "bias-twice" in bugs:  # forward code adds the out-projection bias a second time
         out_proj = port.attn1.to_out[0]
         out_proj.register_forward_hook(lambda m, _a, out: out + m.bias)
+    _plant_after_engine(port, bugs)
     return BuiltPair(
         reference, port, inputs(), sd, {k: t.detach().clone() for k, t in port.state_dict().items()}
     )

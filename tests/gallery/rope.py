@@ -137,5 +137,7 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         linear_factor=1.0 if "interpolate-default" in bugs else INTERPOLATE,
     )
     load_exactly(port, convert(sd))
+    if "cos-sin-swapped" in bugs:  # planted after the repair search: the port hands attention (sin, cos)
+        port.rope.register_forward_hook(lambda _m, _a, out: (out[1], out[0]))
     target = {k: t.detach().clone() for k, t in port.state_dict().items()}
     return BuiltPair(reference, port, inputs(), sd, target)

@@ -68,23 +68,33 @@ def _misplaced_fixes(report: Any, accepted: set[Pair]) -> list[str]:
     ]
 
 
-def is_true(hint: Any, case: Case) -> bool:
-    r"""A hint stating the true cause: one of the case's hint ids, or a repair whose edit is one of its fixes."""
+def _true_edit(hint: Any, case: Case) -> bool:
+    edit = getattr(hint, "edit", {}) or {}
+    said = f"{edit.get('kind')}@{edit.get('target')}"
+    return any(said.startswith(pattern) for pattern in case.repairs)
+
+
+def is_true(hint: Any, case: Case, siblings: list | None = None) -> bool:
+    r"""A hint stating the true cause: one of the case's hint ids, or a repair whose edit is one of its fixes.
+    An ambiguous repair (the report shows several edits that verify equally) is true when the true edit is
+    among the ``siblings`` it is reported with."""
     if hint.id == "repair":
-        edit = getattr(hint, "edit", {}) or {}
-        said = f"{edit.get('kind')}@{edit.get('target')}"
-        return any(said.startswith(pattern) for pattern in case.repairs)
+        if _true_edit(hint, case):
+            return True
+        return bool(hint.evidence.get("ambiguous")) and any(
+            h.id == "repair" and _true_edit(h, case) for h in siblings or []
+        )
     return hint.id in case.hints
 
 
-def is_false(hint: Any, case: Case, variant: str) -> bool:
+def is_false(hint: Any, case: Case, variant: str, siblings: list | None = None) -> bool:
     r"""A hint the ground truth contradicts: any hint on a clean port, an unknown-cause hint that says the
     forward code differs when the cause is config or weights, a repair whose edit is not a true fix, or a
     named cause that is not the true one."""
     if not case.expected(variant):
         return True
     if hint.id == "repair":
-        return not is_true(hint, case)
+        return not is_true(hint, case, siblings)
     if hint.id in UNKNOWN_HINTS:
         return case.cause != "code"
     if hint.id in LOCATING_HINTS or hint.id in case.neutral:
@@ -149,6 +159,8 @@ def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = T
     verified = [
         h for c in report.culprits if (c.reference, c.port) in accepted for h in c.hints if h.verified is True
     ]
+    # an ambiguous repair group counts by its true member, if any
+    verified.sort(key=lambda h: not (h.id != "repair" or _true_edit(h, case)))
     return Outcome(
         case=case.id,
         variant=variant,
@@ -159,10 +171,13 @@ def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = T
         all_ok=all_ok,
         first_hint=f"[{first.id}] {first.message}" if first is not None else None,
         # a true first hint is the true cause stated at the true culprit
-        first_hint_true=(culprit_ok and first is not None and is_true(first, case)) if expected else None,
-        false_hints=[h.id for h in hints if is_false(h, case, variant)] + _misplaced_fixes(report, accepted),
+        first_hint_true=(culprit_ok and first is not None and is_true(first, case, report.culprit.hints))
+        if expected
+        else None,
+        false_hints=[h.id for h in hints if is_false(h, case, variant, hints)]
+        + _misplaced_fixes(report, accepted),
         fix=verified[0].fix if verified else None,
-        fix_verified=(bool(verified) and is_true(verified[0], case))
+        fix_verified=(bool(verified) and is_true(verified[0], case, verified))
         if (case.fix or case.repairs) and expected
         else None,
         conversion=conversion,

@@ -110,6 +110,27 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
         attn = port.decoder.mid_block.attentions[0]
         attn.set_processor(AttnProcessor())
         attn.scale = DDCONFIG["ch"] ** -0.5
+    _plant_after_engine(port, bugs)
     port.eval()
     target = {k: t.detach().clone() for k, t in port.state_dict().items()}
     return BuiltPair(reference, port, inputs(), sd, target, select_output)
+
+
+def _plant_after_engine(port: AutoencoderKL, bugs: set[str]) -> None:
+    r"""Bug classes planted after the repair search was written (issue 22's held-out split)."""
+    with torch.no_grad():
+        if "conv-flipped" in bugs:  # a converter that turns correlation kernels into convolution ones
+            port.decoder.conv_in.weight.copy_(port.decoder.conv_in.weight.flip((2, 3)))
+        if "norm-bias-negated" in bugs:  # a sign slip in the conversion of one norm's shift
+            port.encoder.conv_norm_out.bias.neg_()
+    if "residual-sign" in bugs:  # the port's resnet returns input - h where taming returns input + h
+        block = port.decoder.mid_block.resnets[1]
+        original = type(block).forward
+
+        def forward(self, input_tensor, temb=None, *args, **kwargs):
+            out = original(self, input_tensor, temb, *args, **kwargs)
+            return 2 * input_tensor - out  # (x + h) -> (x - h), all else as diffusers computes it
+
+        block.forward = forward.__get__(block)
+    if "latent-scaled" in bugs:  # the latents divided by the SD scaling factor a second time, inside the port
+        port.post_quant_conv.register_forward_pre_hook(lambda _m, args: (args[0] / 0.18215, *args[1:]))

@@ -3,6 +3,7 @@ the port's output."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from paritykit.bisection.evidence.culprit import (
@@ -27,8 +28,8 @@ def reduced_precision(c: Culprit) -> list[Hint]:
     if c.reference is None or c.run_reference is None:
         return []
     before = _rel(c.reference_output, c.port_output)
-    if not before > 0:
-        return []
+    if not (before > 0 and math.isfinite(before)):
+        return []  # an all-zero port output has no relative error to shrink: a rerun proves nothing
     device = next((t.device.type for t in (*c.reference.parameters(), *c.reference.buffers())), "cpu")
     for dtype_name, hint_id in (("bfloat16", "bf16-cast"), ("float16", "fp16-cast")):
         dtype = getattr(torch, dtype_name)
@@ -54,7 +55,7 @@ def reduced_precision(c: Culprit) -> list[Hint]:
             except Exception:  # autocast unsupported for this dtype on this device
                 continue
             err = _rel(out.to(c.port_output.dtype), c.port_output)
-            if err <= CAST_GAIN * before:
+            if math.isfinite(err) and err <= CAST_GAIN * before:
                 return [
                     Hint(
                         hint_id,

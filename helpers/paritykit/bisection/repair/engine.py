@@ -130,12 +130,13 @@ def repair_site(
 
     An edit counts as verified only when the edited port's outputs on the site's inputs are within tolerance
     of the reference's (and, at a producer site, when the culprit replayed with the edited producer matches
-    too). The search stops after the first tier with an *exact* verified edit (residual at float precision);
+    too). The search stops after the first tier with an *exact* verified edit (residual at float precision),
+    then probes the later tiers (at most :data:`PROBE` edits) for an equally exact one, so ambiguity shows;
     an edit that verifies only within tolerance lets it go on, since an exact one in a later tier is the
     better explanation (an input scaled by 1/π stands in for a LayerNorm eps ten times larger, to within
     tolerance). Inside a tier, once an edit verifies only edits as cheap are still tried. The answer is the
     best residual's edits: exact ones if any (several exact ones are ambiguous), else every verified one.
-    Edits whose outputs are identical count once.
+    Edits of one kind and target whose outputs are identical count once (the same change in other words).
     """
     import torch
 
@@ -145,6 +146,7 @@ def repair_site(
         return outcome
     work = copy.deepcopy(site.module)
     found: list[tuple[Edit, float, list]] = []
+    stopped: list[int] | None = None  # once an exact edit is found: what is left of the probe's edits
     # rebuilding a module with a changed setting may warn (an empty layer initialised): not the user's concern
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -153,14 +155,20 @@ def repair_site(
                 outcome.exhausted = True
                 break
             outcome.tiers.append(tier)
+            if stopped is not None:  # probing for an equally exact edit in a later tier
+                _search_tier(site, work, tier, budget, outcome, found, progress, probe=stopped)
+                continue
             here = _search_tier(site, work, tier, budget, outcome, found, progress)
             if here and (not site.wanted or any(_exact(site, after, outcome.before) for _, after, _ in here)):
-                break
+                stopped = [PROBE]
     chosen = _best(site, found)
     outcome.verified = [(e, after) for e, after, _ in sorted(chosen, key=lambda f: (f[1], f[0].cost))]
     return outcome
 
 
+# after an exact edit, at most this many edits of the later tiers are tried, so an equally exact edit there
+# (an odd module negates its output when its input is negated) is shown beside it: the report says ambiguous
+PROBE = 400
 # a verified edit is exact when it removes all but this share of the difference, or leaves float noise only
 # (at most FLOAT_NOISE of the reference output's largest value)
 EXACT = 1e-3
@@ -195,14 +203,20 @@ def _search_tier(
     outcome: RepairOutcome,
     found: list[tuple[Edit, float, list]],
     progress: Any,
+    probe: list[int] | None = None,
 ) -> list[tuple[Edit, float, list]]:
-    r"""Every verified edit of one tier (appended to ``found`` too)."""
+    r"""Every verified edit of one tier (appended to ``found`` too); with ``probe`` (edits left to try, shared
+    across tiers), only that many, and only exact edits are kept."""
     here: list[tuple[Edit, float, list]] = []
     edits = GENERATORS[tier](site, work)
     while True:
         if not budget.left:
-            outcome.exhausted = True
+            outcome.exhausted = probe is None
             break
+        if probe is not None:
+            if probe[0] <= 0:
+                break
+            probe[0] -= 1
         try:
             edit = next(edits)
         except StopIteration:
@@ -221,9 +235,11 @@ def _search_tier(
         if edit.controls is not None and any(_try(site, work, c) is not None for c in edit.controls()):
             outcome.unspecific.append(edit.words)
             continue
-        if any(_same_leaves(leaves, other) for _, _, other in found):
-            continue
+        if any(_same_edit(edit, other) and _same_leaves(leaves, out) for other, _, out in found):
+            continue  # the same change in other words (two chunks swapped = four chunks reordered in pairs)
         entry = (edit, _after(site, work, edit, leaves), leaves)
+        if probe is not None and not _exact(site, entry[1], outcome.before):
+            continue
         here.append(entry)
         found.append(entry)
     return here
@@ -268,6 +284,10 @@ def _after(site: Site, work: Any, edit: Edit, leaves: list) -> float:
             if edit.undo is not None:
                 edit.undo()
     return cmp.max_abs if cmp is not None and cmp.max_abs is not None else math.inf
+
+
+def _same_edit(a: Edit, b: Edit) -> bool:
+    return (a.tier, a.kind, a.target) == (b.tier, b.kind, b.target)
 
 
 def _same_leaves(a: list, b: list) -> bool:

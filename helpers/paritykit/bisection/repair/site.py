@@ -117,6 +117,8 @@ def held_parameters(reference: Any, port: Any) -> dict[str, str]:
     if sum(p.numel() for _, p in ref) > MAX_INDEXED:
         return {}
     index: dict[tuple, str] = {}
+    # a constant tensor (a fresh norm's ones, a zero bias) says nothing about where a port value came from
+    ref = [(n, p) for n, p in ref if p.numel() > 1 and bool((p.reshape(-1) != p.reshape(-1)[0]).any())]
     for name, p in ref:
         index.setdefault(_key(p), name)
         for dim in range(min(p.ndim, 2)):
