@@ -11,9 +11,10 @@ from tests.gallery.base import BuiltPair
 from tests.gallery.catalogue import Case, Pair
 
 # hints that claim nothing but "no known signature" are only false when they assert a cause the truth denies
-UNKNOWN_HINTS = frozenset({"no-signature", "unknown"})
-# hints that locate (where a differing tensor is computed) without naming a cause: neither true nor false
-LOCATING_HINTS = frozenset({"inline-reference", "inline-input"})
+UNKNOWN_HINTS = frozenset({"no-signature"})
+# hints that locate (where a differing tensor is computed) without naming a cause, or say plainly that the
+# cause is unknown and what was ruled out: neither true nor false
+LOCATING_HINTS = frozenset({"inline-reference", "inline-input", "unknown"})
 
 
 def build(case: Case, variant: str, bug: str | None = ...) -> BuiltPair:

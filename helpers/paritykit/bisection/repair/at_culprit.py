@@ -259,8 +259,8 @@ def _with_ruled_out(hints: list[Hint], outcomes: list[RepairOutcome]) -> list[Hi
         return hints
     return [
         Hint(
-            "no-signature",
-            f"unknown: no verified explanation ({covered})",
+            "unknown",
+            f"unknown: no edit of the repair search verified, so no cause is claimed ({covered})",
             {"repair": covered},
             score=0.1,
         )
