@@ -125,12 +125,13 @@ def inverse(label: str, value: float) -> str:
     r"""The label of ``1/value`` given ``value``'s label (``1/2`` <-> ``2``, a fitted number recomputed)."""
     if value == 0:
         return "∞"
-    if label == number(value):
-        return number(1 / value)
     if label.startswith("1/"):
         rest = label[2:]
         return rest[1:-1] if rest.startswith("(") and rest.endswith(")") else rest
-    return f"1/{label}" if " " not in label and "/" not in label else f"1/({label})"
+    named = label in {name for _, name in _NAMED} or label.startswith("√") or label.isdigit()
+    if not named:
+        return number(1 / value)
+    return f"1/{label}" if " " not in label else f"1/({label})"
 
 
 def number(value: float) -> str:

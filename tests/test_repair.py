@@ -1,0 +1,141 @@
+"""The repair search (paritykit.bisection.repair): verified edits only, none on faithful ports, ambiguity shown,
+--no-repair honoured. References are independent torch.nn / research-style modules, not diffusers' own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paritykit.bisection.repair.edits import chunk_orders, inverse, snapped
+from paritykit.bisection.repair.engine import Budget, repair_site
+from paritykit.bisection.repair.site import Site, held_parameters
+from paritykit.bisection.search import bisect
+from torch import nn
+
+from tests.bisect_pairs import time_pair
+
+
+def _linear_site(port: nn.Module, reference: nn.Module, x: torch.Tensor, **extra) -> Site:
+    from paritykit.compare.tensors import compare_tensors
+
+    def compare(a, b):
+        if b is None or len(a) != len(b):
+            return None
+        worst = None
+        for (_, ta), (_, tb) in zip(a, b):
+            cmp = compare_tensors(ta, tb, diagnose=False)
+            if worst is None or not cmp.passed:
+                worst = cmp
+        return worst
+
+    with torch.no_grad():
+        wanted, got = [("output", reference(x))], [("output", port(x))]
+    return Site("block", "block", port, lambda: ((x.clone(),), {}), wanted, got, compare, **extra)
+
+
+def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    port = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    port.load_state_dict(reference.state_dict())
+    return reference, port, torch.randn(4, 8)
+
+
+def test_a_transposed_weight_is_found_and_verified():
+    reference, port, x = _pair()
+    with torch.no_grad():
+        port[0].weight.copy_(port[0].weight.t().clone())
+    outcome = repair_site(_linear_site(port, reference, x), Budget(30))
+    (edit, after), *rest = outcome.verified
+    assert not rest and (edit.tier, edit.kind, edit.target) == ("parameters", "transpose", "block.0.weight")
+    assert after < 1e-5 < outcome.before
+    hint = outcome.hints()[0]
+    assert hint.verified is True and hint.id == "repair" and hint.fix == edit.words
+    assert hint.to_dict()["residual"]["max_abs_after"] == after
+    # the port itself is untouched: edits go to a copy
+    assert torch.equal(port[0].weight, reference[0].weight.t())
+
+
+def test_nothing_is_reported_for_a_faithful_port_or_a_bug_outside_the_grammar():
+    reference, port, x = _pair()
+    assert repair_site(_linear_site(port, reference, x), Budget(30)).verified == []
+    reference2, port2, x2 = _pair(1)
+    with torch.no_grad():
+        port2[2].bias.add_(torch.linspace(-1, 1, 8))  # an arbitrary per-channel offset: no grammar edit
+    outcome = repair_site(_linear_site(port2, reference2, x2), Budget(30))
+    assert outcome.verified == [] and outcome.tried > 50
+    assert "none verified" in outcome.ruled_out()
+
+
+def test_a_norm_made_insensitive_by_a_rescaled_input_is_not_claimed():
+    torch.manual_seed(2)
+    reference = nn.LayerNorm(16, eps=1e-6).eval()
+    port = nn.LayerNorm(16, eps=1e-5).eval()
+    x = 0.05 * torch.randn(3, 16)  # small activations: the eps matters
+    outcome = repair_site(_linear_site(port, reference, x), Budget(30))
+    kinds = [(e.tier, e.kind, e.target) for e, _ in outcome.verified]
+    # scaling the input up would hide the eps (any large factor passes): the control factors expose that
+    assert kinds == [("settings", "attribute", "block.eps")], kinds
+    assert outcome.verified[0][0].parameters == {"value": 1e-6, "was": 1e-5}
+
+
+def test_two_edits_that_verify_equally_are_both_shown_as_ambiguous():
+    # an odd, bias-free module: negating its input or its output fixes a negated output equally
+    torch.manual_seed(3)
+    reference = nn.Linear(6, 6, bias=False).eval()
+    port = nn.Linear(6, 6, bias=False).eval()
+    port.load_state_dict(reference.state_dict())
+    port.register_forward_hook(lambda _m, _a, out: -out)
+    x = torch.randn(5, 6)
+    outcome = repair_site(_linear_site(port, reference, x, held=held_parameters(reference, port)), Budget(30))
+    assert outcome.ambiguous
+    tiers = {e.tier for e, _ in outcome.verified}
+    assert {"inputs", "outputs"} <= tiers
+    hints = outcome.hints()
+    assert all(h.verified and h.message.startswith("ambiguous:") for h in hints)
+    assert all(h.evidence["ambiguous"] for h in hints)
+
+
+def test_held_parameters_ignore_constant_tensors():
+    reference, port = nn.LayerNorm(4), nn.LayerNorm(4)  # ones and zeros: equal by value, but say nothing
+    assert held_parameters(reference, port) == {}
+    reference, port, _ = _pair()
+    assert held_parameters(reference, port)["0.weight"] == "0.weight"
+
+
+def test_bisect_leads_with_the_verified_repair_and_no_repair_turns_it_off():
+    reference, port, inputs = time_pair("remix")
+    on = bisect(reference, port, inputs)
+    assert on.culprit.hints[0].id == "repair" and on.culprit.hints[0].verified
+    assert "fix (verified): time_mixer.scale = 1" in on.render()
+    off = bisect(reference, port, inputs, repair=False)
+    assert all(h.id != "repair" for h in off.culprit.hints)
+    assert off.culprit.hints[0].id == "remix"
+
+
+def test_faithful_ports_get_no_repair():
+    reference, port, inputs = time_pair(None)
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "match" and report.culprit is None
+
+
+def test_cli_no_repair_flag(tmp_path, cli):
+    from tests.test_bisect import write_spec
+
+    spec = write_spec(tmp_path, "remix")
+    with_repair = cli("bisect", spec)
+    without = cli("bisect", spec, "--no-repair")
+    assert with_repair.returncode == without.returncode == 1
+    assert "fix (verified): time_mixer.scale = 1" in with_repair.stdout
+    assert "[repair]" not in without.stdout and "[remix]" in without.stdout
+
+
+@pytest.mark.parametrize(("value", "label"), [(1000.0, "1000"), (0.18215, "0.18215 (SD VAE scaling factor)")])
+def test_fitted_numbers_snap_to_simple_constants(value, label):
+    assert snapped(value * 1.001)[0][1] == label
+    assert snapped(value * 1.5) == [] or snapped(value * 1.5)[0][1] != label
+    assert inverse("2", 2.0) == "1/2" and inverse("1/2", 0.5) == "2"
+
+
+def test_chunk_orders_cover_every_permutation_up_to_four_then_swaps():
+    assert len(list(chunk_orders(3))) == 5 and len(list(chunk_orders(4))) == 23
+    assert len(list(chunk_orders(6))) == 15  # pairs only beyond four chunks
