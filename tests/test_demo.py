@@ -66,7 +66,11 @@ def test_bisect_names_the_time_mixer_with_the_remix_hint(demo_dir):
     assert culprit["port"] == "time_mixer"
     assert culprit["reference"] == "time_mix"
     assert culprit["test"] == "replay"
-    assert culprit["hints"][0]["id"] == "remix"
+    # the repair search's verified fix leads (the mixture knob set back to 1); the remix observation follows
+    first = culprit["hints"][0]
+    assert first["id"] == "repair" and first["verified"] is True
+    assert first["fix"].startswith("time_mixer.mixture = 1 ")
+    assert "remix" in [h["id"] for h in culprit["hints"]]
 
 
 def test_fixed_port_matches(demo_dir):
