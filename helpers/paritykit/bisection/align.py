@@ -93,6 +93,17 @@ class Alignment:
     def one_to_one(self) -> list[AlignedPair]:
         return [p for p in self.pairs if not p.group]
 
+    def inside(self, reference: str, port: str) -> list[tuple[str, str]]:
+        r"""The one-to-one pairs below the modules ``reference`` and ``port``, as names relative to them."""
+        ref_prefix, port_prefix = (reference + "." if reference else ""), (port + "." if port else "")
+        return [
+            (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
+            for p in self.one_to_one
+            if p.reference.startswith(ref_prefix)
+            and p.port.startswith(port_prefix)
+            and p.reference != reference
+        ]
+
     @property
     def exit_code(self) -> int:
         return 0 if not (self.unaligned_reference or self.unaligned_port) else 1

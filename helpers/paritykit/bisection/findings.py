@@ -12,7 +12,7 @@ from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.remix import culprit_hints
-from paritykit.bisection.repair.at_culprit import RepairOptions
+from paritykit.bisection.repair.at_culprit import RepairOptions, repair_hints
 from paritykit.bisection.results import ModuleFinding, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 
@@ -78,13 +78,16 @@ def culprit_finding(
     port_call = searcher.port_record(call)
     pair = alignment.pair_of(call.module)
 
-    def explained(hints: list) -> list:
-        from paritykit.bisection.repair.at_culprit import repair_hints
-
+    def explained(result: ModuleTest | None) -> list:
+        """The catalogue's hints (unless switched off), then the repair search's verified edits."""
+        hints = (
+            _catalogue_hints(searcher, call, port_call, children_passed, result, output)
+            if repair.catalogue
+            else []
+        )
         at = port_call if port_call is not None or call.parent is not None else searcher.pt.root
         return repair_hints(searcher, call, at, hints, repair, inline=children_passed > 0)
 
-    catalogue = repair.catalogue
     if call.parent is None:
         # Nothing below the top level fails: the top level's own forward differs.
         return ModuleFinding(
@@ -96,18 +99,7 @@ def culprit_finding(
             output.cosine,
             inline=children_passed > 0,
             children_passed=children_passed,
-            hints=explained(
-                _with_inline(
-                    searcher,
-                    call,
-                    port_call,
-                    children_passed,
-                    output.max_abs,
-                    _hints_at(searcher, call, port_call, None, output),
-                )
-                if catalogue
-                else []
-            ),
+            hints=explained(None),
             note=_untested_inside(alignment, call.module),
         )
     result = searcher.results[call.name]
@@ -129,28 +121,28 @@ def culprit_finding(
         result.cosine,
         inline=children_passed > 0,
         children_passed=children_passed,
-        hints=explained(
-            _with_extra_inputs(
-                searcher,
-                call,
-                port_call,
-                result.max_abs,
-                _with_inline(
-                    searcher,
-                    call,
-                    port_call,
-                    children_passed,
-                    result.max_abs,
-                    _hints_at(searcher, call, port_call, result, None),
-                ),
-            )
-            if catalogue
-            else []
-        ),
+        hints=explained(result),
         confidence=pair.confidence,
         note=join_notes(result.note, _untested_inside(alignment, call.module)),
         op=op,
     )
+
+
+def _catalogue_hints(
+    searcher: Searcher,
+    call: Any,
+    port_call: Any,
+    children_passed: int,
+    result: ModuleTest | None,
+    output: Any,
+) -> list:
+    """The catalogue's hints at a culprit: evidence and tensor signatures at the call, then the inline
+    reference's and (for a replayed call below the top) the extra inputs' producers; ``result`` is ``None`` at
+    the top level, whose final ``output`` comparison stands in for a module test."""
+    before = result.max_abs if result is not None else output.max_abs
+    at_call = _hints_at(searcher, call, port_call, result, output if result is None else None)
+    hints = _with_inline(searcher, call, port_call, children_passed, before, at_call)
+    return hints if result is None else _with_extra_inputs(searcher, call, port_call, before, hints)
 
 
 def _with_extra_inputs(
@@ -285,16 +277,7 @@ def _culprit_context(
         cmp = searcher.compare_leaves(ref_leaves, flatten_tensors(fn(*inputs[0], **inputs[1])), call.name)
         return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
 
-    ref_prefix = call.module + "." if call.module else ""
-    port_prefix = port_call.module + "." if port_call is not None and port_call.module else ""
-    subpairs = [
-        (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
-        for p in searcher.alignment.one_to_one
-        if p.reference.startswith(ref_prefix)
-        and p.port.startswith(port_prefix)
-        and p.reference != call.module
-        and (p.reference or p.port)
-    ]
+    subpairs = searcher.alignment.inside(call.module, port_call.module if port_call is not None else "")
     # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
     can_run = replayed
     return Culprit(

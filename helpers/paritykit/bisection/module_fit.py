@@ -131,10 +131,15 @@ def rebuild(module: Any, kwargs: dict[str, Any]) -> Any:
         new.load_state_dict(module.state_dict(), strict=True)
     except Exception:  # a setting the class rejects, or one that changes parameter shapes
         return None
-    for tensor in (*module.parameters(), *module.buffers()):
+    return placed_like(module, new)
+
+
+def placed_like(old: Any, new: Any) -> Any:
+    """``new`` on ``old``'s device and float dtype, in its train/eval mode."""
+    for tensor in (*old.parameters(), *old.buffers()):
         new = new.to(device=tensor.device, dtype=tensor.dtype if tensor.is_floating_point() else None)
         break
-    return new.train(module.training)
+    return new.train(old.training)
 
 
 def _first_tensor(value: Any) -> Any:
@@ -447,11 +452,9 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
     """
     from paritykit.compare.diagnose import Hint
 
-    paths = searcher.own_inputs.get(call.name)
-    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+    extras = extra_inputs(searcher, call, port_call)
+    if not extras:
         return []
-    captured = dict(port_call.inputs.items())
-    extras = {p: captured[p] for p in paths if p in captured}
     producers = extra_producers(searcher, extras)
     hints = []
     for record, feeds in producers:
@@ -505,6 +508,16 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
             )
         )
     return hints
+
+
+def extra_inputs(searcher: Any, call: Any, port_call: Any) -> dict[str, Any]:
+    """The port inputs a culprit's replay took from the port's own run (path -> captured tensor); empty when
+    there are none or the port module is not at hand."""
+    paths = searcher.own_inputs.get(call.name)
+    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+        return {}
+    captured = dict(port_call.inputs.items())
+    return {p: captured[p] for p in paths if p in captured}
 
 
 def extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:

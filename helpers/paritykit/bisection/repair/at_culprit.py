@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.bisection.leaves import module_device
-from paritykit.bisection.repair.engine import Budget, RepairOutcome, repair_site
+from paritykit.bisection.module_fit import (
+    extra_inputs,
+    extra_producers,
+    first_differing_input,
+    replay_with_extras,
+    replay_with_module,
+)
+from paritykit.bisection.repair.engine import Budget, RepairOutcome, progress_bar, repair_site
 from paritykit.bisection.repair.site import Site, faithful_parameters, held_parameters
 from paritykit.compare.diagnose import Hint
 
@@ -56,14 +63,12 @@ def culprit_site(searcher: Any, call: Any, port_call: Any) -> Site | None:
     ref_leaves, port_leaves = replayed
     device = module_device(module)
 
-    def inputs() -> tuple[tuple, dict]:
-        adapted = searcher.adapt_inputs(call, port_call, device)
-        if adapted is None:
-            raise ValueError("the port call cannot be re-run")
-        return adapted
-
     if searcher.adapt_inputs(call, port_call, device) is None:
         return None
+
+    def inputs() -> tuple[tuple, dict]:  # fresh copies each time: an edited module may work in place
+        return searcher.adapt_inputs(call, port_call, device)
+
     reference = searcher.ref_modules.get(call.module)
     return Site(
         name=port_call.module,
@@ -73,25 +78,18 @@ def culprit_site(searcher: Any, call: Any, port_call: Any) -> Site | None:
         wanted=list(ref_leaves),
         got=list(port_leaves),
         compare=lambda a, b: searcher.compare_leaves(a, b, call.name) if b is not None else None,
-        faithful=faithful_parameters(reference, module, _subpairs(searcher, call.module, port_call.module)),
+        faithful=faithful_parameters(
+            reference, module, searcher.alignment.inside(call.module, port_call.module)
+        ),
         held=held_parameters(reference, module),
     )
-
-
-def _subpairs(searcher: Any, reference: str, port: str) -> list[tuple[str, str]]:
-    ref_prefix, port_prefix = (reference + "." if reference else ""), (port + "." if port else "")
-    return [
-        (p.reference[len(ref_prefix) :], p.port[len(port_prefix) :])
-        for p in searcher.alignment.one_to_one
-        if p.reference.startswith(ref_prefix) and p.port.startswith(port_prefix) and p.reference != reference
-    ]
 
 
 def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
     r"""The unaligned port modules inside an inline culprit whose output is exactly the first differing input
     of an aligned child (:func:`paritykit.bisection.module_fit.first_differing_input`): each must produce the
     reference's tensor, and an edit there is verified by replaying the culprit with the edited module."""
-    from paritykit.bisection.module_fit import first_differing_input, replay_with_module
+    import torch
 
     if port_call is None:
         return []
@@ -104,22 +102,14 @@ def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
         if module is None or not record.replayable:
             continue
         outputs = list(record.outputs.items())
-        index = next((k for k, (_, t) in enumerate(outputs) if t is found.port_input), None)
-        if index is None:
-            index = next(
-                (
-                    k
-                    for k, (_, t) in enumerate(outputs)
-                    if t.shape == found.port_input.shape and bool((t == found.port_input).all())
-                ),
-                None,
-            )
+        wanted = found.port_input
+        index = next(
+            (k for k, (_, t) in enumerate(outputs) if t.shape == wanted.shape and torch.equal(t, wanted)),
+            None,
+        )
         if index is None:
             continue
         path = outputs[index][0]
-
-        def inputs(record: Any = record) -> tuple[tuple, dict]:
-            return record.call_inputs()
 
         def compare(a: list, b: list | None, path: str = path) -> Any:
             if b is None:
@@ -135,7 +125,7 @@ def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
                 name=record.module,
                 reference_name=call.name,
                 module=module,
-                inputs=inputs,
+                inputs=record.call_inputs,
                 wanted=[(path, found.reference_input)],
                 got=outputs,
                 compare=compare,
@@ -150,13 +140,9 @@ def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
     r"""The unaligned port modules that compute inputs the culprit's replay took from the port's own run
     (the reference computes them inside the culprit: rotary cos/sin): nothing to compare them with, so an
     edit there is verified only by replaying the culprit with the edited module's outputs."""
-    from paritykit.bisection.module_fit import extra_producers, replay_with_extras
-
-    paths = searcher.own_inputs.get(call.name)
-    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+    extras = extra_inputs(searcher, call, port_call)
+    if not extras:
         return []
-    captured = dict(port_call.inputs.items())
-    extras = {p: captured[p] for p in paths if p in captured}
     sites = []
     for record, feeds in extra_producers(searcher, extras):
         module = searcher.port_modules.get(record.module)
@@ -201,11 +187,12 @@ def repair_hints(
     if inline:
         sites += producer_sites(searcher, call, port_call)
     sites += extra_input_sites(searcher, call, port_call)
-    for s in sites:
-        outcome = repair_site(s, budget)
-        outcomes.append(outcome)
-        if outcome.verified:
-            break
+    with progress_bar() as progress:
+        for s in sites:
+            outcome = repair_site(s, budget, progress=progress)
+            outcomes.append(outcome)
+            if outcome.verified:
+                break
     verified = [h for o in outcomes for h in o.hints()]
     if not verified:
         return _with_ruled_out(list(hints), outcomes)

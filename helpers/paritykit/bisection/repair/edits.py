@@ -46,7 +46,6 @@ class Edit:
     # for a fitted factor: the same edit with the factor moved by half again either way; an edit whose
     # controls verify too proves nothing (the module is nearly invariant to it: a norm to its input's scale)
     controls: Callable[[], list[Edit]] | None = field(default=None, repr=False)
-    work: Any = field(default=None, repr=False)  # the working copy an applied edit changed (to undo it)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -229,15 +229,16 @@ def _search_tier(
         outcome.tried += 1
         if progress is not None:
             progress.update(1)
-        leaves = _try(site, work, edit)
-        if leaves is None:
+        tried = _try(site, work, edit)
+        if tried is None:
             continue
         if edit.controls is not None and any(_try(site, work, c) is not None for c in edit.controls()):
             outcome.unspecific.append(edit.words)
             continue
+        leaves, after = tried
         if any(_same_edit(edit, other) and _same_leaves(leaves, out) for other, _, out in found):
             continue  # the same change in other words (two chunks swapped = four chunks reordered in pairs)
-        entry = (edit, _after(site, work, edit, leaves), leaves)
+        entry = (edit, after, leaves)
         if probe is not None and not _exact(site, entry[1], outcome.before):
             continue
         here.append(entry)
@@ -245,12 +246,14 @@ def _search_tier(
     return here
 
 
-def _try(site: Site, work: Any, edit: Edit) -> list | None:
-    r"""The edited port's output leaves when they match the reference (verified), else ``None``."""
+def _try(site: Site, work: Any, edit: Edit) -> tuple[list, float] | None:
+    r"""The edited port's output leaves and the residual max_abs when they match the reference (verified),
+    else ``None``. The residual is the site's own, or, at a site with nothing to compare locally, the culprit's
+    replayed with the edit."""
     if edit.on_outputs is not None and site.verify is None:
         leaves = edit.on_outputs(site.got)
         cmp = site.compare(site.wanted, leaves)
-        return leaves if cmp is not None and cmp.passed else None
+        return (leaves, _max_abs(cmp)) if cmp is not None and cmp.passed else None
     try:
         module = edit.apply(work)
         leaves = call_leaves(module, site.inputs())
@@ -264,7 +267,8 @@ def _try(site: Site, work: Any, edit: Edit) -> list | None:
             outer = site.verify(module)
             if outer is None or not outer.passed:
                 return None
-        return leaves
+            cmp = cmp if site.wanted else outer
+        return leaves, _max_abs(cmp)
     except Exception:  # an edit the module cannot take (a shape its forward rejects) is no repair
         return None
     finally:
@@ -272,18 +276,8 @@ def _try(site: Site, work: Any, edit: Edit) -> list | None:
             edit.undo()
 
 
-def _after(site: Site, work: Any, edit: Edit, leaves: list) -> float:
-    r"""The residual max_abs once ``edit`` is made: at the site, or, for a site checked by replaying its
-    culprit, there."""
-    if site.wanted:
-        cmp = site.compare(site.wanted, leaves)
-    else:
-        try:
-            cmp = site.verify(edit.apply(work))
-        finally:
-            if edit.undo is not None:
-                edit.undo()
-    return cmp.max_abs if cmp is not None and cmp.max_abs is not None else math.inf
+def _max_abs(cmp: Any) -> float:
+    return cmp.max_abs if cmp.max_abs is not None else math.inf
 
 
 def _same_edit(a: Edit, b: Edit) -> bool:

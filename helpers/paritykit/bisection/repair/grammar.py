@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from paritykit.bisection.leaves import flatten_tensors, rebuild_leaves, torch_equal
+from paritykit.bisection.module_fit import constructor_values, literal_options, placed_like, rebuild
 from paritykit.bisection.repair.edits import (
     Edit,
     chunk_counts,
@@ -29,6 +30,7 @@ from paritykit.bisection.repair.edits import (
     number,
     order_words,
     reorder,
+    simple_constants,
     snapped,
 )
 from paritykit.bisection.repair.site import Site, call_leaves
@@ -327,8 +329,6 @@ def _rescaled_input(site: Site, work: Any, path: str, t: Any, name: str) -> Iter
     zero_edit = _input_edit(site, "rescale", name, lambda lv: {path: lv[path] * 0}, "", 0)
     zero = call_leaves(zero_edit.apply(work), site.inputs())
     tried: set[float] = set()
-    from paritykit.bisection.repair.edits import simple_constants
-
     fitted = _fitted_scales(site, zero)
     plain = [(c, n) for c, n in simple_constants(site.sizes) if c not in (0.0, 1.0)]
 
@@ -508,24 +508,26 @@ def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:
                 f"{target} = {_shown(new)} (now {_shown(value)})", 19,
             )  # fmt: skip
 
-            def apply(work: Any, sub: str = sub, attr: str = attr, new: Any = new) -> Any:
-                setattr(work.get_submodule(sub) if sub else work, attr, new)
-                return work
-
-            def undo(sub: str = sub, attr: str = attr, value: Any = value, edit: Edit = edit) -> None:
-                setattr(edit.work.get_submodule(sub) if sub else edit.work, attr, value)
-
-            edit.apply = _remembering(edit, apply)
-            edit.undo = undo
+            edit.apply, edit.undo = _attribute_setter(sub, attr, new, value)
             yield edit
 
 
-def _remembering(edit: Edit, apply: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def run(work: Any) -> Any:
-        edit.work = work
-        return apply(work)
+def _attribute_setter(
+    sub: str, attr: str, new: Any, old: Any
+) -> tuple[Callable[[Any], Any], Callable[[], None]]:
+    r"""``apply(work)`` setting ``attr`` of the submodule ``sub`` of the working copy, and its ``undo``."""
+    owners: list[Any] = []
 
-    return run
+    def apply(work: Any) -> Any:
+        owners.append(work.get_submodule(sub) if sub else work)
+        setattr(owners[-1], attr, new)
+        return work
+
+    def undo() -> None:
+        while owners:
+            setattr(owners.pop(), attr, old)
+
+    return apply, undo
 
 
 def _same_in_place(site: Site, work: Any, sub: str, rebuilt: Callable[[], Any]) -> bool:
@@ -597,8 +599,6 @@ _KNOWN_STRINGS = {
 
 
 def _string_options(module: Any, name: str, value: str) -> list[str]:
-    from paritykit.bisection.module_fit import literal_options
-
     options = literal_options(module, name) or list(_KNOWN_STRINGS.get(name, ()))
     if not options and "act" in name.lower():
         options = list(_HF_ACTIVATIONS if "_" in value or "hidden_act" in name else _ACTIVATIONS)
@@ -629,8 +629,6 @@ def _variants(module: Any) -> Iterator[tuple[dict, Callable[[], Any], str]]:
     if config is not None and hasattr(config, "to_dict") and hasattr(config, "__class__"):
         yield from _hf_variants(module, config)
         return
-    from paritykit.bisection.module_fit import constructor_values, rebuild
-
     read = constructor_values(module, tuples=True)
     if read is None:
         return
@@ -695,10 +693,7 @@ def _reload(old: Any, new: Any) -> Any | None:
     if any(k in mine and mine[k].shape != v.shape for k, v in state.items()):
         return None
     new.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
-    for tensor in (*old.parameters(), *old.buffers()):
-        new = new.to(device=tensor.device, dtype=tensor.dtype if tensor.is_floating_point() else None)
-        break
-    return new.train(old.training)
+    return placed_like(old, new)
 
 
 def _reproduces(module: Any, build: Callable[[], Any]) -> bool:
