@@ -569,3 +569,160 @@ def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
     port.load_state_dict(out)
     x = torch.randn(2, TOKENS, DIM, generator=torch.Generator().manual_seed(seed + 1))
     return reference, port, ((x,), {})
+
+
+# ------------------------------------------------------------------------------------ joint-attention family
+# Two token streams (image, text) attended jointly, q/k RMS-normed per head. The research side normalises in the
+# [B, H, L, D] layout after splitting heads, as the original two-stream transformers' code does; the port is
+# diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output thus
+# differs from its counterpart's by a dim permutation, by design.
+
+JOINT_HEADS, JOINT_IMG, JOINT_TXT = 2, 6, 4
+JOINT_HEAD_DIM = DIM // JOINT_HEADS
+
+
+class ResearchRMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, in float32, with a learned ``scale``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        normed = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return normed * self.scale
+
+
+class ResearchQKNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.query_norm = ResearchRMSNorm(dim)
+        self.key_norm = ResearchRMSNorm(dim)
+
+    def forward(self, q, k):
+        return self.query_norm(q), self.key_norm(k)
+
+
+class ResearchJointAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.img_qkv, self.txt_qkv = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, 3 * DIM)
+        self.img_norm, self.txt_norm = ResearchQKNorm(JOINT_HEAD_DIM), ResearchQKNorm(JOINT_HEAD_DIM)
+        self.img_proj, self.txt_proj = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    @staticmethod
+    def _heads(qkv, norm):
+        b, n, _ = qkv.shape
+        q, k, v = (t.view(b, n, JOINT_HEADS, JOINT_HEAD_DIM).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        q, k = norm(q, k)
+        return q, k, v
+
+    def forward(self, img, txt):
+        iq, ik, iv = self._heads(self.img_qkv(img), self.img_norm)
+        tq, tk, tv = self._heads(self.txt_qkv(txt), self.txt_norm)
+        q, k, v = (torch.cat(pair, dim=2) for pair in ((tq, iq), (tk, ik), (tv, iv)))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        txt_out, img_out = out[:, : txt.shape[1]], out[:, txt.shape[1] :]
+        return self.img_proj(img_out), self.txt_proj(txt_out)
+
+
+class ResearchJointModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = ResearchJointAttention()
+
+    def forward(self, img, txt):
+        return self.attn(img, txt)
+
+
+class PortJointModel(nn.Module):
+    def __init__(self, eps: float = 1e-6):
+        super().__init__()
+        from diffusers.models.transformers.transformer_flux import FluxAttention
+
+        self.attn = FluxAttention(
+            query_dim=DIM, heads=JOINT_HEADS, dim_head=JOINT_HEAD_DIM, bias=True, added_kv_proj_dim=DIM,
+            context_pre_only=False, eps=eps,
+        )  # fmt: skip
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        return self.attn(hidden_states, encoder_hidden_states)
+
+
+def convert_joint(sd: dict) -> dict:
+    out = {}
+    for stream, (q, k, v), norms, proj in (
+        ("img", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"), "to_out.0"),
+        ("txt", ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k"), "to_add_out"),
+    ):
+        for kind in ("weight", "bias"):
+            for part, name in zip(sd[f"attn.{stream}_qkv.{kind}"].chunk(3), (q, k, v)):
+                out[f"attn.{name}.{kind}"] = part.clone()
+            out[f"attn.{proj}.{kind}"] = sd[f"attn.{stream}_proj.{kind}"]
+        for which, name in zip(("query_norm", "key_norm"), norms):
+            out[f"attn.{name}.weight"] = sd[f"attn.{stream}_norm.{which}.scale"]
+    return out
+
+
+def joint_pair(bug: str | None = None, seed: int = 0):
+    r"""``bug="eps"``: the port's q/k norms are built with eps 1e-2 (the reference's is 1e-6)."""
+    torch.manual_seed(seed)
+    reference = randomize(ResearchJointModel(), seed)
+    port = PortJointModel(eps=1e-2 if bug == "eps" else 1e-6).eval()
+    port.load_state_dict(convert_joint(reference.state_dict()))
+    g = torch.Generator().manual_seed(seed + 1)
+    img, txt = torch.randn(2, JOINT_IMG, DIM, generator=g), torch.randn(2, JOINT_TXT, DIM, generator=g)
+    return reference, port, ((img, txt), {})
+
+
+# ------------------------------------------------------------------------------------- two-stream family
+# Parameterless norms of one class on two token streams of equal length, each followed by its own MLP. The
+# research block runs the text stream first, the port (named as diffusers' two-stream blocks name it) the image
+# stream first: only what each norm reads tells the streams apart.
+
+
+class ResearchTwoStream(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.txt_norm, self.img_norm = (nn.LayerNorm(DIM, elementwise_affine=False, eps=1e-6) for _ in "ab")
+        self.txt_mlp, self.img_mlp = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, img, txt):
+        txt = txt + self.txt_mlp(self.txt_norm(txt))
+        img = img + self.img_mlp(self.img_norm(img))
+        return img, txt
+
+
+class PortTwoStream(nn.Module):
+    def __init__(self, context_eps: float = 1e-6, context_scale: float = 1.0):
+        super().__init__()
+        self.context_scale = context_scale
+        self.norm2 = nn.LayerNorm(DIM, elementwise_affine=False, eps=1e-6)
+        self.norm2_context = nn.LayerNorm(DIM, elementwise_affine=False, eps=context_eps)
+        self.ff, self.ff_context = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        hidden_states = hidden_states + self.ff(self.norm2(hidden_states))
+        normed = self.norm2_context(encoder_hidden_states) * self.context_scale
+        encoder_hidden_states = encoder_hidden_states + self.ff_context(normed)
+        return hidden_states, encoder_hidden_states
+
+
+def two_stream_pair(bug: str | None = None, seed: int = 0):
+    r"""``bug="context-eps"``: the port's text-stream norm is built with eps 0.5 (the reference's is 1e-6);
+    ``bug="context-inline"``: the port scales the text stream's normed tokens by 1.5 in its own forward."""
+    torch.manual_seed(seed)
+    reference = randomize(ResearchTwoStream(), seed)
+    port = PortTwoStream(
+        context_eps=0.5 if bug == "context-eps" else 1e-6,
+        context_scale=1.5 if bug == "context-inline" else 1.0,
+    ).eval()
+    sd = reference.state_dict()
+    port.load_state_dict({
+        f"{new}.{kind}": sd[f"{old}.{kind}"]
+        for old, new in (("img_mlp", "ff"), ("txt_mlp", "ff_context"))
+        for kind in ("weight", "bias")
+    })  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    img, txt = torch.randn(2, TOKENS, DIM, generator=g), torch.randn(2, TOKENS, DIM, generator=g)
+    return reference, port, ((img, txt), {})

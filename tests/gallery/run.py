@@ -147,6 +147,12 @@ def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = T
     found = _pairs(report)
     if expected:
         culprit_ok = bool(found) and (found[0] == expected[0] or found[0] in case.also)
+    elif case.invisible_when_fresh:
+        # below tolerance at the output; inside, the difference may still exceed it somewhere downstream of
+        # the bug: a masked verdict that names where it shows, claiming no module fails on its own, is true too
+        culprit_ok = report.verdict == "match" or (
+            report.verdict == "masked" and all(c.through_inputs and not c.hints for c in report.culprits)
+        )
     else:
         culprit_ok = report.verdict == "match" and not found
     all_ok = None

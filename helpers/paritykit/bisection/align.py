@@ -23,6 +23,7 @@ keeps in a module it does not pair with them (positions added inline by the refe
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -184,6 +185,8 @@ class _Side:
     params: dict[str, dict[str, list[int]]]
     out_shapes: dict[str, tuple | None]
     state_dict: Mapping[str, Any] | None
+    # each executed module's first call record (its captured inputs tell two streams apart)
+    first_calls: dict[str, Any] = field(default_factory=dict)
 
     @property
     def position(self) -> dict[str, int]:
@@ -206,14 +209,15 @@ def _side(model: Any, trace: Any) -> _Side:
     table = trace.modules if trace is not None and trace.modules else (module_table(model) if model else {})
     if trace is not None and len(trace):
         # Completion order: a container comes after its children, where its own (inline) work happens.
-        order, out_shapes = [], {}
+        order, out_shapes, first_calls = [], {}, {}
         for record in trace.completion_order():
             if record.call == 0:
                 order.append(record.module)
                 out_shapes[record.module] = _first_output_shape(record)
+                first_calls[record.module] = record
     else:
         order = list(table)
-        out_shapes = {name: None for name in order}
+        out_shapes, first_calls = {name: None for name in order}, {}
     state_dict = None
     if model is not None:
         from paritykit.tracing.trace import ModelWeights
@@ -228,7 +232,7 @@ def _side(model: Any, trace: Any) -> _Side:
     for record in trace.records if trace is not None else ():
         types.setdefault(record.module, record.type)
     params = {name: info.params for name, info in table.items()}
-    return _Side(order, types, params, out_shapes, state_dict)
+    return _Side(order, types, params, out_shapes, state_dict, first_calls)
 
 
 def _first_output_shape(record: Any) -> tuple | None:
@@ -429,12 +433,33 @@ class _Builder:
 
     # 4 + 5 ------------------------------------------------------------------------------------------
     def by_order(self) -> None:
-        for low in (False, True):
-            for ref_run, port_run in self._runs():
-                if low:
-                    self._pair_by_shape(ref_run, port_run)
-                else:
-                    self._pair_parameterless(ref_run, port_run)
+        for ref_run, port_run in self._runs():
+            self._pair_parameterless(ref_run, port_run)
+        self._pair_by_stream()
+        for ref_run, port_run in self._runs():
+            self._pair_by_shape(ref_run, port_run)
+
+    def _pair_by_stream(self) -> None:
+        r"""Parameterless modules the runs between anchors left alone (two streams run in different orders on
+        the two sides put them in runs that do not face each other): each pairs with the port module of its
+        class that reads clearly the same input, a mutual nearest, under corresponding aligned ancestors."""
+        refs = [r for r in self.free_ref() if r and self.ref.parameterless(r)]
+        ports = [p for p in self.free_port() if p and self.port.parameterless(p)]
+        cost: dict[tuple[str, str], float] = {}
+        for r in refs:
+            for p in ports:
+                if self.ref.types.get(r) == self.port.types.get(p) and self._parents_agree(r, p):
+                    rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
+                    if rs is not None and ps is not None and sorted(rs) == sorted(ps):
+                        cost[r, p] = _input_distance(
+                            self.ref.first_calls.get(r), self.port.first_calls.get(p), 1.0
+                        )
+        for (r, p), error in sorted(cost.items(), key=lambda item: item[1]):
+            if error >= STREAM_ERROR or r in self.ref_done or p in self.port_done:
+                continue
+            rivals = [e for (r2, p2), e in cost.items() if (r2 == r) != (p2 == p) and e < 2 * error + 1e-12]
+            if not rivals:
+                self.add(r, p, "order", "medium")
 
     def _runs(self) -> list[tuple[list[str], list[str]]]:
         """Stretches of unaligned modules between consecutive aligned anchors, on both sides."""
@@ -474,7 +499,7 @@ class _Builder:
         for type_name, rs in by_type_r.items():
             ps = by_type_p.get(type_name, [])
             if len(rs) == len(ps):
-                for r, p in zip(rs, ps):
+                for r, p in self._by_stream(rs, ps):
                     self.add(r, p, "order", "medium")
         refs = [r for r in refs if r not in self.ref_done]
         ports = [p for p in ports if p not in self.port_done]
@@ -482,6 +507,35 @@ class _Builder:
             rs, ps = self.ref.out_shapes.get(refs[0]), self.port.out_shapes.get(ports[0])
             if rs is not None and rs == ps:
                 self.add(refs[0], ports[0], "order", "medium")
+
+    def _by_stream(self, refs: list[str], ports: list[str]) -> list[tuple[str, str]]:
+        r"""Pair parameterless modules of one class, each with the port module that reads the same stream: the
+        one whose captured input is closest to its own (up to a dim permutation), ties broken by execution
+        order. A model of two streams (image and text tokens) may run them in either order, and its image-stream
+        norm must never meet the text stream's. Modules whose outputs cannot correspond stay unpaired."""
+        import itertools
+
+        def distance(r: str, p: str) -> float:
+            rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
+            if rs is not None and ps is not None and sorted(rs) != sorted(ps):
+                return math.inf
+            return _input_distance(self.ref.first_calls.get(r), self.port.first_calls.get(p))
+
+        if len(refs) == 1:
+            return [(refs[0], ports[0])] if math.isfinite(distance(refs[0], ports[0])) else []
+        cost = [[distance(r, p) for p in ports] for r in refs]
+        if len(refs) <= 6:
+            # the cheapest one-to-one assignment; the in-order one wins ties
+            best = min(
+                itertools.permutations(range(len(ports))),
+                key=lambda order: (
+                    sum(cost[i][j] for i, j in enumerate(order)),
+                    sum(abs(i - j) for i, j in enumerate(order)),
+                ),
+            )
+        else:
+            best = tuple(range(len(ports)))
+        return [(refs[i], ports[j]) for i, j in enumerate(best) if math.isfinite(cost[i][j])]
 
     def _same_work(self, r: str, p: str) -> bool:
         """Two modules of different classes may do the same work (GELU vs a diffusers activation class), but
@@ -520,6 +574,31 @@ _ROW_OPS = ("swap_halves", "permute_rows")
 _IDENTITY_TYPES = frozenset(
     {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout", "Identity"}
 )
+
+
+# a parameterless module pairs across runs only with a port module whose input is this close (relative error)
+STREAM_ERROR = 0.1
+
+
+def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> float:
+    r"""Relative error between two calls' first floating-point inputs (up to a dim permutation): ``unknown``
+    when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond."""
+    from paritykit.bisection.leaves import pair_layouts, rel_error
+
+    if ref_call is None or port_call is None:
+        return unknown
+    try:
+        a = [(k, t) for k, t in ref_call.inputs.items() if t.is_floating_point()][:1]
+        b = [(k, t) for k, t in port_call.inputs.items() if t.is_floating_point()][:1]
+    except Exception:  # a trace folder with a missing shard: order decides
+        return unknown
+    if not a or not b:
+        return unknown
+    found = pair_layouts(a, b)
+    if found is None:
+        return math.inf
+    error = rel_error(a[0][1], found[1][0][1])
+    return error if math.isfinite(error) else 1e30
 
 
 def _identity_like(type_name: str) -> bool:

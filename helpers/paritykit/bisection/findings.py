@@ -9,7 +9,7 @@ from typing import Any
 
 from paritykit.base.calls import is_tensor
 from paritykit.bisection.align import Alignment
-from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
+from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layouts
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.remix import culprit_hints
 from paritykit.bisection.repair.at_culprit import RepairOptions, repair_hints
@@ -42,10 +42,11 @@ def first_divergence(
         if port_call not in port_trace:
             continue
         other = port_trace[port_call]
-        a, b = list(record.outputs.items()), list(other.outputs.items())
-        pairs = pair_leaves(a, b)
-        if pairs is None:
+        a = list(record.outputs.items())
+        found = pair_layouts(a, list(other.outputs.items()))
+        if found is None:
             continue
+        pairs, b, _ = found
         for i, j in pairs:
             cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
             if not cmp.passed:
@@ -217,7 +218,7 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
     else:
         ref_leaves = list(call.outputs.items())
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []
-    pairs = pair_leaves(ref_leaves, port_leaves) or []
+    pairs, port_leaves, _ = pair_layouts(ref_leaves, port_leaves) or ([], port_leaves, {})
     worst = next(
         (
             (i, j)

@@ -3,6 +3,7 @@ and shape, rebuilding a call from them, and the compared tensor of a model's fin
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,66 @@ def pair_leaves(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> list[tupl
         used.add(hits[0])
         pairs.append((hits[0], j))
     return pairs
+
+
+# tensors of more dims than this are never re-laid out (6! = 720 dim orders at most)
+MAX_LAYOUT_DIMS = 6
+
+
+def dim_orders(shape: tuple, target: tuple) -> list[tuple[int, ...]]:
+    """The dim orders (arguments of ``permute``) that turn a tensor of ``shape`` into one of ``target``, the
+    identity excepted."""
+    shape, target = tuple(shape), tuple(target)
+    if len(shape) != len(target) or len(shape) > MAX_LAYOUT_DIMS or sorted(shape) != sorted(target):
+        return []
+    identity = tuple(range(len(shape)))
+    return [
+        order
+        for order in itertools.permutations(identity)
+        if order != identity and tuple(shape[d] for d in order) == target
+    ]
+
+
+def pair_layouts(
+    a: list[tuple[str, Any]], b: list[tuple[str, Any]]
+) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]] | None:
+    r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf of
+    ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]`` read
+    as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
+
+    Returns ``(pairs, b_leaves, orders)``: index pairs, ``b`` with the permuted leaves in place, and the dim
+    order applied to each permuted leaf by its path; ``None`` when no consistent pairing exists.
+    """
+    pairs = pair_leaves(a, b)
+    if pairs is not None:
+        return pairs, b, {}
+    if not a or not b:
+        return None
+    shapes_a = {tuple(t.shape) for _, t in a}
+    moved, orders = list(b), {}
+    for j, (path, tensor) in enumerate(b):
+        if tuple(tensor.shape) in shapes_a:
+            continue
+        best = None
+        for _, target in a:
+            for order in dim_orders(tensor.shape, target.shape):
+                error = rel_error(target, tensor.permute(order))
+                if best is None or error < best[0]:
+                    best = (error, order)
+        if best is None:
+            return None
+        moved[j] = (path, tensor.permute(best[1]))
+        orders[path] = best[1]
+    pairs = pair_leaves(a, moved)
+    return (pairs, moved, orders) if pairs is not None else None
+
+
+def layout_note(orders: dict[str, tuple[int, ...]]) -> str:
+    """Words for the dim orders :func:`pair_layouts` applied to the port's leaves."""
+    if not orders:
+        return ""
+    shown = ", ".join(f"{path} permuted {tuple(order)}" for path, order in orders.items())
+    return f"compared up to the port's layout: {shown}"
 
 
 def pair_inputs(ref: list, port: list) -> tuple[list, list[tuple[int, int]] | None]:

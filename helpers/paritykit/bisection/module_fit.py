@@ -239,7 +239,7 @@ class InlineInput:
 
 def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
     """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
-    from paritykit.bisection.leaves import pair_leaves
+    from paritykit.bisection.leaves import pair_layouts
 
     untested = []
     for child in searcher.frontier(call):
@@ -248,7 +248,7 @@ def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
             untested.append(child.name)
         port_child = searcher.port_record(child)
         ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
-        pairs = pair_leaves(ref_in, port_in) if ref_in and port_in else None
+        pairs, port_in, _ = pair_layouts(ref_in, port_in) or (None, port_in, {})
         for i, j in pairs or ():
             a, b = ref_in[i][1], port_in[j][1]
             if not (a.is_floating_point() and b.is_floating_point()):
@@ -400,7 +400,7 @@ def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitt
 
     import torch
 
-    from paritykit.bisection.leaves import flatten_tensors, module_device, pair_leaves
+    from paritykit.bisection.leaves import flatten_tensors, module_device
 
     owner = port_call.module if port_call is not None else ""
     module = searcher.port_modules.get(owner)
@@ -421,10 +421,7 @@ def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitt
             out = flatten_tensors(clone(*adapted[0], **adapted[1]))
     except Exception:  # the fitted module changes what the parent can consume
         return None
-    ref = list(call.outputs.items())
-    if pair_leaves(ref, out) is None:
-        return None
-    return searcher.compare_leaves(ref, out, call.name)
+    return searcher.compare_leaves(list(call.outputs.items()), out, call.name)
 
 
 def _num(value: float | None) -> str:

@@ -58,6 +58,8 @@ class ModuleFinding:
     children_passed: int = 0
     note: str = ""
     op: OpDivergence | None = None
+    # masked verdict: its captured outputs differ, but nothing aligned fails on identical inputs (see note)
+    through_inputs: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -72,6 +74,7 @@ class ModuleFinding:
             "children_passed": self.children_passed,
             "hints": [h.to_dict() for h in self.hints],
             "note": self.note,
+            "through_inputs": self.through_inputs,
         }
         if self.op is not None:
             out["op"] = self.op.to_dict()
@@ -183,9 +186,14 @@ class BisectReport:
                 f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"
             )
         if self.verdict == "masked":
+            what = (
+                "an aligned module's captured outputs differ beyond tolerance (named below)"
+                if self.culprit is not None and self.culprit.through_inputs
+                else "the aligned module below fails on identical inputs"
+            )
             lines.append(
-                "masked: the final output is within tolerance, but the aligned module below fails on identical "
-                "inputs" + (" (accepted: --allow-masked)" if self.allow_masked else "")
+                f"masked: the final output is within tolerance, but {what}"
+                + (" (accepted: --allow-masked)" if self.allow_masked else "")
             )
         if len(self.culprits) > 1:
             for i, finding in enumerate(self.culprits, 1):
@@ -257,6 +265,8 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
             else f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name "
             "the difference (settings or weights this module holds, which replaying its children cannot see)"
         )
+    elif f.through_inputs:
+        lines.append("  its captured outputs differ, but it passes on the reference's inputs: see the note")
     elif f.children_passed == 0:
         lines.append("  no aligned submodules: the module's own computation or configuration differs")
     if f.note:

@@ -3,7 +3,6 @@ and walk down to the deepest failing call."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from paritykit.base.calls import is_tensor
@@ -11,16 +10,17 @@ from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import (
     flatten_tensors,
+    layout_note,
     module_device,
     pair_inputs,
-    pair_leaves,
+    pair_layouts,
     pair_with_extras,
     rel_error,
 )
 from paritykit.bisection.results import ModuleTest
 
 JUMP_RATIO = 10.0
-# captured-output differences confirmed by replay when looking for a masked divergence
+# calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
 MAX_MASKED_CHECKS = 32
 
 
@@ -35,8 +35,8 @@ class Searcher:
     * :meth:`test` — replay, else error jump: a :class:`~paritykit.bisection.results.ModuleTest`, cached in
       ``results``;
     * :meth:`descend` — the deepest failing call below a failing one;
-    * :meth:`masking`, :meth:`outputs_disagree`, :meth:`masked_call` — for a matching output: is a failure
-      hidden, and where;
+    * :meth:`masking`, :meth:`outputs_disagree`, :meth:`differing_calls`, :meth:`masked_call` — for a
+      matching output: is a failure hidden, and where;
     * :meth:`inherit` — take over a verdict a searcher one level up already reached.
     """
 
@@ -65,6 +65,9 @@ class Searcher:
         self.replays: dict[str, tuple[list, list]] = {}
         # replays that fed some port inputs from the port's own capture (no reference counterpart): their paths
         self.own_inputs: dict[str, list[str]] = {}
+        # calls whose leaves are compared up to a dim permutation (the two sides lay a tensor out differently):
+        # the dim order applied to each port leaf, by path
+        self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         self.children_of: dict[str, list[Any]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
@@ -95,10 +98,14 @@ class Searcher:
         return compare_tensors(a, b, atol=self.atol, rtol=self.rtol, name=name, diagnose=diagnose)
 
     def compare_leaves(self, a: list, b: list, name: str) -> Any:
-        """Worst comparison over paired output leaves (``None`` when the outputs cannot be paired)."""
-        pairs = pair_leaves(a, b)
-        if pairs is None:
+        """Worst comparison over paired output leaves, up to a dim permutation of ``b``'s (``None`` when the
+        outputs cannot be paired)."""
+        found = pair_layouts(a, b)
+        if found is None:
             return None
+        pairs, b, orders = found
+        if orders:
+            self.layouts[name] = orders
         worst = None
         for i, j in pairs:
             cmp = self.compare(a[i][1], b[j][1], f"{name}:{a[i][0]}")
@@ -133,6 +140,12 @@ class Searcher:
             return None
         ref_leaves, pairs = pair_inputs(ref_leaves, port_leaves)
         extra: list[int] = []
+        if pairs is None and len(ref_leaves) == len(port_leaves):
+            # the reference's tensors in the port's layout (``[B, H, L, D]`` in, ``[B, L, H, D]`` taken)
+            found = pair_layouts(port_leaves, ref_leaves)
+            if found is not None and found[2]:
+                ref_leaves = [(path, tensor.contiguous()) for path, tensor in found[1]]
+                pairs = [(i, j) for j, i in found[0]]
         if pairs is None:
             # the port call may take inputs the reference computes inside the module (rotary cos/sin passed
             # as ``image_rotary_emb``): the reference's inputs go in, the extras are the port's own captured
@@ -201,8 +214,10 @@ class Searcher:
         if cmp is None:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
-        self.replays[ref_record.name] = (ref_out, port_out)
+        # the port's outputs kept in the reference's layout, for the evidence read from them later
+        self.replays[ref_record.name] = (ref_out, pair_layouts(ref_out, port_out)[1])
         own = self.own_inputs.get(ref_record.name)
+        own_note = f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own or [])}"
         return ModuleTest(
             ref_record.name,
             port_record.name,
@@ -211,9 +226,7 @@ class Searcher:
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own)}"
-            if own
-            else "",
+            note=join_notes(own_note if own else "", layout_note(self.layouts.get(ref_record.name, {}))),
         )
 
     def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
@@ -236,23 +249,28 @@ class Searcher:
             "pass",
             out_cmp.max_abs,
             out_cmp.cosine,
-            note=note,
+            note=join_notes(note, layout_note(self.layouts.get(ref_record.name, {}))),
             comparison=out_cmp,
         )
+        note = base.note
         if out_cmp.passed:
             return base
         ref_in = list(ref_record.inputs.items())
         port_in = list(port_record.inputs.items())
         ref_in, pairs = pair_inputs(ref_in, port_in) if ref_in and port_in else (ref_in, None)
+        if pairs is None and ref_in and port_in:
+            found = pair_layouts(ref_in, port_in)
+            if found is not None:
+                pairs, port_in, _ = found
         if pairs is None:
             base.status = "untestable"
             base.note = join_notes(note, "inputs cannot be paired")
             return base
         in_pass = all(self.compare(ref_in[i][1], port_in[j][1], "input").passed for i, j in pairs)
         in_err = max(rel_error(ref_in[i][1], port_in[j][1]) for i, j in pairs)
-        out_pairs = pair_leaves(list(ref_record.outputs.items()), list(port_record.outputs.items())) or []
-        ref_outs, port_outs = list(ref_record.outputs.values()), list(port_record.outputs.values())
-        out_err = max((rel_error(ref_outs[i], port_outs[j]) for i, j in out_pairs), default=math.inf)
+        ref_outs = list(ref_record.outputs.items())
+        out_pairs, port_outs, _ = pair_layouts(ref_outs, list(port_record.outputs.items()))
+        out_err = max(rel_error(ref_outs[i][1], port_outs[j][1]) for i, j in out_pairs)
         base.input_error, base.output_error = in_err, out_err
         if in_pass:
             base.status = "fail"
@@ -311,29 +329,35 @@ class Searcher:
         port_record = self.port_record(record)
         if port_record is None:
             return False
-        a, b = list(record.outputs.items()), list(port_record.outputs.items())
+        found = pair_layouts(list(record.outputs.items()), list(port_record.outputs.items()))
+        if found is None:
+            return False
+        a, (pairs, b, _) = list(record.outputs.items()), found
         return not all(
             compare_tensors(a[i][1], b[j][1], atol=self.atol, rtol=self.rtol, diagnose=False).passed
-            for i, j in pair_leaves(a, b) or []
+            for i, j in pairs
         )
 
-    def masked_call(self) -> tuple[Any, int] | None:
-        """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
-        shrunk by what follows, inside a passing parent). Candidates are aligned calls (medium or high
-        confidence) whose captured outputs differ, deepest first; the first that also fails on replay is the
-        culprit (at most :data:`MAX_MASKED_CHECKS` replayed)."""
-        checks = 0
+    def differing_calls(self) -> list[Any]:
+        r"""Every aligned call (medium or high confidence, below the top level) whose captured outputs differ
+        beyond tolerance, in completion order: a comparison of what capture holds each, no run. A pair aligned
+        on order and output shape alone (low confidence) is no evidence when the final output matches."""
+        out = []
         for record in self.rt.completion_order():
             pair = self.alignment.pair_of(record.module)
             if record.parent is None or pair is None or pair.confidence == "low":
                 continue
-            if not self.outputs_disagree(record):
-                continue
-            checks += 1
+            if self.outputs_disagree(record):
+                out.append(record)
+        return out
+
+    def masked_call(self) -> tuple[Any, int] | None:
+        """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
+        shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is a
+        candidate, deepest first; the first that also fails on identical inputs is the culprit."""
+        for record in self.differing_calls():
             if self.test(record).status == "fail":
                 return self.descend(record)
-            if checks >= MAX_MASKED_CHECKS:
-                break
         return None
 
 

@@ -14,17 +14,18 @@ the culprit finding and the first output divergence are one piece of code whiche
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from paritykit.base.report import environment_stamp
+from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
 from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, ModuleTest
-from paritykit.bisection.searcher import Searcher
+from paritykit.bisection.searcher import Searcher, join_notes
 
 
 @dataclass
@@ -35,6 +36,31 @@ class Located:
     searcher: Searcher
     call: Any
     children_passed: int
+    # a call whose captured outputs differ although nothing fails on identical inputs (a masked verdict)
+    through_inputs: bool = False
+    # then the aligned call upstream whose output differs most on identical inputs, relative to its scale
+    upstream: ModuleTest | None = None
+    upstream_low: bool = False
+
+    def note(self) -> str:
+        if not self.through_inputs:
+            return ""
+        up = self.upstream
+        where = ""
+        if up is not None:
+            status = "fails" if up.status == "fail" else "passes"
+            where = (
+                f"; upstream, {up.reference} <-> {up.port} differs most on identical inputs relative to its "
+                f"output (max_abs {format_number(up.max_abs)}; it {status} there"
+                + (", aligned with low confidence" if self.upstream_low else "")
+                + ")"
+            )
+        return (
+            "its captured outputs differ beyond tolerance, yet it passes on identical inputs and no aligned "
+            "module upstream of medium or high confidence fails on its own: the difference builds up from "
+            "differences below tolerance upstream, or comes from code no aligned module covers (inline in a "
+            "parent, or an unaligned module)" + where
+        )
 
 
 class SearchStrategy(Protocol):
@@ -58,6 +84,11 @@ class SearchStrategy(Protocol):
     def masked(self) -> Located | None:
         """For a matching output: the first call failing on identical inputs among those whose captured outputs
         differ (its error shrunk by what follows), or ``None``."""
+        ...
+
+    def differing(self) -> Located | None:
+        """For a matching output with no masked culprit: the first aligned call captured whose outputs still
+        differ beyond tolerance (its error comes in with its inputs), or ``None``."""
         ...
 
     def tested(self) -> list[ModuleTest]:
@@ -94,6 +125,9 @@ class FullSearch:
         found = self.searcher.masked_call()
         return Located(self.searcher, *found) if found is not None else None
 
+    def differing(self) -> Located | None:
+        return differing_in(self.searcher)
+
     def tested(self) -> list[ModuleTest]:
         return list(self.searcher.results.values())
 
@@ -102,6 +136,32 @@ class FullSearch:
 
     def describe(self, environment: dict[str, Any]) -> dict[str, Any]:
         return environment
+
+
+def differing_in(searcher: Searcher) -> Located | None:
+    r"""The first aligned call of ``searcher`` whose captured outputs differ, as a located call (none passed),
+    with the call upstream of it that differs most on identical inputs, relative to its output's scale (pairs
+    of low confidence included: a lead, not a verdict)."""
+    calls = searcher.differing_calls()
+    if not calls:
+        return None
+    first = calls[0]
+    searcher.test(first)
+    upstream, worst = None, 0.0
+    for record in searcher.rt.completion_order():
+        if record is first:
+            break
+        if record.parent is None or searcher.port_record(record) is None:
+            continue
+        test = searcher.test(record)
+        scale = max(
+            (float(t.detach().abs().max()) for t in record.outputs.values() if t.numel()), default=0.0
+        )
+        if test.max_abs and scale > 0 and test.max_abs / scale > worst:
+            upstream, worst = test, test.max_abs / scale
+    pair = searcher.alignment.pair_of(upstream.reference.split("#", 1)[0]) if upstream is not None else None
+    low = pair is not None and pair.confidence == "low"
+    return Located(searcher, first, 0, through_inputs=True, upstream=upstream, upstream_low=low)
 
 
 def run_search(
@@ -152,12 +212,18 @@ def run_search(
             # the output matches, yet a module may fail on identical inputs, its error masked downstream
             below_top = located.call is not top.rt.root
             located = located if below_top and strategy.masking() else strategy.masked()
+            # no module fails on identical inputs, yet a captured output differs: still not a match
+            located = located if located is not None else strategy.differing()
             verdict = "masked" if located is not None else verdict
         if located is not None and verdict != "match":
             repair = with_budget(repair, time.perf_counter() - started)
+            if located.through_inputs:  # nothing fails on its own inputs: there is nothing to repair there
+                repair = dataclasses.replace(repair, enabled=False)
             culprit = culprit_finding(
                 located.searcher, located.call, located.children_passed, output, ops=ops, repair=repair
             )
+            culprit.note = join_notes(culprit.note, located.note())
+            culprit.through_inputs = located.through_inputs
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(
         verdict=verdict,

@@ -30,7 +30,7 @@ from paritykit.bisection.leaves import module_device, pair_leaves
 from paritykit.bisection.repair.at_culprit import RepairOptions
 from paritykit.bisection.results import ModuleTest
 from paritykit.bisection.searcher import MAX_MASKED_CHECKS, Searcher
-from paritykit.bisection.strategy import Located, run_search
+from paritykit.bisection.strategy import Located, differing_in, run_search
 
 # ``levels="auto"``: zoom when the reference has more modules than this; below it a full capture is small.
 ZOOM_MODULES = 300
@@ -139,6 +139,13 @@ class ZoomSearch:
     def masked(self) -> Located | None:
         found = self.masked_below(self.first, self.first.root, [MAX_MASKED_CHECKS])
         return Located(found[0].searcher, found[1], found[2]) if found is not None else None
+
+    def differing(self) -> Located | None:
+        for level in self.levels:
+            found = differing_in(level.searcher)
+            if found is not None:
+                return found
+        return None
 
     def tested(self) -> list[ModuleTest]:
         seen: dict[str, ModuleTest] = {}

@@ -168,13 +168,48 @@ def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
     return sites
 
 
+def untestable_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+    r"""The culprit's aligned children left untestable (their outputs pair with the reference's in no order or
+    layout, so no test saw them): each is edited in place and verified by replaying the culprit with it."""
+    if port_call is None:
+        return []
+    sites = []
+    for child in searcher.frontier(call):
+        result = searcher.results.get(child.name)
+        port_child = searcher.port_record(child)
+        if result is None or result.status != "untestable" or port_child is None or not port_child.replayable:
+            continue
+        module = searcher.port_modules.get(port_child.module)
+        if module is None:
+            continue
+
+        def verify(edited: Any, where: str = port_child.module) -> Any:
+            return replay_with_module(searcher, call, port_call, where, edited)
+
+        sites.append(
+            Site(
+                name=port_child.module,
+                reference_name=call.name,
+                module=module,
+                inputs=port_child.call_inputs,
+                wanted=[],
+                got=list(port_child.outputs.items()),
+                compare=lambda a, b: None,
+                verify=verify,
+                role="untestable",
+            )
+        )
+    return sites
+
+
 def repair_hints(
     searcher: Any, call: Any, port_call: Any, hints: Sequence[Hint], options: RepairOptions, inline: bool
 ) -> list[Hint]:
     r"""``hints`` with the repair search's verified edits joined in.
 
     A catalogue hint already verified explains the culprit and the search is skipped. Otherwise the culprit
-    is searched, then (inline) the producers of its first differing input. A verified edit leads; a catalogue
+    is searched, then (inline) the producers of its first differing input, the producers of the inputs its
+    replay took from the port's own run, and its aligned children left untestable. A verified edit leads; a catalogue
     hint naming the same fix is marked verified instead of repeating it; the plain "unknown" hint goes, or,
     when nothing verifies, says what the search covered.
     """
@@ -187,6 +222,7 @@ def repair_hints(
     if inline:
         sites += producer_sites(searcher, call, port_call)
     sites += extra_input_sites(searcher, call, port_call)
+    sites += untestable_sites(searcher, call, port_call)
     with progress_bar() as progress:
         for s in sites:
             outcome = repair_site(s, budget, progress=progress)

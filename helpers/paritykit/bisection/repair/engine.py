@@ -79,8 +79,11 @@ class RepairOutcome:
         for edit, after in self.verified:
             message = edit.words
             evidence: dict[str, Any] = {"site": self.site.path(), "tried": self.tried, "tier": edit.tier}
+            # an edit away from the culprit is verified by replaying the culprit with the edited module
             if self.site.role == "producer":
                 evidence["producer_of"] = self.site.reference_name
+            elif self.site.role == "untestable":
+                evidence["untestable_in"] = self.site.reference_name
             if self.ambiguous:
                 rest = [w for w in others if w != edit.words]
                 evidence["ambiguous"] = rest

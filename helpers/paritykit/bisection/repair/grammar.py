@@ -248,9 +248,10 @@ def _fitted_scales(site: Site, zero: list | None) -> list[tuple[float, str]]:
     if zero is None or not failing:
         return []
     i, j = failing[0]
+    got, zero = site.as_wanted(site.got), site.as_wanted(zero)
     w = site.wanted[i][1].double().flatten()
-    g = site.got[j][1].double().flatten()
-    z = zero[j][1].double().flatten() if j < len(zero) and zero[j][1].shape == site.got[j][1].shape else None
+    g = got[j][1].double().flatten()
+    z = zero[j][1].double().flatten() if j < len(zero) and zero[j][1].shape == got[j][1].shape else None
     if z is None:
         return []
     d = g - z
@@ -389,7 +390,7 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
     names = _input_names(inputs)
     for i, j in site.failing():
         want, got = site.wanted[i][1], site.got[j][1]
-        if want.shape != got.shape or not got.is_floating_point():
+        if sorted(want.shape) != sorted(got.shape) or not got.is_floating_point():
             continue
         path = site.got[j][0]
         for dim in range(1, got.ndim):
@@ -406,7 +407,7 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
                         site, "permute-chunks", j, lambda t, _, d=dim, c=count, o=order: reorder(t, d, c, o),
                         words, count, seen, dim=dim, count=count, order=list(order),
                     )  # fmt: skip
-        w, g = want.double().flatten(), got.double().flatten()
+        w, g = want.double().flatten(), site.as_wanted(site.got)[j][1].double().flatten()
         den = float(g @ g)
         if den > 0:
             for scale, label in _with_snaps(float(w @ g) / den, site.sizes):
@@ -612,6 +613,9 @@ def _values_for(module: Any, name: str, value: Any) -> list[Any]:
         return _string_options(module, name, value)
     if isinstance(value, (int, float)):
         out = [float(f"{value * f:.6g}") for f in _FACTORS] + [0, 1]
+        if isinstance(value, float) and 0 < value < 1:
+            # a small positive float is usually an epsilon: every power of ten it could have been written as
+            out += [10.0**-k for k in range(1, 13)]
         if isinstance(value, int):
             out = [int(v) for v in out if float(v).is_integer()]
         return [v for v in dict.fromkeys(out) if v != value]

@@ -44,10 +44,16 @@ class Site:
     faithful: frozenset[str] = frozenset()
     held: dict[str, str] = field(default_factory=dict)
     verify: Callable[[Any], Any] | None = None
-    role: str = "culprit"  # culprit | producer
+    # culprit | producer | untestable (an aligned child of the culprit no test could see)
+    role: str = "culprit"
     sizes: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        from paritykit.bisection.leaves import pair_layouts
+
+        # dim orders that put the port's output leaves in the reference's layout, by path (none when alike)
+        found = pair_layouts(self.wanted, self.got) if self.wanted else None
+        self.orders: dict[str, tuple[int, ...]] = found[2] if found is not None else {}
         if not self.sizes:
             dims = {int(d) for _, t in [*self.wanted, *self.got] for d in t.shape}
             args, kwargs = self.inputs()
@@ -59,14 +65,19 @@ class Site:
         cmp = self.compare(self.wanted, self.got) if self.wanted else self.verify(self.module)
         return cmp.max_abs if cmp is not None and cmp.max_abs is not None else math.inf
 
+    def as_wanted(self, leaves: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        r"""Port output leaves in the reference's layout: each permuted by its path's dim order."""
+        return [(p, t.permute(self.orders[p]) if p in self.orders else t) for p, t in leaves]
+
     def failing(self) -> list[tuple[int, int]]:
         r"""``(wanted index, got index)`` of the output leaves that differ (none at a site with no wanted
         outputs of its own)."""
         from paritykit.bisection.leaves import pair_leaves
 
         out = []
-        for i, j in pair_leaves(self.wanted, self.got) or []:
-            cmp = self.compare([self.wanted[i]], [self.got[j]])
+        got = self.as_wanted(self.got)
+        for i, j in pair_leaves(self.wanted, got) or []:
+            cmp = self.compare([self.wanted[i]], [got[j]])
             if cmp is None or not cmp.passed:
                 out.append((i, j))
         return out

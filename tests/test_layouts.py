@@ -1,0 +1,103 @@
+"""Outputs laid out differently on the two sides, parameterless modules of two streams, and masked divergences
+read from every captured aligned pair."""
+
+from __future__ import annotations
+
+import torch
+from paritykit.bisection.leaves import dim_orders, pair_layouts
+from paritykit.bisection.search import bisect
+
+from tests.bisect_pairs import joint_pair, two_stream_pair
+from tests.test_align import aligned
+
+
+def test_dim_orders_are_the_permutations_reaching_the_target_shape():
+    assert dim_orders((2, 6, 4, 8), (2, 4, 6, 8)) == [(0, 2, 1, 3)]
+    assert dim_orders((2, 3, 4), (2, 3, 4)) == []  # the identity is not a re-layout
+    assert dim_orders((2, 3, 4), (2, 3, 5)) == []
+    assert dim_orders((2, 3), (2, 3, 1)) == []
+    # two equal dims: both orders reach the shape, and values decide between them
+    assert sorted(dim_orders((3, 2, 2), (2, 3, 2))) == [(1, 0, 2), (2, 0, 1)]
+
+
+def test_pair_layouts_reads_the_port_leaf_in_the_references_layout():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 3, 5, 4, generator=g)  # [B, H, L, D]
+    port = ref.transpose(1, 2).contiguous()  # [B, L, H, D]
+    pairs, moved, orders = pair_layouts([("output", ref)], [("output", port)])
+    assert pairs == [(0, 0)] and orders == {"output": (0, 2, 1, 3)}
+    assert torch.equal(moved[0][1], ref)
+    # equal dims: the order that brings the leaf closest to the reference's wins, not the first one found
+    square = torch.randn(2, 4, 4, 3, generator=g)
+    found = pair_layouts([("output", square)], [("output", square.permute(0, 3, 2, 1).contiguous())])
+    assert found is not None and torch.equal(found[1][0][1], square)
+    # must not fire: alike shapes pair as they are, and a shape no permutation reaches is not paired
+    assert pair_layouts([("output", ref)], [("output", ref.clone())])[2] == {}
+    assert pair_layouts([("output", ref)], [("output", torch.zeros(2, 3, 5, 5))]) is None
+
+
+def test_a_norm_laid_out_differently_is_tested_and_named_with_its_fix():
+    # reference q/k norms run on [B, H, L, D], diffusers' FluxAttention's on [B, L, H, D]: without pairing up
+    # to the permutation the norm is untestable and the attention around it takes the blame
+    reference, port, inputs = joint_pair("eps")
+    report = bisect(reference, port, inputs)
+    culprit = report.culprit
+    assert (culprit.reference, culprit.port) == ("attn.img_norm.query_norm", "attn.norm_q")
+    assert culprit.test == "replay" and "permuted (0, 2, 1, 3)" in culprit.note
+    first = culprit.hints[0]
+    assert first.verified and first.edit["kind"] == "attribute" and first.edit["parameters"]["value"] == 1e-6
+
+
+def test_a_faithful_port_with_other_layouts_matches_inside_too():
+    reference, port, inputs = joint_pair()
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "match" and report.culprit is None
+    tests = {t.port: t for t in report.tested}
+    # no layout-permuted pair is left out of the comparison because of its layout
+    assert all(t.status != "untestable" for t in tests.values())
+
+
+def _streams(bug=None):
+    reference, port, inputs = two_stream_pair(bug)
+    return reference, port, inputs, aligned(reference, port, inputs)
+
+
+def test_parameterless_norms_pair_inside_their_own_stream():
+    # the reference runs the text stream first, the port the image stream: by order alone the text norm would
+    # meet the image norm; what each reads tells them apart
+    *_, alignment = _streams()
+    assert alignment.port_of("txt_norm") == "norm2_context"
+    assert alignment.port_of("img_norm") == "norm2"
+
+
+def test_a_masked_stream_bug_is_named_in_its_stream():
+    # only the image stream is compared at the output: the text stream's norm is found by its captured output
+    reference, port, inputs, _ = _streams("context-eps")
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "masked" and report.exit_code == 1
+    assert (report.culprit.reference, report.culprit.port) == ("txt_norm", "norm2_context")
+    assert not report.culprit.through_inputs
+
+
+def test_a_difference_no_module_makes_on_its_own_is_masked_and_says_so():
+    # the port's text-stream residual is scaled inline before the MLP: no aligned module fails on identical
+    # inputs, yet the text MLP's captured output differs. The verdict is masked, naming where it shows and
+    # claiming no cause there
+    reference, port, inputs, _ = _streams()
+    port.forward = _scaled_context_forward(port)
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "masked"
+    culprit = report.culprit
+    assert culprit.through_inputs and culprit.port == "ff_context"
+    assert not any(h.verified for h in culprit.hints)
+    assert "passes on identical inputs" in culprit.note
+    assert "an aligned module's captured outputs differ" in report.render()
+
+
+def _scaled_context_forward(port):
+    def forward(hidden_states, encoder_hidden_states):
+        hidden_states = hidden_states + port.ff(port.norm2(hidden_states))
+        normed = port.norm2_context(encoder_hidden_states) * 1.5
+        return hidden_states, encoder_hidden_states + port.ff_context(normed)
+
+    return forward
