@@ -130,7 +130,8 @@ def main() -> None:
         f"({', '.join(VARIANTS)}); each run with the catalogue's detectors and the repair search, then with the "
         f"repair search alone; 1 torch thread, {platform.machine()}, torch {torch.__version__}",
         "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros, a zero bias added"
-        " twice) or leave below float tolerance (CLIP eps 1e-5 vs 1e-6) counts as clean.",
+        " twice) or leave below float tolerance at the output (CLIP eps 1e-5 vs 1e-6) counts as clean; it may also"
+        " come out masked where a captured pair inside exceeds tolerance, if the module named claims no cause.",
         "False hint: any hint on a clean port, a cause other than the true one, 'no known signature ... the forward",
         "code differs' where the cause is a weight slip or a config value, a repair whose edit is not the planted fix,",
         "or a fix verified at a module that is not a culprit. Verified fix: a hint with verified=true at a true",

@@ -42,8 +42,9 @@ class Outcome:
 
     @property
     def false_alarm(self) -> bool:
-        r"""A clean (or invisible) case that did not come out as a plain match."""
-        return not self.expected and (self.verdict != "match" or bool(self.found) or bool(self.false_hints))
+        r"""A clean case that did not come out as a plain match, or an invisible one that came out otherwise than
+        a match or a masked verdict claiming no cause (see :func:`run_case`)."""
+        return not self.expected and (not self.culprit_ok or bool(self.false_hints))
 
 
 def _pairs(report: Any) -> list[Pair]:
