@@ -3,7 +3,7 @@ that produce a differing input of an inline culprit), and how verified edits joi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,20 +152,26 @@ def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
         def verify(edited: Any, record: Any = record, feeds: dict = feeds) -> Any:
             return replay_with_extras(searcher, call, port_call, edited, record.call_inputs(), feeds)
 
-        sites.append(
-            Site(
-                name=record.module,
-                reference_name=call.name,
-                module=module,
-                inputs=record.call_inputs,
-                wanted=[],
-                got=list(record.outputs.items()),
-                compare=lambda a, b: None,
-                verify=verify,
-                role="producer",
-            )
-        )
+        sites.append(_verified_by_culprit(call, record, module, verify, "producer"))
     return sites
+
+
+def _verified_by_culprit(
+    call: Any, record: Any, module: Any, verify: Callable[[Any], Any], role: str
+) -> Site:
+    r"""A site with no output of its own to compare: port module ``module`` (its call ``record``), every edit
+    checked by ``verify`` alone (the culprit ``call`` replayed with the edited module)."""
+    return Site(
+        name=record.module,
+        reference_name=call.name,
+        module=module,
+        inputs=record.call_inputs,
+        wanted=[],
+        got=list(record.outputs.items()),
+        compare=lambda a, b: None,
+        verify=verify,
+        role=role,
+    )
 
 
 def untestable_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
@@ -186,19 +192,7 @@ def untestable_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
         def verify(edited: Any, where: str = port_child.module) -> Any:
             return replay_with_module(searcher, call, port_call, where, edited)
 
-        sites.append(
-            Site(
-                name=port_child.module,
-                reference_name=call.name,
-                module=module,
-                inputs=port_child.call_inputs,
-                wanted=[],
-                got=list(port_child.outputs.items()),
-                compare=lambda a, b: None,
-                verify=verify,
-                role="untestable",
-            )
-        )
+        sites.append(_verified_by_culprit(call, port_child, module, verify, "untestable"))
     return sites
 
 
