@@ -288,11 +288,19 @@ def test_cli_compare_and_fit(tmp_path):
         (["schedule", "ref.json", "ref.json", "--steps", "5"], "--steps"),
         (["schedule", "ref.json", "sigmas.json"], "share no schedule"),
         (["schedule", "sigmas.json", "--fit", "DDIMScheduler"], "does not expose"),
+        (["schedule", "nan.json", "ref.json"], "nan.json: value 1 is nan"),
+        (["schedule", "ref.json", "inf.json"], "inf.json: value 2 is inf"),
+        (["schedule", "empty.json", "ref.json"], "empty.json: the schedule is empty"),
+        (["schedule", "nan.json", "--fit", "DDIMScheduler"], "nan.json"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
     (tmp_path / "ref.json").write_text("[999, 899, 799]")
     (tmp_path / "sigmas.json").write_text('{"sigmas": [1.0, 0.5, 0.0]}')
+    # Python's json reads NaN and Infinity: a schedule holding them must not reach the comparison
+    (tmp_path / "nan.json").write_text("[999, NaN, 799]")
+    (tmp_path / "inf.json").write_text('{"sigmas": [1.0, 0.5, Infinity]}')
+    (tmp_path / "empty.json").write_text('{"timesteps": []}')
     result = CliRunner().invoke(cli, args, catch_exceptions=False, env={})
     import contextlib
 

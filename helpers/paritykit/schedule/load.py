@@ -4,6 +4,7 @@ JSON lists, a SPEC.py), and the tolerances they are compared with."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,18 @@ def _dedupe(values: Sequence[float]) -> list[float]:
 
 
 def _floats(value: Any, what: str) -> tuple[list[float], bool]:
+    r"""The values of one list as floats, and whether they were stored as integers; an empty list or one
+    holding NaN or an infinity is refused, naming ``what``."""
+    values, integer = _numbers(value, what)
+    if not values:
+        raise ParityKitError(f"{what}: the schedule is empty")
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise ParityKitError(f"{what}: value {bad} is {values[bad]} (a schedule holds finite numbers only)")
+    return values, integer
+
+
+def _numbers(value: Any, what: str) -> tuple[list[float], bool]:
     import torch
 
     if isinstance(value, torch.Tensor):
