@@ -445,6 +445,8 @@ class _Builder:
         class that reads clearly the same input, a mutual nearest, under corresponding aligned ancestors."""
         refs = [r for r in self.free_ref() if r and self.ref.parameterless(r)]
         ports = [p for p in self.free_port() if p and self.port.parameterless(p)]
+        if len(refs) * len(ports) > MAX_STREAM_CANDIDATES:
+            return  # each candidate compares two captured activations: left to the runs on huge remainders
         cost: dict[tuple[str, str], float] = {}
         for r in refs:
             for p in ports:
@@ -578,6 +580,8 @@ _IDENTITY_TYPES = frozenset(
 
 # a parameterless module pairs across runs only with a port module whose input is this close (relative error)
 STREAM_ERROR = 0.1
+# at most this many (reference, port) candidates are compared by their inputs across runs
+MAX_STREAM_CANDIDATES = 4096
 
 
 def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> float:
