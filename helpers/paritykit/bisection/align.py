@@ -451,11 +451,8 @@ class _Builder:
         for r in refs:
             for p in ports:
                 if self.ref.types.get(r) == self.port.types.get(p) and self._parents_agree(r, p):
-                    rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
-                    if rs is not None and ps is not None and sorted(rs) == sorted(ps):
-                        cost[r, p] = _input_distance(
-                            self.ref.first_calls.get(r), self.port.first_calls.get(p), 1.0
-                        )
+                    # inputs not at hand count as uncorrelated here: order alone never pairs across runs
+                    cost[r, p] = self._stream_distance(r, p, unknown=1.0)
         for (r, p), error in sorted(cost.items(), key=lambda item: item[1]):
             if error >= STREAM_ERROR or r in self.ref_done or p in self.port_done:
                 continue
@@ -517,15 +514,9 @@ class _Builder:
         norm must never meet the text stream's. Modules whose outputs cannot correspond stay unpaired."""
         import itertools
 
-        def distance(r: str, p: str) -> float:
-            rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
-            if rs is not None and ps is not None and sorted(rs) != sorted(ps):
-                return math.inf
-            return _input_distance(self.ref.first_calls.get(r), self.port.first_calls.get(p))
-
         if len(refs) == 1:
-            return [(refs[0], ports[0])] if math.isfinite(distance(refs[0], ports[0])) else []
-        cost = [[distance(r, p) for p in ports] for r in refs]
+            return [(refs[0], ports[0])] if math.isfinite(self._stream_distance(refs[0], ports[0])) else []
+        cost = [[self._stream_distance(r, p) for p in ports] for r in refs]
         if len(refs) <= 6:
             # the cheapest one-to-one assignment; the in-order one wins ties
             best = min(
@@ -538,6 +529,14 @@ class _Builder:
         else:
             best = tuple(range(len(ports)))
         return [(refs[i], ports[j]) for i, j in enumerate(best) if math.isfinite(cost[i][j])]
+
+    def _stream_distance(self, r: str, p: str, unknown: float = 0.0) -> float:
+        r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_input_distance`); ``inf`` when their output
+        shapes are no permutation of each other."""
+        rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
+        if rs is not None and ps is not None and sorted(rs) != sorted(ps):
+            return math.inf
+        return _input_distance(self.ref.first_calls.get(r), self.port.first_calls.get(p), unknown)
 
     def _same_work(self, r: str, p: str) -> bool:
         """Two modules of different classes may do the same work (GELU vs a diffusers activation class), but

@@ -100,6 +100,12 @@ def pair_layouts(
     return (pairs, moved, orders) if pairs is not None else None
 
 
+def in_layout(leaves: list[tuple[str, Any]], orders: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:
+    """``leaves`` with each leaf whose path ``orders`` names permuted by its dim order (as :func:`pair_layouts`
+    found it)."""
+    return [(path, t.permute(orders[path]) if path in orders else t) for path, t in leaves]
+
+
 def layout_note(orders: dict[str, tuple[int, ...]]) -> str:
     """Words for the dim orders :func:`pair_layouts` applied to the port's leaves."""
     if not orders:

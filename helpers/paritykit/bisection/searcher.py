@@ -10,6 +10,7 @@ from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import (
     flatten_tensors,
+    in_layout,
     layout_note,
     module_device,
     pair_inputs,
@@ -215,7 +216,7 @@ class Searcher:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
         # the port's outputs kept in the reference's layout, for the evidence read from them later
-        self.replays[ref_record.name] = (ref_out, pair_layouts(ref_out, port_out)[1])
+        self.replays[ref_record.name] = (ref_out, in_layout(port_out, self.layouts.get(ref_record.name, {})))
         own = self.own_inputs.get(ref_record.name)
         own_note = f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own or [])}"
         return ModuleTest(

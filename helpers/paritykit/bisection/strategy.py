@@ -40,7 +40,6 @@ class Located:
     through_inputs: bool = False
     # then the aligned call upstream whose output differs most on identical inputs, relative to its scale
     upstream: ModuleTest | None = None
-    upstream_low: bool = False
 
     def note(self) -> str:
         if not self.through_inputs:
@@ -48,18 +47,17 @@ class Located:
         up = self.upstream
         where = ""
         if up is not None:
-            status = "fails" if up.status == "fail" else "passes"
+            pair = self.searcher.alignment.pair_of(up.reference.split("#", 1)[0])
+            low = pair is not None and pair.confidence == "low"
             where = (
                 f"; upstream, {up.reference} <-> {up.port} differs most on identical inputs relative to its "
-                f"output (max_abs {format_number(up.max_abs)}; it {status} there"
-                + (", aligned with low confidence" if self.upstream_low else "")
-                + ")"
+                f"output (max_abs {format_number(up.max_abs)}; it {'fails' if up.status == 'fail' else 'passes'} "
+                f"there{', aligned with low confidence' if low else ''})"
             )
         return (
-            "its captured outputs differ beyond tolerance, yet it passes on identical inputs and no aligned "
-            "module upstream of medium or high confidence fails on its own: the difference builds up from "
-            "differences below tolerance upstream, or comes from code no aligned module covers (inline in a "
-            "parent, or an unaligned module)" + where
+            "its captured outputs differ beyond tolerance, yet it passes on identical inputs: the difference "
+            "reaches it with its inputs, built up from differences below tolerance upstream or made by code no "
+            "aligned module covers (inline in a parent, or an unaligned module)" + where
         )
 
 
@@ -159,9 +157,7 @@ def differing_in(searcher: Searcher) -> Located | None:
         )
         if test.max_abs and scale > 0 and test.max_abs / scale > worst:
             upstream, worst = test, test.max_abs / scale
-    pair = searcher.alignment.pair_of(upstream.reference.split("#", 1)[0]) if upstream is not None else None
-    low = pair is not None and pair.confidence == "low"
-    return Located(searcher, first, 0, through_inputs=True, upstream=upstream, upstream_low=low)
+    return Located(searcher, first, 0, through_inputs=True, upstream=upstream)
 
 
 def run_search(

@@ -67,7 +67,9 @@ class Site:
 
     def as_wanted(self, leaves: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         r"""Port output leaves in the reference's layout: each permuted by its path's dim order."""
-        return [(p, t.permute(self.orders[p]) if p in self.orders else t) for p, t in leaves]
+        from paritykit.bisection.leaves import in_layout
+
+        return in_layout(leaves, self.orders)
 
     def failing(self) -> list[tuple[int, int]]:
         r"""``(wanted index, got index)`` of the output leaves that differ (none at a site with no wanted
