@@ -292,6 +292,8 @@ def test_cli_compare_and_fit(tmp_path):
         (["schedule", "ref.json", "inf.json"], "inf.json: value 2 is inf"),
         (["schedule", "empty.json", "ref.json"], "empty.json: the schedule is empty"),
         (["schedule", "nan.json", "--fit", "DDIMScheduler"], "nan.json"),
+        (["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "bogus.json"], 'timestep_spacing="bogus"'),
+        (["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "typo.json"], "unknown key 'use_karras_sigma'"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
@@ -301,6 +303,8 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):
     (tmp_path / "nan.json").write_text("[999, NaN, 799]")
     (tmp_path / "inf.json").write_text('{"sigmas": [1.0, 0.5, Infinity]}')
     (tmp_path / "empty.json").write_text('{"timesteps": []}')
+    (tmp_path / "bogus.json").write_text('{"timestep_spacing": "bogus"}')
+    (tmp_path / "typo.json").write_text('{"use_karras_sigma": true}')
     result = CliRunner().invoke(cli, args, catch_exceptions=False, env={})
     import contextlib
 

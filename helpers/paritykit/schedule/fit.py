@@ -27,6 +27,7 @@ from paritykit.schedule.schedulers import (
     _matches,
     _scheduler_lists,
     accepted_keys,
+    all_scheduler_keys,
     ready_line,
     resolve_scheduler,
 )
@@ -225,8 +226,7 @@ def fit_scheduler(
     """
     cls = resolve_scheduler(cls)
     keys = accepted_keys(cls)
-    base = _load_base(base_config)
-    base = {k: v for k, v in base.items() if k in keys}
+    base = _checked_base(cls, keys, _load_base(base_config), base_config)
     train_steps = int(base.get("num_train_timesteps", keys.get("num_train_timesteps") or 1000))
     ref = load_schedule(reference)
     if steps is None:
@@ -307,6 +307,38 @@ def _load_base(base_config: Any) -> dict[str, Any]:
 
     loaded = load_config(base_config)
     return dict(loaded if isinstance(loaded, dict) else getattr(loaded, "config", loaded))
+
+
+def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], source: Any) -> dict[str, Any]:
+    r"""The port's config reduced to the keys ``cls`` accepts. A key no diffusers scheduler accepts, or a value
+    that ``cls`` refuses, is bad input (naming the key); keys of other scheduler classes are dropped."""
+    what = "--config" + (f" {source}" if isinstance(source, (str, Path)) else "")
+    unknown = [k for k in config if k not in keys and not k.startswith("_") and k not in all_scheduler_keys()]
+    if unknown:
+        raise ParityKitError(f"{what}: unknown key {unknown[0]!r} (no diffusers scheduler accepts it)")
+    base = {k: v for k, v in config.items() if k in keys}
+    problem = _refusal(cls, base)
+    if problem is None:
+        return base
+    for key in base:  # the one key whose value, set back to the class's default, makes the config work
+        if keys.get(key) != base[key] and _refusal(cls, {k: v for k, v in base.items() if k != key}) is None:
+            raise ParityKitError(f"{what}: {key}={_format_value(base[key])} is refused by {cls.__name__}: {problem}")
+    raise ParityKitError(f"{what}: refused by {cls.__name__}: {problem}")
+
+
+def _refusal(cls: type, config: dict[str, Any]) -> str | None:
+    r"""Why ``cls`` cannot be built from ``config`` and set to a few steps, or ``None`` when it can."""
+    import inspect
+
+    try:
+        scheduler = _make(cls, config)
+        call = {"mu": 0.0} if config.get("use_dynamic_shifting") else {}
+        if "mu" in call and "mu" not in inspect.signature(scheduler.set_timesteps).parameters:
+            call = {}
+        _scheduler_lists(scheduler, 10, **call)
+    except Exception as exc:  # diffusers raises ValueError, NotImplementedError, RuntimeError, KeyError here
+        return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    return None
 
 
 def _safe_lists(cls: type, config: dict[str, Any], n: int) -> dict[str, list[float]] | None:

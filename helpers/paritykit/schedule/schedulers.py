@@ -51,12 +51,34 @@ def accepted_keys(cls: type) -> dict[str, Any]:
     return keys
 
 
-def _scheduler_lists(scheduler: Any, n: int) -> dict[str, list[float]]:
+def all_scheduler_keys() -> frozenset[str]:
+    r"""Every config key some diffusers scheduler class accepts (read from their signatures once)."""
+    global _ALL_KEYS
+    if _ALL_KEYS is None:
+        import diffusers
+
+        found: set[str] = set()
+        for name in dir(diffusers):
+            if not name.endswith("Scheduler"):
+                continue
+            try:
+                cls = getattr(diffusers, name)
+                found |= set(inspect.signature(cls.__init__).parameters)
+            except Exception:  # a class that needs an optional package: its keys are unknown, not an error
+                continue
+        _ALL_KEYS = frozenset(found - {"self", "kwargs", "args"})
+    return _ALL_KEYS
+
+
+_ALL_KEYS: frozenset[str] | None = None
+
+
+def _scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, list[float]]:
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        scheduler.set_timesteps(n)
+        scheduler.set_timesteps(n, **call)
     out = {"timesteps": [float(v) for v in scheduler.timesteps.double().tolist()]}
     sigmas = getattr(scheduler, "sigmas", None)
     if sigmas is not None and hasattr(sigmas, "tolist"):
