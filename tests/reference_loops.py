@@ -1,10 +1,11 @@
-"""Three research-style sampling loops written from the papers' formulas, with no diffusers scheduler inside.
+"""Research-style sampling loops written from the papers' formulas, with no diffusers scheduler inside.
 
 * DDIM (Song et al. 2020, eq. 12 with eta = 0) over an evenly spaced timestep list that reads the previous
   timestep from its own list, the last step going to alpha-bar 1.
 * Euler over the Karras et al. (2022, eq. 5) sigma schedule, rho 7, a final sigma of 0, in the
   k-diffusion convention (epsilon model called with c_in = 1/sqrt(sigma^2 + 1) and the timestep whose sigma it is).
-* Flow-matching Euler over a linear schedule with the SD3 time shift sigma' = s·t / (1 + (s - 1)·t), s = 3.
+* Flow-matching Euler over SD3's schedule (Stability's sd3_infer.py: its low end shifted twice) and over Flux's
+  (black-forest-labs/flux: linspace(1, 0, n + 1) shifted once, by a mu that grows with the image size).
 
 Every loop takes a ``denoiser(sample, timestep, encoder_hidden_states)`` returning a tensor, so the same tiny
 UNet runs both the reference and the port.
@@ -89,25 +90,48 @@ def karras_loop(denoiser, noise: torch.Tensor, cond: torch.Tensor, n: int) -> to
     return x
 
 
-# --- flow matching, shift 3 -------------------------------------------------------------------------------------
-def flow_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> list[float]:
-    """t linear from 1 to the shifted 1/T, then shifted: sigma = s t / (1 + (s - 1) t); a final 0."""
+# --- flow matching: SD3's sampler and Flux's ----------------------------------------------------------------------
+def _time_shift(t: float, shift: float) -> float:
+    """SD3's resolution shift of a flow time (Esser et al. 2024, eq. 23): s t / (1 + (s - 1) t)."""
+    return shift * t / (1 + (shift - 1) * t)
 
-    def shifted(t: float) -> float:
-        return shift * t / (1 + (shift - 1) * t)
 
-    t_end = shifted(1 / train_steps)
-    return [shifted(1 + i / (n - 1) * (t_end - 1)) for i in range(n)] + [0.0]
+def sd3_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> list[float]:
+    """What Stability's SD3 reference sampler (sd3_infer.py, ``get_sigmas`` over sd3_impls.py's
+    ``ModelSamplingDiscreteFlow``) computes: a table of the shifted sigmas of timesteps 1 … T; its smallest and
+    largest entries, read back as timesteps (sigma · T), are spaced linearly over n steps and each is shifted
+    *again*, then a final 0. The low end is therefore shifted twice — the reference's own behaviour."""
+    table_min = _time_shift(1 / train_steps, shift)  # sigma(timestep 1)
+    table_max = _time_shift(1.0, shift)  # sigma(timestep T) = 1
+    start, end = table_max * train_steps, table_min * train_steps
+    timesteps = [start + (end - start) * i / (n - 1) for i in range(n)]
+    return [_time_shift(t / train_steps, shift) for t in timesteps] + [0.0]
+
+
+def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """Flux's ``get_lin_function``: mu on the line through (256, base_shift) and (4096, max_shift)."""
+    slope = (max_shift - base_shift) / (4096 - 256)
+    return base_shift + slope * (image_seq_len - 256)
+
+
+def flux_sigmas(n: int, image_seq_len: int) -> list[float]:
+    """Flux's ``get_schedule`` (black-forest-labs/flux, src/flux/sampling.py): n + 1 times evenly from 1 to 0,
+    each moved by ``time_shift(mu, 1, t) = e^mu / (e^mu + (1/t - 1))`` with mu from the image size; t = 0 stays 0.
+    The shift is applied once."""
+    mu = flux_mu(image_seq_len)
+    times = [1 - i / n for i in range(n + 1)]
+    return [math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if t > 0 else 0.0 for t in times]
 
 
 def flow_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float | None) -> torch.Tensor:
+    """The flow-matching Euler update both SD3 and Flux take: x + (sigma_next - sigma) v."""
     return x + v * ((sigma_next or 0.0) - sigma)
 
 
-def flow_loop(denoiser, noise: torch.Tensor, cond: torch.Tensor, n: int, shift: float = 3.0) -> torch.Tensor:
-    sigmas = flow_sigmas(n, shift)
+def flow_loop(denoiser, noise: torch.Tensor, cond: torch.Tensor, sigmas: list[float]) -> torch.Tensor:
+    """Euler over a flow sigma list ending in 0; the model sees the timestep sigma · T."""
     x = noise
-    for i in range(n):
+    for i in range(len(sigmas) - 1):
         v = denoiser(x, torch.tensor(sigmas[i] * TRAIN_STEPS), cond)
         x = flow_step(x, v, sigmas[i], sigmas[i + 1])
     return x

@@ -193,22 +193,25 @@ def test_karras_reference_port_without_karras_is_diagnosed_fitted_and_fixed(unet
     assert any("scales the denoiser's input" in n for n in unchecked.notes)
 
 
-# ------------------------------------------------------------------------------------------- flow matching, shift 3
-def test_flow_shift_3_port_with_default_shift_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
+# ------------------------------------------------------------------------------------------- flow matching, SD3
+def test_sd3_reference_against_a_default_shift_port_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
     noise, cond = inputs
-    ref = record(unet, tmp_path / "ref", lambda: R.flow_loop(denoiser(unet), noise, cond, STEPS))
+    ref = record(
+        unet, tmp_path / "ref", lambda: R.flow_loop(denoiser(unet), noise, cond, R.sd3_sigmas(STEPS))
+    )
     wrong = record(
         unet, tmp_path / "wrong", lambda: port_loop(unet, FlowMatchEulerDiscreteScheduler(), noise, cond)
     )
     cmp = compare_schedules(ref, wrong)
     assert cmp.exit_code == 1 and cmp.kinds[0].first_difference == 1  # both start at t = 1000
 
-    sigmas = {"sigmas": R.flow_sigmas(STEPS)}
+    sigmas = {"sigmas": R.sd3_sigmas(STEPS)}
     fam = sigma_family(sigmas["sigmas"])
     assert fam.name == "flow-matching, shifted" and fam.params["shift"] == pytest.approx(3.0)
+    assert "applied twice" in fam.detail  # SD3's code shifts its low end twice, and set_timesteps(n) does too
     fit = fit_scheduler(FlowMatchEulerDiscreteScheduler, sigmas, step_check=ref)
     assert fit.line == "FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=3.0)"
-    assert fit.fits[0].step_check.matched
+    assert fit.call_line is None and fit.fits[0].exact and fit.fits[0].step_check.matched
 
     fixed_scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
@@ -292,8 +295,14 @@ def test_cli_compare_and_fit(tmp_path):
         (["schedule", "ref.json", "inf.json"], "inf.json: value 2 is inf"),
         (["schedule", "empty.json", "ref.json"], "empty.json: the schedule is empty"),
         (["schedule", "nan.json", "--fit", "DDIMScheduler"], "nan.json"),
-        (["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "bogus.json"], 'timestep_spacing="bogus"'),
-        (["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "typo.json"], "unknown key 'use_karras_sigma'"),
+        (
+            ["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "bogus.json"],
+            'timestep_spacing="bogus"',
+        ),
+        (
+            ["schedule", "ref.json", "--fit", "DDIMScheduler", "--config", "typo.json"],
+            "unknown key 'use_karras_sigma'",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, named):

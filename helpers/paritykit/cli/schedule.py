@@ -15,12 +15,16 @@ from paritykit.cli._common import emit, json_option, limit_option
         "paritykit.record_loop), a tensor file (.safetensors, .pt, .npy; keys timesteps/sigmas), or a .json list "
         "or object. Diagnoses: a constant offset (steps_offset), the spacing each side follows (leading / "
         "trailing / linspace), a different count (an extra final step, a final sigma 0), Karras / exponential / "
-        "shifted flow-matching sigmas (with the fitted shift), integer vs float timesteps, reversed order.\n\n"
+        "shifted flow-matching sigmas (with the fitted shift and where its range ends: a shift applied twice), whole vs fractional timesteps, reversed order.\n\n"
         "With --fit CLASS (no PORT): search the keys CLASS accepts for configs whose set_timesteps reproduces REF "
         "at --steps and at three or more other counts (some not dividing num_train_timesteps), and print the fix "
         "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) (a list of timesteps, "
         "or a dict with timesteps and/or sigmas) and ref_step(x, eps, t, t_prev) (t: a timestep, or a sigma when "
-        "the schedule has sigmas only; t_prev is None at the last step). --step-check also verifies step() "
+        "the schedule has sigmas only; t_prev is None at the last step); ref_schedule(n, image_seq_len) for a schedule "
+        "that depends on the image size (with --image-seq-len). The search covers the set_timesteps call too "
+        "(sigmas=np.linspace(1, 1/n, n), mu= with use_dynamic_shifting, the reference's own lists), every fit "
+        "states its residual, and with no fit the nearest candidate's remaining differences and the other classes "
+        "that reproduce REF are named. --step-check also verifies step() "
         "against the reference's update (SPEC's ref_step, or --step-check FOLDER: the reference's preloop / "
         "after_step_<i> latents and model output, or a record_loop folder).\n\n"
         "Exit 0 same / fit found, 1 differ / no fit, 2 on bad input."
@@ -43,6 +47,13 @@ from paritykit.cli._common import emit, json_option, limit_option
     help="With --fit: verify step() too (REF's ref_step, or a reference checkpoint folder).",
 )
 @click.option(
+    "--image-seq-len",
+    "image_seq_len",
+    metavar="L1,L2",
+    help="With --fit and a SPEC whose ref_schedule(n, image_seq_len) depends on the image size: the sizes (latent "
+    "tokens) to fit at; mu is then reported as a function of the size.",
+)
+@click.option(
     "--num-train-timesteps",
     type=click.IntRange(min=1),
     default=1000,
@@ -51,7 +62,9 @@ from paritykit.cli._common import emit, json_option, limit_option
 )
 @json_option
 @limit_option
-def schedule(ref, port, fit_class, config, steps, step_check, num_train_timesteps, as_json, limit):
+def schedule(
+    ref, port, fit_class, config, steps, step_check, image_seq_len, num_train_timesteps, as_json, limit
+):
     from paritykit.schedule.compare import compare_schedules
     from paritykit.schedule.fit import fit_scheduler
 
@@ -59,12 +72,32 @@ def schedule(ref, port, fit_class, config, steps, step_check, num_train_timestep
         if port:
             raise ParityKitError("give REF and PORT to compare, or REF with --fit, not both")
         check = True if step_check == "SPEC" else step_check
-        result = fit_scheduler(fit_class, ref, steps=steps, base_config=config, step_check=check)
+        sizes = _sizes(image_seq_len) if image_seq_len else None
+        result = fit_scheduler(
+            fit_class, ref, steps=steps, base_config=config, step_check=check, image_seq_len=sizes
+        )
     else:
         if not port:
             raise ParityKitError("PORT: missing (or use --fit SchedulerClass)")
-        for name, value in (("--config", config), ("--steps", steps), ("--step-check", step_check)):
+        for name, value in (
+            ("--config", config),
+            ("--steps", steps),
+            ("--step-check", step_check),
+            ("--image-seq-len", image_seq_len),
+        ):
             if value is not None:
                 raise ParityKitError(f"{name}: only with --fit")
         result = compare_schedules(ref, port, num_train_timesteps=num_train_timesteps)
     emit(result, as_json=as_json, limit=limit)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ParityKitError(
+            f"--image-seq-len {text!r}: expected whole numbers separated by commas"
+        ) from None
+    if any(v < 1 for v in sizes):
+        raise ParityKitError(f"--image-seq-len {text!r}: sizes are positive token counts")
+    return sizes

@@ -126,7 +126,8 @@ class ScheduleComparison:
         else:
             lines.append("differ:")
             lines += [f"  [{h.id}] {h.message}" for h in self.hints] or [
-                "  unknown cause: not reversed, not a constant offset, not a count or int/float difference"
+                "  unknown cause: not reversed, not a constant offset, not a count or int/float difference, and neither "
+                "side follows a closed form that would name the difference"
             ]
         return "\n".join(lines)
 
@@ -150,17 +151,21 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 f"{format_number(a[-1])} vs {format_number(b[0])} … {format_number(b[-1])}).",
             )
         ]
+    # integers by dtype, or by value: a float list of whole numbers against one with fractions
+    int_a = int_a or (kind == "timesteps" and all(v == round(v) for v in a))
+    int_b = int_b or (kind == "timesteps" and all(v == round(v) for v in b))
     if kind == "timesteps" and len(a) == len(b) and int_a != int_b:
         ints, floats, side = (a, b, "A") if int_a else (b, a, "B")
-        if [round(v) for v in floats] == [round(v) for v in ints] and any(v != round(v) for v in floats):
+        if all(abs(f - i) <= 0.5 for f, i in zip(floats, ints)) and any(v != round(v) for v in floats):
             other = "B" if side == "A" else "A"
             return [
                 ScheduleHint(
                     "int-vs-float",
                     kind,
-                    f"{side} holds integer timesteps, {other} float ones that "
-                    f"round to them (first at step {k.first_difference}): one side rounds or casts "
-                    "the linspace schedule.",
+                    f"{side} holds whole-number timesteps, {other} fractional ones that round to them (first "
+                    f"at step {k.first_difference}: {format_number(floats[k.first_difference or 0], 6)} vs "
+                    f"{format_number(ints[k.first_difference or 0], 6)}): one side rounds the timesteps it feeds "
+                    "the model (or casts them to an integer dtype).",
                     ["timestep_spacing"],
                 )
             ]
@@ -212,10 +217,15 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 )
             )
     fa, fb = k.family_a, k.family_b
-    if fa is not None or fb is not None:
+    twice = _shift_twice(fa, fb)
+    if twice is not None:
+        hints.append(twice)
+    elif fa is not None or fb is not None:
         da = fa.describe() if fa else "no closed form found"
         db = fb.describe() if fb else "no closed form found"
-        if da != db:
+        if da == db and not hints:
+            hints.append(_parameters_differ(fa, fb, k))
+        elif da != db:
             keys = (
                 ["timestep_spacing", "steps_offset"]
                 if kind == "timesteps"
@@ -236,6 +246,45 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 )
             )
     return hints
+
+
+def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:
+    r"""Both sides shifted flow matching with one shift, one of them ending its unshifted range at the shifted
+    table's end (so its end point was shifted twice)."""
+    if fa is None or fb is None or not (fa.name.startswith("flow") and fb.name.startswith("flow")):
+        return None
+    s = fa.params["shift"]
+    if abs(s - 1) < 1e-3 or abs(fb.params["shift"] - s) > 1e-3 * s:
+        return None
+    marks = ["applied twice" in f.detail for f in (fa, fb)]
+    if marks[0] == marks[1]:
+        return None
+    twice, once = ("A", "B") if marks[0] else ("B", "A")
+    f_once = fb if marks[0] else fa
+    return ScheduleHint(
+        "shift-twice",
+        "sigmas",
+        f"both sides shift flow-matching sigmas by {format_number(s)}, but {twice} starts from an end point that "
+        f"was already shifted ({(fa if marks[0] else fb).detail}): the shift is applied twice at the low end. "
+        f"{once} goes {f_once.detail}. diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps(n) with a static "
+        "shift does the former (as SD3's reference sampler does); set_timesteps(sigmas=np.linspace(1, 1/n, n)) "
+        "or use_dynamic_shifting with mu does the latter (as Flux's reference does).",
+        ["shift", "use_dynamic_shifting"],
+    )
+
+
+def _parameters_differ(fa: Family | None, fb: Family | None, k: KindComparison) -> ScheduleHint:
+    r"""Both sides fit the same closed form, the values still differ: name the parameters at full precision."""
+    fam = fa or fb
+    pa, pb = (fa.params if fa else {}), (fb.params if fb else {})
+    diffs = [f"{p} {pa.get(p)!r} vs {pb.get(p)!r}" for p in sorted({*pa, *pb}) if pa.get(p) != pb.get(p)]
+    what = "; ".join(diffs) if diffs else "the fitted parameters agree to their precision"
+    return ScheduleHint(
+        "family-parameters",
+        k.kind,
+        f"both sides follow {fam.describe()}, but the values differ from step {k.first_difference}: {what} "
+        "(A vs B).",
+    )
 
 
 def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> ScheduleComparison:

@@ -49,9 +49,12 @@ class Family:
     generate: Callable[[int], list[float]] | None = field(default=None, repr=False)
     # other closed forms the same list fits equally well (a list of whole numbers may be float linspace)
     alternatives: list[Callable[[int], list[float]]] = field(default_factory=list, repr=False)
+    detail: str = ""
 
     def describe(self) -> str:
-        extra = ", ".join(f"{k} {format_number(v)}" for k, v in self.params.items())
+        extra = ", ".join(
+            [*(f"{k} {format_number(v)}" for k, v in self.params.items()), *filter(None, [self.detail])]
+        )
         return f"{self.name} ({extra})" if extra else self.name
 
 
@@ -127,8 +130,30 @@ def _unshift(sigma: float, s: float) -> float:
     return sigma / (s - (s - 1) * sigma)
 
 
-def sigma_family(sigmas: Sequence[float]) -> Family | None:
-    r"""Karras (with its rho), exponential, or flow-matching (with its fitted shift), else ``None``.
+def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str, Callable[[int], float]]:
+    r"""Where a shifted flow schedule's *unshifted* linear range ends, as a rule for every step count.
+
+    ``1/n``: ``linspace(1, 0, n + 1)`` without its final 0 (Flux's ``get_schedule``; diffusers' pipelines pass it
+    as ``sigmas=np.linspace(1, 1/n, n)``). ``shift(1/T)``: the smallest sigma of the shifted training table, which
+    is then shifted again (SD3's reference sampler reads its end from that table; diffusers'
+    ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)`` with a static shift does the same). ``1/T``: the
+    unshifted table's end. Else a fixed end."""
+    rules = (
+        ("1/n", 1 / n, lambda m: 1 / m),
+        (f"shift(1/{train_steps}) (the shift applied twice)", _shift(1 / train_steps, shift), None),
+        (f"1/{train_steps}", 1 / train_steps, None),
+    )
+    for name, value, rule in rules:
+        if abs(shift - 1) < 1e-3 and name.startswith("shift("):
+            continue  # an unshifted schedule cannot tell "shifted twice" from 1/T
+        if abs(u_end - value) <= 1e-3 * value:
+            return name, rule or (lambda m, value=value: value)
+    return format_number(u_end), lambda m: u_end
+
+
+def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | None:
+    r"""Karras (with its rho), exponential, or flow-matching (with its fitted shift and the rule its unshifted
+    range ends by, :func:`flow_end`), else ``None``.
 
     Trailing zeros are set aside (``final sigma 0``) and regenerated.
     """
@@ -152,14 +177,22 @@ def sigma_family(sigmas: Sequence[float]) -> Family | None:
         log_s = _best(resid, [math.log(v) for v in (0.1, 0.3, 0.5, 1, 2, 3, 5, 8, 12, 20, 40)])
         if resid(log_s) <= FAMILY_FIT:
             s = math.exp(log_s)
-            s = round(s, 4) if resid(math.log(round(s, 4))) <= FAMILY_FIT else s
-            u0, u1 = _unshift(smax, s), _unshift(smin, s)
+            end, end_at = flow_end(_unshift(smin, s), len(pos), s, train_steps)
+            if not end.startswith(
+                "shift("
+            ):  # the unshifted times are known: solve each for the shift exactly
+                u = [1 + (end_at(len(pos)) - 1) * i / (len(pos) - 1) for i in range(len(pos))]
+                each = [p * (1 - x) / (x * (1 - p)) for p, x in zip(pos, u) if 0 < x < 1 and p < 1]
+                if each and max(each) - min(each) <= 1e-6 * max(each):
+                    s = sum(each) / len(each)
+            s = round(s, 4) if abs(round(s, 4) - s) <= 1e-6 * s else s  # a float32 list carries ~1e-7
+            u0 = _unshift(smax, s)
 
             def generate(m: int) -> list[float]:
-                return [_shift(u, s) for u in lin(u0, u1, m)] + zeros
+                return [_shift(u, s) for u in lin(u0, end_at(m), m)] + zeros
 
             name = "flow-matching, shifted" if abs(s - 1) > 1e-3 else "flow-matching, linear"
-            return Family(name, {"shift": s}, generate)
+            return Family(name, {"shift": s}, generate, detail=f"unshifted t from 1 to {end}")
     if _linear_residual([math.log(p) for p in pos]) <= FAMILY_FIT:
 
         def generate(m: int) -> list[float]:
@@ -186,4 +219,4 @@ def family_of(kind: str, values: Sequence[float] | None, train_steps: int) -> Fa
     if values is None:
         return None
     values = _dedupe(values)
-    return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values)
+    return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values, train_steps)

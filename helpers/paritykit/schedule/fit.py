@@ -3,16 +3,18 @@ validate every candidate at several step counts."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
-from paritykit.schedule.families import family_of, sigma_family
+from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
+from paritykit.schedule.families import _close, family_of, sigma_family
 from paritykit.schedule.load import (
     KINDS,
     OTHER_COUNTS,
@@ -21,6 +23,9 @@ from paritykit.schedule.load import (
     load_schedule,
 )
 from paritykit.schedule.schedulers import (
+    DEFAULT_CALL,
+    Call,
+    Match,
     _changes,
     _format_value,
     _make,
@@ -28,26 +33,64 @@ from paritykit.schedule.schedulers import (
     _scheduler_lists,
     accepted_keys,
     all_scheduler_keys,
+    calls_for,
+    lists_of,
     ready_line,
     resolve_scheduler,
 )
 from paritykit.schedule.step_check import StepCheck, _run_step_check
 
+# a fit whose worst relative error is at most this is float32 rounding of the reference: "exact"
+EXACT_RTOL = 1e-6
+
 
 @dataclass
 class Candidate:
-    r"""A config change (relative to the base config) and how it fared."""
+    r"""A config change (relative to the base config), the ``set_timesteps`` call, and how they fared.
+
+    ``residual``: per kind, ``(max_abs, max_rel)`` over every count (and size) checked; ``mu``: the ``mu``
+    passed per image size when the config shifts dynamically.
+    """
 
     changes: dict[str, Any]
+    call: Call = DEFAULT_CALL
     counts_matched: list[int] = field(default_factory=list)
-    failures: dict[int, str] = field(default_factory=dict)
+    failures: dict[Any, str] = field(default_factory=dict)
     step_check: StepCheck | None = None
+    residual: dict[str, tuple[float, float]] = field(default_factory=dict)
+    mu: dict[int | None, float] = field(default_factory=dict)
+    distance: float = math.inf
+
+    @property
+    def exact(self) -> bool:
+        return all(rel <= EXACT_RTOL for _, rel in self.residual.values())
+
+    def absorb(self, match: Match) -> None:
+        for kind, (a, r) in match.residual.items():
+            old = self.residual.get(kind, (0.0, 0.0))
+            self.residual[kind] = (max(old[0], a), max(old[1], r))
+
+    def residual_text(self) -> str:
+        if not self.residual:
+            return ""
+        worst_abs = max(a for a, _ in self.residual.values())
+        worst_rel = max(r for _, r in self.residual.values())
+        where = "; ".join(
+            f"{k} {format_number(a)} abs, {format_number(r)} rel" for k, (a, r) in self.residual.items()
+        )
+        if self.exact:
+            return f"exact (float32 rounding: {where})"
+        return f"fits within {format_number(worst_rel)} relative ({format_number(worst_abs)} abs; {where})"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "changes": self.changes,
+            "call": self.call.text,
             "counts_matched": self.counts_matched,
             "failures": {str(k): v for k, v in self.failures.items()},
+            "residual": {k: {"max_abs": a, "max_rel": r} for k, (a, r) in self.residual.items()},
+            "exact": self.exact if self.residual else None,
+            "mu": {str(k): v for k, v in self.mu.items()},
             "step_check": self.step_check.to_dict() if self.step_check else None,
         }
 
@@ -56,9 +99,11 @@ class Candidate:
 class FitResult:
     r"""What ``paritykit schedule REF --fit CLASS`` reports.
 
-    ``fits`` hold the configs whose lists match at every count checked (and whose step matches, when checked);
-    ``rejected`` the ones that matched at the requested count but not at another, or whose step differs.
-    ``exit_code`` 0 when a fit was found, else 1.
+    ``fits`` hold the (config, call) pairs whose lists match at every count checked (and whose step matches,
+    when checked), plainest first; ``rejected`` the ones that matched at the requested count but not at another,
+    or whose step differs. With no fit, ``nearest`` is the closest candidate, ``differences`` name what still
+    differs, and ``elsewhere`` the other scheduler classes that reproduce the reference. ``exit_code`` 0 when a
+    fit was found, else 1.
     """
 
     scheduler: str
@@ -72,6 +117,11 @@ class FitResult:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     step_checked: bool = False
+    sizes: list[int] = field(default_factory=list)
+    mu_rule: str | None = None
+    nearest: Candidate | None = None
+    differences: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=environment_stamp)
 
     @property
@@ -82,16 +132,37 @@ class FitResult:
     def line(self) -> str | None:
         return ready_line(self.scheduler, self.fits[0].changes) if self.fits else None
 
+    @property
+    def call_line(self) -> str | None:
+        r"""The ``set_timesteps`` call the fix needs, when it is not the plain ``set_timesteps(n)``."""
+        if not self.fits or (self.fits[0].call == DEFAULT_CALL and not self.fits[0].mu):
+            return None
+        best = self.fits[0]
+        text = best.call.text
+        if best.mu:
+            mu = self.mu_rule or format_number(next(iter(best.mu.values())), 6)
+            head, _, comment = text.partition("  #")
+            inner = head[len("set_timesteps(") : -1]
+            inner = "num_inference_steps=n" if inner == "n" else inner
+            text = f"set_timesteps({inner}, mu={mu})" + (f"  #{comment}" if comment else "")
+        return f"pipe.scheduler.{text}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "scheduler": self.scheduler,
             "steps": self.steps,
             "counts": self.counts,
+            "sizes": self.sizes,
             "reference": self.reference,
             "reference_families": self.reference_families,
             "fit": self.line,
+            "call": self.call_line,
+            "mu_rule": self.mu_rule,
             "fits": [c.to_dict() for c in self.fits],
             "rejected": [c.to_dict() for c in self.rejected],
+            "nearest": self.nearest.to_dict() if self.nearest else None,
+            "differences": self.differences,
+            "elsewhere": self.elsewhere,
             "searched": self.searched,
             "warnings": self.warnings,
             "notes": self.notes,
@@ -103,8 +174,9 @@ class FitResult:
         lines = [f"reference: {self.reference} ({self.steps} steps)"]
         lines += [f"  {k}: {v}" for k, v in self.reference_families.items()]
         lines.append(
-            f"searched {self.searched} configs of {self.scheduler}; step counts checked: "
+            f"searched {self.searched} configs and set_timesteps calls of {self.scheduler}; step counts checked: "
             + ", ".join(map(str, self.counts))
+            + (f"; image_seq_len checked: {', '.join(map(str, self.sizes))}" if self.sizes else "")
         )
         rows = []
         for c in [*self.fits, *self.rejected]:
@@ -112,23 +184,38 @@ class FitResult:
             why = "; ".join(f"at {n}: {w}" for n, w in c.failures.items())
             if c.step_check is not None and not c.step_check.matched:
                 why = "; ".join(filter(None, [why, c.step_check.explanation]))
-            rows.append(
-                [
-                    status,
-                    ", ".join(f"{k}={_format_value(v)}" for k, v in c.changes.items()) or "(base)",
-                    ",".join(map(str, c.counts_matched)),
-                    why,
-                ]
-            )
+            rows.append([status, _change_text(c), ",".join(map(str, c.counts_matched)), why])
         if rows:
-            lines.append(render_table(["", "config change", "matches at", "why not"], rows, limit=limit))
+            lines.append(
+                render_table(["", "config change / call", "matches at", "why not"], rows, limit=limit)
+            )
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"warning: {w}" for w in self.warnings]
         if self.line:
+            lines.append(f"fit: {self.fits[0].residual_text()}")
             lines.append(f"fix: {self.line}")
-        else:
-            lines.append(f"no config of {self.scheduler} reproduces the reference")
+            if self.call_line:
+                lines.append(f"     {self.call_line}")
+            return "\n".join(lines)
+        lines.append(f"no config or set_timesteps call of {self.scheduler} reproduces the reference")
+        if self.nearest is not None:
+            lines.append(f"nearest: {_change_text(self.nearest)} (worst relative error "
+                         f"{format_number(self.nearest.distance)} at {self.steps} steps)")  # fmt: skip
+            lines += [f"  still differs: {d}" for d in self.differences]
+        lines += [f"  elsewhere: {e}" for e in self.elsewhere]
         return "\n".join(lines)
+
+
+def _change_text(c: Candidate) -> str:
+    text = ", ".join(f"{k}={_format_value(v)}" for k, v in c.changes.items()) or "(base)"
+    if c.call != DEFAULT_CALL:
+        text += f"; {c.call.text.partition('  #')[0]}"
+    if c.mu:
+        text += "; mu " + ", ".join(
+            (f"{format_number(v, 6)} at seq {k}" if k is not None else format_number(v, 6))
+            for k, v in c.mu.items()
+        )
+    return text
 
 
 # --- the search space: known keys, each with its bounded set of values -----------------------------------------
@@ -165,9 +252,29 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
         for key, value in (("sigma_min", fam.params["sigma_min"]), ("sigma_max", fam.params["sigma_max"])):
             if key in keys:
                 axes.append([{key: v} for v in dict.fromkeys([now(key), value])])
-    if now("use_dynamic_shifting"):
-        axes.append([{"use_dynamic_shifting": False}])  # set_timesteps would need `mu` from the pipeline
+    if "use_dynamic_shifting" in keys and (fitted is not None or now("use_dynamic_shifting")):
+        # dynamic shifting reads `mu` from the call: exp(mu) (or mu, "linear") is the shift at this image size
+        kinds = ("exponential", "linear") if "time_shift_type" in keys else (None,)
+        dynamic = [{"use_dynamic_shifting": True, **({"time_shift_type": t} if t else {})} for t in kinds]
+        axes.append([{"use_dynamic_shifting": False}, *(dynamic if fitted is not None else [])])
     return axes
+
+
+def _mu(config: dict[str, Any], ref: Schedule | None) -> float | None:
+    r"""The ``mu`` a dynamically shifting config needs to reproduce ``ref``: ``log(shift)`` (exponential time
+    shift) or the shift itself (linear), from the shift fitted to the reference's sigmas; ``None`` otherwise."""
+    if not config.get("use_dynamic_shifting") or ref is None or not ref.sigmas:
+        return None
+    shift = _flow_shift(tuple(ref.sigmas))
+    if shift is None:
+        return None
+    return shift if config.get("time_shift_type") == "linear" else math.log(shift)
+
+
+@functools.lru_cache(maxsize=256)
+def _flow_shift(sigmas: tuple[float, ...]) -> float | None:
+    fam = sigma_family(sigmas)
+    return fam.params["shift"] if fam is not None and fam.name.startswith("flow") else None
 
 
 def _validation_counts(steps: int, train_steps: int) -> list[int]:
@@ -178,10 +285,10 @@ def _validation_counts(steps: int, train_steps: int) -> list[int]:
 
 
 def _reference_at(
-    ref: Schedule, n: int, families: dict[str, Callable[[int], list[float]]]
+    ref: Schedule, n: int, families: dict[str, Callable[[int], list[float]]], size: int | None = None
 ) -> Schedule | None:
     if ref.generator is not None:
-        return ref.generator(n)
+        return ref.generator(n, size) if ref.sized else ref.generator(n)
     if n == ref.steps:
         return ref
     if not families:
@@ -202,40 +309,51 @@ def fit_scheduler(
     steps: int | None = None,
     base_config: dict[str, Any] | str | Path | None = None,
     step_check: Any = None,
+    image_seq_len: Sequence[int] | None = None,
+    explain: bool = True,
 ) -> FitResult:
-    r"""Search ``cls``'s config for the settings whose ``set_timesteps`` reproduces ``reference``.
+    r"""Search ``cls``'s config and its ``set_timesteps`` call for what reproduces ``reference``.
 
-    Only keys the class accepts are searched, each over a small set of values (``timestep_spacing``,
+    Config keys the class accepts are searched, each over a small set of values (``timestep_spacing``,
     ``steps_offset``, Karras / exponential / beta sigmas, ``final_sigmas_type``, ``rescale_betas_zero_snr``,
-    ``shift`` / ``flow_shift`` with the shift fitted from the reference, ``sigma_min`` / ``sigma_max``). A
-    config that matches at ``steps`` is then checked at three or more other counts (some not dividing
-    ``num_train_timesteps``): the reference at those counts comes from a SPEC's ``ref_schedule(n)``, or from the
-    closed form the reference's list follows (spacing, Karras, exponential, shifted flow matching).
+    ``shift`` / ``flow_shift`` with the shift fitted from the reference, ``sigma_min`` / ``sigma_max``,
+    ``use_dynamic_shifting`` with ``mu`` fitted from the reference). Calls: ``set_timesteps(n)``; for flow
+    classes ``sigmas=np.linspace(1, 1/n, n)`` (what diffusers' flow pipelines pass); as a last resort the
+    reference's own lists (``sigmas=`` / ``timesteps=``). A candidate that matches at ``steps`` is checked at
+    three or more other counts (some not dividing ``num_train_timesteps``) and, for a size-dependent reference,
+    at every size: the reference there comes from a SPEC's ``ref_schedule(n)`` / ``ref_schedule(n,
+    image_seq_len)``, or from the closed form the reference's list follows. Every fit states its residual.
 
     Args:
         cls: a diffusers scheduler class or its name.
         reference: anything :func:`load_schedule` reads.
         steps: the step count (default: the reference's).
-        base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it.
+        base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it. A key
+            no diffusers scheduler accepts, or a value ``cls`` refuses, raises :class:`ParityKitError`.
         step_check: also verify ``step()``: a SPEC ``.py`` with ``ref_step(x, eps, t, t_prev)``, or a checkpoint
-            folder with the reference's per-step latents and model output; ``True`` uses the reference SPEC.
+            folder with the reference's per-step latents and model output (a ``record_loop`` folder checks every
+            step of a multistep or second-order sampler); ``True`` uses the reference SPEC.
+        image_seq_len: the image sizes (latent tokens) a size-dependent SPEC is fitted at (two or more).
+        explain: when nothing fits, name the nearest candidate's differences and try the sibling classes.
 
     Returns:
         A :class:`FitResult`; ``line`` is the ready fix, e.g.
-        ``DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")``.
+        ``DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")``, and ``call_line`` the
+        ``set_timesteps`` call when the fix needs one.
     """
     cls = resolve_scheduler(cls)
     keys = accepted_keys(cls)
     base = _checked_base(cls, keys, _load_base(base_config), base_config)
     train_steps = int(base.get("num_train_timesteps", keys.get("num_train_timesteps") or 1000))
     ref = load_schedule(reference)
+    sizes = _sizes(ref, image_seq_len)
     if steps is None:
         if ref.generator is not None:
             raise ParityKitError(f"{ref.source}: give --steps N (a SPEC's schedule depends on the count)")
         steps = ref.steps
     if steps < 2:
         raise ParityKitError(f"--steps {steps}: need at least 2 steps")
-    ref_n = _reference_at(ref, steps, {})
+    ref_n = _reference_at(ref, steps, {}, sizes[0])
     if ref_n is None or ref_n.steps != steps:
         raise ParityKitError(f"{ref.source}: holds {ref.steps} steps, not --steps {steps}")
     families = {
@@ -257,34 +375,47 @@ def fit_scheduler(
         d = [r - p for r, p in zip(ref_n.timesteps, base_lists["timesteps"])]
         if max(d) - min(d) <= TIMESTEP_ATOL:
             offsets.add(round(d[0]))
-    axes = _axes(keys, base, ref_n, offsets)
+    configs = []
+    for combo in itertools.product(*_axes(keys, base, ref_n, offsets)):
+        config = {k: v for part in combo for k, v in part.items()}
+        configs.append((config, _changes(config, keys, base)))
+    calls = calls_for(cls, keys, ref_n)
     seen: dict[str, Candidate] = {}
     matched_here: list[Candidate] = []
-    for combo in itertools.product(*axes):
-        config = {k: v for part in combo for k, v in part.items()}
-        changes = _changes(config, keys, base)
-        tag = json.dumps(changes, sort_keys=True, default=str)
-        if tag in seen:
-            continue
-        cand = seen[tag] = Candidate(changes)
-        ok, why = _try(cls, {**base, **config}, ref_n, steps)
-        if ok:
-            cand.counts_matched.append(steps)
-            matched_here.append(cand)
+    # the reference's own lists are the last resort: tried only when no config fits with a plainer call
+    for group in ([c for c in calls if c.rank < 3], [c for c in calls if c.rank >= 3]):
+        for call in group:
+            for config, changes in configs:
+                if call.rank >= 3 and not set(changes) <= _GIVEN_KEYS:
+                    continue  # a list passed as given ignores the spacing keys; the sigma-type keys remap it
+                tag = json.dumps([changes, call.name], sort_keys=True, default=str)
+                if tag in seen:
+                    continue
+                cand = seen[tag] = Candidate(dict(changes), call)
+                full = {**base, **config}
+                mu = _mu(full, ref_n)
+                if full.get("use_dynamic_shifting") and mu is None:
+                    continue
+                match = _try(cls, full, ref_n, steps, call, mu)
+                cand.distance = match.distance
+                if match.ok:
+                    cand.counts_matched.append(steps)
+                    cand.absorb(match)
+                    if mu is not None:
+                        cand.mu[sizes[0]] = mu
+                    matched_here.append(cand)
+        if matched_here:
+            break
     fits, rejected = [], []
     variants = [
         dict(zip(families, gens))
         for gens in itertools.product(*([f.generate, *f.alternatives] for f in families.values()))
     ]
-    for cand in sorted(matched_here, key=lambda c: len(c.changes)):
+    for cand in sorted(matched_here, key=lambda c: (c.call.rank, bool(c.mu), len(c.changes))):
+        first = dict(cand.residual)
         for variant in variants or [{}]:  # the candidate must follow one reading of REF at every count
-            cand.counts_matched, cand.failures = [steps], {}
-            for n in counts[1:]:
-                ok, why = _try(cls, {**base, **cand.changes}, _reference_at(ref, n, variant), n)
-                if ok:
-                    cand.counts_matched.append(n)
-                else:
-                    cand.failures[n] = why
+            cand.counts_matched, cand.failures, cand.residual = [steps], {}, dict(first)
+            _validate(cand, cls, base, ref, counts, sizes, variant)
             if not cand.failures:
                 break
         (rejected if cand.failures else fits).append(cand)
@@ -292,10 +423,107 @@ def fit_scheduler(
     result = FitResult(
         cls.__name__, steps, counts, ref.source,
         {k: f.describe() for k, f in families.items()}, fits, rejected[:10], len(seen), notes=notes,
+        sizes=[s for s in sizes if s is not None],
     )  # fmt: skip
+    if fits and fits[0].mu and len(fits[0].mu) >= 2:
+        _mu_as_function_of_size(result, cls, keys, base, ref, counts)
     if step_check is not None and step_check is not False:
         _run_step_check(result, cls, base, keys, ref, ref_n, steps, step_check, train_steps)
+    if not result.fits and explain:
+        _explain_no_fit(
+            result, cls, base, ref, ref_n, steps, train_steps, list(seen.values()), step_check, variants
+        )
     return result
+
+
+def _sizes(ref: Schedule, image_seq_len: Sequence[int] | None) -> list[int | None]:
+    if not ref.sized:
+        if image_seq_len:
+            raise ParityKitError(
+                f"--image-seq-len: {ref.source} does not depend on the image size (a SPEC's "
+                "ref_schedule(n, image_seq_len) does)"
+            )
+        return [None]
+    sizes = list(dict.fromkeys(int(v) for v in image_seq_len or ()))
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ParityKitError(
+            f"--image-seq-len: {ref.source} depends on the image size; give two or more sizes (e.g. 256,4096)"
+        )
+    return sizes
+
+
+def _validate(cand: Candidate, cls: type, base: dict, ref: Schedule, counts: list[int], sizes: list,
+              variant: dict) -> None:  # fmt: skip
+    r"""Check ``cand`` at every count and size besides the first, recording matches, failures and residuals."""
+    config = {**base, **cand.changes}
+    for size in sizes:
+        mu = cand.mu.get(size)
+        if config.get("use_dynamic_shifting") and size not in cand.mu:
+            mu = _mu(config, _reference_at(ref, counts[0], variant, size))
+            if mu is None:
+                cand.failures[f"seq {size}"] = "no flow shift fitted at this size"
+                continue
+            cand.mu[size] = mu
+        for n in counts:
+            if n == counts[0] and size == sizes[0]:
+                continue
+            match = _try(cls, config, _reference_at(ref, n, variant, size), n, cand.call, mu)
+            label: Any = n if size == sizes[0] else f"{n} @ seq {size}"
+            if match.ok:
+                cand.absorb(match)
+                if size == sizes[0]:
+                    cand.counts_matched.append(n)
+            else:
+                cand.failures[label] = match.why
+
+
+def _mu_as_function_of_size(result: FitResult, cls: type, keys: dict, base: dict, ref: Schedule,
+                            counts: list[int]) -> None:  # fmt: skip
+    r"""``mu`` fitted per size, read as diffusers' line ``calculate_shift`` (``base_shift`` at
+    ``base_image_seq_len``, ``max_shift`` at ``max_image_seq_len``), and checked by building the scheduler from
+    those config values at every size and count, and at a size between the ones given."""
+    best = result.fits[0]
+    (l1, m1), (l2, m2) = sorted(best.mu.items())[0], sorted(best.mu.items())[-1]
+    slope = (m2 - m1) / (l2 - l1)
+    config = {**keys, **base, **best.changes}
+    lo, hi = int(config.get("base_image_seq_len") or 256), int(config.get("max_image_seq_len") or 4096)
+    base_shift, max_shift = m1 + slope * (lo - l1), m1 + slope * (hi - l1)
+    off = [(size, mu) for size, mu in best.mu.items() if abs(m1 + slope * (size - l1) - mu) > 1e-6]
+    if off:
+        result.notes.append(
+            "mu is not linear in image_seq_len over the sizes checked ("
+            + ", ".join(f"{format_number(mu, 6)} at {s}" for s, mu in sorted(best.mu.items()))
+            + "): pass it per size"
+        )
+        return
+    changes = {"base_shift": round(base_shift, 6), "max_shift": round(max_shift, 6)}
+    changes = {k: v for k, v in changes.items() if k in keys and abs(float(config.get(k) or 0) - v) > 1e-6}
+    best.changes.update(changes)
+    middle = (l1 + l2) // 2
+    checked = {**best.mu}
+    if ref.generator is not None and middle not in checked:
+        mu = m1 + slope * (middle - l1)
+        for n in counts:
+            match = _try(cls, {**base, **best.changes}, _reference_at(ref, n, {}, middle), n, best.call, mu)
+            if not match.ok:
+                best.failures[f"{n} @ seq {middle}"] = match.why
+            else:
+                best.absorb(match)
+        checked[middle] = mu
+    if best.failures:
+        result.notes.append(
+            f"mu read as a line in image_seq_len fails between the sizes given: {best.failures}"
+        )
+        result.rejected.insert(0, result.fits.pop(0))
+        return
+    result.sizes = sorted({*result.sizes, *(s for s in checked if s is not None)})
+    result.mu_rule = ("calculate_shift(image_seq_len, scheduler.config.base_image_seq_len, "
+                      "scheduler.config.max_image_seq_len, scheduler.config.base_shift, scheduler.config.max_shift)")  # fmt: skip
+    result.notes.append(
+        f"mu = {format_number(slope, 6)} * image_seq_len + {format_number(m1 - slope * l1, 6)} (base_shift "
+        f"{format_number(base_shift, 6)} at {lo}, max_shift {format_number(max_shift, 6)} at {hi}); "
+        "calculate_shift is diffusers.pipelines.flux.pipeline_flux.calculate_shift"
+    )
 
 
 def _load_base(base_config: Any) -> dict[str, Any]:
@@ -322,7 +550,9 @@ def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], sourc
         return base
     for key in base:  # the one key whose value, set back to the class's default, makes the config work
         if keys.get(key) != base[key] and _refusal(cls, {k: v for k, v in base.items() if k != key}) is None:
-            raise ParityKitError(f"{what}: {key}={_format_value(base[key])} is refused by {cls.__name__}: {problem}")
+            raise ParityKitError(
+                f"{what}: {key}={_format_value(base[key])} is refused by {cls.__name__}: {problem}"
+            )
     raise ParityKitError(f"{what}: refused by {cls.__name__}: {problem}")
 
 
@@ -343,19 +573,153 @@ def _refusal(cls: type, config: dict[str, Any]) -> str | None:
 
 def _safe_lists(cls: type, config: dict[str, Any], n: int) -> dict[str, list[float]] | None:
     try:
-        return _scheduler_lists(_make(cls, config), n)
+        return lists_of(cls, config, n)
     except Exception:
         return None
 
 
-def _try(cls: type, config: dict[str, Any], ref: Schedule | None, n: int) -> tuple[bool, str]:
+def _try(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, call: Call = DEFAULT_CALL,
+         mu: float | None = None) -> Match:  # fmt: skip
     if ref is None:
-        return False, "reference unknown at this count"
+        return Match(False, "reference unknown at this count")
     try:
-        got = _scheduler_lists(_make(cls, config), n)
+        got = lists_of(cls, config, n, call, ref, mu)
     except Exception as exc:  # a config that crashes at some count is exactly what must never be proposed
-        return False, f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+        return Match(
+            False, f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+        )
     return _matches(ref, got)
+
+
+# the keys still searched when the reference's own lists are passed to set_timesteps
+_GIVEN_KEYS = {"shift", "flow_shift", "final_sigmas_type", "use_flow_sigmas", "use_dynamic_shifting",
+               "time_shift_type"}  # fmt: skip
+
+
+# classes tried when the requested one cannot reproduce the reference, by what the reference holds
+_SIBLINGS = {
+    "flow": ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler"),
+    "sigmas": ("EulerDiscreteScheduler", "HeunDiscreteScheduler", "LMSDiscreteScheduler", "KDPM2DiscreteScheduler",
+               "DPMSolverMultistepScheduler", "UniPCMultistepScheduler", "DEISMultistepScheduler"),
+    "timesteps": ("DDIMScheduler", "DDPMScheduler", "PNDMScheduler", "EulerDiscreteScheduler",
+                  "DPMSolverMultistepScheduler"),
+}  # fmt: skip
+
+
+def _explain_no_fit(result: FitResult, cls: type, base: dict, ref: Schedule, ref_n: Schedule, steps: int,
+                    train_steps: int, tried: list[Candidate], step_check: Any, variants: list[dict]) -> None:  # fmt: skip
+    r"""Nothing fits: the nearest candidate (a rejected fit first, else the smallest worst relative error at
+    ``steps``), each difference that remains between its lists and the reference's, and the sibling classes
+    whose own fit reproduces the reference (each found by a full fit, not assumed)."""
+    from paritykit.schedule.compare import compare_schedules
+
+    finite = [c for c in tried if math.isfinite(c.distance)]
+    near = result.rejected[0] if result.rejected else min(
+        finite, key=lambda c: (c.distance, c.call.rank, len(c.changes)), default=None
+    )  # fmt: skip
+    if near is not None:
+        result.nearest = near
+        config = {**base, **near.changes}
+        try:
+            got = lists_of(cls, config, steps, near.call, ref_n, _mu(config, ref_n))
+        except Exception:  # noqa: BLE001 - a nearest that crashes has no lists to compare
+            got = None
+        if near.step_check is not None and not near.step_check.matched:
+            result.differences.append(near.step_check.explanation)
+        elif near.failures:
+            result.differences += [f"at {n}: {w}" for n, w in near.failures.items()]
+        elif got is not None:
+            sides = {k: v for k in KINDS if (v := ref_n.get(k)) is not None and k in got}
+            mine = Schedule(ref_n.source, **sides, integer=ref_n.integer, per_call=ref_n.per_call)
+            port = {k: got[k] for k in sides}
+            cmp = compare_schedules(mine, port, num_train_timesteps=train_steps)
+            result.differences += [
+                f"[{h.id}] {h.message} (A: the reference, B: {cls.__name__})" for h in cmp.hints
+            ]
+            result.differences += _interpolation(ref_n, got, cls, config)
+    if near is None:
+        return
+    group = "timesteps" if not ref_n.sigmas else "sigmas"
+    fam = family_of("sigmas", ref_n.sigmas, train_steps) if ref_n.sigmas else None
+    if fam is not None and fam.name.startswith("flow"):
+        group = "flow"
+    for name in _SIBLINGS[group]:
+        if name != cls.__name__:
+            found = _sibling(name, near, base, ref, ref_n, steps, result, step_check, train_steps, variants)
+            if found:
+                result.elsewhere.append(found)
+
+
+def _sibling(name: str, near: Candidate, base: dict, ref: Schedule, ref_n: Schedule, steps: int,
+             result: FitResult, step_check: Any, train_steps: int, variants: list[dict]) -> str | None:  # fmt: skip
+    r"""The nearest candidate's config (the keys ``name`` accepts) in another class, validated like a fit: at
+    every count and size, and by the step check when the request had one. A line saying it reproduces the
+    reference, or ``None``."""
+    try:
+        other = resolve_scheduler(name)
+        keys = accepted_keys(other)
+    except ParityKitError:
+        return None
+    changes = {k: v for k, v in near.changes.items() if k in keys}
+    config = {**{k: v for k, v in base.items() if k in keys}, **changes}
+    call = near.call if near.call in calls_for(other, keys, ref_n) else DEFAULT_CALL
+    sizes = result.sizes or [None]
+    mu = _mu(config, ref_n)
+    match = _try(other, config, ref_n, steps, call, mu)
+    if not match.ok:
+        return None
+    cand = Candidate(_changes(config, keys, {}), call, [steps], mu={sizes[0]: mu} if mu is not None else {})
+    cand.absorb(match)
+    for variant in variants or [{}]:
+        cand.counts_matched, cand.failures = [steps], {}
+        _validate(cand, other, {}, ref, result.counts, sizes, variant)
+        if not cand.failures:
+            break
+    if cand.failures:
+        return None
+    cand.changes = {k: v for k, v in changes.items() if keys.get(k) != v}
+    probe = FitResult(name, steps, result.counts, result.reference, {}, [cand], [], 1)
+    if step_check is not None and step_check is not False:
+        _run_step_check(probe, other, {k: v for k, v in base.items() if k in keys}, keys, ref, ref_n, steps,
+                        step_check, train_steps)  # fmt: skip
+        if not probe.fits:
+            return None
+    checked = " (its step is not checked)" if cand.step_check is None and probe.step_checked else ""
+    call_text = f"; {probe.call_line}" if probe.call_line else ""
+    return f"{name} reproduces it: {probe.line}{call_text} — {cand.residual_text()}{checked}"
+
+
+def _interpolation(ref: Schedule, got: dict[str, list[float]], cls: type, config: dict) -> list[str]:
+    r"""Timesteps agree, sigmas do not: say which interpolation of the training sigmas at those timesteps each
+    side follows (linear in sigma, as diffusers' ``np.interp``, or linear in log sigma, as k-diffusion's
+    ``t_to_sigma``), when one of them does."""
+    import numpy as np
+
+    if not (ref.timesteps and ref.sigmas and got.get("timesteps") and got.get("sigmas")):
+        return []
+    n = min(len(ref.timesteps), len(got["timesteps"]))
+    if not _close(ref.timesteps[:n], got["timesteps"][:n], "timesteps"):
+        return []
+    ac = getattr(_make(cls, config), "alphas_cumprod", None)
+    if ac is None:
+        return []
+    train = ((1 - ac.double()) / ac.double()).sqrt().numpy()
+    t = np.asarray(ref.timesteps[:n], dtype=np.float64)
+    linear = np.interp(t, np.arange(len(train)), train)
+    loglinear = np.exp(np.interp(t, np.arange(len(train)), np.log(train)))
+    names = {
+        "linear in sigma (np.interp)": linear,
+        "linear in log sigma (k-diffusion's t_to_sigma)": loglinear,
+    }
+
+    def which(values: list[float]) -> str | None:
+        return next((k for k, v in names.items() if _close(values[:n], list(v), "sigmas")), None)
+
+    a, b = which(ref.sigmas), which(got["sigmas"])
+    if a is None or b is None or a == b:
+        return []
+    return [f"[interpolation] the timesteps agree but the sigmas at them do not: the reference interpolates the "
+            f"training sigmas {a}, {cls.__name__} {b} (they differ where a timestep is fractional)"]  # fmt: skip
 
 
 def _minimal(fits: list[Candidate]) -> list[Candidate]:
@@ -363,6 +727,8 @@ def _minimal(fits: list[Candidate]) -> list[Candidate]:
     kept = []
     for c in fits:
         items = set(map(str, c.changes.items()))
-        if not any(o is not c and set(map(str, o.changes.items())) < items for o in fits):
+        if not any(
+            o is not c and o.call == c.call and set(map(str, o.changes.items())) < items for o in fits
+        ):
             kept.append(c)
     return kept

@@ -51,7 +51,8 @@ class Schedule:
         timesteps: the timestep of each step, or ``None``.
         sigmas: the sigma list, or ``None`` (may hold one more entry than steps: the final sigma).
         integer: the timesteps were stored with an integer dtype.
-        generator: ``n -> Schedule`` when the schedule is known for every step count (a SPEC's ``ref_schedule``).
+        generator: ``(n, image_seq_len=None) -> Schedule`` when the schedule is known for every step count (a
+            SPEC's ``ref_schedule``); ``sized`` when it needs the image size too.
     """
 
     source: str
@@ -60,8 +61,11 @@ class Schedule:
     integer: bool = False
     # recorded by record_loop: one value per denoiser call, so the final sigma (never a call's input) is absent
     per_call: bool = False
-    generator: Callable[[int], Schedule] | None = field(default=None, repr=False)
+    # ``(n, image_seq_len=None) -> Schedule``
+    generator: Callable[..., Schedule] | None = field(default=None, repr=False)
     spec: Any = field(default=None, repr=False)
+    # the generator needs the image size too (``ref_schedule(n, image_seq_len)``: a size-dependent shift)
+    sized: bool = False
 
     def get(self, kind: str) -> list[float] | None:
         return self.timesteps if kind == "timesteps" else self.sigmas
@@ -134,18 +138,37 @@ def _from_spec(path: Path) -> Schedule:
     if not hasattr(module, "ref_schedule") and not hasattr(module, "ref_step"):
         raise ParityKitError(f"SPEC {str(path)!r}: define ref_schedule(n) (and ref_step for --step-check)")
 
-    def generate(n: int) -> Schedule:
+    sized = hasattr(module, "ref_schedule") and _positional_count(module.ref_schedule) >= 2
+
+    def generate(n: int, size: int | None = None) -> Schedule:
         if not hasattr(module, "ref_schedule"):
             raise ParityKitError(
                 f"SPEC {str(path)!r}: define ref_schedule(n) returning the timesteps or sigmas"
             )
-        value = call_user(module.ref_schedule, n, what=f"ref_schedule({n})", spec=spec)
+        if sized and size is None:
+            raise ParityKitError(
+                f"SPEC {str(path)!r}: ref_schedule(n, image_seq_len) depends on the image size: give the sizes "
+                "to fit at (--image-seq-len 256,4096)"
+            )
+        args = (n, size) if sized else (n,)
+        what = f"ref_schedule({', '.join(map(str, args))})"
+        value = call_user(module.ref_schedule, *args, what=what, spec=spec)
         if isinstance(value, dict):
             return _from_mapping(value, str(path))
-        ts, integer = _floats(value, f"{path}: ref_schedule({n})")
+        ts, integer = _floats(value, f"{path}: {what}")
         return Schedule(str(path), timesteps=ts, integer=integer)
 
-    return Schedule(str(path), generator=generate, spec=spec)
+    return Schedule(str(path), generator=generate, spec=spec, sized=sized)
+
+
+def _positional_count(fn: Callable) -> int:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 def load_schedule(source: Any) -> Schedule:

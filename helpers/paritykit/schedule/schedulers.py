@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
@@ -100,22 +102,126 @@ def _make(cls: type, config: dict[str, Any]) -> Any:
         logger.setLevel(level)
 
 
-def _matches(ref: Schedule, got: dict[str, list[float]]) -> tuple[bool, str]:
-    compared = 0
-    for kind in KINDS:
-        want = ref.get(kind)
-        if want is None or kind not in got:
+@dataclass(frozen=True)
+class Call:
+    r"""How ``set_timesteps`` is called besides the step count.
+
+    ``name``: ``default`` (``set_timesteps(n)``), ``sigmas-linspace`` (``sigmas=np.linspace(1, 1/n, n)``, what
+    diffusers' flow pipelines pass), ``sigmas-given`` / ``sigmas-given-final`` (the reference's own sigmas,
+    without / with the final one), ``timesteps-given``. ``rank`` orders fits: a plainer call first.
+    """
+
+    name: str
+    text: str
+    rank: int
+
+    def kwargs(self, n: int, ref: Schedule | None, mu: float | None) -> tuple[int | None, dict[str, Any]]:
+        r"""The step-count argument and keyword arguments of this call at ``n`` steps (``ref``: the reference at
+        ``n``, for the calls that pass its lists; ``mu``: passed when given)."""
+        import numpy as np
+
+        kwargs: dict[str, Any] = {} if mu is None else {"mu": float(mu)}
+        if self.name == "default":
+            return n, kwargs
+        if self.name == "sigmas-linspace":
+            return None, {**kwargs, "sigmas": np.linspace(1.0, 1 / n, n)}
+        if ref is None:
+            raise ValueError("the reference is unknown at this count")
+        if self.name == "timesteps-given":
+            return None, {**kwargs, "timesteps": list(ref.timesteps or [])}
+        sigmas = list(ref.sigmas or [])
+        if self.name == "sigmas-given":
+            while sigmas and sigmas[-1] == 0:
+                sigmas.pop()
+        return None, {**kwargs, "sigmas": sigmas}
+
+
+DEFAULT_CALL = Call("default", "set_timesteps(n)", 0)
+_CALLS = (
+    Call("sigmas-linspace", "set_timesteps(sigmas=np.linspace(1.0, 1 / n, n))", 1),
+    Call("sigmas-given", "set_timesteps(sigmas=REF_SIGMAS)  # the reference's sigmas without the final 0", 3),
+    Call(
+        "sigmas-given-final",
+        "set_timesteps(sigmas=REF_SIGMAS)  # the reference's sigmas, final one included",
+        3,
+    ),
+    Call("timesteps-given", "set_timesteps(timesteps=REF_TIMESTEPS)  # the reference's own timesteps", 3),
+)
+
+
+def calls_for(cls: type, keys: dict[str, Any], ref: Schedule) -> list[Call]:
+    r"""The ``set_timesteps`` calls ``cls`` accepts that could reproduce ``ref``: the default one, the flow
+    pipelines' linspace sigmas (flow classes, which shift what they are given), and the reference's own lists."""
+    params = inspect.signature(cls.set_timesteps).parameters
+    calls = [DEFAULT_CALL]
+    for call in _CALLS:
+        if call.name == "sigmas-linspace" and not ("sigmas" in params and "shift" in keys and ref.sigmas):
             continue
-        have = got[kind]
-        if len(have) != len(want) and len(_dedupe(have)) != len(have):
-            have, want = _dedupe(have), _dedupe(want)  # one model call per list entry vs per step
-        if kind == "sigmas" and len(have) == len(want) + 1:
-            have = have[: len(want)]  # a recorded loop sees no final sigma
-        compared += 1
-        if not _close(have, want, kind):
-            first = _first_difference(have, want, kind)
-            return False, f"{kind} differ from step {first}"
-    return (compared > 0), "" if compared else "nothing comparable"
+        if call.name.startswith("sigmas-given") and not ("sigmas" in params and ref.sigmas):
+            continue
+        if call.name == "timesteps-given" and not ("timesteps" in params and ref.timesteps):
+            continue
+        calls.append(call)
+    return calls
+
+
+def lists_of(cls: type, config: dict[str, Any], n: int, call: Call = DEFAULT_CALL, ref: Schedule | None = None,
+             mu: float | None = None) -> dict[str, list[float]]:  # fmt: skip
+    r"""The timestep and sigma lists ``cls(**config)`` sets for ``n`` steps under ``call``."""
+    steps, kwargs = call.kwargs(n, ref, mu)
+    return _scheduler_lists(_make(cls, config), steps, **kwargs)
+
+
+def set_with(scheduler: Any, n: int, call: Call = DEFAULT_CALL, ref: Schedule | None = None,
+             mu: float | None = None) -> None:  # fmt: skip
+    r"""``scheduler.set_timesteps`` under ``call`` (the step check runs the fitted call, not the default)."""
+    steps, kwargs = call.kwargs(n, ref, mu)
+    _scheduler_lists(scheduler, steps, **kwargs)
+
+
+@dataclass
+class Match:
+    r"""How a scheduler's lists compare with the reference's: ``ok`` within tolerance, ``why`` not, the
+    ``residual`` per kind as ``(max_abs, max_rel)``, and ``distance``, the worst relative error (a count
+    mismatch counts 1 + the count difference), to rank near misses."""
+
+    ok: bool
+    why: str
+    residual: dict[str, tuple[float, float]] = field(default_factory=dict)
+    distance: float = math.inf
+
+
+def _aligned(ref: Schedule, got: dict[str, list[float]], kind: str) -> tuple[list[float], list[float]] | None:
+    want = ref.get(kind)
+    if want is None or kind not in got:
+        return None
+    have = got[kind]
+    if len(have) != len(want) and len(_dedupe(have)) != len(have):
+        have, want = _dedupe(have), _dedupe(want)  # one model call per list entry vs per step
+    if kind == "sigmas" and len(have) == len(want) + 1:
+        have = have[: len(want)]  # a recorded loop sees no final sigma
+    return have, want
+
+
+def _matches(ref: Schedule, got: dict[str, list[float]]) -> Match:
+    match = Match(True, "", {}, 0.0)
+    for kind in KINDS:
+        pair = _aligned(ref, got, kind)
+        if pair is None:
+            continue
+        have, want = pair
+        if len(have) != len(want):
+            match.distance = max(match.distance, 1.0 + abs(len(have) - len(want)))
+        else:
+            errors = [abs(h - w) for h, w in zip(have, want)]
+            rel = [e / max(abs(w), 1.0 if kind == "timesteps" else 1e-6) for e, w in zip(errors, want)]
+            match.residual[kind] = (max(errors, default=0.0), max(rel, default=0.0))
+            match.distance = max(match.distance, match.residual[kind][1])
+        if match.ok and not _close(have, want, kind):
+            match.ok, match.why = False, f"{kind} differ from step {_first_difference(have, want, kind)}"
+    if not match.residual and match.ok and match.distance == 0.0:
+        return Match(False, "nothing comparable")
+    return match
 
 
 def _format_value(value: Any) -> str:

@@ -16,7 +16,7 @@ from paritykit.schedule.load import (
     Schedule,
     load_schedule,
 )
-from paritykit.schedule.schedulers import _changes, _make
+from paritykit.schedule.schedulers import DEFAULT_CALL, Call, _changes, _make, set_with
 
 
 @dataclass
@@ -117,9 +117,10 @@ def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, floa
     return dt, float((step - dt * d).norm() / step.norm().clamp_min(1e-30))
 
 
-def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, keys: dict) -> StepCheck:
+def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, keys: dict, call: Call = DEFAULT_CALL,
+               ref: Schedule | None = None, mu: float | None = None) -> StepCheck:  # fmt: skip
     scheduler = _make(cls, config)
-    scheduler.set_timesteps(steps)
+    set_with(scheduler, steps, call, ref, mu)
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
     quantity = "previous alpha" if alpha_based else "sigma_next - sigma"
     checked = 0
@@ -212,7 +213,8 @@ def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, tra
         checks = []
         for more in extra:
             config = {**base, **cand.changes, **more}
-            check = _check_one(cls, config, steps, updates, keys)
+            mu = next(iter(cand.mu.values()), None)
+            check = _check_one(cls, config, steps, updates, keys, cand.call, ref_n, mu)
             checks.append((more, check))
             if check.matched:
                 break

@@ -1,0 +1,163 @@
+"""Flow-matching schedules from the research code people compare against: Flux's size-dependent schedule
+(black-forest-labs/flux, shifted once) and SD3's sampler (Stability's sd3_infer.py, low end shifted twice), both
+written in tests/reference_loops.py from that code, never from diffusers.
+
+The fit must find the set_timesteps call (sigmas=np.linspace(1, 1/n, n), mu= with dynamic shifting) and read mu
+as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on look-alikes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from paritykit import compare_schedules, fit_scheduler
+from paritykit.cli import cli
+
+from tests import reference_loops as R
+
+STEPS = 10
+FLOW = "FlowMatchEulerDiscreteScheduler"
+
+
+def flux_spec(tmp_path, base_shift=0.5, max_shift=1.15):
+    spec = tmp_path / f"flux_{base_shift}_{max_shift}.py"
+    spec.write_text(
+        "import math\n"
+        "from tests.reference_loops import flux_mu\n\n"
+        "def ref_schedule(n, image_seq_len):\n"
+        f"    mu = flux_mu(image_seq_len, {base_shift}, {max_shift})\n"
+        "    times = [1 - i / n for i in range(n + 1)]\n"
+        "    return {'sigmas': [math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if t > 0 else 0.0 for t in times]}\n"
+    )
+    return spec
+
+
+def test_flux_reference_with_its_own_formula_matches_what_flux_code_computes():
+    # the SPEC above restates R.flux_sigmas with other shifts; at Flux's defaults they are one schedule
+    sig = R.flux_sigmas(STEPS, 4096)
+    assert sig[0] == 1.0 and sig[-1] == 0.0 and len(sig) == STEPS + 1
+    mu = R.flux_mu(4096)
+    assert mu == pytest.approx(1.15)
+    t = 1 - 3 / STEPS
+    assert sig[3] == pytest.approx(math.exp(mu) / (math.exp(mu) + 1 / t - 1))
+
+
+def test_flux_schedule_is_fitted_with_the_call_and_mu_as_a_function_of_size(tmp_path):
+    fit = fit_scheduler(FLOW, flux_spec(tmp_path), steps=STEPS, image_seq_len=[256, 4096])
+    assert fit.exit_code == 0, fit.render()
+    best = fit.fits[0]
+    assert best.changes == {"use_dynamic_shifting": True}  # Flux's 0.5 / 1.15 are diffusers' defaults
+    assert fit.call_line.startswith(
+        "pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=calculate_shift("
+    )
+    assert best.mu[256] == pytest.approx(0.5) and best.mu[4096] == pytest.approx(1.15)
+    assert 2176 in fit.sizes  # validated between the sizes given, too
+    assert best.exact and "exact" in fit.render()
+    # a static shift fits one size only: it is rejected at the other, never proposed
+    static = [c for c in fit.rejected if "shift" in c.changes and not c.mu]
+    assert static and any("seq 4096" in str(k) for k in static[0].failures)
+
+    # the fix, pasted: diffusers' own calculate_shift at a size never fitted reproduces Flux's schedule
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        FlowMatchEulerDiscreteScheduler().config, **best.changes
+    )
+    c = scheduler.config
+    for size in (1024, 3000):
+        mu = calculate_shift(size, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 13, 13), mu=mu)
+        assert scheduler.sigmas.double().tolist() == pytest.approx(
+            R.flux_sigmas(13, size), rel=1e-6, abs=1e-7
+        )
+
+
+def test_other_size_constants_are_read_back_as_config_values(tmp_path):
+    fit = fit_scheduler(FLOW, flux_spec(tmp_path, 0.3, 1.5), steps=STEPS, image_seq_len=[512, 2048])
+    assert fit.fits[0].changes == pytest.approx(
+        {"use_dynamic_shifting": True, "base_shift": 0.3, "max_shift": 1.5}
+    )
+    assert "base_shift=0.3" in fit.line and "max_shift=1.5" in fit.line
+
+
+def test_once_shifted_list_is_fitted_with_the_linspace_call_and_the_double_shift_is_named():
+    ref = {"sigmas": R.flux_sigmas(STEPS, 4096)}  # one size: a shift of e^1.15
+    fit = fit_scheduler(FLOW, ref)
+    assert (
+        fit.exit_code == 0
+        and fit.call_line == "pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n))"
+    )
+    shift = fit.fits[0].changes["shift"]
+    assert shift == pytest.approx(math.exp(1.15), rel=1e-4)
+    # against set_timesteps(n) with the same static shift: the shift is applied twice at the low end
+    port = FlowMatchEulerDiscreteScheduler(shift=shift)
+    port.set_timesteps(STEPS)
+    cmp = compare_schedules(ref, {"sigmas": port.sigmas})
+    assert cmp.exit_code == 1 and [h.id for h in cmp.hints] == ["shift-twice"]
+    assert "B starts from an end point that was already shifted" in cmp.hints[0].message
+    assert "unknown cause" not in cmp.render()
+
+
+def test_sd3_against_set_timesteps_n_is_the_same_and_no_hint_fires():
+    port = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    port.set_timesteps(STEPS)
+    cmp = compare_schedules({"sigmas": R.sd3_sigmas(STEPS)}, {"sigmas": port.sigmas})
+    assert cmp.exit_code == 0 and cmp.hints == []
+    flux = {"sigmas": R.flux_sigmas(STEPS, 1024)}
+    assert compare_schedules(flux, flux).hints == []
+
+
+def test_a_shift_difference_is_not_called_a_double_shift():
+    a = {"sigmas": R.sd3_sigmas(STEPS, shift=3.0)}
+    b = {"sigmas": R.sd3_sigmas(STEPS, shift=2.0)}
+    cmp = compare_schedules(a, b)
+    assert cmp.exit_code == 1 and "shift-twice" not in [h.id for h in cmp.hints]
+    assert [h.id for h in cmp.hints] == ["sigma-family"]
+
+
+def test_flux_port_end_to_end_with_the_fitted_call(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+
+    def denoiser(x, t, cond):
+        return model(x) * (1 + t / 1000)
+
+    noise = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    ref = R.flow_loop(denoiser, noise, None, R.flux_sigmas(STEPS, 1024))
+    fit = fit_scheduler(FLOW, flux_spec(tmp_path), steps=STEPS, image_seq_len=[256, 4096])
+    scheduler = FlowMatchEulerDiscreteScheduler(**fit.fits[0].changes)
+    c = scheduler.config
+    mu = calculate_shift(1024, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / STEPS, STEPS), mu=mu)
+    x = noise
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(denoiser(x, t.double(), None), t, x, return_dict=False)[0]
+        default = FlowMatchEulerDiscreteScheduler(shift=math.exp(mu))
+        default.set_timesteps(STEPS)
+        y = noise
+        for t in default.timesteps:
+            y = default.step(denoiser(y, t.double(), None), t, y, return_dict=False)[0]
+    assert (x - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert (y - ref).abs().max() > 1e-3 * ref.abs().max()  # the double-shifted default really differs
+
+
+def test_cli_fit_with_sizes_and_its_bad_input(tmp_path):
+    spec = flux_spec(tmp_path)
+    ok = CliRunner().invoke(
+        cli, ["schedule", str(spec), "--fit", FLOW, "--steps", "8", "--image-seq-len", "256,4096"]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert "mu=calculate_shift(" in ok.output and "fit: exact" in ok.output
+    for args, named in (
+        ([str(spec), "--fit", FLOW, "--steps", "8"], "--image-seq-len"),
+        ([str(spec), "--fit", FLOW, "--steps", "8", "--image-seq-len", "256"], "two or more sizes"),
+        ([str(spec), "--fit", FLOW, "--steps", "8", "--image-seq-len", "a,b"], "whole numbers"),
+    ):
+        bad = CliRunner().invoke(cli, ["schedule", *args])
+        lines = [line for line in bad.output.splitlines() if line.strip()]
+        assert bad.exit_code == 2 and len(lines) == 1 and named in lines[0], bad.output
