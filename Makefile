@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 # declares torchvision and pytorch-lightning, whose PyPI builds would replace the CPU torch; the one file the
 # gallery imports (taming/modules/diffusionmodules/model.py) needs only torch and numpy, hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps "taming-transformers-rom1504==0.0.6"
+# Sampler parity is tested against k-diffusion, the sampler library behind A1111 and ComfyUI. It declares
+# torchvision, clip-anytorch and others that would replace the CPU torch; the two files the tests load
+# (k_diffusion/sampling.py, external.py; see tests/kdiffusion.py) need only torch, scipy, torchsde, torchdiffeq
+# and tqdm, which the dev extras carry. Hence --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps "k-diffusion==0.1.1.post1"
 	@touch $(STAMP)
 
 test: install

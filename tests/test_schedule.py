@@ -78,9 +78,11 @@ def port_loop(unet, scheduler, noise, cond, n=STEPS):
     return x
 
 
-def record(unet, folder, run):
-    with torch.no_grad(), record_loop(unet, out=folder):
-        run()
+def record(unet, folder, run, final=False):
+    with torch.no_grad(), record_loop(unet, out=folder) as rec:
+        result = run()
+        if final:
+            rec.final(result)
     return folder
 
 
@@ -147,7 +149,10 @@ def test_ddim_linspace_lists_match_but_the_step_does_not_and_fit_says_which_quan
     assert check.reference_value == pytest.approx(float(ac[888]), rel=1e-4)
     assert check.scheduler_value == pytest.approx(float(ac[899]), rel=1e-4)
     assert "ᾱ[t=888]" in check.explanation and "ᾱ[t=899]" in check.explanation
-    assert any("no config of DDIMScheduler reproduces the reference's step" in n for n in fit.notes)
+    # no step-only key (set_alpha_to_one, clip_sample) fixes it, and the no-fit report says so under "nearest"
+    assert "none of them, alone or in pairs, is the cause" in check.explanation
+    assert fit.nearest is failing[0] and check.explanation in fit.differences
+    assert f"still differs: {check.explanation}" in fit.render()
 
     code, out = run_cli("schedule", spec, "--fit", "DDIMScheduler", "--steps", 7, "--step-check", "--json")
     payload = json.loads(out)
@@ -187,10 +192,19 @@ def test_karras_reference_port_without_karras_is_diagnosed_fitted_and_fixed(unet
     fixed = record(unet, tmp_path / "fixed", lambda: port_loop(unet, fixed_scheduler, noise, cond))
     assert compare_schedules(ref, fixed).exit_code == 0
     assert_flat_at_zero(ref, fixed, atol=1e-3)
-    # a recorded Euler loop holds scaled inputs, not latents: the step is not checked from it, and it says so
-    unchecked = fit_scheduler("EulerDiscreteScheduler", ref, base_config=SD_BETAS, step_check=ref)
-    assert unchecked.fits[0].step_check is None
-    assert any("scales the denoiser's input" in n for n in unchecked.notes)
+    # a recorded Euler loop holds scaled inputs: the step check undoes the scaling and steps in lockstep; the
+    # last update is checked only when the loop's result was kept, and the report says which it did
+    checked = fit_scheduler("EulerDiscreteScheduler", ref, base_config=SD_BETAS, step_check=ref)
+    assert checked.fits[0].step_check.matched and checked.fits[0].step_check.steps_checked == STEPS - 1
+    assert any(f"{STEPS - 1} of {STEPS} updates checked" in n for n in checked.notes)
+    ref = record(
+        unet, tmp_path / "ref_final", lambda: R.karras_loop(denoiser(unet), noise, cond, STEPS), True
+    )
+    checked = fit_scheduler("EulerDiscreteScheduler", ref, base_config=SD_BETAS, step_check=ref)
+    assert checked.fits[0].step_check.steps_checked == STEPS and not any(
+        "updates checked" in n for n in checked.notes
+    )
+    assert f"step: {STEPS} updates match the reference's" in checked.render().splitlines()
 
 
 # ------------------------------------------------------------------------------------------- flow matching, SD3

@@ -196,6 +196,10 @@ class FitResult:
             lines.append(f"fix: {self.line}")
             if self.call_line:
                 lines.append(f"     {self.call_line}")
+            check = self.fits[0].step_check
+            if check is not None:
+                lines.append(f"step: {check.steps_checked} updates match the reference's"
+                             + (f" ({check.explanation})" if check.explanation else ""))  # fmt: skip
             return "\n".join(lines)
         lines.append(f"no config or set_timesteps call of {self.scheduler} reproduces the reference")
         if self.nearest is not None:
@@ -347,14 +351,15 @@ def fit_scheduler(
     train_steps = int(base.get("num_train_timesteps", keys.get("num_train_timesteps") or 1000))
     ref = load_schedule(reference)
     sizes = _sizes(ref, image_seq_len)
+    calls_n = _steps_of_calls(cls, base, ref)
     if steps is None:
         if ref.generator is not None:
             raise ParityKitError(f"{ref.source}: give --steps N (a SPEC's schedule depends on the count)")
-        steps = ref.steps
+        steps = calls_n or ref.steps
     if steps < 2:
         raise ParityKitError(f"--steps {steps}: need at least 2 steps")
-    ref_n = _reference_at(ref, steps, {}, sizes[0])
-    if ref_n is None or ref_n.steps != steps:
+    ref_n = ref if steps == calls_n else _reference_at(ref, steps, {}, sizes[0])
+    if ref_n is None or (ref_n.steps != steps and steps != calls_n):
         raise ParityKitError(f"{ref.source}: holds {ref.steps} steps, not --steps {steps}")
     families = {
         kind: fam for kind in KINDS if (fam := family_of(kind, ref_n.get(kind), train_steps)) is not None
@@ -569,6 +574,17 @@ def _refusal(cls: type, config: dict[str, Any]) -> str | None:
     except Exception as exc:  # diffusers raises ValueError, NotImplementedError, RuntimeError, KeyError here
         return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
     return None
+
+
+def _steps_of_calls(cls: type, base: dict[str, Any], ref: Schedule) -> int | None:
+    r"""The step count of a ``record_loop`` reference for a class that calls the denoiser twice per step with
+    distinct timesteps (KDPM2: ``2n - 1`` calls); ``None`` for any other reference or class."""
+    if not ref.per_call or ref.generator is not None or ref.steps < 3 or ref.steps % 2 == 0:
+        return None
+    n = (ref.steps + 1) // 2
+    lists = _safe_lists(cls, base, n)
+    kind = next((k for k in KINDS if ref.get(k) is not None and lists and k in lists), None)
+    return n if kind is not None and len(lists[kind]) == ref.steps else None
 
 
 def _safe_lists(cls: type, config: dict[str, Any], n: int) -> dict[str, list[float]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from paritykit.schedule.load import (
     Schedule,
     load_schedule,
 )
-from paritykit.schedule.schedulers import DEFAULT_CALL, Call, _changes, _make, set_with
+from paritykit.schedule.schedulers import DEFAULT_CALL, Call, _changes, _format_value, _make, set_with
 
 
 @dataclass
@@ -43,8 +44,8 @@ def _ddim_like(cls: type, keys: dict[str, Any]) -> bool:
 
 def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, shape=(1, 4, 8, 8)):
     r"""Yield ``(i, x, eps, x_next)`` of the reference loop: from a SPEC's ``ref_step`` on seeded random
-    tensors, or from a checkpoint folder (``preloop``/``after_step_{i}`` latents + model output, or a
-    ``record_loop`` folder's ``step_{i}`` sample/output)."""
+    tensors, or from a pipeline's checkpoint folder (``preloop``/``after_step_{i}`` latents + model output).
+    A ``record_loop`` folder is stepped in lockstep instead (:func:`_check_calls`)."""
     import torch
 
     from paritykit.base.usercode import call_user
@@ -90,11 +91,6 @@ def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, 
             yield i, x.float(), eps.float(), nxt.float()
             x = nxt
         return
-    for i in range(steps - 1):
-        a, b = ck.get(f"step_{i}"), ck.get(f"step_{i + 1}")
-        if a is None or b is None:
-            return
-        yield i, a.data["sample"].float(), a.data["output"].float(), b.data["sample"].float()
 
 
 def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, float]:
@@ -122,7 +118,6 @@ def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, key
     scheduler = _make(cls, config)
     set_with(scheduler, steps, call, ref, mu)
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
-    quantity = "previous alpha" if alpha_based else "sigma_next - sigma"
     checked = 0
     for i, x, eps, nxt in updates:
         t = scheduler.timesteps[i]
@@ -132,100 +127,254 @@ def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, key
         out = scheduler.step(eps, t, x, return_dict=False, **kwargs)[0]
         checked += 1
         err = float((out - nxt).abs().max())
-        if err <= 1e-4 * max(1.0, float(nxt.abs().max())):
-            continue
-        alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
-        ref_v, ref_r = _implied(quantity, x, eps, nxt, alpha_t)
-        port_v, port_r = _implied(quantity, x, eps, out, alpha_t)
-        head = f"the lists match, the update at step {i} (t={format_number(float(t))}) does not (max_abs {format_number(err)})"
-        if max(ref_r, port_r) > 1e-3:
-            # one number cannot account for it: say so instead of naming a quantity that is not the cause
-            return StepCheck(False, checked, i, err, None, None, None,
-                             f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
-                             f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
-                             "(solver, x0 clipping, prediction_type)")  # fmt: skip
-        where = ""
-        if alpha_based:
-            ac = scheduler.alphas_cumprod.double()
-
-            def at(v: float, ac=ac) -> str:
-                if abs(v - 1) < 1e-4:
-                    return "1 (final alpha)"
-                j = int((ac - v).abs().argmin())
-                return f"ᾱ[t={j}]" if abs(float(ac[j]) - v) <= 1e-3 * v else "no training timestep"
-
-            where = f" — reference ≈ {at(ref_v)}, {cls.__name__} ≈ {at(port_v)}"
-        return StepCheck(
-            False, checked, i, err, quantity, ref_v, port_v,
-            f"{head}: {quantity} {format_number(ref_v)} (reference) vs {format_number(port_v)} "
-            f"({cls.__name__}){where}",
-        )  # fmt: skip
+        if not err <= 1e-4 * max(1.0, float(nxt.abs().max())):
+            return _mismatch(cls, scheduler, i, t, err, x, eps, nxt, out, checked)
     return StepCheck(True, checked)
 
 
-def _recorded_inputs_are_scaled(cls: type, base: dict[str, Any], steps: int, source: Any) -> bool:
+# keys that change the update but not the lists, each with the bounded values tried and the quantity it sets
+_STEP_AXES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "lower_order_final": ((True, False), "the order used at the last steps"),
+    "euler_at_final": ((False, True), "the order used at the last step"),
+    "final_sigmas_type": (
+        ("zero", "sigma_min"),
+        "the final sigma (the last update goes to 0 or to sigma_min)",
+    ),
+    "solver_order": ((1, 2, 3), "how many previous model outputs the update keeps (its order)"),
+    "solver_type": (("midpoint", "heun", "bh1", "bh2"), "the second-order formula"),
+    "algorithm_type": (("dpmsolver++", "dpmsolver"), "whether the solver steps in x0 or in the model output"),
+    "predict_x0": ((True, False), "whether the update is written in x0"),
+    "set_alpha_to_one": ((False, True), "the final alpha"),
+    "clip_sample": ((False, True), "x0 clipping"),
+}
+_STOCHASTIC = ("sde-dpmsolver", "sde-dpmsolver++")
+
+
+def _step_variants(cls: type, keys: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
+    r"""Partial configs over :data:`_STEP_AXES` that differ from ``base`` in at most two keys, fewest first."""
+    now = {k: base.get(k, keys[k]) for k in _STEP_AXES if k in keys}
+    singles = [{k: v} for k in now for v in _STEP_AXES[k][0] if v != now[k]]
+    pairs = [{**a, **b} for a, b in itertools.combinations(singles, 2) if a.keys() != b.keys()]
+    return [{}, *singles, *pairs]
+
+
+@dataclass
+class Recorded:
+    r"""A ``record_loop`` folder: each call's ``(denoiser input, model output)`` and the loop's result
+    (``final``, when the loop handed it to ``Recording.final``)."""
+
+    calls: list[tuple[Any, Any]]
+    final: Any = None
+
+
+def _recorded_calls(source: Any) -> Recorded | str | None:
+    r"""A ``record_loop`` folder's calls; ``None`` when ``source`` is not one, a sentence when its calls cannot
+    drive the step (a guidance batch, a sigma-taking wrapper)."""
+    if source is True or not isinstance(source, (str, Path)) or not Path(source).is_dir():
+        return None
+    from paritykit.tracing.checkpoints import load_checkpoints
+
+    ck = load_checkpoints(source)
+    if "step_0" not in ck or "after_step_0" in ck:
+        return None
+    if "preloop" in ck and "sigmas" in ck["preloop"].data:
+        return (
+            "the recorded denoiser takes sigma (a k-diffusion-style wrapper, whose output is its own x0 "
+            "estimate): record the network inside it, whose input the scheduler scales and whose output step() "
+            "reads"
+        )
+    calls = []
+    for i in itertools.count():
+        data = ck[f"step_{i}"].data if f"step_{i}" in ck else None
+        if data is None:
+            break
+        sample = next((data[k] for k in _SAMPLE_NAMES if k in data), None)
+        if sample is None or "output" not in data:
+            return f"step_{i} holds no denoiser input ({', '.join(_SAMPLE_NAMES)}) or no output"
+        if sample.shape[0] % 2 == 0 and sample.shape[0] and bool((sample[: sample.shape[0] // 2] ==
+                                                                   sample[sample.shape[0] // 2 :]).all()):  # fmt: skip
+            return (
+                "the recorded calls batch the latents twice (classifier-free guidance), so the guided output "
+                "step() used is not in the folder: record the loop with guidance off"
+            )
+        calls.append((sample.float(), data["output"].float()))
+    final = ck["final"].data.get("latents") if "final" in ck else None
+    return Recorded(calls, None if final is None else final.float())
+
+
+_SAMPLE_NAMES = ("sample", "hidden_states", "x", "latents", "input", "arg0")
+
+
+def _check_calls(cls: type, config: dict[str, Any], steps: int, recorded: Recorded, call: Call = DEFAULT_CALL,
+                 ref: Schedule | None = None, mu: float | None = None) -> StepCheck:  # fmt: skip
+    r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is undone
+    to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call ``j``'s
+    own model output, so a multistep solver's history is the reference's. The last update is checked against
+    the loop's ``final`` result when the folder has it."""
     import torch
 
-    if source is True or not isinstance(source, (str, Path)) or not Path(source).is_dir():
-        return False
-    from paritykit.base.io import read_manifest
+    calls = recorded.calls
+    scheduler = _make(cls, config)
+    set_with(scheduler, steps, call, ref, mu)
+    timesteps = scheduler.timesteps
+    if len(timesteps) != len(calls):
+        return StepCheck(False, 0, explanation=f"the folder holds {len(calls)} denoiser calls, {cls.__name__} "
+                         f"makes {len(timesteps)} at {steps} steps")  # fmt: skip
+    kwargs = {"eta": 0.0} if "eta" in inspect.signature(scheduler.step).parameters else {}
+    expected = previous = None
+    for j, (t, (sample, output)) in enumerate(zip(timesteps, calls)):
+        x = sample
+        if hasattr(scheduler, "scale_model_input"):
+            x = sample / scheduler.scale_model_input(torch.ones_like(sample), t)
+        if expected is not None:
+            err = float((expected - x).abs().max())
+            if not err <= 1e-4 * max(1.0, float(x.abs().max())):
+                return _mismatch(cls, scheduler, j - 1, timesteps[j - 1], err, *previous, x, expected, j - 1)
+        previous = (x, output)
+        expected = scheduler.step(output, t, x, return_dict=False, **kwargs)[0]
+    if recorded.final is None:
+        return StepCheck(True, len(calls) - 1)
+    err = float((expected - recorded.final).abs().max())
+    if not err <= 1e-4 * max(1.0, float(recorded.final.abs().max())):
+        j = len(calls) - 1
+        return _mismatch(cls, scheduler, j, timesteps[j], err, *previous, recorded.final, expected, j)
+    return StepCheck(True, len(calls))
 
-    names = {entry.get("name") for entry in read_manifest(Path(source))["checkpoints"]}
-    if "step_0" not in names or "after_step_0" in names:
-        return False
-    scheduler = _make(cls, base)
-    if not hasattr(scheduler, "scale_model_input"):
-        return False
-    scheduler.set_timesteps(steps)
-    x = torch.ones(1, 1, 2, 2)
-    return not torch.equal(scheduler.scale_model_input(x, scheduler.timesteps[0]), x)
+
+def _mismatch(
+    cls: type, scheduler: Any, i: int, t: Any, err: float, x, eps, nxt, out, checked: int
+) -> StepCheck:
+    r"""The failing update ``i``, read as one number when one number accounts for it (else said to differ in
+    form)."""
+    alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
+    quantity = "previous alpha" if alpha_based else "sigma_next - sigma"
+    alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
+    ref_v, ref_r = _implied(quantity, x, eps, nxt, alpha_t)
+    port_v, port_r = _implied(quantity, x, eps, out, alpha_t)
+    head = f"the lists match, the update at step {i} (t={format_number(float(t))}) does not (max_abs {format_number(err)})"
+    if max(ref_r, port_r) > 1e-3:
+        # one number cannot account for it: say so instead of naming a quantity that is not the cause
+        return StepCheck(False, checked, i, err, None, None, None,
+                         f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
+                         f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
+                         "(solver, x0 clipping, prediction_type)")  # fmt: skip
+    where = ""
+    if alpha_based:
+        ac = scheduler.alphas_cumprod.double()
+
+        def at(v: float) -> str:
+            if abs(v - 1) < 1e-4:
+                return "1 (final alpha)"
+            j = int((ac - v).abs().argmin())
+            return f"ᾱ[t={j}]" if abs(float(ac[j]) - v) <= 1e-3 * v else "no training timestep"
+
+        where = f" — reference ≈ {at(ref_v)}, {cls.__name__} ≈ {at(port_v)}"
+    return StepCheck(
+        False, checked, i, err, quantity, ref_v, port_v,
+        f"{head}: {quantity} {format_number(ref_v)} (reference) vs {format_number(port_v)} "
+        f"({cls.__name__}){where}",
+    )  # fmt: skip
 
 
 def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
     result.step_checked = True
-    if "Ancestral" in cls.__name__ or cls.__name__.startswith(("Heun", "KDPM2")):
-        result.notes.append(f"--step-check: {cls.__name__} is not checked (a stochastic or two-call step); "
-                            "schedule only")  # fmt: skip
+    calls = _recorded_calls(source)
+    name = cls.__name__
+    if isinstance(calls, str):
+        result.notes.append(f"--step-check: not checked: {calls}")
+        return
+    stochastic = (
+        "Ancestral" in name or "SDE" in name or str(base.get("algorithm_type", "")).startswith(_STOCHASTIC)
+    )
+    if stochastic:
+        result.notes.append(f"--step-check: {name} is not checked: its step draws fresh noise, which no "
+                            "recording holds; schedule only")  # fmt: skip
+        return
+    if calls is None and name.startswith(("Heun", "KDPM2")):
+        result.notes.append(f"--step-check: {name} makes two denoiser calls per step; check it against a "
+                            "record_loop folder of every call, not one update per step")  # fmt: skip
         return
     if _ddim_like(cls, keys) and train_steps % steps:
         result.warnings.append(
-            f"{cls.__name__} steps back by the fixed stride {train_steps}//{steps} = {train_steps // steps} "
+            f"{name} steps back by the fixed stride {train_steps}//{steps} = {train_steps // steps} "
             f"(num_train_timesteps {train_steps} is not a multiple of {steps}): its previous timestep is not "
             "the next entry of its own list"
         )
-    if _recorded_inputs_are_scaled(cls, base, steps, source):
-        result.notes.append(
-            f"--step-check: {cls.__name__} scales the denoiser's input (scale_model_input), so a record_loop "
-            "folder holds scaled samples, not the loop's latents; check with a SPEC's ref_step or the pipeline's "
-            "after_step_<i> checkpoints instead"
-        )
-        return
-    updates = list(_reference_updates(ref, ref_n, steps, source))
-    if not updates:
-        result.notes.append("--step-check: no reference update found to check against")
-        return
-    # keys that change the update but not the lists, each with its bounded values
-    step_axes = [[{k: v} for v in (False, True)] for k in ("set_alpha_to_one", "clip_sample") if k in keys]
-    extra = [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*step_axes)]
-    extra.sort(key=lambda more: len(_changes(more, keys, base)))
+    if calls is not None:
+        n = len(calls.calls)
+        if n < 2 and calls.final is None:
+            result.notes.append("--step-check: the folder records fewer than two calls: no update to check")
+            return
+
+        def check(config: dict, cand: Any) -> StepCheck:
+            mu = next(iter(cand.mu.values()), None)
+            return _check_calls(cls, config, steps, calls, cand.call, ref_n, mu)
+
+        if calls.final is None:
+            result.notes.append(
+                f"--step-check: {n - 1} of {n} updates checked in lockstep with the recorded loop; the last one "
+                "(where the final sigma and the last step's order act) needs the loop's result: "
+                "`with record_loop(...) as rec: rec.final(sampler(...))`"
+            )
+    else:
+        updates = list(_reference_updates(ref, ref_n, steps, source))
+        if not updates:
+            result.notes.append("--step-check: no reference update found to check against")
+            return
+
+        def check(config: dict, cand: Any) -> StepCheck:
+            mu = next(iter(cand.mu.values()), None)
+            return _check_one(cls, config, steps, updates, keys, cand.call, ref_n, mu)
+
+    variants = _step_variants(cls, keys, base)
     good, bad = [], []
     for cand in result.fits:
-        checks = []
-        for more in extra:
-            config = {**base, **cand.changes, **more}
-            mu = next(iter(cand.mu.values()), None)
-            check = _check_one(cls, config, steps, updates, keys, cand.call, ref_n, mu)
-            checks.append((more, check))
-            if check.matched:
-                break
-        more, check = next(((m, c) for m, c in checks if c.matched), checks[0])
-        cand.changes.update(_changes(more, keys, base))
-        cand.step_check = check
-        (good if check.matched else bad).append(cand)
+        first, fixes = None, []
+        for more in variants:
+            if fixes and len(more) > len(fixes[0][0]):
+                break  # every fix with the fewest changes is known
+            try:
+                with (
+                    warnings.catch_warnings()
+                ):  # deprecated values (algorithm_type="dpmsolver") are still tried
+                    warnings.simplefilter("ignore", FutureWarning)
+                    found = check({**base, **cand.changes, **more}, cand)
+            except Exception:  # a value this class refuses (solver_type="bh1" on DPM-Solver): not a candidate
+                if not more:
+                    raise
+                continue
+            first = first or found
+            if found.matched:
+                fixes.append((_changes(more, keys, base), found))
+        if fixes:
+            changed, found = fixes[0]
+            cand.changes.update(changed)
+            if changed:
+                found.quantity = "; ".join(_STEP_AXES[k][1] for k in changed)
+                found.explanation = _fixed_by(first, [c for c, _ in fixes])
+        else:
+            found = first
+            tried = [k for k in _STEP_AXES if k in keys]
+            if tried:
+                found.explanation += (f"; no value of {', '.join(tried)} (up to two changed at once) reproduces "
+                                      "every update: none of them, alone or in pairs, is the cause")  # fmt: skip
+        cand.step_check = found
+        (good if found.matched else bad).append(cand)
     result.fits = good
     result.rejected = bad + result.rejected
-    if bad and not good:
-        first = bad[0].step_check
-        result.notes.append(
-            f"no config of {cls.__name__} reproduces the reference's step: {first.explanation}"
-        )
+
+
+def _fixed_by(first: StepCheck, fixes: list[dict[str, Any]]) -> str:
+    r"""Each fix replay verified, and the quantity it sets. More than one fix: the recording cannot tell them
+    apart, and the sentence says so instead of choosing."""
+
+    def text(changed: dict[str, Any]) -> str:
+        what = ", ".join(f"{k}={_format_value(v)}" for k, v in changed.items())
+        return f"{what} ({'; '.join(_STEP_AXES[k][1] for k in changed)})"
+
+    at = f"at step {first.first_failing_step}" if first.first_failing_step is not None else "as fitted"
+    head = f"the update differs {at} with the config as fitted"
+    if len(fixes) == 1:
+        return f"{head}; {text(fixes[0])} reproduces every checked update"
+    return (f"{head}; each of {' / '.join(text(f) for f in fixes)} reproduces every checked update (this "
+            f"recording cannot tell them apart; the first is proposed)")  # fmt: skip

@@ -7,7 +7,9 @@ a forward hook on the denoiser (nothing is patched or wrapped) and writes, in th
 * ``preloop``: the first call's inputs, plus ``timesteps`` (or ``sigmas``) — the value of the timestep
   argument at every call, in order;
 * ``step_{i}``: the inputs of call ``i`` by argument name (``sample``, ``timestep``, ``encoder_hidden_states``
-  …; positional arguments are named from the forward's signature, else ``arg{k}``) and its ``output``.
+  …; positional arguments are named from the forward's signature, else ``arg{k}``) and its ``output``;
+* ``final``: the loop's result, when it is handed to :meth:`Recording.final` (no denoiser call sees it, and
+  the step check needs it to verify the last update: the final sigma, the order of the last step).
 
 Both sides recorded this way feed ``paritykit compare``, ``paritykit steps --key output`` and
 ``paritykit schedule`` directly.
@@ -79,8 +81,25 @@ def _timestep_of(named: dict[str, Any]) -> tuple[str, float] | None:
     return None
 
 
+class Recording(dict):
+    r"""The checkpoints :func:`record_loop` is filling, by name; :meth:`final` adds the loop's result."""
+
+    def final(self, latents: Any) -> Any:
+        r"""Keep the loop's result (the latents after its last update) as checkpoint ``final``; returns it."""
+        import torch
+
+        from paritykit.tracing.checkpoints import Checkpoint
+
+        if not isinstance(latents, torch.Tensor):
+            raise ParityKitError(
+                f"record_loop final: expected the final latents tensor, got {type(latents).__name__}"
+            )
+        self["final"] = Checkpoint(data={"latents": latents.detach().clone()})
+        return latents
+
+
 @contextlib.contextmanager
-def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
+def record_loop(denoiser: Any, out: str | Path) -> Iterator[Recording]:
     r"""Record every call of ``denoiser`` (a ``torch.nn.Module``) inside the ``with`` block, then save.
 
     Args:
@@ -89,12 +108,13 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
             overwritten, others left alone).
 
     Yields:
-        The dict of :class:`paritykit.Checkpoint` being filled (``preloop`` is added when the block ends).
+        The dict of :class:`paritykit.Checkpoint` being filled (``preloop`` is added when the block ends); its
+        ``final(latents)`` keeps the loop's result too.
 
     Example::
 
-        with paritykit.record_loop(model.unet, out="ref_run"):
-            reference_sample(model, prompt, steps=10)
+        with paritykit.record_loop(model.unet, out="ref_run") as rec:
+            rec.final(reference_sample(model, prompt, steps=10))
     """
     import torch
 
@@ -102,7 +122,7 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
 
     if not isinstance(denoiser, torch.nn.Module):
         raise ParityKitError(f"record_loop: expected a torch.nn.Module, got {type(denoiser).__name__}")
-    calls: dict[str, Checkpoint] = {}
+    calls = Recording()
     seen: list[tuple[str, float]] = []
     first: dict[str, Any] = {}
 
@@ -117,7 +137,7 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
             data["output"] = keep(result)
         if not calls:
             first.update({k: v for k, v in data.items() if k != "output"})
-        calls[f"step_{len(calls)}"] = Checkpoint(data=data)
+        calls[f"step_{sum(k.startswith('step_') for k in calls)}"] = Checkpoint(data=data)
         found = _timestep_of(named)
         if found is not None:
             seen.append(found)
@@ -128,7 +148,7 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[dict[str, Any]]:
     finally:
         handle.remove()
     # the marker tells `paritykit schedule` the list is one value per call (no final sigma)
-    preloop = {**first, "recorded_calls": len(calls)}
+    preloop = {**first, "recorded_calls": sum(k.startswith("step_") for k in calls)}
     kinds = {kind for kind, _ in seen}
     if len(kinds) == 1:
         preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)
