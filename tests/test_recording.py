@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paritykit import compare_paths, load_checkpoints, record_loop
+from paritykit.base.errors import ParityKitError
 from paritykit.compare.sets import run_order
 from paritykit.compare.steps import step_curve
 
@@ -41,9 +42,13 @@ def test_every_call_is_a_step_named_by_argument_and_preloop_holds_the_schedule(t
         for s in sigmas:
             x = x - 0.1 * model(x, torch.tensor(s), cond=cond)
         assert len(calls) == len(sigmas)
+        with pytest.raises(ParityKitError, match="record_loop final: expected the final latents tensor"):
+            calls.final([1.0])
+        assert calls.final(x) is x
     assert model.forward == forward and not model._forward_hooks  # nothing patched, hook removed
     ck = load_checkpoints(tmp_path / "run")
-    assert list(ck) == ["preloop", *(f"step_{i}" for i in range(len(sigmas)))]
+    assert list(ck) == ["preloop", *(f"step_{i}" for i in range(len(sigmas))), "final"]
+    assert torch.equal(ck["final"].data["latents"], x) and ck["preloop"].data["recorded_calls"] == len(sigmas)
     step = ck["step_2"].data
     assert set(step) == {"x", "sigma", "cond", "output"}
     assert torch.equal(step["cond"], cond)

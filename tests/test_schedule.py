@@ -19,12 +19,13 @@ from diffusers import (
     FlowMatchEulerDiscreteScheduler,
     UNet2DConditionModel,
 )
-from paritykit import compare_schedules, fit_scheduler, record_loop
+from paritykit import compare_schedules, fit_scheduler
 from paritykit.cli import cli
 from paritykit.compare.steps import step_curve
 from paritykit.schedule.families import sigma_family, timestep_family
 
 from tests import reference_loops as R
+from tests.sampling import denoiser, port_loop, record, tiny_cond_unet, tiny_inputs
 
 STEPS = 10
 SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule": "scaled_linear"}
@@ -43,47 +44,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def unet() -> UNet2DConditionModel:
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8,
-        attention_head_dim=2,
-        norm_num_groups=4,
-    ).eval()
+    return tiny_cond_unet()
 
 
 @pytest.fixture(scope="module")
 def inputs():
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(1, 4, 8, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
-
-
-def denoiser(unet):
-    return lambda x, t, cond: unet(x, t, encoder_hidden_states=cond).sample
-
-
-def port_loop(unet, scheduler, noise, cond, n=STEPS):
-    scheduler.set_timesteps(n)
-    x = noise * getattr(scheduler, "init_noise_sigma", 1.0)
-    for t in scheduler.timesteps:
-        scaled = scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
-        eps = unet(scaled, t, encoder_hidden_states=cond).sample
-        x = scheduler.step(eps, t, x, return_dict=False)[0]
-    return x
-
-
-def record(unet, folder, run, final=False):
-    with torch.no_grad(), record_loop(unet, out=folder) as rec:
-        result = run()
-        if final:
-            rec.final(result)
-    return folder
+    return tiny_inputs()
 
 
 def run_cli(*args):
