@@ -161,3 +161,62 @@ def test_cli_fit_with_sizes_and_its_bad_input(tmp_path):
         bad = CliRunner().invoke(cli, ["schedule", *args])
         lines = [line for line in bad.output.splitlines() if line.strip()]
         assert bad.exit_code == 2 and len(lines) == 1 and named in lines[0], bad.output
+
+
+# ------------------------------------------------------------------------------------- recordings at several sizes
+def _record_flux(tmp_path, seq, n=STEPS, sigmas=None):
+    from tests.sampling import denoiser, record, tiny_cond_unet, tiny_inputs
+
+    unet, (noise, cond) = tiny_cond_unet(), tiny_inputs()
+    sigmas = sigmas or R.flux_sigmas(n, seq)
+    return record(
+        unet, tmp_path / f"ref_{seq}", lambda: R.flow_loop(denoiser(unet), noise, cond, sigmas), True
+    )
+
+
+def test_recordings_at_two_sizes_give_mu_as_a_line_and_say_it_is_unchecked_between(tmp_path):
+    folders = {seq: _record_flux(tmp_path, seq) for seq in (256, 4096)}
+    fit = fit_scheduler(FLOW, folders)  # the recordings hold the model's timesteps, t = 1000 σ
+    assert fit.fits[0].changes == {"use_dynamic_shifting": True} and fit.sizes == [256, 4096]
+    assert fit.fits[0].mu == {256: pytest.approx(0.5), 4096: pytest.approx(1.15)} and fit.fits[0].exact
+    assert fit.call_line.startswith(
+        "pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=calculate"
+    )
+    assert any("not checked between them" in n for n in fit.notes)
+    # a third recorded size checks the line: the note goes, and a size off the line is refused
+    folders[1024] = _record_flux(tmp_path, 1024)
+    three = fit_scheduler(FLOW, folders)
+    assert three.line == fit.line and not any("between them" in n for n in three.notes)
+    folders[1024] = _record_flux(
+        tmp_path, 999, sigmas=R.flux_sigmas(STEPS, 4096 * 4)
+    )  # not Flux's mu at 1024
+    bent = fit_scheduler(FLOW, folders)
+    assert any("mu is not linear in image_seq_len" in n for n in bent.notes)
+
+
+def test_recordings_of_a_size_independent_schedule_fit_a_static_shift(tmp_path):
+    from tests.sampling import denoiser, record, tiny_cond_unet, tiny_inputs
+
+    unet, (noise, cond) = tiny_cond_unet(), tiny_inputs()
+    folders = {
+        seq: record(unet, tmp_path / f"sd3_{seq}", lambda: R.flow_loop(denoiser(unet), noise, cond, R.sd3_sigmas(STEPS)))
+        for seq in (256, 4096)
+    }  # fmt: skip
+    fit = fit_scheduler(FLOW, folders)
+    assert fit.line == f"{FLOW}.from_config(pipe.scheduler.config, shift=3.0)" and fit.call_line is None
+    assert fit.mu_rule is None and not fit.fits[0].mu
+
+
+def test_cli_recordings_at_sizes_and_their_bad_input(tmp_path):
+    a, b = _record_flux(tmp_path, 256), _record_flux(tmp_path, 4096)
+    short = _record_flux(tmp_path, 1024, n=7)
+    ok = CliRunner().invoke(cli, ["schedule", f"256={a},4096={b}", "--fit", FLOW])
+    assert ok.exit_code == 0 and "mu=calculate_shift(image_seq_len" in ok.output
+    for ref, message in (
+        (f"256={a}", "give two or more"),
+        (f"256={a},256={b}", "a size is given twice"),
+        (f"256={a},4096={tmp_path / 'nope'}", "no such file or folder"),
+        (f"256={a},1024={short}", "different step counts (10 at 256, 7 at 1024)"),
+    ):
+        bad = CliRunner().invoke(cli, ["schedule", ref, "--fit", FLOW])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output

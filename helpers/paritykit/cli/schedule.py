@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 
 from paritykit.base.errors import ParityKitError
@@ -21,7 +23,7 @@ from paritykit.cli._common import emit, json_option, limit_option
         "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) (a list of timesteps, "
         "or a dict with timesteps and/or sigmas) and ref_step(x, eps, t, t_prev) (t: a timestep, or a sigma when "
         "the schedule has sigmas only; t_prev is None at the last step); ref_schedule(n, image_seq_len) for a schedule "
-        "that depends on the image size (with --image-seq-len). The search covers the set_timesteps call too "
+        "that depends on the image size (with --image-seq-len), or SIZE=PATH,SIZE=PATH: the reference recorded at two or more image sizes. The search covers the set_timesteps call too "
         "(sigmas=np.linspace(1, 1/n, n), mu= with use_dynamic_shifting, the reference's own lists), every fit "
         "states its residual, and with no fit the nearest candidate's remaining differences and the other classes "
         "that reproduce REF are named. --step-check also verifies step() "
@@ -74,7 +76,12 @@ def schedule(
         check = True if step_check == "SPEC" else step_check
         sizes = _sizes(image_seq_len) if image_seq_len else None
         result = fit_scheduler(
-            fit_class, ref, steps=steps, base_config=config, step_check=check, image_seq_len=sizes
+            fit_class,
+            _recordings(ref),
+            steps=steps,
+            base_config=config,
+            step_check=check,
+            image_seq_len=sizes,
         )
     else:
         if not port:
@@ -89,6 +96,19 @@ def schedule(
                 raise ParityKitError(f"{name}: only with --fit")
         result = compare_schedules(ref, port, num_train_timesteps=num_train_timesteps)
     emit(result, as_json=as_json, limit=limit)
+
+
+def _recordings(ref: str) -> str | dict[int, str]:
+    r"""``SIZE=PATH,SIZE=PATH`` (a reference recorded at several image sizes) as ``{size: path}``; any other REF,
+    or an existing path that merely looks like one, as given."""
+    from pathlib import Path
+
+    if Path(ref).exists() or not re.fullmatch(r"\d+=[^,]+(,\d+=[^,]+)*", ref):
+        return ref
+    pairs = [part.split("=", 1) for part in ref.split(",")]
+    if len({size for size, _ in pairs}) != len(pairs):
+        raise ParityKitError(f"REF {ref!r}: a size is given twice")
+    return {int(size): path for size, path in pairs}
 
 
 def _sizes(text: str) -> list[int]:

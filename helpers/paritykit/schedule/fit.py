@@ -3,11 +3,12 @@ validate every candidate at several step counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from paritykit.schedule.load import (
     TIMESTEP_ATOL,
     Schedule,
     load_schedule,
+    load_sized,
 )
 from paritykit.schedule.schedulers import (
     DEFAULT_CALL,
@@ -330,7 +332,8 @@ def fit_scheduler(
 
     Args:
         cls: a diffusers scheduler class or its name.
-        reference: anything :func:`load_schedule` reads.
+        reference: anything :func:`load_schedule` reads, or ``{image_seq_len: source}``: recordings at two or
+            more image sizes (:func:`load_sized`).
         steps: the step count (default: the reference's).
         base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it. A key
             no diffusers scheduler accepts, or a value ``cls`` refuses, raises :class:`ParityKitError`.
@@ -349,11 +352,19 @@ def fit_scheduler(
     keys = accepted_keys(cls)
     base = _checked_base(cls, keys, _load_base(base_config), base_config)
     train_steps = int(base.get("num_train_timesteps", keys.get("num_train_timesteps") or 1000))
-    ref = load_schedule(reference)
+    sized_recordings = (
+        isinstance(reference, Mapping) and reference and all(isinstance(k, int) for k in reference)
+    )
+    ref = load_sized(reference) if sized_recordings else load_schedule(reference)
+    flow_note = None
+    if "shift" in keys and _timesteps_only(ref, train_steps):
+        ref = _with_flow_sigmas(ref, train_steps)
+        flow_note = (f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} "
+                     "(a flow model is called at t = σ · num_train_timesteps)")  # fmt: skip
     sizes = _sizes(ref, image_seq_len)
     calls_n = _steps_of_calls(cls, base, ref)
     if steps is None:
-        if ref.generator is not None:
+        if ref.generator is not None and not ref.recorded_sizes:
             raise ParityKitError(f"{ref.source}: give --steps N (a SPEC's schedule depends on the count)")
         steps = calls_n or ref.steps
     if steps < 2:
@@ -364,10 +375,13 @@ def fit_scheduler(
     families = {
         kind: fam for kind in KINDS if (fam := family_of(kind, ref_n.get(kind), train_steps)) is not None
     }
-    notes = []
+    notes = [flow_note] if flow_note else []
     if ref.generator is None and not families:
         notes.append("the reference follows no known closed form: configs are checked at its own count only")
     counts = _validation_counts(steps, train_steps) if (ref.generator or families) else [steps]
+    if ref.recorded_sizes:
+        counts = [steps]
+        notes.append("recordings at image sizes: configs are checked at their own count only")
 
     base_lists = _safe_lists(cls, base, steps)
     if base_lists is not None and not any(ref_n.get(k) is not None and k in base_lists for k in KINDS):
@@ -442,6 +456,12 @@ def fit_scheduler(
 
 
 def _sizes(ref: Schedule, image_seq_len: Sequence[int] | None) -> list[int | None]:
+    if ref.recorded_sizes:
+        if image_seq_len and set(image_seq_len) != set(ref.recorded_sizes):
+            raise ParityKitError(
+                f"--image-seq-len: the recordings are at {', '.join(map(str, ref.recorded_sizes))}"
+            )
+        return list(ref.recorded_sizes)
     if not ref.sized:
         if image_seq_len:
             raise ParityKitError(
@@ -506,7 +526,11 @@ def _mu_as_function_of_size(result: FitResult, cls: type, keys: dict, base: dict
     best.changes.update(changes)
     middle = (l1 + l2) // 2
     checked = {**best.mu}
-    if ref.generator is not None and middle not in checked:
+    if _reference_at(ref, counts[0], {}, middle) is None:
+        if len(checked) == 2:
+            result.notes.append(f"mu is a line through the two sizes given; it is not checked between them "
+                                f"(record a third size, e.g. {middle}, to check it)")  # fmt: skip
+    elif middle not in checked:
         mu = m1 + slope * (middle - l1)
         for n in counts:
             match = _try(cls, {**base, **best.changes}, _reference_at(ref, n, {}, middle), n, best.call, mu)
@@ -574,6 +598,33 @@ def _refusal(cls: type, config: dict[str, Any]) -> str | None:
     except Exception as exc:  # diffusers raises ValueError, NotImplementedError, RuntimeError, KeyError here
         return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
     return None
+
+
+def _timesteps_only(ref: Schedule, train_steps: int) -> bool:
+    return (
+        ref.sigmas is None
+        and bool(ref.timesteps)
+        and 0 <= min(ref.timesteps) <= max(ref.timesteps) <= train_steps
+    )
+
+
+def _with_flow_sigmas(ref: Schedule, train_steps: int) -> Schedule:
+    r"""``ref`` with ``sigmas = timesteps / train_steps`` beside its timesteps (at every count and size its
+    generator gives), so a flow-matching fit reads the shift from a recording of the model's timestep."""
+    out = dataclasses.replace(ref, sigmas=[t / train_steps for t in ref.timesteps])
+    if ref.generator is not None:
+        inner = ref.generator
+
+        def generate(*args):
+            found = inner(*args)
+            return (
+                _with_flow_sigmas(found, train_steps)
+                if found is not None and _timesteps_only(found, train_steps)
+                else found
+            )
+
+        out.generator = generate
+    return out
 
 
 def _steps_of_calls(cls: type, base: dict[str, Any], ref: Schedule) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,8 @@ class Schedule:
         integer: the timesteps were stored with an integer dtype.
         generator: ``(n, image_seq_len=None) -> Schedule`` when the schedule is known for every step count (a
             SPEC's ``ref_schedule``); ``sized`` when it needs the image size too.
+        recorded_sizes: the image sizes of a reference recorded at several sizes (:func:`load_sized`), known
+            at its own step count only.
     """
 
     source: str
@@ -66,6 +68,7 @@ class Schedule:
     spec: Any = field(default=None, repr=False)
     # the generator needs the image size too (``ref_schedule(n, image_seq_len)``: a size-dependent shift)
     sized: bool = False
+    recorded_sizes: tuple[int, ...] = ()
 
     def get(self, kind: str) -> list[float] | None:
         return self.timesteps if kind == "timesteps" else self.sigmas
@@ -169,6 +172,33 @@ def _positional_count(fn: Callable) -> int:
     except (TypeError, ValueError):
         return 1
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def load_sized(recordings: Mapping[int, Any]) -> Schedule:
+    r"""A reference recorded at two or more image sizes, ``{image_seq_len: source}`` (each source anything
+    :func:`load_schedule` reads, at the same step count): a size-dependent schedule known at those sizes."""
+    if len(recordings) < 2:
+        raise ParityKitError("recordings at image sizes: give two or more (SIZE=PATH,SIZE=PATH)")
+    loaded = {int(size): load_schedule(source) for size, source in sorted(recordings.items())}
+    counts = {size: rec.steps for size, rec in loaded.items()}
+    if len(set(counts.values())) > 1:
+        raise ParityKitError(
+            "recordings at image sizes hold different step counts ("
+            + ", ".join(f"{n} at {size}" for size, n in counts.items())
+            + "): record every size at the same count"
+        )
+    first = next(iter(loaded.values()))
+
+    def generate(n: int, size: int | None = None) -> Schedule | None:
+        rec = loaded.get(size)
+        return rec if rec is not None and n == rec.steps else None
+
+    source = "recordings at image_seq_len " + ", ".join(
+        f"{size} ({rec.source})" for size, rec in loaded.items()
+    )
+    return Schedule(source, timesteps=first.timesteps, sigmas=first.sigmas, integer=first.integer,
+                    per_call=first.per_call, generator=generate, sized=True,
+                    recorded_sizes=tuple(loaded))  # fmt: skip
 
 
 def load_schedule(source: Any) -> Schedule:

@@ -3,6 +3,7 @@ lists, and the paste-ready line that builds it."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -78,7 +79,7 @@ _ALL_KEYS: frozenset[str] | None = None
 def _scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, list[float]]:
     import warnings
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_diffusers():
         warnings.simplefilter("ignore")
         scheduler.set_timesteps(n, **call)
     out = {"timesteps": [float(v) for v in scheduler.timesteps.double().tolist()]}
@@ -91,13 +92,20 @@ def _scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, li
 def _make(cls: type, config: dict[str, Any]) -> Any:
     # keys are filtered to those __init__ accepts, so the constructor is enough (from_config re-reads the
     # signature for every key: 10x slower over a search)
+    with _quiet_diffusers():
+        return cls(**config)
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    r"""diffusers' own log warnings silenced: a search tries configs and calls diffusers warns about on purpose."""
     import logging
 
-    logger = logging.getLogger("diffusers.configuration_utils")
+    logger = logging.getLogger("diffusers")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        return cls(**config)
+        yield
     finally:
         logger.setLevel(level)
 
