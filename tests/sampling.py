@@ -1,20 +1,32 @@
-"""Shared pieces of the sampler tests: one tiny conditional UNet, its inputs, the diffusers-style port loop, and
+"""Shared pieces of the sampler tests: the one-thread fixture, one tiny conditional UNet, its inputs, the diffusers-style port loop, and
 recording a loop with paritykit.record_loop."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from paritykit import record_loop
 
 
-def tiny_cond_unet() -> UNet2DConditionModel:
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread is far faster than oversubscribed ones. Import it
+    into a test module to apply it there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cond_unet(layers_per_block: int = 1) -> UNet2DConditionModel:
+    r"""A two-block UNet2DConditionModel (cross-attention width 8), seeded: the same weights every call."""
     torch.manual_seed(0)
     return UNet2DConditionModel(
         sample_size=8,
         in_channels=4,
         out_channels=4,
-        layers_per_block=1,
+        layers_per_block=layers_per_block,
         block_out_channels=(8, 16),
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),

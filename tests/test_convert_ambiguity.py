@@ -31,21 +31,9 @@ _RESNET = {
 
 
 def _tiny_unet(randomise: bool):
-    from diffusers import UNet2DConditionModel
+    from tests.sampling import tiny_cond_unet
 
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=L,
-        block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8,
-        attention_head_dim=2,
-        norm_num_groups=4,
-    )
+    unet = tiny_cond_unet(layers_per_block=L)
     sd = unet.state_dict()
     if randomise:
         g = torch.Generator().manual_seed(1)

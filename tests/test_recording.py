@@ -10,15 +10,7 @@ from paritykit.compare.sets import run_order
 from paritykit.compare.steps import step_curve
 
 from tests._pipelines import make_tiny_unet
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.sampling import one_thread  # noqa: F401 (a fixture, applied by importing it)
 
 
 class Denoiser(torch.nn.Module):

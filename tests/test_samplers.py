@@ -23,7 +23,7 @@ from paritykit import fit_scheduler
 
 from tests import reference_loops as R
 from tests.kdiffusion import load
-from tests.sampling import port_loop, record, tiny_cond_unet, tiny_inputs
+from tests.sampling import one_thread, port_loop, record, tiny_cond_unet, tiny_inputs  # noqa: F401
 
 SKILL = Path(__file__).resolve().parents[1] / "skills" / "parity-testing" / "SKILL.md"
 SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule": "scaled_linear"}
@@ -115,14 +115,6 @@ def table() -> str:
 
 
 # --- running both sides -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def kd():
     return load()

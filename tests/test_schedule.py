@@ -25,21 +25,19 @@ from paritykit.compare.steps import step_curve
 from paritykit.schedule.families import sigma_family, timestep_family
 
 from tests import reference_loops as R
-from tests.sampling import denoiser, port_loop, record, tiny_cond_unet, tiny_inputs
+from tests.sampling import (  # noqa: F401 (one_thread: a fixture, applied by importing it)
+    denoiser,
+    one_thread,
+    port_loop,
+    record,
+    tiny_cond_unet,
+    tiny_inputs,
+)
 
 STEPS = 10
 SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule": "scaled_linear"}
 # a DDIM config as Stable Diffusion ships it: no x0 clipping (the reference loops never clip)
 DDIM_BASE = {**SD_BETAS, "clip_sample": False}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny UNet on a shared 2-core machine: one thread is 50x faster than oversubscribed ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
