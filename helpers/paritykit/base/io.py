@@ -687,7 +687,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     manifest_path = folder / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
-        if not isinstance(manifest.get("checkpoints"), list):
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("checkpoints"), list):
             raise TypeError("no 'checkpoints' list")
     except FileNotFoundError:
         raise ParityKitError(
@@ -697,7 +697,17 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise ParityKitError(
             f"{manifest_path}: not a readable paritykit manifest ({_first_line(exc)})"
         ) from None
+    version = manifest.get("schema_version", 1)
+    if version != CHECKPOINT_SCHEMA:
+        raise ParityKitError(
+            f"{manifest_path}: checkpoint schema {version!r}, this paritykit reads {CHECKPOINT_SCHEMA} (save the "
+            "run again with this version)"
+        )
     return manifest
+
+
+# the schema_version save_checkpoints writes and read_manifest accepts
+CHECKPOINT_SCHEMA = 1
 
 
 def _checkpoint_dir_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -55,6 +55,31 @@ class Spec:
             args, kwargs = to_device((args, kwargs), device)
         return args, kwargs
 
+    @property
+    def sha256(self) -> str:
+        r"""The spec file's content hash (recorded in a trace; two environments' specs may differ)."""
+        import hashlib
+        from pathlib import Path
+
+        return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()
+
+    def input_fingerprint(self) -> dict[str, Any]:
+        r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name, and
+        one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their inputs."""
+        import hashlib
+
+        import torch
+
+        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
+        named = {**{f"arg{i}": v for i, v in enumerate(args)}, **kwargs}
+        tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        digest = hashlib.sha256()
+        for key, value in tensors.items():
+            flat = value.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{key} {value.dtype} {list(value.shape)}\n".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        return {"shapes": {k: list(v.shape) for k, v in tensors.items()}, "sha256": digest.hexdigest()}
+
     def build(self, side: str, device: Any = None) -> Any:
         model = self.call(f"build_{side}")
         if not hasattr(model, "named_modules") or not callable(model):

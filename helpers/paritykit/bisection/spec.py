@@ -69,8 +69,10 @@ def bisect_spec(
     with torch.no_grad():
         if traces is not None:
             ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
-            from paritykit.tracing.trace import check_request
+            from paritykit.tracing.trace import check_pair, check_request
 
+            inputs = spec.input_fingerprint() if spec is not None and spec.has("make_inputs") else None
+            check_pair(ref_trace, port_trace, inputs)
             check_request(ref_trace, port_trace, zoom)
             reference = (
                 spec.build("reference", device) if spec is not None and spec.has("build_reference") else None
@@ -164,8 +166,9 @@ def _other_side(side: str) -> str:
     return "port" if side == "reference" else "reference"
 
 
-def _other_side_trace(out: Any, side: str, spec: Any) -> str | None:
-    r"""A folder beside ``out`` holding a trace of the other side of the same spec (by file name), if any."""
+def _other_side_trace(out: Any, side: str, spec: Any, digest: str | None = None) -> str | None:
+    r"""A folder beside ``out`` holding a trace of the other side of the same spec (by file name, and by
+    content hash when both record one), if any."""
     import json
     from pathlib import Path
 
@@ -178,6 +181,8 @@ def _other_side_trace(out: Any, side: str, spec: Any) -> str | None:
         except (OSError, ValueError, AttributeError):
             continue
         if about.get("side") == _other_side(side) and Path(str(about.get("spec"))).name == Path(spec).name:
+            if digest is not None and about.get("spec_sha256") not in (None, digest):
+                continue  # the same file name, another spec's content: not the other side
             return str(out.parent / folder.name)
     return None
 
@@ -212,7 +217,7 @@ def trace_spec(
     from paritykit.bisection.zoom import trace_about, trace_patterns, write_fingerprints
 
     patterns = trace_patterns(model, levels, inside)
-    about = trace_about(side, spec_path, out, device, levels, inside)
+    about = trace_about(side, spec_path, out, device, levels, inside, spec)
     with torch.no_grad():
         with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
@@ -231,5 +236,5 @@ def trace_spec(
         n_weights,
         environment_stamp(device=device or "cpu", spec=str(spec_path)),
         spec=str(spec_path),
-        other=_other_side_trace(out, side, spec_path),
+        other=_other_side_trace(out, side, spec_path, about.get("spec_sha256")),
     )

@@ -378,13 +378,18 @@ def trace_patterns(model: Any, levels: str = "full", inside: str | None = None) 
 
 
 def trace_about(
-    side: str, spec: Any, out: Any, device: str | None, levels: str, inside: str | None
+    side: str, spec: Any, out: Any, device: str | None, levels: str, inside: str | None, loaded: Any = None
 ) -> dict[str, Any]:
-    r"""What a trace folder says about itself (its manifest's ``about``): enough to write the next command."""
+    r"""What a trace folder says about itself (its manifest's ``about``): enough to write the next command,
+    and to refuse a mix-up (side, the spec's content hash, the shapes and hash of its common inputs)."""
     from paritykit.base.report import environment_stamp
 
+    identity = (
+        {"spec_sha256": loaded.sha256, "inputs": loaded.input_fingerprint()} if loaded is not None else {}
+    )
     return {
         "side": side,
+        **identity,
         "spec": str(spec),
         "out": str(out),
         "device": device,

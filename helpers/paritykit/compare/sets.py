@@ -34,6 +34,7 @@ class SetComparison:
     rtol: float | None = None
     source_a: str | None = None
     source_b: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def first_divergence(self) -> str | None:
@@ -78,6 +79,7 @@ class SetComparison:
             "only_b": list(self.only_b),
             "value_diffs": list(self.value_diffs),
             "first_divergence": self.first_divergence,
+            "warnings": list(self.warnings),
             "environment": environment_stamp(),
         }
 
@@ -110,6 +112,7 @@ class SetComparison:
             lines += ["", f"first divergence: {first}", self.pair(first).render()]
         elif self.passed:
             lines.append("all tensors match")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -248,6 +251,9 @@ def compare_paths(
         sides[0], sides[1], atol=atol, rtol=rtol, rules=rules, only=only, broadcast=broadcast
     )
     report.source_a, report.source_b = str(a), str(b)
+    if Path(a).resolve() == Path(b).resolve():
+        report.warnings.append(f"A and B are the same path ({a}): every tensor matches itself, nothing was "
+                               "compared across two runs")  # fmt: skip
     return report
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.io import MANIFEST_NAME, read_manifest
+from paritykit.base.io import CHECKPOINT_SCHEMA, MANIFEST_NAME, read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -268,7 +268,7 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
             }
         )
     manifest = {
-        "schema_version": 1,
+        "schema_version": CHECKPOINT_SCHEMA,
         "format": MANIFEST_FORMAT,
         "order": [entry["name"] for entry in entries],
         "checkpoints": entries,

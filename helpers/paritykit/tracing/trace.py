@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.io import _first_line
 
 MANIFEST = "trace.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -219,13 +220,26 @@ class Trace:
         shard = self._shard_of.get(key)
         if shard is None or self.directory is None:
             raise KeyError(f"tensor {key!r} is not in this trace")
-        handle = self._open.get(shard)
-        if handle is None:
-            from safetensors import safe_open
+        handle = self._open.get(shard) or self._open_shard(shard)
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:
+            raise ParityKitError(
+                f"{self.directory / shard}: cannot read tensor {key!r} ({_first_line(exc)})"
+            ) from None
 
-            handle = safe_open(str(self.directory / shard), framework="pt")
-            self._open[shard] = handle
-        return handle.get_tensor(key)
+    def _open_shard(self, shard: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.directory / shard
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # truncated, corrupted header, missing: one line naming the file
+            raise ParityKitError(
+                f"{path}: not a readable safetensors shard of this trace ({_first_line(exc)})"
+            ) from None
+        self._open[shard] = handle
+        return handle
 
     def weights(self) -> Mapping[str, Any] | None:
         """The traced model's state dict: :attr:`weight_source` when set (an offloaded model's
@@ -234,9 +248,9 @@ class Trace:
             return self.weight_source
         if self.directory is None or not (self.directory / WEIGHTS_FILE).is_file():
             return None
-        from safetensors.torch import load_file
+        from paritykit.base.io import read_safetensors
 
-        return load_file(str(self.directory / WEIGHTS_FILE))
+        return read_safetensors(self.directory / WEIGHTS_FILE)
 
     def graft(self, call: Record) -> None:
         r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and depth,
@@ -282,8 +296,14 @@ class Trace:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({exc})") from None
-        if manifest.get("format") != FORMAT:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ParityKitError(f"{manifest_path}: not a paritykit trace manifest")
+        version = manifest.get("version")
+        if version != FORMAT_VERSION:
+            raise ParityKitError(
+                f"{manifest_path}: trace format {version!r}, this paritykit reads {FORMAT_VERSION} (re-trace it with "
+                "this version)"
+            )
         trace = cls(manifest.get("model_type", ""), directory)
         trace.about = dict(manifest.get("about") or {})
         trace.modules = {
@@ -291,6 +311,13 @@ class Trace:
             for name, info in manifest.get("modules", {}).items()
         }
         trace._shard_of = dict(manifest.get("tensors", {}))
+        for shard in sorted(set(trace._shard_of.values())):  # a bad shard is named now, not mid-search
+            missing = {k for k, v in trace._shard_of.items() if v == shard} - set(
+                trace._open_shard(shard).keys()
+            )
+            if missing:
+                raise ParityKitError(f"{directory / shard}: lacks {len(missing)} tensors the manifest lists "
+                                     f"(e.g. {sorted(missing)[0]!r}); the trace is incomplete")  # fmt: skip
         for item in manifest["records"]:
             trace._add(
                 Record(
@@ -783,6 +810,54 @@ def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
             "abs_sum": float(values.abs().sum()) if values.numel() else 0.0,
         }
     return out
+
+
+def check_pair(ref_trace: Trace, port_trace: Trace, inputs: dict[str, Any] | None = None) -> None:
+    r"""Refuse two trace folders that are not one reference and one port fed the same inputs: the same
+    folder twice, two folders of one side, swapped sides, different input shapes or values (``make_inputs()``
+    fingerprints), or a SPEC given now whose inputs are not the ones traced (``inputs``: its fingerprint). The
+    specs themselves may differ (each environment's spec builds only its own side). What a folder does not
+    record (a trace written by ``capture(to_dir=)`` without ``about``) is not checked."""
+    ref_dir, port_dir = Path(ref_trace.directory), Path(port_trace.directory)
+    if ref_dir.resolve() == port_dir.resolve():
+        raise ParityKitError(
+            f"--traces: {ref_dir} is given twice; give the reference's folder, then the port's"
+        )
+    a, b = ref_trace.about, port_trace.about
+    sides = a.get("side"), b.get("side")
+    if sides == ("port", "reference"):
+        raise ParityKitError(f"--traces: swapped: {ref_dir} holds the port's trace and {port_dir} the reference's; "
+                             "give the reference's folder first")  # fmt: skip
+    if sides[0] is not None and sides[0] == sides[1]:
+        raise ParityKitError(f"--traces: {ref_dir} and {port_dir} both hold the {sides[0]}'s trace")
+    for folder, side, wanted in ((ref_dir, sides[0], "reference"), (port_dir, sides[1], "port")):
+        if side is not None and side != wanted:
+            raise ParityKitError(f"--traces: {folder} holds the {side}'s trace where the {wanted}'s belongs")
+    _same_inputs(a.get("inputs"), b.get("inputs"), f"{ref_dir} was traced on", f"{port_dir} on",
+                 f"{ref_dir} and {port_dir}")  # fmt: skip
+    traced = a.get("inputs") or b.get("inputs")
+    _same_inputs(traced, inputs, "the traces were written on", "SPEC's make_inputs() gives",
+                 "the traces and SPEC's make_inputs()")  # fmt: skip
+
+
+def _same_inputs(first: Any, second: Any, said_first: str, said_second: str, both: str) -> None:
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return
+    if first.get("shapes") != second.get("shapes"):
+        raise ParityKitError(f"--traces: different inputs: {said_first} {_shapes_text(first.get('shapes'))}, "
+                             f"{said_second} {_shapes_text(second.get('shapes'))}")  # fmt: skip
+    if first.get("sha256") != second.get("sha256"):
+        raise ParityKitError(f"--traces: different inputs: {both} agree in shape ({_shapes_text(first.get('shapes'))}) "
+                             "but not in value: a different make_inputs(), or one that is not seeded")  # fmt: skip
+
+
+def _shapes_text(shapes: Any) -> str:
+    if isinstance(shapes, dict):
+        return (
+            ", ".join(f"{k} {tuple(v) if isinstance(v, list) else v}" for k, v in shapes.items())
+            or "no tensors"
+        )
+    return str(shapes)
 
 
 def check_request(ref_trace: Trace, port_trace: Trace, zoom: str | None) -> None:
