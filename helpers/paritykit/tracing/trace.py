@@ -294,8 +294,8 @@ class Trace:
             )
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({exc})") from None
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON, or bytes that are not UTF-8
+            raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({_first_line(exc)})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ParityKitError(f"{manifest_path}: not a paritykit trace manifest")
         version = manifest.get("version")
@@ -304,6 +304,14 @@ class Trace:
                 f"{manifest_path}: trace format {version!r}, this paritykit reads {FORMAT_VERSION} (re-trace it with "
                 "this version)"
             )
+        try:
+            trace = cls._from_manifest(manifest, directory)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ParityKitError(f"{manifest_path}: malformed trace manifest ({_first_line(exc)})") from None
+        return trace
+
+    @classmethod
+    def _from_manifest(cls, manifest: dict[str, Any], directory: Path) -> Trace:
         trace = cls(manifest.get("model_type", ""), directory)
         trace.about = dict(manifest.get("about") or {})
         trace.modules = {
@@ -311,6 +319,9 @@ class Trace:
             for name, info in manifest.get("modules", {}).items()
         }
         trace._shard_of = dict(manifest.get("tensors", {}))
+        for shard in set(trace._shard_of.values()):
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+                raise ValueError(f"shard {shard!r} is not a file name inside the trace folder")
         for shard in sorted(set(trace._shard_of.values())):  # a bad shard is named now, not mid-search
             missing = {k for k, v in trace._shard_of.items() if v == shard} - set(
                 trace._open_shard(shard).keys()
