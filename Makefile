@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.paritykit-installed
 
-.PHONY: install test demo lint style bench claude codex clean-ai
+.PHONY: install test demo lint style bench fuzz claude codex clean-ai
 
 install: $(STAMP)
 
@@ -43,6 +43,10 @@ style: install
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# The fuzz suite's long profile (`make test` runs the bounded one): statistics per command go to the results file.
+fuzz: install
+	PARITYKIT_FUZZ=long PARITYKIT_FUZZ_STATS=benchmarks/results/fuzz.txt $(BIN)/python -m pytest -q -p no:warnings tests/fuzz
 
 # Agent skills, through the installer (`paritykit skills install`): one relative link per skill folder, a
 # manifest of what was made, never a user's file replaced. It needs only click and the stdlib, so it runs from a

@@ -366,7 +366,7 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data.get("entries"), list):
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
             raise ValueError("no 'entries' list")
         return data
     except (OSError, ValueError) as exc:

@@ -225,6 +225,9 @@ def load_schedule(source: Any) -> Schedule:
             raise ParityKitError(f"{path}: not a JSON list or object ({exc})") from None
         if isinstance(data, dict):
             return _from_mapping(data, str(path))
+        if not isinstance(data, list):
+            raise ParityKitError(f"{path}: expected a JSON list of numbers, or an object with timesteps/sigmas "
+                                 f"(got {type(data).__name__})")  # fmt: skip
         ts, integer = _floats(data, str(path))
         return Schedule(str(path), timesteps=ts, integer=integer and all(isinstance(v, int) for v in data))
     if path.is_dir():
