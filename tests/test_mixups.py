@@ -106,11 +106,17 @@ def test_a_newer_checkpoint_schema_is_refused_and_a_self_compare_warns(tmp_path)
     import torch
     from paritykit import Checkpoint, save_checkpoints
 
-    save_checkpoints(tmp_path / "run", {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
+    run_ = {"preloop": Checkpoint(data={"latents": torch.ones(2), "timesteps": torch.tensor([999, 499])})}
+    run_.update({f"after_step_{i}": Checkpoint(data={"latents": torch.ones(2) * i}) for i in range(2)})
+    save_checkpoints(tmp_path / "run", run_)
     code, out = run("compare", tmp_path / "run", tmp_path / "run")
     assert code == 0 and "warning: A and B are the same path" in out
+    code, out = run("steps", tmp_path / "run", tmp_path / "run", "--key", "latents")
+    assert "warning: A and B are the same path" in out, out
+    code, out = run("schedule", tmp_path / "run", tmp_path / "run")
+    assert code == 0 and "A and B are the same path" in out, out
     other = tmp_path / "run2"
-    save_checkpoints(other, {"preloop": Checkpoint(data={"latents": torch.ones(2)})})
+    save_checkpoints(other, run_)
     code, out = run("compare", tmp_path / "run", other)
     assert code == 0 and "warning" not in out  # two runs that agree: no warning
     manifest = json.loads((other / "paritykit.json").read_text())

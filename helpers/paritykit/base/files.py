@@ -71,3 +71,17 @@ def refuse_overwriting_an_input(label: str, out: Any, *inputs: Any) -> None:
             raise ParityKitError(
                 f"{label} {out}: is an input of this command; write the report to another file"
             )
+
+
+def same_path_warning(a: Any, b: Any) -> str | None:
+    r"""The warning for comparing a path with itself (every value matches itself; nothing was compared across
+    two runs), or ``None`` when ``a`` and ``b`` are different paths or not paths at all."""
+    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
+        return None
+    try:
+        same = Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return None
+    if not same:
+        return None
+    return f"A and B are the same path ({a}): everything matches itself, nothing was compared across two runs"

@@ -232,6 +232,7 @@ def compare_paths(
     model folder gives its state dict's keys (wrappers unwrapped, no file stem), so ``a.safetensors`` and
     ``port/unet`` pair up by key. ``maps`` are ``'REGEX=REPL'`` strings applied to A's names.
     """
+    from paritykit.base.files import same_path_warning
     from paritykit.base.io import load_named_tensors
     from paritykit.base.naming import parse_map_options
 
@@ -251,9 +252,7 @@ def compare_paths(
         sides[0], sides[1], atol=atol, rtol=rtol, rules=rules, only=only, broadcast=broadcast
     )
     report.source_a, report.source_b = str(a), str(b)
-    if Path(a).resolve() == Path(b).resolve():
-        report.warnings.append(f"A and B are the same path ({a}): every tensor matches itself, nothing was "
-                               "compared across two runs")  # fmt: skip
+    report.warnings += filter(None, [same_path_warning(a, b)])
     return report
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.files import refuse_overwriting_an_input, save_figure
+from paritykit.base.files import refuse_overwriting_an_input, same_path_warning, save_figure
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 # --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
@@ -247,6 +247,7 @@ class StepCurve:
     hints: list[dict[str, Any]] = field(default_factory=list)
     plot_path: str | None = None
     dtypes: tuple[str, str] | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def last(self) -> StepPoint:
@@ -292,6 +293,7 @@ class StepCurve:
             "plot": self.plot_path,
             "dtype_a": self.dtypes[0] if self.dtypes else None,
             "dtype_b": self.dtypes[1] if self.dtypes else None,
+            "warnings": list(self.warnings),
             "environment": environment_stamp(
                 device="cpu", dtype=None if not self.dtypes else "/".join(dict.fromkeys(self.dtypes))
             ),
@@ -345,6 +347,7 @@ class StepCurve:
         )
         if self.plot_path:
             lines.append(f"plot: {self.plot_path}")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> Path:
@@ -596,6 +599,7 @@ def step_curve(
         first_failing_step=first_fail,
         hints=hints,
         dtypes=dtypes,
+        warnings=list(filter(None, [same_path_warning(a_dir, b_dir)])),
     )
     if sigma_values is not None:
         curve.sigma_scaled_growth = classify_growth(
