@@ -295,3 +295,40 @@ def test_damaged_or_mixed_up_input_is_refused_in_one_line_and_nothing_else_is_to
             STATS[command]["failure"] += 1
             KIND_STATS[kind]["failure"] += 1
             raise
+
+
+# --- new: arbitrary names and options; a file already at the output is never touched ----------------------------
+NEW_TEMPLATES = {
+    "component-test": ("--reference", "r:b", "--diffusers", "UNet2DModel"),
+    "config-diff": ("--reference", "ref.json", "--diffusers", "port.json"),
+    "pipeline-stub": (),
+    "stage-test": ("--pipeline", "p:P", "--reference", "r:run"),
+}
+
+
+@pytest.mark.parametrize("template", sorted(NEW_TEMPLATES))
+@given(
+    name=st.one_of(st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True), st.text(max_size=12)),
+    existing=st.one_of(st.none(), st.binary(max_size=64)),
+)
+def test_new_with_any_name_is_one_line_or_a_file_and_never_replaces_one(template, name, existing):
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        first = invoke(work, ["new", template, name, *NEW_TEMPLATES[template], "--out", "gen"])
+        outcome = f"exit {first.code}" if first.code in (0, 1, 2) else "other exit"
+        STATS[f"new {template}"][outcome] += 1
+        KIND_STATS["new: any name"][outcome] += 1
+        assert "Traceback" not in first.out and first.code in (0, 2), first.out
+        if first.code == 2:
+            assert len([x for x in first.out.splitlines() if x.startswith("paritykit: error:")]) == 1, (
+                first.out
+            )
+            return
+        made = sorted(p for p in (work / "gen").rglob("*") if p.is_file())
+        assert made, first.out
+        if existing is not None:
+            made[0].write_bytes(existing)
+        before = snapshot(work)
+        again = invoke(work, ["new", template, name, *NEW_TEMPLATES[template], "--out", "gen"])
+        assert again.code == 2 and "--force" in again.out and "Traceback" not in again.out, again.out
+        assert snapshot(work) == before  # the user's file (or the first render) is kept, byte for byte
