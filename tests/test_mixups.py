@@ -123,3 +123,35 @@ def test_a_newer_checkpoint_schema_is_refused_and_a_self_compare_warns(tmp_path)
     (other / "paritykit.json").write_text(json.dumps({**manifest, "schema_version": 7}))
     code, out = run("compare", tmp_path / "run", other)
     assert code == 2 and "checkpoint schema 7, this paritykit reads 1" in out and "Traceback" not in out
+
+
+def test_run_folders_that_record_their_side_are_paired_only_as_reference_then_port(tmp_path):
+    import torch
+    from paritykit import Checkpoint, record_loop, save_checkpoints
+
+    def run_(side, folder, shift=0.0):
+        data = {"preloop": Checkpoint(data={"latents": torch.ones(2), "timesteps": torch.tensor([999, 499])})}
+        data.update(
+            {f"after_step_{i}": Checkpoint(data={"latents": torch.ones(2) * i + shift}) for i in range(2)}
+        )
+        save_checkpoints(tmp_path / folder, data, side=side)
+        return tmp_path / folder
+
+    ref, ref2, port = run_("reference", "ref"), run_("reference", "ref2"), run_("port", "port", 1e-3)
+    plain = run_(None, "plain")
+    for command in (["compare"], ["steps"], ["schedule"]):
+        code, out = run(*command, ref, ref2)
+        assert code == 2 and "both hold a reference run" in out and len(out.strip().splitlines()) == 1, out
+        code, out = run(*command, port, ref)
+        assert code == 2 and "swapped" in out, out
+        code, out = run(*command, ref, port)
+        assert code in (0, 1) and "paritykit: error" not in out, out  # the right order is compared
+        code, out = run(*command, ref, plain)  # a folder that records no side is not judged
+        assert code in (0, 1), out
+    # record_loop writes the side it was given
+    net = torch.nn.Linear(2, 2)
+    with torch.no_grad(), record_loop(net, out=tmp_path / "rec", side="port"):
+        net(torch.ones(1, 2))
+    assert json.loads((tmp_path / "rec" / "paritykit.json").read_text())["side"] == "port"
+    with pytest.raises(Exception, match="expected 'reference' or 'port'"):
+        save_checkpoints(tmp_path / "bad", {"preloop": Checkpoint(data={"x": torch.ones(1)})}, side="both")

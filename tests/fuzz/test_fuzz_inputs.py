@@ -53,18 +53,20 @@ def build_port():
 @dataclass(frozen=True)
 class Case:
     r"""One command: its argv with ``{A}``/``{B}`` for the two inputs, the input pairs to try, the outputs it may
-    write (relative to the working folder), and whether a swap of A and B is a mix-up it must refuse."""
+    write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace folders,
+    and run folders that record their side)."""
 
     argv: tuple[str, ...]
     pairs: tuple[tuple[str, str], ...]
     outputs: tuple[str, ...] = ()
-    ordered: bool = False
+    ordered: tuple[tuple[str, str], ...] = ()  # pairs whose swap (or doubling) is a mix-up to refuse
 
 
 CASES = {
     "compare": Case(
         ("compare", "{A}", "{B}"),
         (("a.safetensors", "b.safetensors"), ("a.pt", "b.pt"), ("ckpt_a", "ckpt_b")),
+        ordered=(("ckpt_a", "ckpt_b"),),
     ),
     "weights diff": Case(
         ("weights", "diff", "{A}", "{B}"), (("a.safetensors", "b.safetensors"), ("a.pt", "b.pt"))
@@ -73,17 +75,23 @@ CASES = {
         ("weights", "map", "{A}", "{B}"), (("a.safetensors", "b.safetensors"), ("a.pt", "b.pt"))
     ),
     "config-diff": Case(("config-diff", "{A}", "{B}"), (("cfg_a.json", "cfg_b.json"),)),
-    "schedule": Case(("schedule", "{A}", "{B}"), (("sched_a.json", "sched_b.json"), ("ckpt_a", "ckpt_b"))),
+    "schedule": Case(
+        ("schedule", "{A}", "{B}"),
+        (("sched_a.json", "sched_b.json"), ("ckpt_a", "ckpt_b")),
+        ordered=(("ckpt_a", "ckpt_b"),),
+    ),
     "schedule --fit": Case(
         ("schedule", "{A}", "--fit", "DDIMScheduler", "--config", "{B}"),
         (("sched_a.json", "sched_cfg.json"),),
     ),
-    "steps": Case(("steps", "{A}", "{B}"), (("ckpt_a", "ckpt_b"),)),
+    "steps": Case(("steps", "{A}", "{B}"), (("ckpt_a", "ckpt_b"),), ordered=(("ckpt_a", "ckpt_b"),)),
     "images": Case(
         ("images", "{A}", "{B}", "--out", "out.png"), (("i1.png", "i2.png"),), outputs=("out.png",)
     ),
     "bisect --traces": Case(
-        ("bisect", "--traces", "{A}", "{B}"), (("trace_ref", "trace_port"),), ordered=True
+        ("bisect", "--traces", "{A}", "{B}"),
+        (("trace_ref", "trace_port"),),
+        ordered=(("trace_ref", "trace_port"),),
     ),
     "skills install": Case(
         ("skills", "install", "--agent", "claude", "--target", "{A}"),
@@ -127,7 +135,7 @@ def seeds(tmp_path_factory) -> Path:
                     "noise_pred": torch.ones(1, 2, 4, 4),
                 }
             )
-        save_checkpoints(root / name, steps)
+        save_checkpoints(root / name, steps, side="reference" if name == "ckpt_a" else "port")
     config = {"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 4, "block_out_channels": [8, 16]}
     (root / "cfg_a.json").write_text(json.dumps(config))
     (root / "cfg_b.json").write_text(json.dumps({**config, "sample_size": 16}))
@@ -243,7 +251,7 @@ def test_damaged_or_mixed_up_input_is_refused_in_one_line_and_nothing_else_is_to
     seeds, command, kind, data
 ):
     case = CASES[command]
-    a, b = data.draw(st.sampled_from(case.pairs), label="pair")
+    pair = a, b = data.draw(st.sampled_from(case.pairs), label="pair")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in {a, b, *CROSS}:
@@ -287,7 +295,7 @@ def test_damaged_or_mixed_up_input_is_refused_in_one_line_and_nothing_else_is_to
             touched = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
             outputs = [o.replace("{A}", a) for o in case.outputs]  # skills install writes into its --target
             assert all(any(k == o or k.startswith(o + "/") for o in outputs) for k in touched), touched
-            if kind in ("same", "swap") and case.ordered:
+            if kind in ("same", "swap") and pair in case.ordered:
                 assert run.code == 2, run.out  # a mix-up of the two sides is refused, never bisected
             if kind == "same" and command == "compare" and run.code == 0:
                 assert "same path" in run.out

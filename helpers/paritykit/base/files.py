@@ -85,3 +85,32 @@ def same_path_warning(a: Any, b: Any) -> str | None:
     if not same:
         return None
     return f"A and B are the same path ({a}): everything matches itself, nothing was compared across two runs"
+
+
+def check_sides(a: Any, b: Any) -> None:
+    r"""Refuse a pair of run folders whose manifests say they are not (reference, port): both of one side, or
+    swapped. Folders (or files) that record no side are not checked."""
+    from paritykit.base.errors import ParityKitError
+
+    sides = [_side_of(p) for p in (a, b)]
+    if None in sides:
+        return
+    if sides[0] == sides[1]:
+        raise ParityKitError(f"{a} and {b} both hold a {sides[0]} run; give the reference's, then the port's")
+    if sides == ["port", "reference"]:
+        raise ParityKitError(
+            f"swapped: {a} holds the port's run and {b} the reference's; give the reference's first"
+        )
+
+
+def _side_of(path: Any) -> str | None:
+    import json
+
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    manifest = Path(path) / "paritykit.json"
+    try:
+        side = json.loads(manifest.read_text()).get("side") if manifest.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable manifest is the loader's to name
+    return side if side in ("reference", "port") else None

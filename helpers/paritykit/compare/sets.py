@@ -232,10 +232,11 @@ def compare_paths(
     model folder gives its state dict's keys (wrappers unwrapped, no file stem), so ``a.safetensors`` and
     ``port/unet`` pair up by key. ``maps`` are ``'REGEX=REPL'`` strings applied to A's names.
     """
-    from paritykit.base.files import same_path_warning
+    from paritykit.base.files import check_sides, same_path_warning
     from paritykit.base.io import load_named_tensors
     from paritykit.base.naming import parse_map_options
 
+    check_sides(a, b)
     rules = parse_map_options(maps)
     for label, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not value >= 0:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.files import refuse_overwriting_an_input, same_path_warning, save_figure
+from paritykit.base.files import check_sides, refuse_overwriting_an_input, same_path_warning, save_figure
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 # --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
@@ -544,6 +544,7 @@ def step_curve(
         A :class:`StepCurve`: ``exit_code`` 0 when the last step is within tolerance, else 1. The growth class and
         its thresholds are described by :func:`classify_growth`.
     """
+    check_sides(a_dir, b_dir)
     from paritykit.compare.tensors import compare_tensors
 
     refuse_overwriting_an_input("--plot", plot, sigmas)

@@ -302,6 +302,9 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
     Raises:
         ParityKitError: the two sides share neither timesteps nor sigmas.
     """
+    from paritykit.base.files import check_sides, same_path_warning
+
+    check_sides(a, b)
     sa, sb = load_schedule(a), load_schedule(b)
     for s in (sa, sb):
         if s.generator is not None:
@@ -338,7 +341,5 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
             f"{sa.source} and {sb.source} share no schedule: one holds only timesteps, the other only sigmas"
         )
     hints = [h for k in kinds if not k.same for h in _hints_for(k, sa.integer, sb.integer)]
-    from paritykit.base.files import same_path_warning
-
     notes += filter(None, [same_path_warning(a, b)])
     return ScheduleComparison(sa.source, sb.source, kinds, hints, only, notes)

@@ -205,7 +205,9 @@ def _json_value(value: Any) -> tuple[bool, Any]:
         return False, None
 
 
-def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint]) -> Path:
+def save_checkpoints(
+    directory: str | Path, checkpoints: Mapping[str, Checkpoint], *, side: str | None = None
+) -> Path:
     r"""Write every checkpoint that holds data to ``directory``, in execution order.
 
     Each checkpoint's tensors go to ``<name>.safetensors`` (on CPU, contiguous); ``paritykit.json`` records
@@ -213,10 +215,16 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
     (non-finite floats under ``nonfinite``), the keys it could not (``skipped``), and the environment (paritykit, torch, diffusers versions). Existing files of the same
     names are overwritten; other files are left alone.
 
+    ``side`` (``"reference"`` or ``"port"``) is recorded in the manifest, so commands that pair two folders
+    refuse two runs of one side, or the two given in the wrong order.
+
     Returns:
         The manifest's path.
     """
     import torch
+
+    if side not in (None, "reference", "port"):
+        raise ParityKitError(f"side={side!r}: expected 'reference' or 'port'")
     from safetensors.torch import save_file
 
     from paritykit.base.report import environment_stamp
@@ -273,6 +281,7 @@ def save_checkpoints(directory: str | Path, checkpoints: Mapping[str, Checkpoint
         "order": [entry["name"] for entry in entries],
         "checkpoints": entries,
         "environment": environment_stamp(),
+        **({"side": side} if side else {}),
     }
     manifest_path = directory / MANIFEST_NAME
     manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")

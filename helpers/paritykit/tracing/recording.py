@@ -99,13 +99,14 @@ class Recording(dict):
 
 
 @contextlib.contextmanager
-def record_loop(denoiser: Any, out: str | Path) -> Iterator[Recording]:
+def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> Iterator[Recording]:
     r"""Record every call of ``denoiser`` (a ``torch.nn.Module``) inside the ``with`` block, then save.
 
     Args:
         denoiser: the module the loop calls once per step (a UNet, a transformer, a k-diffusion wrapper).
         out: the checkpoint folder to write when the block ends (created; files of the same names are
             overwritten, others left alone).
+        side: ``"reference"`` or ``"port"``, recorded so that pairing two folders of one side is refused.
 
     Yields:
         The dict of :class:`paritykit.Checkpoint` being filled (``preloop`` is added when the block ends); its
@@ -152,4 +153,4 @@ def record_loop(denoiser: Any, out: str | Path) -> Iterator[Recording]:
     kinds = {kind for kind, _ in seen}
     if len(kinds) == 1:
         preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)
-    save_checkpoints(out, {"preloop": Checkpoint(data=preloop), **calls})
+    save_checkpoints(out, {"preloop": Checkpoint(data=preloop), **calls}, side=side)
