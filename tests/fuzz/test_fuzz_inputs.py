@@ -99,8 +99,8 @@ CASES = {
         outputs=("{A}",),
     ),  # fmt: skip
 }
-KINDS = ("truncate", "empty", "flip-header", "huge-header", "random-bytes", "json-wrong-type", "json-nan",
-         "delete", "swap", "same", "cross")  # fmt: skip
+KINDS = ("truncate", "empty", "flip-header", "huge-header", "wrong-dtype", "nan-values", "random-bytes",
+         "json-wrong-type", "json-nan", "delete", "swap", "same", "cross")  # fmt: skip
 # a file of another kind, put where a command expects its own
 CROSS = ("i1.png", "cfg_a.json", "a.pt", "ckpt_a", "trace_ref", "sched_a.json", "notes.txt")
 
@@ -177,6 +177,24 @@ def damage(path: Path, kind: str, data: st.DataObject) -> None:
     elif kind == "huge-header":
         length = data.draw(st.sampled_from([2**31, 2**40, 2**63, len(raw) * 4]), label="header length")
         path.write_bytes(struct.pack("<Q", length) + raw[8:])
+    elif kind in ("wrong-dtype", "nan-values") and _safetensors_header(raw) is not None:
+        header, body = _safetensors_header(raw)
+        names = sorted(k for k in header if k != "__metadata__")
+        if names:
+            name = data.draw(st.sampled_from(names), label="tensor")
+            if kind == "wrong-dtype":
+                header[name]["dtype"] = data.draw(
+                    st.sampled_from(["F64", "BOOL", "I8", "F8_E4M3", "X9", ""]), label="dtype"
+                )
+            elif header[name]["dtype"] == "F32":
+                start, end = header[name]["data_offsets"]
+                bad = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]), label="value")
+                count = (end - start) // 4
+                body = body[:start] + struct.pack(f"<{count}f", *[bad] * count) + body[end:]
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    elif kind in ("wrong-dtype", "nan-values"):  # not a safetensors file: corrupt its head instead
+        damage(path, "flip-header", data)
     elif kind == "random-bytes":
         path.write_bytes(data.draw(st.binary(min_size=1, max_size=256), label="bytes"))
     elif kind == "json-wrong-type":
@@ -199,6 +217,18 @@ def damage(path: Path, kind: str, data: st.DataObject) -> None:
         path.write_text(json.dumps(_with_nan(value, data), allow_nan=True))
     elif kind == "delete":
         path.unlink()
+
+
+def _safetensors_header(raw: bytes) -> tuple[dict, bytes] | None:
+    r"""A safetensors file's header (as a dict) and the bytes after it, or ``None`` when ``raw`` is not one."""
+    if len(raw) < 8:
+        return None
+    (length,) = struct.unpack("<Q", raw[:8])
+    try:
+        header = json.loads(raw[8 : 8 + length])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return (header, raw[8 + length :]) if isinstance(header, dict) else None
 
 
 def _with_nan(value, data):

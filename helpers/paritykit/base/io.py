@@ -328,11 +328,11 @@ def safe_torch_load(path: str | Path) -> SafeLoad:
             return SafeLoad(torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap))
     except pickle.UnpicklingError as exc:
         if not _refused_for_globals(str(exc)):
-            raise ParityKitError(f"{path}: not a readable torch checkpoint ({_first_line(exc)})") from None
+            raise ParityKitError(f"{path}: not a readable torch checkpoint ({first_line(exc)})") from None
     except ParityKitError:
         raise
     except Exception as exc:
-        raise ParityKitError(f"{path}: not a readable torch checkpoint ({_first_line(exc)})") from None
+        raise ParityKitError(f"{path}: not a readable torch checkpoint ({first_line(exc)})") from None
 
     stubbed: list[str] = []
     module = _restricted_pickle_module(str(path), stubbed)
@@ -345,7 +345,7 @@ def safe_torch_load(path: str | Path) -> SafeLoad:
     except ParityKitError:
         raise
     except Exception as exc:
-        raise ParityKitError(f"{path}: not a readable torch checkpoint ({_first_line(exc)})") from None
+        raise ParityKitError(f"{path}: not a readable torch checkpoint ({first_line(exc)})") from None
     return SafeLoad(obj, stubbed)
 
 
@@ -361,7 +361,8 @@ def _is_torchscript(path: Path) -> bool:
         return False
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    r"""An exception as one line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -385,7 +386,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             return {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as exc:
-        raise ParityKitError(f"{path}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise ParityKitError(f"{path}: not a readable safetensors file ({first_line(exc)})") from None
 
 
 def _numpy_to_tensor(array: Any, path: Path, key: str | None = None) -> torch.Tensor | None:
@@ -410,7 +411,7 @@ def _read_npy(path: Path) -> torch.Tensor:
     try:
         array = numpy.load(path, allow_pickle=False)
     except Exception as exc:
-        raise ParityKitError(f"{path}: not a readable .npy file ({_first_line(exc)})") from None
+        raise ParityKitError(f"{path}: not a readable .npy file ({first_line(exc)})") from None
     return _numpy_to_tensor(array, path)
 
 
@@ -428,7 +429,7 @@ def _read_npz(path: Path) -> dict[str, torch.Tensor]:
     except ParityKitError:
         raise
     except Exception as exc:
-        raise ParityKitError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
+        raise ParityKitError(f"{path}: not a readable .npz file ({first_line(exc)})") from None
     return tensors
 
 
@@ -486,7 +487,7 @@ def _read_index(index: Path) -> dict[str, torch.Tensor]:
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except Exception as exc:
-        raise ParityKitError(f"{index}: not a readable shard index ({_first_line(exc)})") from None
+        raise ParityKitError(f"{index}: not a readable shard index ({first_line(exc)})") from None
     merged: dict[str, torch.Tensor] = {}
     for shard in dict.fromkeys(weight_map.values()):
         shard_path = index.parent / shard
@@ -514,7 +515,7 @@ def _shards_of(index: Path) -> set[Path]:
     try:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
     except Exception as exc:
-        raise ParityKitError(f"{index}: not a readable shard index ({_first_line(exc)})") from None
+        raise ParityKitError(f"{index}: not a readable shard index ({first_line(exc)})") from None
     return {(index.parent / name).resolve() for name in weight_map.values()}
 
 
@@ -695,7 +696,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         ) from None
     except Exception as exc:
         raise ParityKitError(
-            f"{manifest_path}: not a readable paritykit manifest ({_first_line(exc)})"
+            f"{manifest_path}: not a readable paritykit manifest ({first_line(exc)})"
         ) from None
     version = manifest.get("schema_version", 1)
     if version != CHECKPOINT_SCHEMA:

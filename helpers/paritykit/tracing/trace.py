@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.io import _first_line
+from paritykit.base.io import first_line
 
 MANIFEST = "trace.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -225,7 +225,7 @@ class Trace:
             return handle.get_tensor(key)
         except Exception as exc:
             raise ParityKitError(
-                f"{self.directory / shard}: cannot read tensor {key!r} ({_first_line(exc)})"
+                f"{self.directory / shard}: cannot read tensor {key!r} ({first_line(exc)})"
             ) from None
 
     def _open_shard(self, shard: str) -> Any:
@@ -236,7 +236,7 @@ class Trace:
             handle = safe_open(str(path), framework="pt")
         except Exception as exc:  # truncated, corrupted header, missing: one line naming the file
             raise ParityKitError(
-                f"{path}: not a readable safetensors shard of this trace ({_first_line(exc)})"
+                f"{path}: not a readable safetensors shard of this trace ({first_line(exc)})"
             ) from None
         self._open[shard] = handle
         return handle
@@ -295,7 +295,7 @@ class Trace:
         try:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as exc:  # ValueError: bad JSON, or bytes that are not UTF-8
-            raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({_first_line(exc)})") from None
+            raise ParityKitError(f"{manifest_path}: unreadable trace manifest ({first_line(exc)})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ParityKitError(f"{manifest_path}: not a paritykit trace manifest")
         version = manifest.get("version")
@@ -307,7 +307,7 @@ class Trace:
         try:
             trace = cls._from_manifest(manifest, directory)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ParityKitError(f"{manifest_path}: malformed trace manifest ({_first_line(exc)})") from None
+            raise ParityKitError(f"{manifest_path}: malformed trace manifest ({first_line(exc)})") from None
         return trace
 
     @classmethod
