@@ -313,6 +313,9 @@ def test_detect_timestep_rounding_needs_fractional_positions():
     assert D.detect_timestep_rounding(t, t + 0.5) is None  # integers changed too
     assert D.detect_timestep_rounding(t, t + 3) is None
     assert D.detect_timestep_rounding(torch.round(t), t).evidence["rounded_side"] == "a"
+    # look-alike: small values on one side, zeros on the other: rounding is not claimed (zeroed explains it)
+    assert D.detect_timestep_rounding(torch.zeros(4), torch.full((4,), 1e-3)) is None
+    assert D.detect_timestep_rounding(torch.full((4,), 0.3), torch.zeros(4)) is None
 
 
 def test_strided_views_get_the_same_hints_as_contiguous_copies():
