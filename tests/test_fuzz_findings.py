@@ -77,3 +77,36 @@ def test_a_skills_manifest_that_is_not_an_object_is_one_line_and_nothing_changes
     assert code == 2 and ".paritykit-manifest.json: unreadable paritykit manifest" in one_error(out)
     assert sorted(p.name for p in manifest.parent.iterdir()) == before
     assert manifest.read_text() == json.dumps(value)
+
+
+def test_a_png_with_one_flipped_byte_is_one_line(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (16, 16, 3), dtype=np.uint8)
+    for name, array in (("a.png", pixels), ("b.png", 255 - pixels)):
+        Image.fromarray(array).save(tmp_path / name)
+    raw = bytearray((tmp_path / "a.png").read_bytes())
+    raw[35] ^= 1  # inside the first chunk: PIL raises SyntaxError("broken PNG file")
+    (tmp_path / "a.png").write_bytes(bytes(raw))
+    code, out = run("images", tmp_path / "a.png", tmp_path / "b.png", "--out", tmp_path / "d.png")
+    assert code == 2 and "a.png: cannot read this image" in one_error(out)
+    assert not (tmp_path / "d.png").exists()
+
+
+def test_nan_in_a_captured_tensor_is_searched_not_crashed_on(traces, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ref"
+    shutil.copytree(traces / "ref", folder)
+    shard = next(folder.glob("tensors-*.safetensors"))
+    tensors = load_file(shard)
+    tensors = {
+        k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in tensors.items()
+    }
+    save_file(
+        tensors, shard
+    )  # every captured float of the reference is NaN (a lstsq fit used to crash on it)
+    code, out = run("bisect", "--traces", folder, traces / "port")
+    assert code in (0, 1) and "Traceback" not in out and "verdict" in out, out

@@ -3,6 +3,7 @@ children's outputs (``remix``: one knob standing for two concepts) and a constan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,12 @@ _MAX_FIT_COLUMNS = 8
 def _fit(columns: Any, target: Any) -> tuple[list[float], float]:
     import torch
 
-    solution = torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.squeeze(1)
+    if not (bool(torch.isfinite(columns).all()) and bool(torch.isfinite(target).all())):
+        return [math.nan] * columns.shape[1], math.inf  # NaN/inf in a captured tensor: nothing to fit
+    try:
+        solution = torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.squeeze(1)
+    except RuntimeError:  # a degenerate system the LAPACK driver refuses
+        return [math.nan] * columns.shape[1], math.inf
     norm = float(target.norm())
     residual = float((columns @ solution - target).norm()) / norm if norm else 0.0
     return [float(w) for w in solution], residual

@@ -258,8 +258,11 @@ def _load_image_source(x: Any, label: str) -> tuple[Any, bool, bool]:
                     for i in range(count):
                         img.seek(i)
                         frames.append(_pil_array(img))
-            except (UnidentifiedImageError, OSError) as exc:
-                raise ParityKitError(f"{path}: cannot read this image ({exc})") from None
+            except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
+                # a damaged PNG reaches PIL's decoders as SyntaxError ("broken PNG file") or ValueError
+                raise ParityKitError(
+                    f"{path}: cannot read this image ({type(exc).__name__}: {exc})"
+                ) from None
             return (np.stack(frames) if count > 1 else frames[0]), False, count > 1
         if suffix in TENSOR_SUFFIXES:
             from paritykit.base.io import load_tensors

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,11 @@ def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, floa
         x0 = (x - (1 - alpha_t) ** 0.5 * eps) / alpha_t**0.5
         basis = torch.stack([x0.reshape(-1), eps.reshape(-1)], 1).double()
         target = nxt.reshape(-1, 1).double()
+        if not (bool(torch.isfinite(basis).all()) and bool(torch.isfinite(target).all())):
+            return (
+                math.nan,
+                math.inf,
+            )  # a non-finite recorded tensor: no reading, the update "differs in form"
         coef = torch.linalg.lstsq(basis, target).solution
         resid = float((basis @ coef - target).norm() / target.norm().clamp_min(1e-30))
         p, q = (float(v) for v in coef.reshape(-1))
