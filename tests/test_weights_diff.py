@@ -149,7 +149,6 @@ def test_ldm_layout_mismatches_and_metrics_match_torch(tmp_path):
 
 
 def test_bf16_and_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr(weights_module, "COMPARE_CHUNK_BYTES", 4096)
     monkeypatch.setattr(weights_module, "DISTANCE_CHUNK_ELEMENTS", 512)
     g = torch.Generator().manual_seed(1)
     a = {"big": torch.randn(3000, 7, generator=g).bfloat16(), "tail": torch.randn(5000, generator=g).half()}
@@ -165,6 +164,42 @@ def test_bf16_and_chunk_boundaries(tmp_path, monkeypatch):
         ta, tb = a[key].double().flatten(), b[key].double().flatten()
         assert changed[key].l2 == pytest.approx(torch.dist(ta, tb).item(), rel=1e-5)
         assert changed[key].l1 == pytest.approx((ta - tb).abs().sum().item(), rel=1e-5)
+
+
+def test_half_decode_is_bit_exact_on_every_float16_value():
+    import numpy as np
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)  # every float16: zeros, denormals, inf, NaN
+    worker = weights_module._Worker({})
+    for chunk in (bits[:4096], bits[30000:34096], bits[-4096:]):  # the last holds inf/NaN: numpy's cast
+        out = np.empty(len(chunk), np.float32)
+        weights_module._half_to_float(chunk, out, worker)
+        assert np.array_equal(out.view(np.uint32), chunk.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_statistics_match_a_float64_reference_on_random_and_edge_values(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(weights_module, "DISTANCE_CHUNK_ELEMENTS", 1024)  # many chunks, a ragged last one
+    g = torch.Generator().manual_seed(3)
+    info = torch.finfo(dtype)
+    big = min(info.max, 1e18)  # float32 accumulation: squares of float32's max overflow, today as before
+    edges = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, big, -big, 1.0, -1.0, 0.5])
+    a = {"rand": torch.randn(5000, generator=g).to(dtype), "edge": edges.to(dtype)}
+    b = {"rand": (a["rand"].float() + 0.01 * torch.randn(5000, generator=g)).to(dtype),
+         "edge": edges.flip(0).to(dtype)}  # fmt: skip
+    b["rand"][:2048] = a["rand"][:2048]  # an equal prefix of two chunks: its statistics come from A alone
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=1)
+    changed = {c.key: c for c in report.changed}
+    for key in ("rand", "edge"):
+        ta, tb = a[key].double(), b[key].double()
+        d = ta - tb
+        assert changed[key].l2 == pytest.approx(float(d.norm()), rel=1e-5)
+        assert changed[key].l1 == pytest.approx(float(d.abs().sum()), rel=1e-5)
+        assert changed[key].max_abs == pytest.approx(float(d.abs().max()), rel=1e-6)
+        cosine = float(ta @ tb / (ta.norm() * tb.norm()))
+        assert changed[key].cosine == pytest.approx(cosine, rel=1e-5, abs=1e-6)
 
 
 def test_keys_only_reads_headers_only(tmp_path):
