@@ -190,15 +190,13 @@ def _recorded_calls(source: Any) -> Recorded | str | None:
             "reads"
         )
     calls = []
-    for i in itertools.count():
-        data = ck[f"step_{i}"].data if f"step_{i}" in ck else None
-        if data is None:
-            break
+    while f"step_{len(calls)}" in ck:
+        i, data = len(calls), ck[f"step_{len(calls)}"].data
         sample = next((data[k] for k in _SAMPLE_NAMES if k in data), None)
         if sample is None or "output" not in data:
             return f"step_{i} holds no denoiser input ({', '.join(_SAMPLE_NAMES)}) or no output"
-        if sample.shape[0] % 2 == 0 and sample.shape[0] and bool((sample[: sample.shape[0] // 2] ==
-                                                                   sample[sample.shape[0] // 2 :]).all()):  # fmt: skip
+        half = sample.shape[0] // 2
+        if half and sample.shape[0] == 2 * half and bool((sample[:half] == sample[half:]).all()):
             return (
                 "the recorded calls batch the latents twice (classifier-free guidance), so the guided output "
                 "step() used is not in the folder: record the loop with guidance off"
