@@ -106,9 +106,11 @@ def check_sides(a: Any, b: Any) -> None:
 def _side_of(path: Any) -> str | None:
     import json
 
+    from paritykit.base.io import MANIFEST_NAME
+
     if not isinstance(path, (str, os.PathLike)):
         return None
-    manifest = Path(path) / "paritykit.json"
+    manifest = Path(path) / MANIFEST_NAME
     try:
         side = json.loads(manifest.read_text()).get("side") if manifest.is_file() else None
     except (OSError, ValueError, AttributeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,7 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
     if not isinstance(denoiser, torch.nn.Module):
         raise ParityKitError(f"record_loop: expected a torch.nn.Module, got {type(denoiser).__name__}")
     calls = Recording()
+    count = itertools.count()  # denoiser calls so far (calls may also hold "final")
     seen: list[tuple[str, float]] = []
     first: dict[str, Any] = {}
 
@@ -136,9 +138,10 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
         result = _output_tensor(output)
         if result is not None:
             data["output"] = keep(result)
-        if not calls:
+        index = next(count)
+        if index == 0:
             first.update({k: v for k, v in data.items() if k != "output"})
-        calls[f"step_{sum(k.startswith('step_') for k in calls)}"] = Checkpoint(data=data)
+        calls[f"step_{index}"] = Checkpoint(data=data)
         found = _timestep_of(named)
         if found is not None:
             seen.append(found)
@@ -149,7 +152,7 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
     finally:
         handle.remove()
     # the marker tells `paritykit schedule` the list is one value per call (no final sigma)
-    preloop = {**first, "recorded_calls": sum(k.startswith("step_") for k in calls)}
+    preloop = {**first, "recorded_calls": next(count)}  # the next index is the number of calls made
     kinds = {kind for kind, _ in seen}
     if len(kinds) == 1:
         preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)
