@@ -103,3 +103,36 @@ def test_zoom_finds_a_masked_divergence_on_the_way_down_and_not_on_a_correct_por
     reference, port, inputs = masked_vit(None)
     correct = bisect(reference, port, inputs, levels="zoom", **options)
     assert correct.verdict == "match" and correct.culprit is None
+
+
+def _chain(blocks: int, buggy: int | None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(8, 8), nn.GELU(approximate="tanh")) for _ in range(blocks))
+    )
+    if buggy is not None:
+        model[buggy][1] = nn.Tanh()
+    return model.eval()
+
+
+@pytest.mark.parametrize("buggy", [None, 4])
+def test_zoom_holds_replayed_outputs_of_failing_calls_only_and_each_boundary_tensor_once(buggy):
+    from paritykit.bisection.zoom import ZoomSearch
+
+    reference, port, x = _chain(6, None), _chain(6, buggy), torch.randn(3, 8)
+    ref_trace, port_trace = capture_level(reference, (x,), {}), capture_level(port, (x,), {})
+    # a block's output is the next block's input: one stored tensor, not two
+    assert ref_trace["1"].input_keys["args.0"] == ref_trace["0"].output_keys["output"]
+    assert ref_trace.summary()["tensors"] == 6 + 1
+    zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=(), atol=None, rtol=None, ratio=10.0)
+    located = zoom.locate()
+    kept = {name for level in zoom.levels for name in level.searcher.replays}
+    failing = {
+        name for level in zoom.levels for name, r in level.searcher.results.items() if r.status == "fail"
+    }
+    tested = {name for level in zoom.levels for name in level.searcher.results}
+    assert kept == failing and len(tested) >= (5 if buggy else 6)
+    if buggy is None:
+        assert kept == set()
+    else:
+        assert located.call.module == "4.1" and kept == {"4", "4.1"}

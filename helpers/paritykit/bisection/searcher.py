@@ -215,8 +215,13 @@ class Searcher:
         if cmp is None:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
-        # the port's outputs kept in the reference's layout, for the evidence read from them later
-        self.replays[ref_record.name] = (ref_out, in_layout(port_out, self.layouts.get(ref_record.name, {})))
+        if not cmp.passed:
+            # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
+            # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
+            self.replays[ref_record.name] = (
+                ref_out,
+                in_layout(port_out, self.layouts.get(ref_record.name, {})),
+            )
         own = self.own_inputs.get(ref_record.name)
         own_note = f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own or [])}"
         return ModuleTest(
