@@ -1,4 +1,5 @@
 import json
+import math
 import re
 import subprocess
 import sys
@@ -170,11 +171,33 @@ def test_half_decode_is_bit_exact_on_every_float16_value():
     import numpy as np
 
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)  # every float16: zeros, denormals, inf, NaN
-    worker = weights_module._Worker({})
-    for chunk in (bits[:4096], bits[30000:34096], bits[-4096:]):  # the last holds inf/NaN: numpy's cast
-        out = np.empty(len(chunk), np.float32)
-        weights_module._half_to_float(chunk, out, worker)
-        assert np.array_equal(out.view(np.uint32), chunk.view(np.float16).astype(np.float32).view(np.uint32))
+    out = weights_module._half_to_float(bits, np.empty(len(bits), np.float32))
+    exact = bits.view(np.float16).astype(np.float32)
+    finite = np.isfinite(exact)
+    assert np.array_equal(out[finite].view(np.uint32), exact[finite].view(np.uint32))
+    # what the fast path makes of an infinity or a NaN is large enough for the square-norm check to catch
+    assert np.abs(out[~finite]).min() ** 2 >= 2 * weights_module._HALF_SUSPECT_NORM
+
+
+def test_float16_infinities_and_nans_reach_the_statistics(tmp_path):
+    import numpy as np
+
+    a = {"inf": torch.zeros(3000, dtype=torch.float16), "nan": torch.ones(3000, dtype=torch.float16),
+         "large": torch.full((3000,), 2000.0, dtype=torch.float16)}  # fmt: skip
+    b = {k: v.clone() for k, v in a.items()}
+    b["inf"][1500] = float("inf")
+    b["nan"][7] = float("nan")
+    b["large"][0] = 1000.0  # finite, but its square norm is above the check's bound: the exact path
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=1)
+    changed = {c.key: c for c in report.changed}
+    assert changed["inf"].max_abs == math.inf and changed["inf"].l1 == math.inf
+    assert math.isnan(changed["nan"].max_abs) and math.isnan(changed["nan"].l2)
+    d = a["large"].double() - b["large"].double()
+    assert changed["large"].max_abs == 1000.0
+    assert changed["large"].l1 == pytest.approx(float(d.abs().sum()), rel=1e-6)
+    assert np.isfinite(changed["large"].cosine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

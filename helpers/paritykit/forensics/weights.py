@@ -35,10 +35,10 @@ METRICS = ("l2", "l1", "cosine", "max_abs")
 GROUP_BY = ("component", "kind", "both")
 KINDS = ("self-attention", "cross-attention", "feed-forward", "norm", "proj", "embedding", "conv", "other")
 
-# elements per statistics pass: large enough that the per-call cost of the ten numpy passes (decode, subtract,
-# four dots, abs, sum, max) and the GIL hand-offs between two workers stay small, small enough that a changed
-# tensor's bytes are not read twice in full. Measured on the SD-size benchmark pair: 2^14 4 s, 2^16 1.6 s,
-# 2^18 1.0 s, 2^20 1.6 s.
+# elements per statistics pass: large enough that the per-call cost of the numpy passes (decode, subtract, four
+# dots, abs, sum, max) stays small against their work, small enough that a changed tensor's bytes are not read
+# twice in full. Measured in-process on the SD-size benchmark pair, two workers: 2^15 1.0 s, 2^16 0.7 s,
+# 2^17 0.45 s, 2^18 0.44 s.
 DISTANCE_CHUNK_ELEMENTS = 1 << 18
 # raw bytes read per chunk and side: the widest element (complex128) times the chunk
 RAW_CHUNK_BYTES = DISTANCE_CHUNK_ELEMENTS * 16
@@ -480,12 +480,15 @@ def _fmt(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------- value comparison
 class _Worker:
-    r"""Per-thread buffers, reused for every tensor pair so memory stays flat."""
+    r"""One worker's read buffers and statistics buffers, reused for every tensor pair so memory stays flat.
+
+    Bytes are copied from the page cache with ``preadv`` into one chunk-sized buffer per side, which the decode
+    then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page past the
+    end of a file truncated under us would be a SIGBUS rather than an error.)"""
 
     def __init__(self, fds: dict[Path, int]):
         self.fds = fds
-        self.raw_a = bytearray(RAW_CHUNK_BYTES)
-        self.raw_b = bytearray(RAW_CHUNK_BYTES)
+        self._raw = {side: bytearray(RAW_CHUNK_BYTES) for side in ("a", "b")}
         self._work: dict[str, Any] = {}
 
     def work(self, dtype: Any, slot: str) -> Any:
@@ -496,8 +499,12 @@ class _Worker:
             found = self._work[(slot, dtype)] = np.empty(DISTANCE_CHUNK_ELEMENTS, dtype=dtype)
         return found
 
-    def read(self, info: TensorInfo, start: int, length: int, buffer: bytearray) -> memoryview:
-        view = memoryview(buffer)[:length]
+    def read(self, info: TensorInfo, start: int, length: int, side: str) -> memoryview:
+        r"""Bytes ``[start, start + length)`` of ``info``'s tensor, in side ``side``'s buffer."""
+        raw = self._raw[side]
+        if len(raw) < length:
+            raw = self._raw[side] = bytearray(length)
+        view = memoryview(raw)[:length]
         fd = self.fds[info.file]
         done = 0
         while done < length:
@@ -512,17 +519,16 @@ def _first_difference(a: _Entry, b: _Entry, worker: _Worker) -> int | None:
     r"""The element index of the first statistics chunk whose bytes differ, or ``None`` when every byte is equal.
 
     Read in the statistics' own chunk size, so a changed tensor (whose first chunk usually differs) costs one
-    chunk's re-read, not a second pass over the whole tensor."""
-    import numpy as np
-
+    chunk's re-read, not a second pass over the whole tensor. The bytes are compared by ``memcmp`` (a prefix
+    test of A's buffer against B's view: no copy, and no numpy, so an identical pair never imports it)."""
     itemsize = a.info.itemsize
     step = DISTANCE_CHUNK_ELEMENTS * itemsize
     total = a.info.nbytes
     for start in range(0, total, step):
         length = min(step, total - start)
-        view_a = worker.read(a.info, start, length, worker.raw_a)
-        view_b = worker.read(b.info, start, length, worker.raw_b)
-        if not np.array_equal(np.frombuffer(view_a, np.uint8), np.frombuffer(view_b, np.uint8)):
+        view_a = worker.read(a.info, start, length, "a")
+        view_b = worker.read(b.info, start, length, "b")
+        if not view_a.obj.startswith(view_b):  # view_a is the first `length` bytes of its buffer
             return start // itemsize
     return None
 
@@ -545,7 +551,7 @@ _NUMPY_DTYPES = {
 }  # fmt: skip
 
 
-def _decode(entry: _Entry, start: int, count: int, out: Any, worker: _Worker, raw: bytearray) -> Any:
+def _decode(entry: _Entry, start: int, count: int, out: Any, worker: _Worker, side: str) -> Any:
     r"""Elements ``[start, start + count)`` of ``entry`` as ``out[:count]`` (float32 or float64)."""
     import numpy as np
 
@@ -558,12 +564,12 @@ def _decode(entry: _Entry, start: int, count: int, out: Any, worker: _Worker, ra
         np.copyto(target, piece.to(work).numpy())
         return target
     info = entry.info
-    view = worker.read(info, start * info.itemsize, count * info.itemsize, raw)
+    view = worker.read(info, start * info.itemsize, count * info.itemsize, side)
     if entry.dtype == "bfloat16" and target.dtype == np.float32:
         # bfloat16 is the top half of a float32: widen by shifting the bits, no torch needed
         np.left_shift(np.frombuffer(view, np.uint16), 16, out=target.view(np.uint32), dtype=np.uint32)
     elif entry.dtype == "float16" and target.dtype == np.float32:
-        _half_to_float(np.frombuffer(view, np.uint16), target, worker)
+        _half_to_float(np.frombuffer(view, np.uint16), target)
     elif entry.dtype in _NUMPY_DTYPES:
         np.copyto(target, np.frombuffer(view, _NUMPY_DTYPES[entry.dtype]), casting="unsafe")
     else:  # bfloat16 into float64, float8 variants
@@ -575,29 +581,43 @@ def _decode(entry: _Entry, start: int, count: int, out: Any, worker: _Worker, ra
 
 
 _HALF_SCALE = 2.0**112  # float16's exponent bias (15) lifted to float32's (127)
+# float32 bits to keep after the sign-extended shift: the sign and bits 0-27 (exponent and mantissa in place)
+_HALF_KEEP = -0x70000001  # 0x8FFFFFFF as an int32
 
 
-def _half_to_float(half_bits: Any, out: Any, worker: _Worker) -> Any:
-    r"""float16 bits into float32 ``out``, bit-exact, about twice as fast as numpy's own cast: the magnitude's
-    bits shifted into float32 position are the value times 2^-112 (denormals and zero included), so one multiply
-    rescales them; the sign is or-ed back. Infinities and NaNs (exponent 31) would come out finite, so a chunk
-    holding one takes numpy's cast instead."""
+def _half_to_float(half_bits: Any, out: Any) -> Any:
+    r"""float16 bits into float32 ``out`` in three passes (numpy's own cast is about five times slower),
+    bit-exact on every finite value. Sign-extending the 16 bits to int32 and shifting them left by 13 puts the
+    exponent and mantissa in float32 position and the sign in bit 31; bits 28-30 then hold copies of the sign,
+    which the mask clears. The float32 so formed is the value times 2^-112 (denormals and zero included), so one
+    multiply rescales it. An infinity or NaN (exponent 31) comes out finite, at 65536 or more in magnitude:
+    :func:`_decode_with_norm` catches that from the chunk's square norm, which the statistics need anyway."""
     import numpy as np
 
-    count = len(half_bits)
-    magnitude = worker.work(np.uint16, "h")[:count]
-    sign = worker.work(np.uint32, "s")[:count]
-    bits = out.view(np.uint32)
-    np.bitwise_and(half_bits, 0x7FFF, out=magnitude)
-    if count and int(magnitude.max()) >= 0x7C00:
-        np.copyto(out, half_bits.view(np.float16), casting="unsafe")
-        return out
-    np.left_shift(magnitude, 13, out=bits, dtype=np.uint32)
+    bits = out.view(np.int32)
+    np.left_shift(half_bits.view(np.int16), 13, out=bits, dtype=np.int32)
+    np.bitwise_and(bits, np.int32(_HALF_KEEP), out=bits)
     np.multiply(out, np.float32(_HALF_SCALE), out=out)
-    np.bitwise_and(half_bits, 0x8000, out=magnitude)
-    np.left_shift(magnitude, 16, out=sign, dtype=np.uint32)
-    np.bitwise_or(bits, sign, out=bits)
     return out
+
+
+# A float16 infinity or NaN decoded by the bit trick is >= 2^16, its square >= 2^32; a float32 sum of squares
+# holding one is above half of that whatever its rounding. Finite chunks this large take the exact path too.
+_HALF_SUSPECT_NORM = 2.0**31
+
+
+def _decode_with_norm(entry: _Entry, start: int, count: int, out: Any, worker: _Worker, side: str):
+    r""":func:`_decode` and the chunk's square norm; a float16 chunk whose norm could hide an infinity or a NaN
+    is decoded again by numpy's exact cast."""
+    import numpy as np
+
+    values = _decode(entry, start, count, out, worker, side)
+    norm = float(np.dot(values, values))
+    if entry.dtype == "float16" and entry.info is not None and not norm < _HALF_SUSPECT_NORM:
+        view = worker.read(entry.info, start * 2, count * 2, side)
+        np.copyto(values, np.frombuffer(view, np.float16), casting="unsafe")
+        norm = float(np.dot(values, values))
+    return values, norm
 
 
 def _distances(a: _Entry, b: _Entry, worker: _Worker, equal_before: int = 0) -> dict[str, float]:
@@ -613,18 +633,20 @@ def _distances(a: _Entry, b: _Entry, worker: _Worker, equal_before: int = 0) -> 
     with np.errstate(all="ignore"):
         for start in range(0, equal_before, DISTANCE_CHUNK_ELEMENTS):
             count = min(DISTANCE_CHUNK_ELEMENTS, equal_before - start)
-            xa = _decode(a, start, count, buf_a, worker, worker.raw_a)
-            same = float(np.dot(xa, xa))
+            _, same = _decode_with_norm(a, start, count, buf_a, worker, "a")
             dot, norm_a, norm_b = dot + same, norm_a + same, norm_b + same
         for start in range(equal_before, total, DISTANCE_CHUNK_ELEMENTS):
             count = min(DISTANCE_CHUNK_ELEMENTS, total - start)
-            xa = _decode(a, start, count, buf_a, worker, worker.raw_a)
-            xb = _decode(b, start, count, buf_b, worker, worker.raw_b)
+            xa, chunk_a = _decode_with_norm(a, start, count, buf_a, worker, "a")
+            xb, chunk_b = _decode_with_norm(b, start, count, buf_b, worker, "b")
             d = np.subtract(xa, xb, out=diff[:count])
-            dot += float(np.dot(xa, xb))
-            norm_a += float(np.dot(xa, xa))
-            norm_b += float(np.dot(xb, xb))
-            sq += float(np.dot(d, d))
+            chunk_sq = float(np.dot(d, d))
+            # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b: the dot product from the three sums, one pass fewer. Its error is
+            # float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a float64 reference.
+            dot += (chunk_a + chunk_b - chunk_sq) / 2
+            norm_a += chunk_a
+            norm_b += chunk_b
+            sq += chunk_sq
             np.abs(d, out=d)
             l1 += float(d.sum())
             peak = float(d.max()) if count else 0.0
@@ -710,7 +732,7 @@ def weights_diff(
             cross-attention, feed-forward, norm, proj, embedding, conv, other) or ``both``.
         keys_only: compare keys, shapes and dtypes from the headers only (no tensor is read).
         progress: show a tqdm bar on stderr; ``None`` = only when stderr is a terminal.
-        workers: threads comparing tensor pairs (default: up to 2; the work releases the GIL).
+        workers: threads comparing tensor pairs (default: one per usable core; numpy releases the GIL).
 
     Returns:
         A :class:`WeightsDiff`; ``exit_code`` 0 when every tensor is identical, 1 otherwise.
@@ -817,7 +839,7 @@ def _compare_all(
     try:
         for path in files:
             fds[path] = os.open(path, os.O_RDONLY)
-        count = workers or min(2, os.cpu_count() or 1)
+        count = max(1, min(workers or _usable_cores(), len(pairs)))
         if count <= 1:
             return [run(pair) for pair in pairs]
         with ThreadPoolExecutor(max_workers=count) as pool:
@@ -827,6 +849,13 @@ def _compare_all(
             os.close(fd)
         if bar is not None:
             bar.close()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # ------------------------------------------------------------------------------------------------ plot
