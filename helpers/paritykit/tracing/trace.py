@@ -80,7 +80,7 @@ class ModuleInfo:
         return {"type": self.type, "params": self.params}
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     r"""One call of one module.
 
@@ -369,7 +369,8 @@ def module_table(model: Any) -> dict[str, ModuleInfo]:
     """Class name and own parameter shapes of every named module of ``model``."""
     table = {}
     for name, module in model.named_modules():
-        params = {k: list(p.shape) for k, p in module.named_parameters(recurse=False)}
+        # a module's own parameters, as ``named_parameters(recurse=False)`` lists them, read without its generator
+        params = {k: list(p.shape) for k, p in module._parameters.items() if p is not None}
         table[name] = ModuleInfo(name, type(module).__name__, params)
     return table
 
@@ -422,8 +423,9 @@ class _Recorder:
         key = f"t{self.next_key}"
         self.next_key += 1
         try:
-            ref = weakref.ref(value, lambda _r, i=ident, s=self.seen: s.pop(i, None))
-            self.seen[ident] = (ref, version, key)
+            # no callback to drop the entry when the tensor dies: a later tensor given the same id finds a dead
+            # reference and is stored anew, so a stale entry is harmless and needs no callback per tensor
+            self.seen[ident] = (weakref.ref(value), version, key)
         except TypeError:
             pass
         if self.writer is not None:
