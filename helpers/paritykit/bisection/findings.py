@@ -212,7 +212,8 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
     from paritykit.bisection.evidence.collect import culprit_evidence
     from paritykit.compare.diagnose import diagnose
 
-    replayed = result is not None and result.test == "replay"
+    # a replay that passed kept no outputs (searcher.replay drops them): read the captured ones instead
+    replayed = result is not None and result.test == "replay" and call.name in searcher.replays
     if replayed:
         ref_leaves, port_leaves = searcher.replays[call.name]
     else:

@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "paritykit.cli.weights:weights",
         "Diff two checkpoints, or infer the conversion between them.",
     ),
+    "triage": (
+        "paritykit.cli.triage:triage",
+        "From a reference pipeline and its port to the cause, in one run.",
+    ),
     "bisect": (
         "paritykit.cli.bisect:bisect",
         "Name the first module where a port diverges from its reference.",

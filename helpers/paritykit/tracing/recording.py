@@ -12,15 +12,16 @@ a forward hook on the denoiser (nothing is patched or wrapped) and writes, in th
   the step check needs it to verify the last update: the final sigma, the order of the last step).
 
 Both sides recorded this way feed ``paritykit compare``, ``paritykit steps --key output`` and
-``paritykit schedule`` directly.
+``paritykit schedule`` directly. :func:`record_calls` is the in-memory recorder underneath: every call's
+arguments and output, kept as copies, for code that replays them (``paritykit triage``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from paritykit.base.errors import ParityKitError
 TIMESTEP_NAMES = ("timestep", "timesteps", "t", "time", "sigma", "sigmas", "noise_level")
 
 
-def _output_tensor(output: Any) -> Any:
+def output_tensor(output: Any) -> Any:
+    r"""The tensor a denoiser's output holds: itself, ``.sample``, the first of a tuple, or a dict's first."""
     import torch
 
     if isinstance(output, torch.Tensor):
@@ -44,7 +46,8 @@ def _output_tensor(output: Any) -> Any:
     return None
 
 
-def _named_inputs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+def named_inputs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    r"""A call's arguments by parameter name (positional ones named from ``forward``'s signature, else ``arg{k}``)."""
     try:
         bound = inspect.signature(forward).bind_partial(*args, **kwargs)
         named = dict(bound.arguments)
@@ -68,7 +71,8 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def _timestep_of(named: dict[str, Any]) -> tuple[str, float] | None:
+def timestep_of(named: dict[str, Any]) -> tuple[str, float] | None:
+    r"""``("timesteps" | "sigmas", value)`` of a call by its arguments' names, else its second argument."""
     for name in TIMESTEP_NAMES:
         if name in named and (value := _scalar(named[name])) is not None:
             return ("sigmas" if name.startswith("sigma") else "timesteps"), value
@@ -99,6 +103,98 @@ class Recording(dict):
         return latents
 
 
+def kept(value: Any) -> Any:
+    r"""A copy of ``value`` safe from later in-place changes: tensors detached and cloned, containers rebuilt."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return (
+            type(value)(kept(v) for v in value) if type(value) in (tuple, list) else [kept(v) for v in value]
+        )
+    if isinstance(value, dict):
+        items = {k: kept(v) for k, v in value.items()}
+        try:
+            return type(value)(**items) if type(value) is not dict else items
+        except TypeError:  # a mapping class that takes no keywords
+            return items
+    return value
+
+
+@dataclass
+class Call:
+    r"""One recorded call of a module: its arguments (``args``, ``kwargs``, and ``named`` by parameter name) and
+    its output, all copies taken when the call happened."""
+
+    args: tuple
+    kwargs: dict
+    named: dict[str, Any]
+    output: Any
+
+
+@contextlib.contextmanager
+def record_calls(module: Any, on_call: Callable[[int, Call], None] | None = None) -> Iterator[list[Call]]:
+    r"""Record every call of ``module`` (a ``torch.nn.Module``) inside the ``with`` block, in memory.
+
+    A forward hook, nothing patched: each call's arguments and output are copied as it returns, so a loop that
+    updates its latents in place does not change what was recorded. ``on_call(index, call)`` runs after each."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise ParityKitError(f"expected a torch.nn.Module to record, got {type(module).__name__}")
+    calls: list[Call] = []
+
+    def hook(mod: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        args, kwargs = kept(args), kept(kwargs)
+        calls.append(Call(args, kwargs, named_inputs(mod.forward, args, kwargs), kept(output)))
+        if on_call is not None:
+            on_call(len(calls) - 1, calls[-1])
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def step_checkpoint(call: Call) -> Any:
+    r"""One recorded call as a checkpoint: its tensor and scalar arguments by name, and its ``output``."""
+    import torch
+
+    from paritykit.tracing.checkpoints import Checkpoint
+
+    data = {k: v for k, v in call.named.items() if isinstance(v, (torch.Tensor, int, float, str))}
+    result = output_tensor(call.output)
+    if result is not None:
+        data["output"] = result
+    return Checkpoint(data=data)
+
+
+def loop_checkpoints(calls: list[Call], final: Any = None) -> dict[str, Any]:
+    r"""A recorded loop as :func:`paritykit.save_checkpoints` writes it (``preloop``, ``step_{i}``, ``final``)."""
+    import torch
+
+    from paritykit.tracing.checkpoints import Checkpoint
+
+    steps = {f"step_{index}": step_checkpoint(call) for index, call in enumerate(calls)}
+    seen: list[tuple[str, float]] = []
+    for call in calls:
+        found = timestep_of(call.named)
+        if found is not None:
+            seen.append(found)
+    first = {k: v for k, v in steps["step_0"].data.items() if k != "output"} if calls else {}
+    # the marker tells `paritykit schedule` the list is one value per call (no final sigma)
+    preloop = {**first, "recorded_calls": len(calls)}
+    kinds = {kind for kind, _ in seen}
+    if len(kinds) == 1:
+        preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)
+    result = {"preloop": Checkpoint(data=preloop), **steps}
+    if final is not None:
+        result["final"] = final
+    return result
+
+
 @contextlib.contextmanager
 def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> Iterator[Recording]:
     r"""Record every call of ``denoiser`` (a ``torch.nn.Module``) inside the ``with`` block, then save.
@@ -110,50 +206,21 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
         side: ``"reference"`` or ``"port"``, recorded so that pairing two folders of one side is refused.
 
     Yields:
-        The dict of :class:`paritykit.Checkpoint` being filled (``preloop`` is added when the block ends); its
-        ``final(latents)`` keeps the loop's result too.
+        A dict for :class:`paritykit.Checkpoint` s, filled when the block ends; its ``final(latents)`` keeps the
+        loop's result too.
 
     Example::
 
         with paritykit.record_loop(model.unet, out="ref_run") as rec:
             rec.final(reference_sample(model, prompt, steps=10))
     """
-    import torch
+    from paritykit.tracing.checkpoints import save_checkpoints
 
-    from paritykit.tracing.checkpoints import Checkpoint, save_checkpoints
-
-    if not isinstance(denoiser, torch.nn.Module):
-        raise ParityKitError(f"record_loop: expected a torch.nn.Module, got {type(denoiser).__name__}")
-    calls = Recording()
-    count = itertools.count()  # denoiser calls so far (calls may also hold "final")
-    seen: list[tuple[str, float]] = []
-    first: dict[str, Any] = {}
-
-    def keep(value: Any) -> Any:
-        return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-    def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        named = _named_inputs(module.forward, args, kwargs)
-        data = {k: keep(v) for k, v in named.items() if isinstance(v, (torch.Tensor, int, float, str))}
-        result = _output_tensor(output)
-        if result is not None:
-            data["output"] = keep(result)
-        index = next(count)
-        if index == 0:
-            first.update({k: v for k, v in data.items() if k != "output"})
-        calls[f"step_{index}"] = Checkpoint(data=data)
-        found = _timestep_of(named)
-        if found is not None:
-            seen.append(found)
-
-    handle = denoiser.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield calls
-    finally:
-        handle.remove()
-    # the marker tells `paritykit schedule` the list is one value per call (no final sigma)
-    preloop = {**first, "recorded_calls": next(count)}  # the next index is the number of calls made
-    kinds = {kind for kind, _ in seen}
-    if len(kinds) == 1:
-        preloop[kinds.pop()] = torch.tensor([v for _, v in seen], dtype=torch.float64)
-    save_checkpoints(out, {"preloop": Checkpoint(data=preloop), **calls}, side=side)
+    rec = Recording()
+    with record_calls(
+        denoiser, lambda index, call: rec.__setitem__(f"step_{index}", step_checkpoint(call))
+    ) as calls:
+        yield rec
+    checkpoints = loop_checkpoints(calls, rec.get("final"))
+    rec.update(checkpoints)
+    save_checkpoints(out, checkpoints, side=side)

@@ -1,0 +1,118 @@
+r"""One denoiser call seen by role, and two sides' calls paired: which argument is the latents, which the
+timestep, which the conditioning; and the port's call with the reference's values put in its place.
+
+The two sides rarely name their arguments alike (``x, t, context`` in research code, ``sample, timestep,
+encoder_hidden_states`` in diffusers), so roles come from names first, then from position and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.tracing.recording import Call, output_tensor, timestep_of
+
+# argument names read as the latents a denoiser is given, most specific first
+LATENT_NAMES = ("sample", "latents", "latent", "x", "x_t", "xt", "z", "z_t", "noisy", "hidden_states", "img")
+
+
+@dataclass
+class Roles:
+    r"""A call's arguments by role: ``latents`` and ``timestep`` name an argument (``None`` when not found);
+    ``conditioning`` lists the other tensor arguments in order."""
+
+    latents: str | None
+    timestep: str | None
+    timestep_kind: str | None
+    conditioning: list[str] = field(default_factory=list)
+
+
+def roles_of(call: Call) -> Roles:
+    import torch
+
+    named = call.named
+    found = timestep_of(named)
+    t_name = None
+    if found is not None:
+        t_name = next(
+            (k for k, v in named.items() if _scalar_like(v) and float(_first(v)) == found[1]),
+            None,
+        )
+    tensors = [k for k, v in named.items() if isinstance(v, torch.Tensor) and k != t_name]
+    latents = next((k for k in LATENT_NAMES if k in tensors), None)
+    if latents is None:
+        latents = next((k for k in tensors if named[k].dim() >= 3), tensors[0] if tensors else None)
+    conditioning = [k for k in tensors if k != latents]
+    return Roles(latents, t_name, found[0] if found else None, conditioning)
+
+
+def _scalar_like(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() >= 1 and (value.dim() == 0 or value.numel() == value.shape[0])
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _first(value: Any) -> float:
+    import torch
+
+    return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+
+
+def latents(call: Call, roles: Roles) -> Any:
+    return call.named.get(roles.latents) if roles.latents else None
+
+
+def timestep(call: Call, roles: Roles) -> float | None:
+    return _first(call.named[roles.timestep]) if roles.timestep else None
+
+
+def output(call: Call) -> Any:
+    return output_tensor(call.output)
+
+
+def pair_conditioning(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles) -> list[tuple[str, str]]:
+    r"""Conditioning arguments paired by shape (in order among equal shapes); unpaired ones are left out."""
+    pairs, used = [], set()
+    for r in ref_roles.conditioning:
+        shape = tuple(ref.named[r].shape)
+        hit = next(
+            (p for p in port_roles.conditioning if p not in used and tuple(port.named[p].shape) == shape),
+            None,
+        )
+        if hit is not None:
+            used.add(hit)
+            pairs.append((r, hit))
+    return pairs
+
+
+def with_reference_values(
+    ref: Call, ref_roles: Roles, port: Call, port_roles: Roles, *, timestep_too: bool = True
+) -> tuple[tuple, dict]:
+    r"""The port's call with the reference's latents, conditioning and (when ``timestep_too`` and both sides
+    give one) timestep in place of its own: what the port's module computes on the reference's inputs."""
+    import torch
+
+    swap: dict[str, Any] = {}
+    if ref_roles.latents and port_roles.latents:
+        mine, theirs = port.named[port_roles.latents], ref.named[ref_roles.latents]
+        if tuple(mine.shape) == tuple(theirs.shape):
+            swap[port_roles.latents] = theirs.to(mine.dtype)
+    for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
+        swap[p] = ref.named[r].to(port.named[p].dtype)
+    if timestep_too and ref_roles.timestep and port_roles.timestep:
+        value = timestep(ref, ref_roles)
+        mine = port.named[port_roles.timestep]
+        swap[port_roles.timestep] = (
+            torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)
+        )
+    args = list(port.args)
+    names = list(port.named)
+    kwargs = dict(port.kwargs)
+    for name, value in swap.items():
+        if name in kwargs:
+            kwargs[name] = value
+        elif name in names and names.index(name) < len(args):
+            args[names.index(name)] = value
+    return tuple(args), kwargs

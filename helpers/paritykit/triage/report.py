@@ -1,0 +1,160 @@
+r"""What ``paritykit triage`` reports: the verdict, each cause found (where, what differs, the evidence, a
+verified fix when there is one, and the command that reproduces it alone), what was ruled out, and the error
+call by call. One object, two faces: :meth:`TriageReport.render` for a person, :meth:`TriageReport.to_dict`
+for an agent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
+
+# the places a sampling pipeline can part from its reference, in the order the data flows through them
+PLACES = (
+    "initial noise",
+    "schedule",
+    "conditioning",
+    "denoiser",
+    "update",
+    "decoder input",
+    "decoder",
+    "post-processing",
+    "result",
+)
+PLACE_ORDER = {place: index for index, place in enumerate(PLACES)}
+
+
+@dataclass
+class Finding:
+    r"""One cause.
+
+    Args:
+        place: one of :data:`PLACES`.
+        call: the denoiser call (or step) where it first shows; ``None`` for a whole-run quantity.
+        summary: one sentence: what differs, the quantity named.
+        evidence: the numbers behind it, one line each.
+        fix: the change that makes the two agree, when one is known.
+        verified: ``True`` when that fix was replayed (or fitted) and then matched.
+        command: the ``paritykit …`` command that reproduces this finding alone.
+        details: the nested report of the command that found it (``bisect``, ``schedule --fit``), as JSON.
+    """
+
+    place: str
+    call: int | None
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    fix: str | None = None
+    verified: bool = False
+    command: str | None = None
+    details: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "place": self.place,
+            "call": self.call,
+            "summary": self.summary,
+            "evidence": list(self.evidence),
+            "fix": self.fix,
+            "verified": self.verified,
+            "command": self.command,
+            "details": self.details,
+        }
+
+
+@dataclass
+class CallError:
+    r"""One row of the per-step error curve: denoiser call ``call``'s timesteps and relative errors."""
+
+    call: int
+    t_reference: float | None
+    t_port: float | None
+    latents: float | None
+    output: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TriageReport:
+    r"""``verdict`` is ``match`` (every call, the decoder and the result agree) or ``differ``; ``findings`` list
+    the causes, first difference first (every independent one with ``all_causes``); ``ruled_out`` the places
+    checked and found to agree; ``not_checked`` what could not be, with why."""
+
+    spec: str
+    findings: list[Finding]
+    ruled_out: list[str]
+    not_checked: list[str]
+    curve: list[CallError]
+    calls: tuple[int, int]
+    result: dict[str, Any]
+    all_causes: bool
+    out_dir: str | None
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        return "differ" if self.findings else "match"
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.findings else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "spec": self.spec,
+            "all_causes": self.all_causes,
+            "calls": {"reference": self.calls[0], "port": self.calls[1]},
+            "result": self.result,
+            "findings": [f.to_dict() for f in self.findings],
+            "ruled_out": self.ruled_out,
+            "not_checked": self.not_checked,
+            "curve": [row.to_dict() for row in self.curve],
+            "out_dir": self.out_dir,
+            "environment": self.environment,
+        }
+
+    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
+        head = f"verdict: {self.verdict}"
+        if self.findings:
+            head += f" ({len(self.findings)} cause{'s' if len(self.findings) > 1 else ''}"
+            head += ", every independent one)" if self.all_causes else ", the first; --all for every one)"
+        lines = [
+            head,
+            f"denoiser calls: reference {self.calls[0]}, port {self.calls[1]}; {_result_text(self.result)}",
+        ]
+        for number, f in enumerate(self.findings, 1):
+            where = f" at call {f.call}" if f.call is not None else ""
+            lines.append(f"{number}. {f.place}{where}: {f.summary}")
+            lines += [f"     {e}" for e in f.evidence]
+            if f.fix:
+                lines.append(f"     fix ({'verified' if f.verified else 'not verified'}): {f.fix}")
+            if f.command:
+                lines.append(f"     reproduce: {f.command}")
+        lines += [f"ruled out: {r}" for r in self.ruled_out]
+        lines += [f"not checked: {n}" for n in self.not_checked]
+        if self.curve:
+            rows = [
+                [str(r.call), _num(r.t_reference), _num(r.t_port), _num(r.latents), _num(r.output)]
+                for r in self.curve
+            ]
+            lines.append("error per denoiser call (relative L2, port against reference):")
+            lines.append(render_table(["call", "t ref", "t port", "latents in", "output"], rows, limit=limit))
+        if self.out_dir:
+            lines.append(f"recordings and reproduction files: {self.out_dir}")
+        return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else format_number(value)
+
+
+def _result_text(result: dict[str, Any]) -> str:
+    if result.get("error"):
+        return f"results not compared: {result['error']}"
+    return (
+        f"result {'matches' if result.get('passed') else 'differs'} "
+        f"(max_abs {_num(result.get('max_abs'))}, cosine {_num(result.get('cosine'))})"
+    )

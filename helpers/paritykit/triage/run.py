@@ -1,0 +1,694 @@
+r"""``paritykit triage SPEC.py``: both pipelines run end to end from one seed, every denoiser (and decoder)
+call recorded, then compared call by call, first difference first.
+
+The SPEC defines ``run_reference()`` and ``run_port()`` (each runs its side's sampling end to end and returns
+the result as a tensor), ``reference_denoiser()`` and ``port_denoiser()`` (the modules those runs call once per
+step, as objects), and optionally ``reference_vae()`` / ``port_vae()`` (the decoder modules),
+``port_scheduler()`` (the port's scheduler object, for the schedule fit), ``TOLERANCE`` and ``SEED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+from pathlib import Path
+from typing import Any
+
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import environment_stamp, format_number
+from paritykit.base.usercode import Spec, load_spec
+from paritykit.tracing.recording import Call
+from paritykit.triage.calls import Roles, latents, output, roles_of, timestep, with_reference_values
+from paritykit.triage.places import (
+    Tolerance,
+    affine_words,
+    coefficient_differences,
+    compare,
+    compare_call,
+    comparison_evidence,
+    fit_affine,
+    rel,
+    update_fit,
+)
+from paritykit.triage.report import PLACE_ORDER, CallError, Finding, TriageReport
+
+DEFAULT_OUT = "triage-out"
+# Tensors of two whole pipelines (a float64 research loop against a float32 port) drift apart by float
+# rounding, amplified through later layers: 2e-5 relative at a decoder's input after five DDIM steps of a
+# correct port. Planted bugs differ by 1e-3 and more. A SPEC's TOLERANCE replaces these.
+PIPELINE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def triage_spec(
+    spec_path: Any, *, all_causes: bool = False, out: Any = DEFAULT_OUT, seed: int | None = None
+) -> TriageReport:
+    r"""Run both sides of ``spec_path`` under recording and find where the port parts from the reference.
+
+    Args:
+        spec_path: the triage SPEC (``paritykit new triage-spec`` writes one).
+        all_causes: go on past the first cause: each place is then checked on its own, the port's modules fed
+            the reference's values at that point, so independent bugs are all named.
+        out: folder for the recordings (``reference_calls/``, ``port_calls/``, the ``record_loop`` format) and
+            the files the reproduce commands read; ``None`` writes nothing.
+        seed: torch's global seed before each side runs (default: the SPEC's ``SEED``, else 0).
+
+    Returns:
+        A :class:`~paritykit.triage.report.TriageReport`; ``exit_code`` 0 match, 1 differ.
+    """
+    spec = load_spec(spec_path)
+    seed = int(getattr(spec.module, "SEED", 0) if seed is None else seed)
+    tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
+    ref = _run_side(spec, "reference", seed)
+    port = _run_side(spec, "port", seed)
+    out_dir = Path(out) if out is not None else None
+    return Triage(spec, tol, ref, port, out_dir, all_causes).report()
+
+
+class SideRun:
+    r"""One side's run: its denoiser and decoder modules, their recorded calls, and the run's result."""
+
+    def __init__(
+        self, side: str, denoiser: Any, vae: Any, calls: list[Call], decoder_calls: list[Call], result
+    ):
+        self.side, self.denoiser, self.vae = side, denoiser, vae
+        self.calls, self.decoder_calls, self.result = calls, decoder_calls, result
+
+
+def _module(spec: Spec, name: str) -> Any:
+    import torch
+
+    module = spec.call(name)
+    if not isinstance(module, torch.nn.Module):
+        raise ParityKitError(f"{spec.path}: {name}() returned {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def _run_side(spec: Spec, side: str, seed: int) -> SideRun:
+    import torch
+
+    from paritykit.tracing.recording import record_calls
+
+    denoiser = _module(spec, f"{side}_denoiser")
+    vae = _module(spec, f"{side}_vae") if spec.has(f"{side}_vae") else None
+    torch.manual_seed(seed)
+    with torch.no_grad(), record_calls(denoiser) as calls, contextlib.ExitStack() as stack:
+        decoder_calls = stack.enter_context(record_calls(vae)) if vae is not None else []
+        result = spec.call(f"run_{side}")
+    if not calls:
+        raise ParityKitError(f"{spec.path}: run_{side}() never called {side}_denoiser()'s module")
+    return SideRun(side, denoiser, vae, calls, decoder_calls, _as_tensor(result, f"run_{side}()", spec))
+
+
+def _as_tensor(value: Any, what: str, spec: Spec) -> Any:
+    import torch
+
+    for attr in ("images", "sample", "latents"):
+        if hasattr(value, attr) and not isinstance(value, torch.Tensor):
+            value = getattr(value, attr)
+    if isinstance(value, (tuple, list)) and value and not isinstance(value[0], (int, float)):
+        value = value[0] if len(value) == 1 or not hasattr(value[0], "size") else value
+    try:
+        import numpy as np
+
+        if isinstance(value, list):  # PIL images
+            value = np.stack([np.asarray(v) for v in value])
+        return torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value).detach()
+    except (TypeError, ValueError):
+        raise ParityKitError(
+            f"{spec.path}: {what} returned {type(value).__name__}; return a tensor"
+        ) from None
+
+
+class Triage:
+    r"""The comparison of two recorded runs; :meth:`report` walks the places."""
+
+    def __init__(
+        self, spec: Spec, tol: Tolerance, ref: SideRun, port: SideRun, out_dir: Path | None, all_causes: bool
+    ):
+        self.spec, self.tol, self.ref, self.port = spec, tol, ref, port
+        self.out_dir, self.all_causes = out_dir, all_causes
+        self.findings: list[Finding] = []
+        self.ruled_out: list[str] = []
+        self.not_checked: list[str] = []
+        self.ref_roles = [roles_of(c) for c in ref.calls]
+        self.port_roles = [roles_of(c) for c in port.calls]
+        n = min(len(ref.calls), len(port.calls))
+        self.pairs = [
+            compare_call(i, ref.calls[i], self.ref_roles[i], port.calls[i], self.port_roles[i], tol)
+            for i in range(n)
+        ]
+        self.folders = self._write_recordings()
+
+    # -------------------------------------------------------------------------------------------- report
+    def report(self) -> TriageReport:
+        if self.all_causes:
+            for check in (
+                self.noise,
+                self.schedule,
+                self.conditioning,
+                self.denoiser,
+                self.update,
+                self.decoder,
+            ):
+                check(independent=True)
+        else:
+            self.first_difference()
+        self.findings.sort(key=lambda f: (PLACE_ORDER[f.place], f.call or 0))
+        result = self.result_comparison()
+        if result.get("passed") is False and not self.findings:
+            self.findings.append(
+                Finding("result", None, "the results differ while every check above agrees: the difference is "
+                        "outside what was recorded" + ("" if self.ref.vae is not None else " (give reference_vae() "
+                        "and port_vae() to check the decoder)"), evidence=result.get("evidence", []))
+            )  # fmt: skip
+        return TriageReport(
+            spec=str(self.spec.path), findings=self.findings, ruled_out=self.ruled_out,
+            not_checked=self.not_checked, curve=self.curve(), calls=(len(self.ref.calls), len(self.port.calls)),
+            result={k: v for k, v in result.items() if k != "evidence"}, all_causes=self.all_causes,
+            out_dir=str(self.out_dir) if self.out_dir is not None else None,
+            environment=environment_stamp(spec=str(self.spec.path)),
+        )  # fmt: skip
+
+    def first_difference(self) -> None:
+        r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
+        differs is the cause; after the last call, the decoder."""
+        for pair in self.pairs:
+            i = pair.index
+            if i == 0 and not pair.latents_match:
+                return self.noise(independent=False)
+            if not pair.timestep_match:
+                return self.schedule(independent=False)
+            if not pair.conditioning_match:
+                return self.conditioning(independent=False)
+            if i > 0 and not pair.latents_match:
+                return self.update(independent=False, step=i - 1)
+            if not pair.output_match:
+                return self.denoiser(independent=False, call=i)
+        if len(self.ref.calls) != len(self.port.calls):
+            return self.schedule(independent=False)
+        if self.final_latents_differ():
+            return self.update(independent=False, step=len(self.pairs) - 1)
+        self.ruled_out.append(f"every denoiser call ({len(self.pairs)}): inputs, timestep and output agree")
+        self.decoder(independent=False)
+
+    # ------------------------------------------------------------------------------------------ 1. noise
+    def noise(self, independent: bool) -> None:
+        pair = self.pairs[0] if self.pairs else None
+        if pair is None:
+            return
+        if pair.latents is None:
+            self.not_checked.append(f"initial noise: {pair.latents_note}")
+            return
+        if pair.latents_match:
+            self.ruled_out.append("initial noise: the first call's latents agree")
+            return
+        xr, xp = (
+            latents(self.ref.calls[0], self.ref_roles[0]),
+            latents(self.port.calls[0], self.port_roles[0]),
+        )
+        evidence = comparison_evidence(pair.latents)
+        fit = fit_affine(xp, xr)
+        summary = "the first call's latents differ"
+        if fit is not None and fit.exact:
+            summary += f": the port's are {affine_words(fit, chr(39).join(['the reference', 's']))} (exact, residual {format_number(fit.residual)})"
+            summary += "; a missing or extra scaling of the noise (init_noise_sigma, a sigma_max factor)"
+        elif pair.latents.cosine is not None and abs(pair.latents.cosine) < 0.1:
+            summary += " and are uncorrelated (cosine ~0): different noise: another generator, seed, device or draw order"
+        self.findings.append(
+            Finding("initial noise", 0, summary, evidence=evidence,
+                    command=self._compare_command(0, self.ref_roles[0].latents, self.port_roles[0].latents))
+        )  # fmt: skip
+
+    # --------------------------------------------------------------------------------------- 2. schedule
+    def schedule(self, independent: bool) -> None:
+        from paritykit.schedule import compare_schedules
+
+        t_ref = [timestep(c, r) for c, r in zip(self.ref.calls, self.ref_roles)]
+        t_port = [timestep(c, r) for c, r in zip(self.port.calls, self.port_roles)]
+        if None in t_ref or None in t_port:
+            self.not_checked.append(
+                "schedule: a side's denoiser calls carry no recognisable timestep argument"
+            )
+            return
+        if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
+            self.ruled_out.append(f"schedule: the {len(t_ref)} timesteps agree")
+            return
+        first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
+        comparison = compare_schedules(t_ref, t_port)
+        evidence = [
+            f"reference {_head(t_ref)}",
+            f"port      {_head(t_port)}",
+            *(h.message for h in getattr(comparison, "hints", [])[:3]),
+        ]
+        finding = Finding(
+            "schedule", first, f"the timesteps differ from call {first} "
+            f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)", evidence=evidence,
+            command=self._schedule_command(), details=comparison.to_dict(),
+        )  # fmt: skip
+        self._fit_schedule(finding)
+        self.findings.append(finding)
+
+    def _fit_schedule(self, finding: Finding) -> None:
+        if not self.spec.has("port_scheduler"):
+            self.not_checked.append("schedule fit: the SPEC defines no port_scheduler()")
+            return
+        if self.folders is None:
+            self.not_checked.append("schedule fit: no recordings were written (out=None)")
+            return
+        from paritykit.schedule import fit_scheduler
+
+        scheduler = self.spec.call("port_scheduler")
+        try:
+            fit = fit_scheduler(type(scheduler), str(self.folders[0]), base_config=dict(scheduler.config))
+        except ParityKitError as exc:
+            finding.evidence.append(f"schedule fit not run: {exc}")
+            return
+        finding.details = {"compare": finding.details, "fit": fit.to_dict()}
+        if fit.line:
+            finding.fix = fit.line + (f"; {fit.call_line}" if fit.call_line else "")
+            finding.verified = True
+            finding.evidence.append(
+                f"the fix reproduces the reference's timesteps: {fit.fits[0].residual_text()}"
+            )
+        else:
+            finding.evidence += [
+                f"no config of {type(scheduler).__name__} reproduces them",
+                *fit.differences[:3],
+            ]
+
+    # ----------------------------------------------------------------------------------- 3. conditioning
+    def conditioning(self, independent: bool) -> None:
+        pair = self.pairs[0] if self.pairs else None
+        if pair is None or not pair.conditioning:
+            self.not_checked.append("conditioning: no conditioning inputs paired between the two denoisers")
+            return
+        bad = [(r, p, c) for r, p, c in pair.conditioning if not c.passed]
+        if not bad:
+            self.ruled_out.append(
+                "conditioning: " + ", ".join(f"{r} / {p}" for r, p, _ in pair.conditioning) + " agree"
+            )
+            return
+        r, p, c = bad[0]
+        self.findings.append(
+            Finding("conditioning", 0, f"the denoiser's conditioning input {r} (port: {p}) differs before any "
+                    "denoiser computation: the text encoder, the prompt's embedding or its packing",
+                    evidence=comparison_evidence(c), command=self._compare_command(0, r, p))
+        )  # fmt: skip
+
+    # --------------------------------------------------------------------------------------- 4. denoiser
+    def denoiser(self, independent: bool, call: int | None = None) -> None:
+        r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else call
+        0): a difference there is the module's own, whatever differs upstream."""
+        if call is None:
+            call = next((p.index for p in self.pairs if p.inputs_match), 0)
+        ref_call, port_call = self.ref.calls[call], self.port.calls[call]
+        mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, self.port_roles[call])
+        report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
+        if report.verdict == "match":
+            self.ruled_out.append(
+                f"denoiser: the port's module matches the reference's on call {call}'s inputs"
+            )
+            return
+        finding = _bisect_finding("denoiser", call, report)
+        if not self.pairs[call].inputs_match:
+            finding.evidence.insert(
+                0, f"the port's own call-{call} inputs differ; it was fed the reference's"
+            )
+        finding.command = self._bisect_file("denoiser", call, ref_call, mapped)
+        self.findings.append(finding)
+
+    def _bisect(self, reference: Any, port: Any, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Any:
+        from paritykit.bisection import bisect
+
+        # a module on one call's inputs is held to bisect's own per-dtype tolerances, or the SPEC's
+        return bisect(
+            reference, port, (ref_call.args, ref_call.kwargs), port_inputs=lambda a, k: port_inputs,
+            atol=self.spec.tolerance.get("atol"), rtol=self.spec.tolerance.get("rtol"),
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------------------- 5. update
+    def update(self, independent: bool, step: int | None = None) -> None:
+        fits = [self._update_fits(i) for i in range(len(self.pairs))]
+        comparable = [
+            i for i, (fr, fp) in enumerate(fits)
+            if fr is not None and fp is not None and self._same_step_times(i)
+        ]  # fmt: skip
+        if step is not None and step not in comparable:
+            comparable.append(step)
+        for i in sorted(comparable):
+            fr, fp = fits[i]
+            if fr is None or fp is None:
+                continue
+            if not (fr.exact and fp.exact):
+                continue
+            differences = coefficient_differences(fr, fp)
+            if differences:
+                self.findings.append(
+                    Finding("update", i, f"the update from call {i} to the next differs: " + "; ".join(differences),
+                            evidence=[f"reference: next latents = {fr.text()} (residual {format_number(fr.residual)})",
+                                      f"port:      next latents = {fp.text()} (residual {format_number(fp.residual)})",
+                                      "timesteps, latents and output of the step agree"
+                                      if step == i else "the step's timesteps agree on both sides"],
+                            command=self._steps_command())
+                )  # fmt: skip
+                return
+        if step is not None:
+            fr, fp = fits[step] if step < len(fits) else (None, None)
+            why = (
+                "a side's update is not a linear rule of its latents and outputs"
+                if fr is None or fp is None or not (fr.exact and fp.exact)
+                else "the fitted rules agree, yet the next latents differ"
+            )
+            self.findings.append(
+                Finding("update", step, f"the latents after step {step} differ while that step's inputs and output "
+                        f"agree: the sampler's update (cause unknown: {why})",
+                        evidence=comparison_evidence(self._next_latents_comparison(step)),
+                        command=self._steps_command())
+            )  # fmt: skip
+            return
+        checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
+        if checked:
+            self.ruled_out.append(
+                f"update: the fitted rules agree at the {len(checked)} steps whose timesteps agree"
+            )
+        else:
+            self.not_checked.append(
+                "update: no step with the same timesteps on both sides and an exact linear rule"
+            )
+
+    def _same_step_times(self, i: int) -> bool:
+        if not self.pairs[i].timestep_match:
+            return False
+        return i + 1 >= len(self.pairs) or self.pairs[i + 1].timestep_match
+
+    def _next_latents(self, run: SideRun, roles: list[Roles], i: int) -> Any:
+        if i + 1 < len(run.calls):
+            return latents(run.calls[i + 1], roles[i + 1])
+        if run.vae is None:
+            return run.result  # the run returns the final latents
+        return None
+
+    def _update_fits(self, i: int):
+        sides = []
+        for run, roles in ((self.ref, self.ref_roles), (self.port, self.port_roles)):
+            previous = output(run.calls[i - 1]) if i > 0 else None
+            sides.append(update_fit(latents(run.calls[i], roles[i]), output(run.calls[i]),
+                                    self._next_latents(run, roles, i), previous))  # fmt: skip
+        return tuple(sides)
+
+    def _next_latents_comparison(self, i: int) -> Any:
+        a = self._next_latents(self.ref, self.ref_roles, i)
+        b = self._next_latents(self.port, self.port_roles, i)
+        return compare(a, b, self.tol, f"latents after step {i}")
+
+    def final_latents_differ(self) -> bool:
+        if self.ref.vae is not None or self.port.vae is not None or not self.pairs:
+            return False
+        a, b = self.ref.result, self.port.result
+        return tuple(a.shape) == tuple(b.shape) and not compare(a, b, self.tol, "final latents").passed
+
+    # ---------------------------------------------------------------------------------------- 6. decoder
+    def decoder(self, independent: bool) -> None:
+        if self.ref.vae is None or self.port.vae is None:
+            if self.ref.vae is not None or self.port.vae is not None:
+                self.not_checked.append("decoder: only one side's SPEC defines its vae()")
+            return
+        if not self.ref.decoder_calls or not self.port.decoder_calls:
+            self.not_checked.append("decoder: a side's vae() module was never called during its run")
+            return
+        ref_call, port_call = self.ref.decoder_calls[-1], self.port.decoder_calls[-1]
+        zr, zp = _first_tensor(ref_call), _first_tensor(port_call)
+        same_input = (
+            zr is not None
+            and zp is not None
+            and zr.shape == zp.shape
+            and compare(zr, zp, self.tol, "decoder input").passed
+        )
+        if not same_input and zr is not None and zp is not None:
+            fit = fit_affine(zp, zr, per_channel=True)
+            if fit is not None and fit.exact and not _identity(fit):
+                self.findings.append(
+                    Finding("decoder input", None,
+                            f"the latents reach the decoder as {affine_words(fit, 'the reference' + chr(39) + 's')} "
+                            f"(exact, residual {format_number(fit.residual)}): the scaling between the loop and the "
+                            "decoder (scaling_factor, shift_factor) differs",
+                            evidence=[f"fitted over every element of the decoder's input (relative error "
+                                      f"{format_number(rel(zr, zp))} before the fit)"])
+                )  # fmt: skip
+                if not independent:
+                    return
+            elif not independent:
+                residual = f"residual {format_number(fit.residual)}" if fit is not None else "shapes differ"
+                self.findings.append(
+                    Finding("decoder input", None,
+                            "the decoder's input differs though every denoiser call agrees: the last update (after "
+                            "the last call) or the latents' preparation for the decoder; no scale and shift relates "
+                            f"the two ({residual})", evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")))
+                )  # fmt: skip
+                return
+        mapped = _with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
+        if mapped is None:
+            self.not_checked.append("decoder: the two decoders' inputs cannot be paired (shapes differ)")
+            return
+        report = self._bisect(self.ref.vae, self.port.vae, ref_call, mapped)
+        if not _agrees(report):
+            finding = _bisect_finding("decoder", None, report)
+            if not same_input:
+                finding.evidence.insert(0, "the port's decoder was fed the reference's decoder input")
+            finding.command = self._bisect_file("decoder", len(self.ref.decoder_calls) - 1, ref_call, mapped)
+            self.findings.append(finding)
+            if independent:  # each side's map from its own decoder output holds whatever the decoders do
+                self.post_processing(ref_call, port_call)
+            return
+        self.ruled_out.append("decoder: the port's module matches on the reference's decoder input")
+        self.post_processing(ref_call, port_call)
+
+    def post_processing(self, ref_call: Call, port_call: Call) -> None:
+        r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is not
+        clamped; the two maps compared."""
+        fr = _unclamped_affine(self.ref.result, output(ref_call))
+        fp = _unclamped_affine(self.port.result, output(port_call))
+        if fr is None or fp is None:
+            self.not_checked.append("post-processing: a result is not laid out like its decoder's output")
+            return
+        if not (fr.exact and fp.exact):
+            self.not_checked.append("post-processing: a side's result is not a scale and shift of its decoder's "
+                                    "output where unclamped")  # fmt: skip
+            return
+        differences = coefficient_differences(fr, fp)
+        if differences:
+            self.findings.append(
+                Finding("post-processing", None, "the decoded image is mapped differently: " + "; ".join(differences),
+                        evidence=[f"reference: result = {fr.text()} where unclamped",
+                                  f"port:      result = {fp.text()} where unclamped"])
+            )  # fmt: skip
+        else:
+            self.ruled_out.append(
+                "post-processing: both results are the same scale and shift of the decoder's output"
+            )
+
+    # ------------------------------------------------------------------------------------- result, curve
+    def result_comparison(self) -> dict[str, Any]:
+        a, b = self.ref.result, self.port.result
+        if tuple(a.shape) != tuple(b.shape):
+            return {"error": f"shapes differ: reference {tuple(a.shape)}, port {tuple(b.shape)}"}
+        c = compare(a, b, self.tol, "result")
+        return {
+            "passed": c.passed,
+            "max_abs": c.max_abs,
+            "cosine": c.cosine,
+            "evidence": comparison_evidence(c),
+        }
+
+    def curve(self) -> list[CallError]:
+        rows = []
+        for p in self.pairs:
+            i = p.index
+            rows.append(CallError(
+                i, p.t_reference, p.t_port,
+                rel(latents(self.ref.calls[i], self.ref_roles[i]), latents(self.port.calls[i], self.port_roles[i])),
+                rel(output(self.ref.calls[i]), output(self.port.calls[i])),
+            ))  # fmt: skip
+        return rows
+
+    # ------------------------------------------------------------------------------ files and commands
+    def _write_recordings(self) -> tuple[Path, Path] | None:
+        if self.out_dir is None:
+            return None
+        from paritykit.tracing import save_checkpoints
+        from paritykit.tracing.checkpoints import Checkpoint
+        from paritykit.tracing.recording import loop_checkpoints
+
+        folders = (self.out_dir / "reference_calls", self.out_dir / "port_calls")
+        for run, folder in zip((self.ref, self.port), folders):
+            final = Checkpoint(data={"latents": run.result}) if run.vae is None else None
+            save_checkpoints(folder, loop_checkpoints(run.calls, final), side=run.side)
+        return folders
+
+    def _compare_command(self, call: int, ref_key: str | None, port_key: str | None) -> str | None:
+        if self.folders is None or not ref_key or not port_key:
+            return None
+        a, b = (str(f / f"step_{call}.safetensors") for f in self.folders)
+        words = ["paritykit", "compare", a, b, "--only", port_key]
+        if ref_key != port_key:
+            words += ["--map", f"^{ref_key}$={port_key}"]
+        return shlex.join(words)
+
+    def _schedule_command(self) -> str | None:
+        if self.folders is None:
+            return None
+        if not self.spec.has("port_scheduler"):
+            return shlex.join(["paritykit", "schedule", *map(str, self.folders)])
+        import json
+
+        scheduler = self.spec.call("port_scheduler")
+        config = self.out_dir / "port_scheduler.json"
+        config.write_text(json.dumps(dict(scheduler.config), indent=2, default=str))
+        return shlex.join(
+            [
+                "paritykit",
+                "schedule",
+                str(self.folders[0]),
+                "--fit",
+                type(scheduler).__name__,
+                "--config",
+                str(config),
+            ]
+        )
+
+    def _steps_command(self) -> str | None:
+        if self.folders is None:
+            return None
+        return shlex.join(["paritykit", "steps", *map(str, self.folders), "--key", "output"])
+
+    def _bisect_file(
+        self, what: str, call: int, ref_call: Call, port_inputs: tuple[tuple, dict]
+    ) -> str | None:
+        r"""A bisect SPEC beside the recordings that rebuilds both modules from the triage SPEC and feeds them
+        this call's inputs; returns the command that runs it."""
+        if self.out_dir is None:
+            return None
+        import torch
+
+        inputs = self.out_dir / f"{what}_call{call}.pt"
+        try:
+            torch.save({"reference": (ref_call.args, ref_call.kwargs), "port": port_inputs}, inputs)
+        except Exception as exc:  # an argument torch cannot save: the finding stands, its command does not
+            return f"(not written: {type(exc).__name__} saving the call's inputs)"
+        module = "vae" if what == "decoder" else "denoiser"
+        path = self.out_dir / f"bisect_{what}.py"
+        path.write_text(BISECT_SPEC.format(
+            what=what, call=call, spec=str(Path(self.spec.path).resolve()), inputs=inputs.name, module=module,
+            tolerance=repr(self.spec.tolerance),
+        ))  # fmt: skip
+        return shlex.join(["paritykit", "bisect", str(path)])
+
+
+BISECT_SPEC = '''"""Written by paritykit triage: the {what}'s call {call} on both sides, for `paritykit bisect`.
+
+Both modules come from the triage SPEC {spec}; the inputs are the ones recorded (or substituted) at that call.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+_found = importlib.util.spec_from_file_location("triage_spec", {spec!r})
+TRIAGE = importlib.util.module_from_spec(_found)
+_found.loader.exec_module(TRIAGE)
+CALL = torch.load(HERE / {inputs!r}, weights_only=True)
+TOLERANCE = {tolerance}
+
+
+def build_reference():
+    return TRIAGE.reference_{module}()
+
+
+def build_port():
+    return TRIAGE.port_{module}()
+
+
+def make_inputs():
+    return CALL["reference"]
+
+
+def port_inputs(args, kwargs):
+    return CALL["port"]
+'''
+
+
+def _head(values: list[float | None], count: int = 6) -> str:
+    shown = ", ".join(format_number(v, 6) for v in values[:count])
+    return f"[{shown}{', …' if len(values) > count else ''}] ({len(values)})"
+
+
+def _first_tensor(call: Call) -> Any:
+    import torch
+
+    return next((v for v in call.named.values() if isinstance(v, torch.Tensor)), None)
+
+
+def _with_first_tensor(call: Call, value: Any) -> tuple[tuple, dict] | None:
+    import torch
+
+    if value is None:
+        return None
+    name = next((k for k, v in call.named.items() if isinstance(v, torch.Tensor)), None)
+    if name is None or tuple(call.named[name].shape) != tuple(value.shape):
+        return None
+    args, kwargs = list(call.args), dict(call.kwargs)
+    if name in kwargs:
+        kwargs[name] = value
+    else:
+        args[list(call.named).index(name)] = value
+    return tuple(args), kwargs
+
+
+def _unclamped_affine(result: Any, decoded: Any) -> Any:
+    r"""``result ≈ a · decoded + b`` over the elements strictly between the result's own extremes (a clamp to
+    [0, 1] leaves its clipped elements at them); ``None`` when the shapes differ or too few are left."""
+    import torch
+
+    from paritykit.triage.places import fit_linear
+
+    if decoded is None or tuple(result.shape) != tuple(decoded.shape):
+        return None
+    r = result.detach().double()
+    inside = (r > r.min()) & (r < r.max())
+    if int(inside.sum()) < 16:
+        return None
+    values = decoded.detach().double()[inside]
+    return fit_linear(r[inside], {"decoder output": values, "offset": torch.ones_like(values)})
+
+
+def _agrees(report: Any) -> bool:
+    r"""A module's output matches: bisect's ``match``, or ``masked`` (the output within tolerance while float noise
+    inherited inside it is not: no module computes anything else on its own inputs)."""
+    return report.verdict in ("match", "masked")
+
+
+def _identity(fit: Any) -> bool:
+    scale, *shifts = fit.coefficients
+    return abs(scale - 1) < 1e-6 and all(abs(s) < 1e-6 for s in shifts)
+
+
+def _bisect_finding(place: str, call: int | None, report: Any) -> Finding:
+    culprit = report.culprit or report.first_output_divergence
+    if culprit is None:
+        return Finding(place, call, f"the port's {place} differs ({report.verdict}) but no module was named",
+                       details=report.to_dict())  # fmt: skip
+    hints = list(culprit.hints)
+    verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
+    first = hints[0].render() if hints else (culprit.note or "no cause named")
+    evidence = [
+        f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'} "
+        f"({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine {format_number(culprit.cosine, 7)})",
+        f"first hint: {first}",
+    ]
+    return Finding(
+        place, call, f"module {culprit.port or '(top)'} of the port computes something else",
+        evidence=evidence, fix=verified.fix if verified else None, verified=verified is not None,
+        details=report.to_dict(),
+    )  # fmt: skip

@@ -1,0 +1,121 @@
+r"""Sampling pipelines for the triage tests: a research DDIM sampler with the original LDM decoder, and a
+diffusers-style port of it, with one bug planted in any of the places a port can go wrong.
+
+The reference is written from the papers and the original code, never from diffusers: the DDIM loop is
+``tests.reference_loops.ddim_loop`` (Song et al. 2020, eq. 12, eta 0, linspace timesteps, the last step to
+alpha-bar 1) and the decoder is taming's ``Decoder`` (the Stable Diffusion VAE code) behind the LDM's
+``post_quant_conv``, latents divided by the LDM scale factor 0.18215 and the image mapped from [-1, 1] with
+``clamp((x + 1) / 2)``. The port runs diffusers' ``DDIMScheduler`` in a pipeline's loop, ``AutoencoderKL.decode``
+with weights converted by diffusers' own LDM converter, and its image processor's ``x / 2 + 0.5``.
+Both draw their noise from torch's global generator, which ``paritykit triage`` seeds before each side.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from diffusers import DDIMScheduler
+
+from tests.gallery import vae as gallery_vae
+from tests.reference_loops import ddim_loop
+from tests.sampling import port_loop, tiny_cond_unet
+
+STEPS = 5  # divides 1000: diffusers DDIM steps to t - 1000 // n, the next trailing timestep only then
+LDM_SCALE = 0.18215
+BUGS = (
+    "noise-bf16",  # initial noise: the port draws its latents in bfloat16
+    "spacing-leading",  # schedule: DDIMScheduler's default "leading" spacing where the reference uses trailing
+    "norm-eps",  # denoiser: one GroupNorm of the port's UNet built with eps 1e-3
+    "v-prediction",  # update: the port's scheduler reads the output as v where the model predicts epsilon
+    "sdxl-scale",  # decoder input: the port divides the latents by SDXL's 0.13025
+    "decoder-groups",  # decoder: a GroupNorm of the port's decoder built with 16 groups (gallery bug)
+    "no-denormalize",  # post-processing: the port returns the decoder's [-1, 1] output as the image
+)
+
+
+class Pair:
+    r"""Both sides of one planted pair: the modules the triage SPEC hands out and the two runs."""
+
+    def __init__(self, bugs: set[str], vae: bool = True):
+        unknown = bugs - set(BUGS)
+        if unknown:
+            raise ValueError(f"unknown bugs {sorted(unknown)}")
+        self.bugs, self.with_vae = bugs, vae
+        self.ref_unet = tiny_cond_unet()
+        self.port_unet = copy.deepcopy(self.ref_unet)
+        if "norm-eps" in bugs:
+            self.port_unet.down_blocks[1].resnets[0].norm1.eps = 1e-3
+        built = gallery_vae.build("distinct", "num-groups" if "decoder-groups" in bugs else None)
+        self.ref_ae, self.port_ae = built.reference.eval(), built.port.eval()
+        self.cond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(5))
+
+    # the SPEC's functions ------------------------------------------------------------------------------
+    def run_reference(self) -> torch.Tensor:
+        noise = torch.randn(1, 4, 8, 8)
+        x = ddim_loop(
+            lambda x, t, c: self.ref_unet(x, t, encoder_hidden_states=c).sample,
+            noise,
+            self.cond,
+            STEPS,
+            spacing="trailing",
+        )
+        if not self.with_vae:
+            return x
+        image = self.ref_ae.decoder(self.ref_ae.post_quant_conv(1.0 / LDM_SCALE * x))
+        return torch.clamp((image + 1.0) / 2.0, min=0.0, max=1.0)
+
+    def port_scheduler(self) -> DDIMScheduler:
+        return DDIMScheduler(
+            beta_schedule="scaled_linear",
+            beta_start=0.00085,
+            beta_end=0.012,
+            clip_sample=False,
+            set_alpha_to_one=True,
+            timestep_spacing="leading" if "spacing-leading" in self.bugs else "trailing",
+            prediction_type="v_prediction" if "v-prediction" in self.bugs else "epsilon",
+        )
+
+    def run_port(self) -> torch.Tensor:
+        noise = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32)
+        latents = port_loop(self.port_unet, self.port_scheduler(), noise.float(), self.cond, n=STEPS)
+        if not self.with_vae:
+            return latents
+        scale = 0.13025 if "sdxl-scale" in self.bugs else LDM_SCALE
+        image = self.port_ae.decode(latents / scale).sample
+        return image if "no-denormalize" in self.bugs else (image / 2 + 0.5).clamp(0, 1)
+
+
+SPEC_TEXT = '''
+from tests.triage_pairs import Pair
+
+PAIR = Pair({bugs!r}, vae={vae!r})
+run_reference = PAIR.run_reference
+run_port = PAIR.run_port
+port_scheduler = PAIR.port_scheduler
+
+
+def reference_denoiser():
+    return PAIR.ref_unet
+
+
+def port_denoiser():
+    return PAIR.port_unet
+'''
+
+VAE_TEXT = '''
+
+def reference_vae():
+    return PAIR.ref_ae.decoder
+
+
+def port_vae():
+    return PAIR.port_ae.decoder
+'''
+
+
+def write_spec(folder, bugs=(), vae: bool = True, name: str = "triage_spec.py"):
+    r"""A triage SPEC for the pair with ``bugs`` planted, written into ``folder``; returns its path."""
+    path = folder / name
+    path.write_text(SPEC_TEXT.format(bugs=set(bugs), vae=vae) + (VAE_TEXT if vae else ""))
+    return path
