@@ -29,8 +29,22 @@ FIXTURES = REPO / "tests" / "_scaffold_fixtures"
 RUFF = Path(sys.executable).with_name("ruff")
 if not RUFF.exists():
     RUFF = Path(shutil.which("ruff") or "ruff")
-KINDS = ("component-test", "config-diff", "pipeline-stub", "pipeline-stub-modular", "stage-test")
-COMMANDS = ("component-test", "config-diff", "pipeline-stub", "pipeline-stub --modular", "stage-test")
+KINDS = (
+    "component-test",
+    "config-diff",
+    "pipeline-stub",
+    "pipeline-stub-modular",
+    "stage-test",
+    "triage-spec",
+)
+COMMANDS = (
+    "component-test",
+    "config-diff",
+    "pipeline-stub",
+    "pipeline-stub --modular",
+    "stage-test",
+    "triage-spec",
+)
 
 
 def _env(*paths: Path) -> dict:
@@ -71,6 +85,16 @@ def _render_all(out: Path) -> dict[str, str]:
         ("stage-test", "tiny", {"pipeline": "p:TinyPipeline", "reference": "r:run", "pretrained": "/x/pipe"}),
         ("stage-test", "factory", {"pipeline": "p:build_pipeline", "reference": "r:run"}),
         ("config-diff", "unet", {"reference": "/ref/config.yaml", "diffusers": "/port/unet"}),
+        (
+            "triage-spec",
+            "sd",
+            {
+                "pipeline": "p:Pipe",
+                "pretrained": "/x/pipe",
+                "reference": "r:run",
+                "reference_denoiser": "r:unet",
+            },
+        ),
     ]
     variants += [
         ("pipeline-stub-modular", "Tiny", {}),
@@ -117,7 +141,7 @@ def test_every_template_declares_its_variables_in_one_spec(tmp_path):
 
 def test_generated_files_lint_clean_with_headers_and_no_markers(tmp_path):
     texts = _render_all(tmp_path)
-    assert len(texts) == 10 + 3 * 7
+    assert len(texts) == 11 + 3 * 7
     assert {name for name in texts if name.startswith("modular_tiny/")} == {
         f"modular_tiny/{part}.py"
         for part in (

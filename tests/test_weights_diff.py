@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from paritykit.base.errors import ParityKitError
-from paritykit.forensics import weights as weights_module
+from paritykit.forensics import weights_values as weights_module
 from paritykit.forensics.safetensors_header import read_safetensors_header
 from paritykit.forensics.weights import component_of, kind_of, plot_weights_diff, weights_diff
 from safetensors.torch import save_file

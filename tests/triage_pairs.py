@@ -51,13 +51,13 @@ class Pair:
         self.cond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(5))
 
     # the SPEC's functions ------------------------------------------------------------------------------
-    def run_reference(self) -> torch.Tensor:
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
         noise = torch.randn(1, 4, 8, 8)
         x = ddim_loop(
             lambda x, t, c: self.ref_unet(x, t, encoder_hidden_states=c).sample,
             noise,
             self.cond,
-            STEPS,
+            steps,
             spacing="trailing",
         )
         if not self.with_vae:
@@ -76,9 +76,10 @@ class Pair:
             prediction_type="v_prediction" if "v-prediction" in self.bugs else "epsilon",
         )
 
-    def run_port(self) -> torch.Tensor:
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
         noise = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32)
-        latents = port_loop(self.port_unet, self.port_scheduler(), noise.float(), self.cond, n=STEPS)
+        scheduler = scheduler or self.port_scheduler()
+        latents = port_loop(self.port_unet, scheduler, noise.float(), self.cond, n=steps)
         if not self.with_vae:
             return latents
         scale = 0.13025 if "sdxl-scale" in self.bugs else LDM_SCALE
@@ -86,7 +87,53 @@ class Pair:
         return image if "no-denormalize" in self.bugs else (image / 2 + 0.5).clamp(0, 1)
 
 
-SPEC_TEXT = '''
+# --- what `paritykit new triage-spec` names: a pipeline object and the reference's functions ----------------
+_CLEAN: Pair | None = None
+
+
+def clean_pair() -> Pair:
+    global _CLEAN
+    if _CLEAN is None:
+        _CLEAN = Pair(set())
+    return _CLEAN
+
+
+class PortPipeline:
+    r"""The clean port as a pipeline object: ``unet``, ``vae``, ``scheduler`` and a ``__call__`` that returns
+    ``.images``, as a diffusers pipeline does."""
+
+    def __init__(self):
+        self.pair = clean_pair()
+        self.unet, self.vae, self.scheduler = (
+            self.pair.port_unet,
+            self.pair.port_ae,
+            self.pair.port_scheduler(),
+        )
+
+    def set_progress_bar_config(self, **options) -> None:
+        pass
+
+    def to(self, *args, **kwargs) -> PortPipeline:
+        return self
+
+    def __call__(self, num_inference_steps: int = STEPS, output_type: str = "pt"):
+        images = self.pair.run_port(num_inference_steps, self.scheduler)
+        return type("Output", (), {"images": images})()
+
+
+def reference(num_inference_steps: int = STEPS) -> torch.Tensor:
+    return clean_pair().run_reference(num_inference_steps)
+
+
+def reference_unet() -> torch.nn.Module:
+    return clean_pair().ref_unet
+
+
+def reference_decoder() -> torch.nn.Module:
+    return clean_pair().ref_ae.decoder
+
+
+SPEC_TEXT = """
 from tests.triage_pairs import Pair
 
 PAIR = Pair({bugs!r}, vae={vae!r})
@@ -101,9 +148,9 @@ def reference_denoiser():
 
 def port_denoiser():
     return PAIR.port_unet
-'''
+"""
 
-VAE_TEXT = '''
+VAE_TEXT = """
 
 def reference_vae():
     return PAIR.ref_ae.decoder
@@ -111,7 +158,7 @@ def reference_vae():
 
 def port_vae():
     return PAIR.port_ae.decoder
-'''
+"""
 
 
 def write_spec(folder, bugs=(), vae: bool = True, name: str = "triage_spec.py"):

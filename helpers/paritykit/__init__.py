@@ -90,6 +90,7 @@ _EXPORTS: dict[str, str] = {
         "identify_function",
     ),
     **exports_of("paritykit.schedule", "compare_schedules", "fit_scheduler"),
+    **exports_of("paritykit.triage", "triage_spec", "TriageReport"),
 }
 
 __getattr__, _, _names = lazy_exports(__name__, _EXPORTS)

@@ -19,13 +19,14 @@ class Spec:
 
     path: Any
     module: Any
+    command: str = "bisect"  # the command whose --help documents this kind of SPEC
 
     def has(self, name: str) -> bool:
         return callable(getattr(self.module, name, None))
 
     def call(self, name: str, *args: Any) -> Any:
         if not self.has(name):
-            raise ParityKitError(f"{self.path}: defines no {name}(); see `paritykit bisect --help`")
+            raise ParityKitError(f"{self.path}: defines no {name}(); see `paritykit {self.command} --help`")
         return call_user(getattr(self.module, name), *args, what=f"{name}() in {self.path.name}", spec=self)
 
     @property
@@ -143,7 +144,7 @@ def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> 
         ) from exc
 
 
-def load_spec(path: Any) -> Spec:
+def load_spec(path: Any, command: str = "bisect") -> Spec:
     r"""Import ``SPEC.py`` with its own folder on ``sys.path`` (so it may import sibling files)."""
     import importlib.util
     import sys
@@ -160,7 +161,7 @@ def load_spec(path: Any) -> Spec:
     name = f"_paritykit_spec_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
-    spec = Spec(path, module)
+    spec = Spec(path, module, command)
     sys.modules[name] = module
     call_user(module_spec.loader.exec_module, module, what=f"importing {path.name}", spec=spec)
     return spec

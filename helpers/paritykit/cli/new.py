@@ -39,7 +39,7 @@ def new(ctx: click.Context, show_list: bool) -> None:
 
     Order of work: config-diff first, then a component-test per component, a pipeline-stub with
     named checkpoints (pipeline-stub --modular: the modular file set), and stage-test (encode, decode,
-    denoise).
+    denoise). When a whole pipeline does not match, triage-spec: `paritykit triage` names the place.
     """
     if show_list:
         click.echo(template_list())
@@ -155,3 +155,43 @@ def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
     NAME (a Python identifier) names the file: config_diff_NAME.py.
     """
     _generate("config-diff", name, out_dir, force, **options)
+
+
+@new.command("triage-spec")
+@click.argument("name")
+@click.option(
+    "--pipeline",
+    required=True,
+    metavar="MODULE:CLASS",
+    help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
+)
+@click.option(
+    "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
+)
+@click.option(
+    "--reference",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Runs the reference end to end: reference(num_inference_steps=…) -> result tensor.",
+)
+@click.option(
+    "--reference-denoiser",
+    "reference_denoiser",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the module the reference calls once per step (the same object it uses).",
+)
+@click.option(
+    "--reference-vae",
+    "reference_vae",
+    metavar="MODULE:CALLABLE",
+    help="Returns the reference's decoder module (checked against the port's vae.decoder).",
+)
+@out_option
+@force_option
+def triage_spec(name: str, out_dir: str, force: bool, **options) -> None:
+    """A SPEC for `paritykit triage`: both sides run end to end, their denoiser (and decoder) recorded.
+
+    NAME (a Python identifier) names the file: triage_NAME.py.
+    """
+    _generate("triage-spec", name, out_dir, force, **options)

@@ -33,6 +33,7 @@ from paritykit.triage.places import (
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, TriageReport
 
 DEFAULT_OUT = "triage-out"
+REQUIRED = ("run_reference", "run_port", "reference_denoiser", "port_denoiser")
 # Tensors of two whole pipelines (a float64 research loop against a float32 port) drift apart by float
 # rounding, amplified through later layers: 2e-5 relative at a decoder's input after five DDIM steps of a
 # correct port. Planted bugs differ by 1e-3 and more. A SPEC's TOLERANCE replaces these.
@@ -55,7 +56,12 @@ def triage_spec(
     Returns:
         A :class:`~paritykit.triage.report.TriageReport`; ``exit_code`` 0 match, 1 differ.
     """
-    spec = load_spec(spec_path)
+    spec = load_spec(spec_path, command="triage")
+    missing = [name for name in REQUIRED if not spec.has(name)]
+    if missing:
+        raise ParityKitError(
+            f"{spec.path}: defines no {', '.join(f'{m}()' for m in missing)}; see `paritykit triage --help`"
+        )
     seed = int(getattr(spec.module, "SEED", 0) if seed is None else seed)
     tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
     ref = _run_side(spec, "reference", seed)

@@ -1,0 +1,166 @@
+"""paritykit triage on a research DDIM sampler with the original LDM decoder against a diffusers-style port,
+with one bug planted in each place a port goes wrong, two at once, and none (tests/triage_pairs.py)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+from paritykit.base.errors import ParityKitError
+from paritykit.triage import triage_spec
+
+from tests.sampling import one_thread  # noqa: F401  (one torch thread for these tiny models)
+from tests.triage_pairs import LDM_SCALE, write_spec
+
+from .conftest import REPO
+
+
+def run(tmp_path, bugs=(), *, all_causes=False, vae=True):
+    spec = write_spec(tmp_path, bugs, vae=vae)
+    return triage_spec(spec, all_causes=all_causes, out=tmp_path / "out")
+
+
+def places(report):
+    return [f.place for f in report.findings]
+
+
+@pytest.mark.parametrize("vae", [True, False])
+def test_a_correct_port_is_a_match_and_nothing_else(tmp_path, vae):
+    report = run(tmp_path, vae=vae)
+    assert report.verdict == "match" and report.exit_code == 0
+    assert report.findings == [] and report.result["passed"]
+    assert len(report.curve) == 5 and all(row.latents < 1e-5 for row in report.curve)
+
+
+def test_initial_noise_cast_to_bf16(tmp_path):
+    report = run(tmp_path, ["noise-bf16"])
+    (finding,) = report.findings
+    assert (finding.place, finding.call) == ("initial noise", 0)
+    assert any("[bf16-cast]" in line for line in finding.evidence)
+    assert finding.command.startswith("paritykit compare") and "step_0.safetensors" in finding.command
+
+
+def test_schedule_spacing_is_fitted_and_the_fix_verified(tmp_path):
+    report = run(tmp_path, ["spacing-leading"])
+    (finding,) = report.findings
+    assert finding.place == "schedule" and finding.call == 0
+    assert finding.verified and 'timestep_spacing="trailing"' in finding.fix
+    assert "--fit DDIMScheduler" in finding.command
+
+
+def test_a_denoiser_module_is_bisected_on_the_calls_inputs(tmp_path):
+    report = run(tmp_path, ["norm-eps"])
+    (finding,) = report.findings
+    assert finding.place == "denoiser" and finding.call == 0
+    assert "down_blocks.1.resnets.0.norm1" in finding.summary
+    assert finding.verified and finding.fix == "down_blocks.1.resnets.0.norm1.eps = 1e-05"
+    assert (tmp_path / "out" / "bisect_denoiser.py").is_file()
+
+
+def test_the_update_rule_is_named_by_the_coefficient_that_differs(tmp_path):
+    report = run(tmp_path, ["v-prediction"])
+    (finding,) = report.findings
+    assert finding.place == "update" and finding.call == 0
+    assert "coefficient of the output" in finding.summary and "coefficient of the latents" in finding.summary
+    assert "timesteps, latents and output of the step agree" in finding.evidence
+
+
+def test_the_decoder_is_bisected_on_its_recorded_call(tmp_path):
+    report = run(tmp_path, ["decoder-groups"])
+    (finding,) = report.findings
+    assert finding.place == "decoder" and finding.fix == "mid_block.resnets.0.norm1.num_groups = 32"
+    assert "every denoiser call (5): inputs, timestep and output agree" in report.ruled_out[0]
+
+
+def test_the_latents_scaling_before_the_decoder_is_fitted(tmp_path):
+    report = run(tmp_path, ["sdxl-scale"])
+    (finding,) = report.findings
+    assert finding.place == "decoder input"
+    assert f"{LDM_SCALE / 0.13025:.6f}"[:6] in finding.summary
+
+
+def test_the_post_processing_map_is_fitted_where_unclamped(tmp_path):
+    report = run(tmp_path, ["no-denormalize"])
+    (finding,) = report.findings
+    assert finding.place == "post-processing"
+    assert "coefficient of the decoder output: reference 0.5, port 1" in finding.summary
+
+
+def test_two_bugs_first_difference_then_both_with_all(tmp_path):
+    first = run(tmp_path, ["norm-eps", "spacing-leading"])
+    assert places(first) == ["schedule"]  # the timesteps differ before any module computes
+    both = run(tmp_path, ["norm-eps", "spacing-leading"], all_causes=True)
+    assert places(both) == ["schedule", "denoiser"]
+    assert all(f.verified for f in both.findings)
+    # the schedule differs at every step: the update cannot be compared, and is said not to be, not blamed
+    assert any(line.startswith("update:") for line in both.not_checked)
+
+
+@pytest.mark.parametrize(
+    "bugs, expected",
+    [
+        (["noise-bf16"], ["initial noise"]),
+        (["v-prediction", "decoder-groups", "no-denormalize"], ["update", "decoder", "post-processing"]),
+    ],
+)
+def test_all_names_each_independent_cause_and_nothing_else(tmp_path, bugs, expected):
+    report = run(tmp_path, bugs, all_causes=True)
+    assert places(report) == expected
+
+
+def test_cli_json_exit_codes_and_reproduce_commands(tmp_path):
+    spec = write_spec(tmp_path, ["spacing-leading"])
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'helpers'}"}
+    cmd = [sys.executable, "-m", "paritykit", "triage", str(spec), "--out", str(out), "--json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "differ" and report["findings"][0]["place"] == "schedule"
+    # the finding's own command reproduces it alone: the fit, exit 0 (found)
+    words = shlex.split(report["findings"][0]["command"])
+    assert words[0] == "paritykit"
+    again = subprocess.run(
+        [sys.executable, "-m", *words], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert again.returncode == 0 and 'timestep_spacing="trailing"' in again.stdout
+
+
+def test_bad_specs_are_one_line_errors(tmp_path):
+    missing = tmp_path / "missing.py"
+    with pytest.raises(ParityKitError, match="no such file"):
+        triage_spec(missing, out=None)
+    partial = tmp_path / "partial.py"
+    partial.write_text("import torch\nM = torch.nn.Linear(2, 2)\ndef reference_denoiser():\n    return M\n")
+    with pytest.raises(
+        ParityKitError,
+        match=r"defines no run_reference\(\), run_port\(\), port_denoiser\(\); see `paritykit triage --help`",
+    ):
+        triage_spec(partial, out=None)
+    unused = tmp_path / "unused.py"
+    unused.write_text(
+        "import torch\nM = torch.nn.Linear(2, 2)\n"
+        "def reference_denoiser():\n    return M\n\ndef port_denoiser():\n    return M\n\n"
+        "def run_reference():\n    return torch.zeros(2)\n\ndef run_port():\n    return torch.zeros(2)\n"
+    )
+    with pytest.raises(ParityKitError, match="never called reference_denoiser"):
+        triage_spec(unused, out=None)
+
+
+def test_the_generated_triage_spec_runs_as_generated(tmp_path, monkeypatch):
+    from paritykit.pack import scaffold
+
+    monkeypatch.chdir(tmp_path)
+    targets = {
+        "pipeline": "tests.triage_pairs:PortPipeline",
+        "reference": "tests.triage_pairs:reference",
+        "reference_denoiser": "tests.triage_pairs:reference_unet",
+        "reference_vae": "tests.triage_pairs:reference_decoder",
+    }
+    (path,) = scaffold.generate("triage-spec", "ddim", out_dir=tmp_path, **targets).paths
+    report = triage_spec(path, out=tmp_path / "out")
+    assert report.verdict == "match" and report.calls == (10, 10)
+    assert any(line.startswith("decoder:") for line in report.ruled_out)
