@@ -53,6 +53,47 @@ SPEC_DIVERGE = SPEC_OK.replace(
     "def build_port():\n    torch.manual_seed(0)\n    port = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())\n"
     "    with torch.no_grad():\n        port[0].bias.add_(0.5)\n    return port",
 )
+TRIAGE_OK = """import torch
+
+
+class Denoiser(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, t):
+        return self.lin(x) * t / 3
+
+
+REF, PORT = Denoiser(), Denoiser()
+
+
+def loop(model):
+    x = torch.randn(1, 4)
+    for t in (3.0, 2.0, 1.0):
+        x = x - 0.1 * model(x, torch.tensor(t))
+    return x
+
+
+def run_reference():
+    return loop(REF)
+
+
+def run_port():
+    return loop(PORT)
+
+
+def reference_denoiser():
+    return REF
+
+
+def port_denoiser():
+    return PORT
+"""
+TRIAGE_DIFFER = TRIAGE_OK.replace(
+    "REF, PORT = Denoiser(), Denoiser()", "REF, PORT = Denoiser(), Denoiser()\nPORT.lin.bias.data += 0.5"
+)
 SPEC_RAISE = SPEC_HEAD + (
     "def build_reference():\n    return torch.nn.Linear(3, 3)\n\n\n"
     "def _helper():\n    raise RuntimeError('boom in user code')\n\n\n"
@@ -109,6 +150,8 @@ def files(tmp_path_factory) -> Path:
     (root / "spec_raise.py").write_text(SPEC_RAISE)
     (root / "spec_syntax.py").write_text("def build_reference(:\n    pass\n")
     (root / "spec_empty.py").write_text("x = 1\n")
+    (root / "triage_ok.py").write_text(TRIAGE_OK)
+    (root / "triage_differ.py").write_text(TRIAGE_DIFFER)
     return root
 
 
@@ -265,6 +308,9 @@ BAD_INPUT = [
     ("bisect-bad-map", ["bisect", "spec_ok.py", "--map", "(=x"], ["--map"], True),
     ("bisect-bad-map-replacement", ["bisect", "spec_ok.py", "--map", "x=\\9"], ["--map", "replacement"], True),
     ("bisect-nothing", ["bisect"], ["SPEC"], True),
+    ("triage-missing-spec", ["triage", "missing_spec.py"], ["missing_spec.py"], True),
+    ("triage-spec-incomplete", ["triage", "spec_empty.py"], ["spec_empty.py", "run_reference"], True),
+    ("triage-out-is-a-file", ["triage", "triage_ok.py", "--out", "spec_ok.py"], ["--out", "spec_ok.py"], True),
     ("bisect-bad-device", ["bisect", "spec_ok.py", "--device", "gpu"], ["--device", "gpu"], True),
     ("bisect-traces-not-traces", ["bisect", "--traces", "adir", "adir"], ["adir"], True),
     # trace
@@ -400,6 +446,8 @@ RESULTS = [
     ("wdiff-keys-differ", ["weights", "diff", "a.safetensors", "c.safetensors", "--keys-only"], 1),
     ("wmap-explained", ["weights", "map", "a.pt", "a.safetensors"], 0),
     ("wmap-unexplained", ["weights", "map", "a.safetensors", "b.safetensors"], 1),
+    ("triage-match", ["triage", "triage_ok.py", "--out", "triage_ok_out"], 0),
+    ("triage-differ", ["triage", "triage_differ.py", "--out", "triage_differ_out"], 1),
     ("bisect-match", ["bisect", "spec_ok.py"], 0),
     ("bisect-diverge", ["bisect", "spec_diverge.py"], 1),
     ("trace", ["trace", "spec_ok.py", "--side", "reference", "--out", "trace_ref"], 0),

@@ -66,6 +66,9 @@ def test_the_update_rule_is_named_by_the_coefficient_that_differs(tmp_path):
     assert finding.place == "update" and finding.call == 0
     assert "coefficient of the output" in finding.summary and "coefficient of the latents" in finding.summary
     assert "timesteps, latents and output of the step agree" in finding.evidence
+    # the port's own step() replayed over the keys that change only the update names the key, verified
+    assert finding.verified and finding.fix.endswith('prediction_type="epsilon")')
+    assert "--step-check" in finding.command
 
 
 def test_the_decoder_is_bisected_on_its_recorded_call(tmp_path):
@@ -164,3 +167,15 @@ def test_the_generated_triage_spec_runs_as_generated(tmp_path, monkeypatch):
     report = triage_spec(path, out=tmp_path / "out")
     assert report.verdict == "match" and report.calls == (10, 10)
     assert any(line.startswith("decoder:") for line in report.ruled_out)
+
+
+def test_out_is_never_a_folder_of_the_users_own_files(tmp_path):
+    spec = write_spec(tmp_path, [])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ParityKitError, match="exists and is not an empty folder or an earlier triage"):
+        triage_spec(spec, out=mine)
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+    triage_spec(spec, out=tmp_path / "out")
+    assert triage_spec(spec, out=tmp_path / "out").verdict == "match"  # an earlier triage's folder is reused

@@ -212,10 +212,12 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
     from paritykit.bisection.evidence.collect import culprit_evidence
     from paritykit.compare.diagnose import diagnose
 
-    # a replay that passed kept no outputs (searcher.replay drops them): read the captured ones instead
-    replayed = result is not None and result.test == "replay" and call.name in searcher.replays
+    kept = (
+        searcher.replayed_outputs(call, port_call) if result is not None and result.test == "replay" else None
+    )
+    replayed = kept is not None
     if replayed:
-        ref_leaves, port_leaves = searcher.replays[call.name]
+        ref_leaves, port_leaves = kept
     else:
         ref_leaves = list(call.outputs.items())
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []

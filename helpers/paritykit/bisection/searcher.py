@@ -205,6 +205,21 @@ class Searcher:
             return f"port call failed on reference inputs ({type(exc).__name__})"
         return ref_out, port_out
 
+    def replayed_outputs(self, ref_record: Any, port_record: Any) -> tuple[list, list] | None:
+        r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept, so
+        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed."""
+        kept = self.replays.get(ref_record.name)
+        if kept is None and port_record is not None:
+            outcome = self.run_replay(ref_record, port_record)
+            if isinstance(outcome, str):
+                return None
+            ref_out, port_out = outcome
+            kept = self.replays[ref_record.name] = (
+                ref_out,
+                in_layout(port_out, self.layouts.get(ref_record.name, {})),
+            )
+        return kept
+
     def replay(self, ref_record: Any, port_record: Any) -> ModuleTest | None:
         outcome = self.run_replay(ref_record, port_record)
         if isinstance(outcome, str):

@@ -152,6 +152,10 @@ _STEP_AXES: dict[str, tuple[tuple[Any, ...], str]] = {
     "predict_x0": ((True, False), "whether the update is written in x0"),
     "set_alpha_to_one": ((False, True), "the final alpha"),
     "clip_sample": ((False, True), "x0 clipping"),
+    "prediction_type": (
+        ("epsilon", "v_prediction", "sample"),
+        "what the model output is read as (the noise, the velocity or the clean sample)",
+    ),
 }
 _STOCHASTIC = ("sde-dpmsolver", "sde-dpmsolver++")
 

@@ -56,6 +56,7 @@ def triage_spec(
     Returns:
         A :class:`~paritykit.triage.report.TriageReport`; ``exit_code`` 0 match, 1 differ.
     """
+    out_dir = _checked_out(out)
     spec = load_spec(spec_path, command="triage")
     missing = [name for name in REQUIRED if not spec.has(name)]
     if missing:
@@ -66,8 +67,21 @@ def triage_spec(
     tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
     ref = _run_side(spec, "reference", seed)
     port = _run_side(spec, "port", seed)
-    out_dir = Path(out) if out is not None else None
     return Triage(spec, tol, ref, port, out_dir, all_causes).report()
+
+
+MARKER = "paritykit-triage.json"
+
+
+def _checked_out(out: Any) -> Path | None:
+    r"""``--out`` as a folder triage may write: absent, empty, or an earlier triage's (its marker file); never a
+    folder of the user's own files, whose names triage would overwrite."""
+    if out is None:
+        return None
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        raise ParityKitError(f"--out {str(out)!r}: exists and is not an empty folder or an earlier triage's")
+    return out
 
 
 class SideRun:
@@ -357,6 +371,7 @@ class Triage:
                                       if step == i else "the step's timesteps agree on both sides"],
                             command=self._steps_command())
                 )  # fmt: skip
+                self._check_step(self.findings[-1])
                 return
         if step is not None:
             fr, fp = fits[step] if step < len(fits) else (None, None)
@@ -371,6 +386,7 @@ class Triage:
                         evidence=comparison_evidence(self._next_latents_comparison(step)),
                         command=self._steps_command())
             )  # fmt: skip
+            self._check_step(self.findings[-1])
             return
         checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
         if checked:
@@ -381,6 +397,38 @@ class Triage:
             self.not_checked.append(
                 "update: no step with the same timesteps on both sides and an exact linear rule"
             )
+
+    def _check_step(self, finding: Finding) -> None:
+        r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
+        over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces every
+        update is verified."""
+        if not self.spec.has("port_scheduler") or self.folders is None:
+            return
+        from paritykit.schedule import fit_scheduler
+
+        scheduler = self.spec.call("port_scheduler")
+        reference = str(self.folders[0])
+        try:
+            fit = fit_scheduler(
+                type(scheduler), reference, base_config=dict(scheduler.config), step_check=reference
+            )
+        except ParityKitError as exc:
+            finding.evidence.append(f"step check not run: {exc}")
+            return
+        check = fit.fits[0].step_check if fit.fits else None
+        if check is not None and check.matched and fit.fits[0].changes:
+            finding.fix, finding.verified = fit.line, True
+            finding.evidence.append(f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
+                                    f"updates: {check.explanation}")  # fmt: skip
+        else:
+            why = (
+                fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""
+            )
+            finding.evidence.append("no step key of the port's scheduler reproduces the reference's updates"
+                                    + (f": {why}" if why else ""))  # fmt: skip
+        finding.command = shlex.join(
+            ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__, "--step-check", reference]
+        )
 
     def _same_step_times(self, i: int) -> bool:
         if not self.pairs[i].timestep_match:
@@ -521,10 +569,14 @@ class Triage:
     def _write_recordings(self) -> tuple[Path, Path] | None:
         if self.out_dir is None:
             return None
+        import json
+
         from paritykit.tracing import save_checkpoints
         from paritykit.tracing.checkpoints import Checkpoint
         from paritykit.tracing.recording import loop_checkpoints
 
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / MARKER).write_text(json.dumps({"spec": str(self.spec.path)}) + "\n")
         folders = (self.out_dir / "reference_calls", self.out_dir / "port_calls")
         for run, folder in zip((self.ref, self.port), folders):
             final = Checkpoint(data={"latents": run.result}) if run.vae is None else None
