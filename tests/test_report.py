@@ -109,3 +109,13 @@ def test_images_range_error_names_the_cli_flag_of_that_side(side, flag):
         compare_images(*pair)
     other = "--range-b" if flag == "--range-a" else "--range-a"
     assert other not in str(refused.value) and "set value_range)" not in str(refused.value)
+
+
+def test_versions_read_from_dist_info_folders_agree_with_importlib_metadata():
+    from importlib import metadata
+
+    from paritykit.base.report import _package_version
+
+    for name in ("torch", "diffusers", "numpy", "k-diffusion"):
+        assert _package_version(name) == metadata.version(name)
+    assert _package_version("no-such-distribution-here") is None
