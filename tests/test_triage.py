@@ -51,6 +51,20 @@ def test_schedule_spacing_is_fitted_and_the_fix_verified(tmp_path):
     assert "--fit DDIMScheduler" in finding.command
 
 
+def test_conditioning_cast_before_the_denoiser(tmp_path):
+    report = run(tmp_path, ["cond-bf16"])
+    (finding,) = report.findings
+    assert finding.place == "conditioning" and "encoder_hidden_states" in finding.summary
+    assert any("[bf16-cast]" in line for line in finding.evidence)
+
+
+def test_calls_that_cannot_be_paired_are_said_so_not_blamed_on_the_schedule(tmp_path):
+    report = run(tmp_path, ["double-call"])
+    (finding,) = report.findings
+    assert finding.place == "schedule" and "calls the denoiser 2 times per timestep" in finding.summary
+    assert finding.fix is None and report.result["passed"]  # the same result: only the calls differ
+
+
 def test_a_denoiser_module_is_bisected_on_the_calls_inputs(tmp_path):
     report = run(tmp_path, ["norm-eps"])
     (finding,) = report.findings

@@ -26,6 +26,8 @@ LDM_SCALE = 0.18215
 BUGS = (
     "noise-bf16",  # initial noise: the port draws its latents in bfloat16
     "spacing-leading",  # schedule: DDIMScheduler's default "leading" spacing where the reference uses trailing
+    "cond-bf16",  # conditioning: the port hands the denoiser its prompt embedding in bfloat16
+    "double-call",  # call structure: the port calls its denoiser twice per step (guidance halves, unbatched)
     "norm-eps",  # denoiser: one GroupNorm of the port's UNet built with eps 1e-3
     "v-prediction",  # update: the port's scheduler reads the output as v where the model predicts epsilon
     "sdxl-scale",  # decoder input: the port divides the latents by SDXL's 0.13025
@@ -79,7 +81,16 @@ class Pair:
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
         noise = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32)
         scheduler = scheduler or self.port_scheduler()
-        latents = port_loop(self.port_unet, scheduler, noise.float(), self.cond, n=steps)
+        cond = self.cond.bfloat16().float() if "cond-bf16" in self.bugs else self.cond
+        if "double-call" in self.bugs:
+            scheduler.set_timesteps(steps)
+            latents = noise.float()
+            for t in scheduler.timesteps:
+                uncond = self.port_unet(latents, t, encoder_hidden_states=cond).sample
+                eps = self.port_unet(latents, t, encoder_hidden_states=cond).sample
+                latents = scheduler.step(uncond + 1.0 * (eps - uncond), t, latents, return_dict=False)[0]
+        else:
+            latents = port_loop(self.port_unet, scheduler, noise.float(), cond, n=steps)
         if not self.with_vae:
             return latents
         scale = 0.13025 if "sdxl-scale" in self.bugs else LDM_SCALE

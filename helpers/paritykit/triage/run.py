@@ -192,6 +192,10 @@ class Triage:
     def first_difference(self) -> None:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
         differs is the cause; after the last call, the decoder."""
+        t_ref = [timestep(c, r) for c, r in zip(self.ref.calls, self.ref_roles)]
+        t_port = [timestep(c, r) for c, r in zip(self.port.calls, self.port_roles)]
+        if None not in t_ref and None not in t_port and _repeats(t_ref, t_port):
+            return self.schedule(independent=False)  # calls that cannot be paired one to one
         for pair in self.pairs:
             i = pair.index
             if i == 0 and not pair.latents_match:
@@ -217,7 +221,22 @@ class Triage:
         if pair is None:
             return
         if pair.latents is None:
-            self.not_checked.append(f"initial noise: {pair.latents_note}")
+            xr = latents(self.ref.calls[0], self.ref_roles[0])
+            xp = latents(self.port.calls[0], self.port_roles[0])
+            if xr is None or xp is None or xr.numel() != xp.numel():
+                self.not_checked.append(f"initial noise: {pair.latents_note}")
+                return
+            import torch
+
+            same_values = torch.equal(xr.reshape(-1).sort().values, xp.reshape(-1).sort().values.to(xr.dtype))
+            summary = (f"the first call's latents are laid out differently: reference {tuple(xr.shape)}, port "
+                       f"{tuple(xp.shape)}; ")  # fmt: skip
+            summary += (
+                "the same values, rearranged: a packing (2×2 patches into tokens, channels last); calls are "
+                "compared only where the layouts agree" if same_values else
+                "the values differ too: other noise, then laid out differently"
+            )  # fmt: skip
+            self.findings.append(Finding("initial noise", 0, summary, evidence=[pair.latents_note]))
             return
         if pair.latents_match:
             self.ruled_out.append("initial noise: the first call's latents agree")
@@ -252,6 +271,17 @@ class Triage:
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
             self.ruled_out.append(f"schedule: the {len(t_ref)} timesteps agree")
+            return
+        repeated = _repeats(t_ref, t_port)
+        if repeated:
+            self.findings.append(
+                Finding("schedule", None, f"the {repeated} calls the denoiser {{k}} times per timestep where the other "
+                        "calls it once (guidance halves run separately against one batch): the calls cannot be "
+                        "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
+                        "reference's halves".replace("{k}", str(max(len(t_ref), len(t_port)) // min(len(t_ref), len(t_port)))),
+                        evidence=[f"reference {_head(t_ref)}", f"port      {_head(t_port)}",
+                                  "the timesteps agree once the repeats are collapsed"])
+            )  # fmt: skip
             return
         first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
         comparison = compare_schedules(t_ref, t_port)
@@ -675,6 +705,18 @@ def make_inputs():
 def port_inputs(args, kwargs):
     return CALL["port"]
 '''
+
+
+def _repeats(t_ref: list[float], t_port: list[float]) -> str | None:
+    r"""``"reference"`` or ``"port"`` when that side's timesteps are the other's with each one repeated the same
+    number of times in a row (a denoiser called once per guidance half); ``None`` otherwise."""
+    for side, many, once in (("reference", t_ref, t_port), ("port", t_port, t_ref)):
+        if not once or len(many) <= len(once) or len(many) % len(once):
+            continue
+        k = len(many) // len(once)
+        if all(many[i * k + j] == once[i] for i in range(len(once)) for j in range(k)):
+            return side
+    return None
 
 
 def _head(values: list[float | None], count: int = 6) -> str:
