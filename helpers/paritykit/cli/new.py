@@ -27,6 +27,17 @@ rtol_option = click.option(
 )
 
 
+pipeline_option = click.option(
+    "--pipeline",
+    required=True,
+    metavar="MODULE:CLASS",
+    help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
+)
+pretrained_option = click.option(
+    "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
+)
+
+
 def _generate(kind: str, name: str, out_dir: str, force: bool, **options) -> None:
     click.echo(generate(kind, name, out_dir=out_dir, force=force, **options).render())
 
@@ -112,21 +123,14 @@ def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None, 
 
 @new.command("stage-test")
 @click.argument("name")
-@click.option(
-    "--pipeline",
-    required=True,
-    metavar="MODULE:CLASS",
-    help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
-)
+@pipeline_option
 @click.option(
     "--reference",
     required=True,
     metavar="MODULE:CALLABLE",
     help="Runs the reference: reference(_checkpoints=…, seed=…, num_inference_steps=…) -> images.",
 )
-@click.option(
-    "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
-)
+@pretrained_option
 @atol_option
 @rtol_option
 @out_option
@@ -159,15 +163,8 @@ def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
 
 @new.command("triage-spec")
 @click.argument("name")
-@click.option(
-    "--pipeline",
-    required=True,
-    metavar="MODULE:CLASS",
-    help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
-)
-@click.option(
-    "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
-)
+@pipeline_option
+@pretrained_option
 @click.option(
     "--reference",
     required=True,
