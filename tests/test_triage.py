@@ -193,3 +193,22 @@ def test_out_is_never_a_folder_of_the_users_own_files(tmp_path):
     assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
     triage_spec(spec, out=tmp_path / "out")
     assert triage_spec(spec, out=tmp_path / "out").verdict == "match"  # an earlier triage's folder is reused
+
+
+def test_run_results_are_read_as_pipelines_return_them():
+    import numpy as np
+    import torch
+    from paritykit.triage.run import _as_tensor
+    from PIL import Image
+
+    class Spec:
+        path = "spec.py"
+
+    class Output:
+        images = [Image.new("RGB", (4, 4)), Image.new("RGB", (4, 4))]
+
+    assert _as_tensor((torch.ones(1, 3, 4, 4), None), "run_port()", Spec).shape == (1, 3, 4, 4)
+    assert _as_tensor(Output(), "run_port()", Spec).shape == (2, 4, 4, 3)
+    assert _as_tensor(np.zeros((2, 2)), "run_port()", Spec).dtype == torch.float64
+    with pytest.raises(ParityKitError, match="run_port\\(\\) returned object, which is not a tensor"):
+        _as_tensor(object(), "run_port()", Spec)

@@ -120,22 +120,24 @@ def _run_side(spec: Spec, side: str, seed: int) -> SideRun:
 
 
 def _as_tensor(value: Any, what: str, spec: Spec) -> Any:
+    r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first item
+    of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
+    import numpy as np
     import torch
 
     for attr in ("images", "sample", "latents"):
         if hasattr(value, attr) and not isinstance(value, torch.Tensor):
             value = getattr(value, attr)
-    if isinstance(value, (tuple, list)) and value and not isinstance(value[0], (int, float)):
-        value = value[0] if len(value) == 1 or not hasattr(value[0], "size") else value
+    if isinstance(value, tuple) and value:
+        value = value[0]
     try:
-        import numpy as np
-
-        if isinstance(value, list):  # PIL images
-            value = np.stack([np.asarray(v) for v in value])
-        return torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value).detach()
-    except (TypeError, ValueError):
+        if isinstance(value, list) and value:
+            value = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)) for v in value]
+            value = torch.stack(value)
+        return torch.as_tensor(value if isinstance(value, torch.Tensor) else np.array(value)).detach()
+    except (TypeError, ValueError, RuntimeError):
         raise ParityKitError(
-            f"{spec.path}: {what} returned {type(value).__name__}; return a tensor"
+            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of images"
         ) from None
 
 
