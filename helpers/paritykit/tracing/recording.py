@@ -61,7 +61,8 @@ def named_inputs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         return {**{f"arg{k}": v for k, v in enumerate(args)}, **kwargs}
 
 
-def _scalar(value: Any) -> float | None:
+def scalar_value(value: Any) -> float | None:
+    r"""A number argument, or a tensor's first element, as a float; ``None`` for anything else."""
     import torch
 
     if isinstance(value, torch.Tensor) and value.numel() >= 1:
@@ -71,19 +72,28 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def timestep_of(named: dict[str, Any]) -> tuple[str, float] | None:
-    r"""``("timesteps" | "sigmas", value)`` of a call by its arguments' names, else its second argument."""
+def timestep_argument(named: dict[str, Any]) -> tuple[str, str, float] | None:
+    r"""``(argument name, "timesteps" | "sigmas", value)`` of a call: by its arguments' names, else its second
+    argument when that is a number or a tensor of at most one value per sample."""
     for name in TIMESTEP_NAMES:
-        if name in named and (value := _scalar(named[name])) is not None:
-            return ("sigmas" if name.startswith("sigma") else "timesteps"), value
-    values = list(named.values())
-    if len(values) > 1 and (value := _scalar(values[1])) is not None:  # (sample, t, ...) by position
+        if name in named and (value := scalar_value(named[name])) is not None:
+            return name, ("sigmas" if name.startswith("sigma") else "timesteps"), value
+    names = list(named)
+    if (
+        len(names) > 1 and (value := scalar_value(named[names[1]])) is not None
+    ):  # (sample, t, ...) by position
         import torch
 
-        second = values[1]
-        if not isinstance(second, torch.Tensor) or second.numel() <= values[0].shape[0]:
-            return "timesteps", value
+        second = named[names[1]]
+        if not isinstance(second, torch.Tensor) or second.numel() <= named[names[0]].shape[0]:
+            return names[1], "timesteps", value
     return None
+
+
+def timestep_of(named: dict[str, Any]) -> tuple[str, float] | None:
+    r"""``("timesteps" | "sigmas", value)`` of a call (:func:`timestep_argument` without the name)."""
+    found = timestep_argument(named)
+    return found[1:] if found is not None else None
 
 
 class Recording(dict):

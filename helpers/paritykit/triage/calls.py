@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.tracing.recording import Call, output_tensor, timestep_of
+from paritykit.tracing.recording import Call, output_tensor, scalar_value, timestep_argument
 
 # argument names read as the latents a denoiser is given, most specific first
 LATENT_NAMES = ("sample", "latents", "latent", "x", "x_t", "xt", "z", "z_t", "noisy", "hidden_states", "img")
@@ -31,33 +31,14 @@ def roles_of(call: Call) -> Roles:
     import torch
 
     named = call.named
-    found = timestep_of(named)
-    t_name = None
-    if found is not None:
-        t_name = next(
-            (k for k, v in named.items() if _scalar_like(v) and float(_first(v)) == found[1]),
-            None,
-        )
+    found = timestep_argument(named)
+    t_name, t_kind = (found[0], found[1]) if found is not None else (None, None)
     tensors = [k for k, v in named.items() if isinstance(v, torch.Tensor) and k != t_name]
     latents = next((k for k in LATENT_NAMES if k in tensors), None)
     if latents is None:
         latents = next((k for k in tensors if named[k].dim() >= 3), tensors[0] if tensors else None)
     conditioning = [k for k in tensors if k != latents]
-    return Roles(latents, t_name, found[0] if found else None, conditioning)
-
-
-def _scalar_like(value: Any) -> bool:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() >= 1 and (value.dim() == 0 or value.numel() == value.shape[0])
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _first(value: Any) -> float:
-    import torch
-
-    return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+    return Roles(latents, t_name, t_kind, conditioning)
 
 
 def latents(call: Call, roles: Roles) -> Any:
@@ -65,7 +46,7 @@ def latents(call: Call, roles: Roles) -> Any:
 
 
 def timestep(call: Call, roles: Roles) -> float | None:
-    return _first(call.named[roles.timestep]) if roles.timestep else None
+    return scalar_value(call.named[roles.timestep]) if roles.timestep else None
 
 
 def output(call: Call) -> Any:
@@ -107,9 +88,13 @@ def with_reference_values(
         swap[port_roles.timestep] = (
             torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)
         )
-    args = list(port.args)
-    names = list(port.named)
-    kwargs = dict(port.kwargs)
+    return with_values(port, swap)
+
+
+def with_values(call: Call, swap: dict[str, Any]) -> tuple[tuple, dict]:
+    r"""``call``'s arguments with those ``swap`` names replaced, each where the call passed it (by keyword or
+    by position)."""
+    args, kwargs, names = list(call.args), dict(call.kwargs), list(call.named)
     for name, value in swap.items():
         if name in kwargs:
             kwargs[name] = value

@@ -10,6 +10,7 @@ step, as objects), and optionally ``reference_vae()`` / ``port_vae()`` (the deco
 from __future__ import annotations
 
 import contextlib
+import functools
 import shlex
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,15 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec, load_spec
 from paritykit.tracing.recording import Call
-from paritykit.triage.calls import Roles, latents, output, roles_of, timestep, with_reference_values
+from paritykit.triage.calls import (
+    Roles,
+    latents,
+    output,
+    roles_of,
+    timestep,
+    with_reference_values,
+    with_values,
+)
 from paritykit.triage.places import (
     Tolerance,
     affine_words,
@@ -33,6 +42,7 @@ from paritykit.triage.places import (
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, TriageReport
 
 DEFAULT_OUT = "triage-out"
+THE_REFERENCES = "the reference's"
 REQUIRED = ("run_reference", "run_port", "reference_denoiser", "port_denoiser")
 # Tensors of two whole pipelines (a float64 research loop against a float32 port) drift apart by float
 # rounding, amplified through later layers: 2e-5 relative at a decoder's input after five DDIM steps of a
@@ -159,7 +169,14 @@ class Triage:
             compare_call(i, ref.calls[i], self.ref_roles[i], port.calls[i], self.port_roles[i], tol)
             for i in range(n)
         ]
+        self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
+        self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
         self.folders = self._write_recordings()
+
+    @functools.cached_property
+    def port_scheduler(self) -> Any:
+        r"""The SPEC's ``port_scheduler()``, asked once (the fit, the step check and the command share it)."""
+        return self.spec.call("port_scheduler")
 
     # -------------------------------------------------------------------------------------------- report
     def report(self) -> TriageReport:
@@ -194,9 +211,7 @@ class Triage:
     def first_difference(self) -> None:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
         differs is the cause; after the last call, the decoder."""
-        t_ref = [timestep(c, r) for c, r in zip(self.ref.calls, self.ref_roles)]
-        t_port = [timestep(c, r) for c, r in zip(self.port.calls, self.port_roles)]
-        if None not in t_ref and None not in t_port and _repeats(t_ref, t_port):
+        if None not in self.t_ref and None not in self.t_port and _repeats(self.t_ref, self.t_port):
             return self.schedule(independent=False)  # calls that cannot be paired one to one
         for pair in self.pairs:
             i = pair.index
@@ -222,9 +237,9 @@ class Triage:
         pair = self.pairs[0] if self.pairs else None
         if pair is None:
             return
+        xr = latents(self.ref.calls[0], self.ref_roles[0])
+        xp = latents(self.port.calls[0], self.port_roles[0])
         if pair.latents is None:
-            xr = latents(self.ref.calls[0], self.ref_roles[0])
-            xp = latents(self.port.calls[0], self.port_roles[0])
             if xr is None or xp is None or xr.numel() != xp.numel():
                 self.not_checked.append(f"initial noise: {pair.latents_note}")
                 return
@@ -243,15 +258,11 @@ class Triage:
         if pair.latents_match:
             self.ruled_out.append("initial noise: the first call's latents agree")
             return
-        xr, xp = (
-            latents(self.ref.calls[0], self.ref_roles[0]),
-            latents(self.port.calls[0], self.port_roles[0]),
-        )
         evidence = comparison_evidence(pair.latents)
         fit = fit_affine(xp, xr)
         summary = "the first call's latents differ"
         if fit is not None and fit.exact:
-            summary += f": the port's are {affine_words(fit, chr(39).join(['the reference', 's']))} (exact, residual {format_number(fit.residual)})"
+            summary += f": the port's are {affine_words(fit, THE_REFERENCES)} (exact, residual {format_number(fit.residual)})"
             summary += "; a missing or extra scaling of the noise (init_noise_sigma, a sigma_max factor)"
         elif pair.latents.cosine is not None and abs(pair.latents.cosine) < 0.1:
             summary += " and are uncorrelated (cosine ~0): different noise: another generator, seed, device or draw order"
@@ -264,8 +275,7 @@ class Triage:
     def schedule(self, independent: bool) -> None:
         from paritykit.schedule import compare_schedules
 
-        t_ref = [timestep(c, r) for c, r in zip(self.ref.calls, self.ref_roles)]
-        t_port = [timestep(c, r) for c, r in zip(self.port.calls, self.port_roles)]
+        t_ref, t_port = self.t_ref, self.t_port
         if None in t_ref or None in t_port:
             self.not_checked.append(
                 "schedule: a side's denoiser calls carry no recognisable timestep argument"
@@ -276,11 +286,12 @@ class Triage:
             return
         repeated = _repeats(t_ref, t_port)
         if repeated:
+            side, times = repeated
             self.findings.append(
-                Finding("schedule", None, f"the {repeated} calls the denoiser {{k}} times per timestep where the other "
+                Finding("schedule", None, f"the {side} calls the denoiser {times} times per timestep where the other "
                         "calls it once (guidance halves run separately against one batch): the calls cannot be "
                         "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
-                        "reference's halves".replace("{k}", str(max(len(t_ref), len(t_port)) // min(len(t_ref), len(t_port)))),
+                        "reference's halves",
                         evidence=[f"reference {_head(t_ref)}", f"port      {_head(t_port)}",
                                   "the timesteps agree once the repeats are collapsed"])
             )  # fmt: skip
@@ -309,7 +320,7 @@ class Triage:
             return
         from paritykit.schedule import fit_scheduler
 
-        scheduler = self.spec.call("port_scheduler")
+        scheduler = self.port_scheduler
         try:
             fit = fit_scheduler(type(scheduler), str(self.folders[0]), base_config=dict(scheduler.config))
         except ParityKitError as exc:
@@ -438,7 +449,7 @@ class Triage:
             return
         from paritykit.schedule import fit_scheduler
 
-        scheduler = self.spec.call("port_scheduler")
+        scheduler = self.port_scheduler
         reference = str(self.folders[0])
         try:
             fit = fit_scheduler(
@@ -515,7 +526,7 @@ class Triage:
             if fit is not None and fit.exact and not _identity(fit):
                 self.findings.append(
                     Finding("decoder input", None,
-                            f"the latents reach the decoder as {affine_words(fit, 'the reference' + chr(39) + 's')} "
+                            f"the latents reach the decoder as {affine_words(fit, THE_REFERENCES)} "
                             f"(exact, residual {format_number(fit.residual)}): the scaling between the loop and the "
                             "decoder (scaling_factor, shift_factor) differs",
                             evidence=[f"fitted over every element of the decoder's input (relative error "
@@ -631,7 +642,7 @@ class Triage:
             return shlex.join(["paritykit", "schedule", *map(str, self.folders)])
         import json
 
-        scheduler = self.spec.call("port_scheduler")
+        scheduler = self.port_scheduler
         config = self.out_dir / "port_scheduler.json"
         config.write_text(json.dumps(dict(scheduler.config), indent=2, default=str))
         return shlex.join(
@@ -709,15 +720,15 @@ def port_inputs(args, kwargs):
 '''
 
 
-def _repeats(t_ref: list[float], t_port: list[float]) -> str | None:
-    r"""``"reference"`` or ``"port"`` when that side's timesteps are the other's with each one repeated the same
-    number of times in a row (a denoiser called once per guidance half); ``None`` otherwise."""
+def _repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
+    r"""``("reference" | "port", k)`` when that side's timesteps are the other's with each one repeated ``k``
+    times in a row (a denoiser called once per guidance half); ``None`` otherwise."""
     for side, many, once in (("reference", t_ref, t_port), ("port", t_port, t_ref)):
         if not once or len(many) <= len(once) or len(many) % len(once):
             continue
         k = len(many) // len(once)
         if all(many[i * k + j] == once[i] for i in range(len(once)) for j in range(k)):
-            return side
+            return side, k
     return None
 
 
@@ -740,12 +751,7 @@ def _with_first_tensor(call: Call, value: Any) -> tuple[tuple, dict] | None:
     name = next((k for k, v in call.named.items() if isinstance(v, torch.Tensor)), None)
     if name is None or tuple(call.named[name].shape) != tuple(value.shape):
         return None
-    args, kwargs = list(call.args), dict(call.kwargs)
-    if name in kwargs:
-        kwargs[name] = value
-    else:
-        args[list(call.named).index(name)] = value
-    return tuple(args), kwargs
+    return with_values(call, {name: value})
 
 
 def _unclamped_affine(result: Any, decoded: Any) -> Any:
