@@ -225,6 +225,65 @@ def test_statistics_match_a_float64_reference_on_random_and_edge_values(tmp_path
         assert changed[key].cosine == pytest.approx(cosine, rel=1e-5, abs=1e-6)
 
 
+def _interleaved_pair(tmp_path):
+    r"""Changed and identical tensors of three dtypes in turn, each several 512-element chunks long."""
+    g = torch.Generator().manual_seed(5)
+    a, b = {}, {}
+    for i, dtype in enumerate([torch.float16, torch.bfloat16, torch.float32] * 4):
+        a[f"t{i:02d}"] = torch.randn(1500 + 37 * i, generator=g).to(dtype)
+        b[f"t{i:02d}"] = a[f"t{i:02d}"].clone()
+        if i % 2:
+            b[f"t{i:02d}"][100 * i :] += 0.01  # from some chunk on; the chunks before it are equal
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    return a, b
+
+
+def _assert_matches_float64(a, b, changed):
+    assert set(changed) == {k for k in a if not torch.equal(a[k], b[k])}
+    for key, item in changed.items():
+        ta, tb = a[key].double(), b[key].double()
+        assert item["l2"] == pytest.approx(float((ta - tb).norm()), rel=1e-5)
+        assert item["l1"] == pytest.approx(float((ta - tb).abs().sum()), rel=1e-5)
+        assert item["max_abs"] == pytest.approx(float((ta - tb).abs().max()), rel=1e-6)
+        assert item["cosine"] == pytest.approx(float(ta @ tb / (ta.norm() * tb.norm())), rel=1e-5)
+
+
+def test_fresh_process_measures_the_pairs_put_aside_while_numpy_imports(tmp_path):
+    # in a fresh process numpy is not imported yet: the workers scan on and put the differing pairs aside,
+    # which are measured at the end. Every one of them must come back, with its own numbers.
+    a, b = _interleaved_pair(tmp_path)
+    env = {"PYTHONPATH": str(REPO / "helpers")}
+    command = [sys.executable, "-m", "paritykit", "weights", "diff", str(tmp_path / "a.safetensors"),
+               str(tmp_path / "b.safetensors"), "--json", "--quiet"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["identical"] == 6
+    _assert_matches_float64(a, b, {item["key"]: item for item in report["changed"]})
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_workers_agree_with_a_float64_reference(tmp_path, monkeypatch, workers):
+    monkeypatch.setattr(weights_module, "DISTANCE_CHUNK_ELEMENTS", 512)
+    a, b = _interleaved_pair(tmp_path)
+    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=workers)
+    _assert_matches_float64(a, b, {c.key: c.to_dict() for c in report.changed})
+
+
+def test_a_file_cut_short_under_the_workers_is_one_error(tmp_path):
+    from paritykit.forensics.weights import open_checkpoint
+
+    _interleaved_pair(tmp_path)
+    entries_a = open_checkpoint(tmp_path / "a.safetensors").entries
+    entries_b = open_checkpoint(tmp_path / "b.safetensors").entries
+    pairs = [(key, entries_a[key], entries_b[key]) for key in sorted(entries_a)]
+    with open(tmp_path / "b.safetensors", "r+b") as handle:  # cut after the headers were read
+        handle.truncate(entries_b["t05"].info.start + entries_b["t05"].info.nbytes // 2)
+    with pytest.raises(ParityKitError, match="b.safetensors: unexpected end of file"):
+        weights_module.compare_all(pairs, progress=False, workers=2)
+
+
 def test_keys_only_reads_headers_only(tmp_path):
     a = ldm_state()
     b = dict(a)

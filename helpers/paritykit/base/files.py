@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = 
     umask = os.umask(0)
     os.umask(umask)
     mode = (0o777 if executable else 0o666) & ~umask
+    import tempfile  # not at module level: weights diff imports this module, and starts faster without it
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
