@@ -20,7 +20,8 @@ import pytest
 import torch
 from paritykit.bisection.search import bisect
 from paritykit.bisection.zoom import use_zoom
-from paritykit.tracing.trace import ModelWeights, capture
+from paritykit.tracing.machines import ModelWeights
+from paritykit.tracing.trace import capture
 
 from tests.bisect_pairs import dit_pair
 
@@ -228,7 +229,7 @@ def test_a_stand_in_hiding_a_concatenation_is_restored():
 
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_trace_weights_file_is_written_one_tensor_at_a_time_and_loads_back(tmp_path, offloaded):
-    from paritykit.tracing.trace import write_weights
+    from paritykit.tracing.machines import write_weights
     from safetensors.torch import load_file
 
     reference, _, _ = dit_pair(None)

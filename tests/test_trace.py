@@ -114,6 +114,56 @@ def test_same_tensor_is_stored_once():
     assert trace["stem"].output_keys["output"] == trace["res"].input_keys["args.0"]
 
 
+def test_a_dropped_trace_frees_its_tensors_at_once():
+    # a trace and its records must not form a reference cycle: repeated captures (bisect, a loop of them) would
+    # otherwise hold every dropped trace's copies until Python's cyclic collector happened to run
+    import gc
+    import weakref
+
+    reference, _, ((x,), _) = conv_pair()
+    gc.disable()
+    try:
+        with torch.no_grad(), capture(reference) as trace:
+            reference(x)
+        record = trace["res"]
+        stored = weakref.ref(record.output)
+        gone = weakref.ref(trace)
+        del trace
+        assert gone() is None and stored() is None
+        with pytest.raises(ParityKitError, match="'res': its trace is gone"):
+            _ = record.output
+    finally:
+        gc.enable()
+
+
+def test_kwargs_nested_containers_and_none_keep_their_paths():
+    class Takes(nn.Module):
+        def forward(self, x, *, pair=None, extra=None, mask=None):
+            return {"sum": x + pair[0] + extra["scale"], "same": x}
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Takes()
+
+        def forward(self, x):
+            return self.inner(x, pair=(x * 2, 3), extra={"scale": x - 1, "name": "k"}, mask=None)
+
+    x = torch.randn(2, 3)
+    model = Outer()
+    with torch.no_grad(), capture(model) as trace:
+        out = model(x)
+    record = trace["inner"]
+    assert set(record.input_keys) == {"args.0", "kwargs.pair.0", "kwargs.extra.scale"}
+    assert set(record.output_keys) == {"output.sum", "output.same"}
+    # x is the input, the "same" output and the outer call's input: one copy, one key
+    assert record.input_keys["args.0"] == record.output_keys["output.same"] == trace[""].input_keys["args.0"]
+    args, kwargs = record.call_inputs()
+    assert torch.equal(args[0], x) and kwargs["pair"][1] == 3 and kwargs["mask"] is None
+    assert kwargs["extra"]["name"] == "k" and torch.equal(kwargs["extra"]["scale"], x - 1)
+    assert torch.equal(record.output_value()["sum"], out["sum"])
+
+
 class InPlaceParent(nn.Module):
     def __init__(self):
         super().__init__()

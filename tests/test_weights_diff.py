@@ -267,7 +267,9 @@ def test_fresh_process_measures_the_pairs_put_aside_while_numpy_imports(tmp_path
 def test_workers_agree_with_a_float64_reference(tmp_path, monkeypatch, workers):
     monkeypatch.setattr(weights_module, "DISTANCE_CHUNK_ELEMENTS", 512)
     a, b = _interleaved_pair(tmp_path)
-    report = weights_diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=workers)
+    report = weights_diff(
+        tmp_path / "a.safetensors", tmp_path / "b.safetensors", progress=False, workers=workers
+    )
     _assert_matches_float64(a, b, {c.key: c.to_dict() for c in report.changed})
 
 

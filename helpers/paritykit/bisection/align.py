@@ -220,7 +220,7 @@ def _side(model: Any, trace: Any) -> _Side:
         out_shapes, first_calls = {name: None for name in order}, {}
     state_dict = None
     if model is not None:
-        from paritykit.tracing.trace import ModelWeights
+        from paritykit.tracing.machines import ModelWeights
 
         weights = ModelWeights(model)
         # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one

@@ -69,7 +69,7 @@ def bisect_spec(
     with torch.no_grad():
         if traces is not None:
             ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
-            from paritykit.tracing.trace import check_pair, check_request
+            from paritykit.tracing.machines import check_pair, check_request
 
             inputs = spec.input_fingerprint() if spec is not None and spec.has("make_inputs") else None
             check_pair(ref_trace, port_trace, inputs)
@@ -221,7 +221,7 @@ def trace_spec(
     with torch.no_grad():
         with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
-    from paritykit.tracing.trace import write_weights
+    from paritykit.tracing.machines import write_weights
 
     # one tensor at a time; offloaded weights are read from their offload, not their meta placeholders
     n_weights = write_weights(model, out / WEIGHTS_FILE)

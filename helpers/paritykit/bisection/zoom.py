@@ -269,8 +269,8 @@ def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
 
 def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
     """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
-    tensor per access (:class:`paritykit.tracing.trace.ModelWeights`), in place of its ``meta`` state dict."""
-    from paritykit.tracing.trace import ModelWeights
+    tensor per access (:class:`paritykit.tracing.machines.ModelWeights`), in place of its ``meta`` state dict."""
+    from paritykit.tracing.machines import ModelWeights
 
     models = []
     for model, trace in ((zoom.reference, ref_trace), (zoom.port, port_trace)):
@@ -400,12 +400,12 @@ def trace_about(
 
 
 def write_fingerprints(model: Any, directory: Any) -> None:
-    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.tracing.trace.weight_fingerprints`)."""
+    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.tracing.machines.weight_fingerprints`)."""
     import json
     from pathlib import Path
 
     from paritykit.base.files import atomic_write_text
-    from paritykit.tracing.trace import weight_fingerprints
+    from paritykit.tracing.machines import weight_fingerprints
 
     atomic_write_text(Path(directory) / FINGERPRINTS_FILE, json.dumps(weight_fingerprints(model), indent=1))
 

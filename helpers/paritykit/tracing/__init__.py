@@ -6,7 +6,7 @@ from paritykit.base.lazy import lazy_exports
 # public name -> the module that defines it
 EXPORTS = {
     "Trace": "paritykit.tracing.trace",
-    "ModelWeights": "paritykit.tracing.trace",
+    "ModelWeights": "paritykit.tracing.machines",
     "capture": "paritykit.tracing.trace",
     "Checkpoint": "paritykit.tracing.checkpoints",
     "PipelineStop": "paritykit.tracing.checkpoints",
