@@ -106,35 +106,26 @@ class Record:
     outputs_skeleton: Any = None
     input_keys: dict[str, str] = field(default_factory=dict)
     output_keys: dict[str, str] = field(default_factory=dict)
-    # the trace that holds this record's tensors, by weak reference: a strong one would be a cycle (the trace
-    # holds its records), and a trace the caller drops would keep its tensors until the cyclic collector ran
-    _owner: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def _trace(self) -> Trace:
-        trace = self._owner() if self._owner is not None else None
-        if trace is None:
-            raise ParityKitError(
-                f"record {self.name!r}: its trace is gone; keep the Trace while using its records"
-            )
-        return trace
+    # the trace's tensors, not the trace: the trace lists its records, so a reference to it would be a cycle, and a
+    # trace the caller drops would keep its copies until the cyclic collector ran
+    _tensors: TraceTensors | None = field(default=None, repr=False, compare=False)
 
     # tensors ----------------------------------------------------------------------------------------
     @property
     def inputs(self) -> dict[str, Any]:
         """Input tensors by path (``args.0``, ``kwargs.temb``, ``kwargs.added.text_embeds``)."""
-        return {path: self._trace.tensor(key) for path, key in self.input_keys.items()}
+        return {path: self._tensors.get(key) for path, key in self.input_keys.items()}
 
     @property
     def outputs(self) -> dict[str, Any]:
         """Output tensors by path (``output``, ``output.0``, ``output.sample``)."""
-        return {path: self._trace.tensor(key) for path, key in self.output_keys.items()}
+        return {path: self._tensors.get(key) for path, key in self.output_keys.items()}
 
     @property
     def output(self) -> Any:
         """The first output tensor (``None`` when the call returned no tensor)."""
         for key in self.output_keys.values():
-            return self._trace.tensor(key)
+            return self._tensors.get(key)
         return None
 
     @property
@@ -146,12 +137,12 @@ class Record:
         """The call's ``(args, kwargs)`` rebuilt with the captured tensors."""
         if self.inputs_skeleton is None:
             raise ParityKitError(f"record {self.name!r} holds no inputs (captured with inputs=False)")
-        args, kwargs = unpack_call(self.inputs_skeleton, self._trace.tensor)
+        args, kwargs = unpack_call(self.inputs_skeleton, self._tensors.get)
         return tuple(args), dict(kwargs)
 
     def output_value(self) -> Any:
         """The call's return value rebuilt (``BaseOutput`` from disk comes back as an :class:`OutputDict`)."""
-        return unpack_call(self.outputs_skeleton, self._trace.tensor)
+        return unpack_call(self.outputs_skeleton, self._tensors.get)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,6 +161,45 @@ class Record:
         }
 
 
+class TraceTensors:
+    r"""A trace's tensors by storage key: the copies :func:`capture` made, or the shards of a trace folder, read
+    lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors, and a trace
+    dropped with its records frees them at once (no reference cycle)."""
+
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory
+        self.in_memory: dict[str, Any] = {}
+        self.shard_of: dict[str, str] = {}
+        self._open: dict[str, Any] = {}
+
+    def get(self, key: str) -> Any:
+        if key in self.in_memory:
+            return self.in_memory[key]
+        shard = self.shard_of.get(key)
+        if shard is None or self.directory is None:
+            raise KeyError(f"tensor {key!r} is not in this trace")
+        handle = self._open.get(shard) or self.open_shard(shard)
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:
+            raise ParityKitError(
+                f"{self.directory / shard}: cannot read tensor {key!r} ({first_line(exc)})"
+            ) from None
+
+    def open_shard(self, shard: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.directory / shard
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as exc:  # truncated, corrupted header, missing: one line naming the file
+            raise ParityKitError(
+                f"{path}: not a readable safetensors shard of this trace ({first_line(exc)})"
+            ) from None
+        self._open[shard] = handle
+        return handle
+
+
 class Trace:
     r"""What :func:`capture` recorded: :class:`Record` objects in start order plus the model's module table."""
 
@@ -182,9 +212,7 @@ class Trace:
         self.about: dict[str, Any] = {}
         self.weight_source: Mapping[str, Any] | None = None
         self._by_name: dict[str, Record] = {}
-        self._tensors: dict[str, Any] = {}
-        self._shard_of: dict[str, str] = {}
-        self._open: dict[str, Any] = {}
+        self._tensors = TraceTensors(directory)
 
     # access -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -226,31 +254,7 @@ class Trace:
 
     def tensor(self, key: str) -> Any:
         """One captured tensor by its storage key (read lazily from disk for a loaded trace)."""
-        if key in self._tensors:
-            return self._tensors[key]
-        shard = self._shard_of.get(key)
-        if shard is None or self.directory is None:
-            raise KeyError(f"tensor {key!r} is not in this trace")
-        handle = self._open.get(shard) or self._open_shard(shard)
-        try:
-            return handle.get_tensor(key)
-        except Exception as exc:
-            raise ParityKitError(
-                f"{self.directory / shard}: cannot read tensor {key!r} ({first_line(exc)})"
-            ) from None
-
-    def _open_shard(self, shard: str) -> Any:
-        from safetensors import safe_open
-
-        path = self.directory / shard
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as exc:  # truncated, corrupted header, missing: one line naming the file
-            raise ParityKitError(
-                f"{path}: not a readable safetensors shard of this trace ({first_line(exc)})"
-            ) from None
-        self._open[shard] = handle
-        return handle
+        return self._tensors.get(key)
 
     def weights(self) -> Mapping[str, Any] | None:
         """The traced model's state dict: :attr:`weight_source` when set (an offloaded model's
@@ -278,7 +282,7 @@ class Trace:
         self._by_name = {r.name: r for r in self.records}
 
     def _add(self, record: Record) -> None:
-        record._owner = weakref.ref(self)
+        record._tensors = self._tensors
         self.records.append(record)
         self._by_name[record.name] = record
 
@@ -329,13 +333,13 @@ class Trace:
             name: ModuleInfo(name, info["type"], {k: list(v) for k, v in info.get("params", {}).items()})
             for name, info in manifest.get("modules", {}).items()
         }
-        trace._shard_of = dict(manifest.get("tensors", {}))
-        for shard in set(trace._shard_of.values()):
+        shard_of = trace._tensors.shard_of = dict(manifest.get("tensors", {}))
+        for shard in set(shard_of.values()):
             if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
                 raise ValueError(f"shard {shard!r} is not a file name inside the trace folder")
-        for shard in sorted(set(trace._shard_of.values())):  # a bad shard is named now, not mid-search
-            missing = {k for k, v in trace._shard_of.items() if v == shard} - set(
-                trace._open_shard(shard).keys()
+        for shard in sorted(set(shard_of.values())):  # a bad shard is named now, not mid-search
+            missing = {k for k, v in shard_of.items() if v == shard} - set(
+                trace._tensors.open_shard(shard).keys()
             )
             if missing:
                 raise ParityKitError(f"{directory / shard}: lacks {len(missing)} tensors the manifest lists "
@@ -362,7 +366,7 @@ class Trace:
     def summary(self) -> dict[str, Any]:
         """Counts a person wants after a capture: calls, distinct modules, tensors, bytes held in memory."""
         keys = {k for r in self.records for k in (*r.input_keys.values(), *r.output_keys.values())}
-        nbytes = sum(t.numel() * t.element_size() for k, t in self._tensors.items() if k in keys)
+        nbytes = sum(t.numel() * t.element_size() for k, t in self._tensors.in_memory.items() if k in keys)
         return {
             "model_type": self.model_type,
             "calls": len(self.records),
@@ -442,7 +446,7 @@ class _Recorder:
         if self.writer is not None:
             self.writer.add(ref.key, tensor)
         else:
-            self.trace._tensors[ref.key] = tensor
+            self.trace._tensors.in_memory[ref.key] = tensor
         return ref
 
     def pack(self, obj: Any, path: str, keys: dict[str, str]) -> Any:
@@ -570,7 +574,7 @@ def capture(
         recorder.seen.clear()
         if writer is not None:
             writer.close()
-            trace._shard_of = dict(writer.shard_of)
+            trace._tensors.shard_of = dict(writer.shard_of)
             _write_manifest(directory, trace, writer.shard_of)
 
 
