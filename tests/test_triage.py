@@ -92,11 +92,19 @@ def test_the_decoder_is_bisected_on_its_recorded_call(tmp_path):
     assert "every denoiser call (5): inputs, timestep and output agree" in report.ruled_out[0]
 
 
-def test_the_latents_scaling_before_the_decoder_is_fitted(tmp_path):
+def test_the_latents_scaling_before_the_decoder_is_fitted(tmp_path, cli):
     report = run(tmp_path, ["sdxl-scale"])
     (finding,) = report.findings
     assert finding.place == "decoder input"
     assert f"{LDM_SCALE / 0.13025:.6f}"[:6] in finding.summary
+    # its command compares the two decoder inputs alone, and compare names the scale on its own
+    words = shlex.split(finding.command)
+    assert words[:2] == ["paritykit", "compare"]
+    alone = cli(*words[1:], "--json")
+    assert alone.returncode == 1, alone.stderr
+    (pair,) = json.loads(alone.stdout)["pairs"]
+    assert pair["hints"][0]["id"] == "constant-scale"
+    assert pair["hints"][0]["evidence"]["k"] == pytest.approx(LDM_SCALE / 0.13025, rel=1e-3)
 
 
 def test_the_post_processing_map_is_fitted_where_unclamped(tmp_path):

@@ -530,7 +530,8 @@ class Triage:
                             f"(exact, residual {format_number(fit.residual)}): the scaling between the loop and the "
                             "decoder (scaling_factor, shift_factor) differs",
                             evidence=[f"fitted over every element of the decoder's input (relative error "
-                                      f"{format_number(rel(zr, zp))} before the fit)"])
+                                      f"{format_number(rel(zr, zp))} before the fit)"],
+                            command=self._inputs_command("decoder_input", zr, zp))
                 )  # fmt: skip
                 if not independent:
                     return
@@ -540,7 +541,8 @@ class Triage:
                     Finding("decoder input", None,
                             "the decoder's input differs though every denoiser call agrees: the last update (after "
                             "the last call) or the latents' preparation for the decoder; no scale and shift relates "
-                            f"the two ({residual})", evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")))
+                            f"the two ({residual})", evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
+                            command=self._inputs_command("decoder_input", zr, zp))
                 )  # fmt: skip
                 return
         mapped = _with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
@@ -634,6 +636,18 @@ class Triage:
         if ref_key != port_key:
             words += ["--map", f"^{ref_key}$={port_key}"]
         return shlex.join(words)
+
+    def _inputs_command(self, what: str, reference: Any, port: Any) -> str | None:
+        r"""Both sides' tensor at one place, written beside the recordings (``{what}_reference.safetensors`` and
+        ``{what}_port.safetensors``, key ``latents``); returns the ``paritykit compare`` that diagnoses them."""
+        if self.out_dir is None:
+            return None
+        from safetensors.torch import save_file
+
+        paths = [self.out_dir / f"{what}_{side}.safetensors" for side in ("reference", "port")]
+        for path, tensor in zip(paths, (reference, port)):
+            save_file({"latents": tensor.detach().contiguous().cpu()}, str(path))
+        return shlex.join(["paritykit", "compare", *map(str, paths)])
 
     def _schedule_command(self) -> str | None:
         if self.folders is None:
