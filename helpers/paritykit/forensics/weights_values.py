@@ -201,9 +201,8 @@ def _distances(a: Any, b: Any, worker: _Worker, equal_before: int = 0) -> dict[s
             count = min(DISTANCE_CHUNK_ELEMENTS, total - start)
             xa, chunk_a = _decode_with_norm(a, start, count, buf_a, worker, "a")
             xb, chunk_b = _decode_with_norm(b, start, count, buf_b, worker, "b")
-            d = np.subtract(
-                xa, xb, out=xb
-            )  # B's values are not needed again: two chunk buffers stay in cache
+            # B's values are not needed again: the difference overwrites them, and two chunk buffers stay in cache
+            d = np.subtract(xa, xb, out=xb)
             chunk_sq = float(np.dot(d, d))
             # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b: the dot product from the three sums, one pass fewer. Its error is
             # float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a float64 reference.
