@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -275,17 +276,13 @@ def compare_all(
     bar = _progress_bar(sum(max(ea.numel, 1) for _, ea, _ in pairs), progress)
     lock = threading.Lock()
     numpy_in = threading.Event()
-    to_scan = iter(range(len(pairs)))
-    put_aside: list[tuple[int, int]] = []
+    to_scan: deque[int] = deque(range(len(pairs)))
+    put_aside: deque[tuple[int, int]] = deque()
     failed: list[BaseException] = []
 
-    def take(source: Any) -> Any:
+    def take(queue: deque) -> Any:
         with lock:
-            if failed:
-                return None
-            if isinstance(source, list):
-                return source.pop(0) if source else None
-            return next(source, None)
+            return queue.popleft() if queue and not failed else None
 
     def measure(index: int, equal_before: int, worker: _Worker) -> None:
         results[index] = _measure(pairs[index][1], pairs[index][2], worker, equal_before)
