@@ -119,11 +119,18 @@ def main(blocks: int, write: bool) -> int:
     rows = {mode: run_child(mode, blocks) for mode in ("zoom", "full", "capture")}
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     lines = [
-        f"# bench_bisect_memory: {blocks} residual blocks (LayerNorm, Linear {WIDTH}->{HIDDEN}, tanh-GELU, Linear "
-        f"{HIDDEN}->{WIDTH}), {TOKENS} tokens x {WIDTH}, batch 1, float32, CPU",
-        f"# planted bug: {CULPRIT} computes the exact GELU; torch {torch.__version__}, python "
-        f"{platform.python_version()}, {cpu}, {os.cpu_count()} CPUs; one run each, in a child process",
-        "# peak = the child's ru_maxrss (whole process); before = its RSS with both models and the input built",
+        (
+            f"# bench_bisect_memory: {blocks} residual blocks (LayerNorm, Linear {WIDTH}->{HIDDEN},"
+            f" tanh-GELU, Linear {HIDDEN}->{WIDTH}), {TOKENS} tokens x {WIDTH}, batch 1, float32, CPU"
+        ),
+        (
+            f"# planted bug: {CULPRIT} computes the exact GELU; torch {torch.__version__}, python "
+            f"{platform.python_version()}, {cpu}, {os.cpu_count()} CPUs; one run each, in a child process"
+        ),
+        (
+            "# peak = the child's ru_maxrss (whole process); before = its RSS with both models and the input"
+            " built"
+        ),
         "",
         f"{'run':<34}{'result':<34}{'before':>11}{'peak RSS':>11}{'wall':>9}",
     ]

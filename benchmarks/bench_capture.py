@@ -225,8 +225,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     lines = [
-        f"# bench_capture: torch {torch.__version__}, python {platform.python_version()}, {cpu}, "
-        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; best of {args.repeats} interleaved runs",
+        (
+            f"# bench_capture: torch {torch.__version__}, python {platform.python_version()}, {cpu},"
+            f" {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; best of {args.repeats}"
+            " interleaved runs"
+        ),
     ]
     for build, lens in ((tiny_unet, True), (flux_shaped, False)):
         lines += ["", *measure(build, args.repeats, lens)]

@@ -97,8 +97,11 @@ def run_worker(method: str, case: str, gib: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "helpers"), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, "-c", WORKER, method, case, str(gib)],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{method}/{case} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -126,13 +129,19 @@ def main() -> None:
 
     lines = [
         f"# benchmarks/bench_compare.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"# {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs, torch threads {runs[('assert_close', 'close')][0]['threads']}",
-        f"# two {args.gib:g} GiB float32 tensors; one process per run; median wall/CPU of {args.repeats}, "
-        "max extra buffers; load average at start "
-        f"{load_start[0]:.1f}, at end {load_end[0]:.1f}",
+        (
+            f"# {platform.platform()}, python {platform.python_version()}, torch {torch.__version__}, "
+            f"{os.cpu_count()} CPUs, torch threads {runs[('assert_close', 'close')][0]['threads']}"
+        ),
+        (
+            f"# two {args.gib:g} GiB float32 tensors; one process per run; median wall/CPU of {args.repeats},"
+            f" max extra buffers; load average at start {load_start[0]:.1f}, at end {load_end[0]:.1f}"
+        ),
         "",
-        f"  {'case':7s} {'method':42s} {'status':7s} {'wall':>8s} {'cpu':>8s} {'extra full-size buffers':>24s}",
+        (
+            f"  {'case':7s} {'method':42s} {'status':7s} {'wall':>8s} {'cpu':>8s}"
+            f" {'extra full-size buffers':>24s}"
+        ),
     ]
     summary = {}
     for case in ("close", "differ"):

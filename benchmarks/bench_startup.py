@@ -32,8 +32,14 @@ def main() -> None:
     lines = [
         f"machine: {platform.machine()}, {platform.python_version()}, runs per figure: {RUNS}",
         f"paritykit --help (whole process, median): {median_seconds(help_cmd):.3f} s",
-        f"python -c 'import torch' (whole process, median): {median_seconds([sys.executable, '-c', 'import torch'], 7):.3f} s",
-        f"python -c 'pass' (interpreter floor, median): {median_seconds([sys.executable, '-c', 'pass']):.3f} s",
+        (
+            "python -c 'import torch' (whole process, median):"
+            f" {median_seconds([sys.executable, '-c', 'import torch'], 7):.3f} s"
+        ),
+        (
+            "python -c 'pass' (interpreter floor, median):"
+            f" {median_seconds([sys.executable, '-c', 'pass']):.3f} s"
+        ),
     ]
     out = Path(__file__).parent / "results" / "startup.txt"
     out.write_text("\n".join(lines) + "\n")

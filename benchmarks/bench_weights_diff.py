@@ -187,7 +187,8 @@ def speed(repeats: int, lines: list[str]) -> None:
     )
     base_cpu = min(r["cpu"] for r in runs["notebook (load_file + torch.dist)"])
     lines.append(
-        f"  {'method':36s} {'wall':>7s} {'ratio':>6s} {'cpu':>7s} {'ratio':>6s} {'peak anon':>10s} {'peak rss':>9s}"
+        f"  {'method':36s} {'wall':>7s} {'ratio':>6s} {'cpu':>7s} {'ratio':>6s} {'peak anon':>10s}"
+        f" {'peak rss':>9s}"
     )
     for name, results in runs.items():
         best = min(r["seconds"] for r in results)
@@ -207,8 +208,8 @@ def speed(repeats: int, lines: list[str]) -> None:
     )
     verdict = "met" if ratio <= 3 else "NOT met"
     lines.append(
-        f"  paritykit weights diff / cat of both files: {ratio:.2f}x wall (best over best; run by run: median "
-        f"{paired[len(paired) // 2]:.2f}x, worst {paired[-1]:.2f}x); goal <= 3x: {verdict}"
+        f"  paritykit weights diff / cat of both files: {ratio:.2f}x wall (best over best; run by run: median"
+        f" {paired[len(paired) // 2]:.2f}x, worst {paired[-1]:.2f}x); goal <= 3x: {verdict}"
     )
     for path in (a, b):
         path.unlink()
@@ -231,9 +232,9 @@ def memory(limit_gb: float, pair_gb: float, lines: list[str]) -> None:
         f"prlimit --as={limit_gb:g} GiB"
     )
     lines.append(
-        f"  paritykit weights diff: exit {ours['code']}, {len(report['changed'])} changed / {report['identical']} "
-        f"identical, {ours['seconds']:.1f} s, peak RssAnon {ours['peak_anon_mb']:.0f} MB, "
-        f"peak RSS {ours['peak_rss_mb']:.0f} MB"
+        f"  paritykit weights diff: exit {ours['code']}, {len(report['changed'])} changed /"
+        f" {report['identical']} identical, {ours['seconds']:.1f} s, peak RssAnon {ours['peak_anon_mb']:.0f}"
+        f" MB, peak RSS {ours['peak_rss_mb']:.0f} MB"
     )
     nb = run_measured([sys.executable, "-c", NOTEBOOK, str(a), str(b)], limit_bytes=limit)
     reason = (nb["err"].strip().splitlines() or ["?"])[-1][:90]
@@ -262,8 +263,10 @@ def main() -> None:
     compileall.compile_dir(HERE.parent / "helpers" / "paritykit", quiet=1)
     lines = [
         f"# benchmarks/bench_weights_diff.py  {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"# {platform.platform()}, python {platform.python_version()}, {os.cpu_count()} CPUs; paritykit's "
-        "bytecode compiled first, as an installed wheel has it",
+        (
+            f"# {platform.platform()}, python {platform.python_version()}, {os.cpu_count()} CPUs; paritykit's"
+            " bytecode compiled first, as an installed wheel has it"
+        ),
     ]
     try:
         speed(args.repeats, lines)

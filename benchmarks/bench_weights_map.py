@@ -68,9 +68,9 @@ def build(layers: int, singles: int, heads: int, head_dim: int = 64) -> dict[str
 def _line(label: str, source: dict, target: dict, wall: float, cpu: float, note: str) -> str:
     mb = sum(t.numel() * t.element_size() for t in target.values()) / 2**20
     return (
-        f"{label:<9} {len(source):>4} -> {len(target):>4} tensors {mb:6.1f} MB  cpu {cpu:6.3f} s "
-        f"{f'{1000 * cpu / mb:5.2f}' if mb >= 1 else '    -'} ms/MB {1000 * cpu / len(target):5.2f} ms/tensor  "
-        f"(wall {wall:.3f} s)  {note}"
+        f"{label:<9} {len(source):>4} -> {len(target):>4} tensors {mb:6.1f} MB  cpu {cpu:6.3f} s"
+        f" {f'{1000 * cpu / mb:5.2f}' if mb >= 1 else '    -'} ms/MB {1000 * cpu / len(target):5.2f}"
+        f" ms/tensor  (wall {wall:.3f} s)  {note}"
     )
 
 
@@ -121,8 +121,10 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = [
         "paritykit weights map: infer_conversion_map, research layout -> diffusers layout of a real",
-        "FluxTransformer2DModel state dict; median CPU seconds of 5 runs (constants: 3), 1 torch thread, "
-        f"{platform.machine()}, torch {torch.__version__}",
+        (
+            "FluxTransformer2DModel state dict; median CPU seconds of 5 runs (constants: 3), 1 torch thread, "
+            f"{platform.machine()}, torch {torch.__version__}"
+        ),
         "",
     ]
     warm = build(4, 8, 4)  # first-call costs (imports, allocator growth) stay out of the figures

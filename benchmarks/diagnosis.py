@@ -124,17 +124,31 @@ def main() -> None:
         runs["named", True], runs["held-out", True], runs["named", False], runs["held-out", False]
     )
     lines = [
-        "paritykit diagnosis benchmark: the real-ports gallery (tests/gallery), "
-        f"{len(CASES)} named cases ({n_bug} planted bugs, {len(CASES) - n_bug} clean ports) and {len(HELD_OUT)} "
-        f"held-out bug classes planted after the repair search was written, x {len(VARIANTS)} weight variants "
-        f"({', '.join(VARIANTS)}); each run with the catalogue's detectors and the repair search, then with the "
-        f"repair search alone; 1 torch thread, {platform.machine()}, torch {torch.__version__}",
-        "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros, a zero bias added"
-        " twice) or leave below float tolerance at the output (CLIP eps 1e-5 vs 1e-6) counts as clean; it may also"
-        " come out masked where a captured pair inside exceeds tolerance, if the module named claims no cause.",
-        "False hint: any hint on a clean port, a cause other than the true one, 'no known signature ... the forward",
-        "code differs' where the cause is a weight slip or a config value, a repair whose edit is not the planted fix,",
-        "or a fix verified at a module that is not a culprit. Verified fix: a hint with verified=true at a true",
+        (
+            f"paritykit diagnosis benchmark: the real-ports gallery (tests/gallery), {len(CASES)} named cases"
+            f" ({n_bug} planted bugs, {len(CASES) - n_bug} clean ports) and {len(HELD_OUT)} held-out bug"
+            f" classes planted after the repair search was written, x {len(VARIANTS)} weight variants"
+            f" ({', '.join(VARIANTS)}); each run with the catalogue's detectors and the repair search, then"
+            f" with the repair search alone; 1 torch thread, {platform.machine()}, torch {torch.__version__}"
+        ),
+        (
+            "A fresh-init run of a bug that fresh weights make a no-op (affine off with ones/zeros, a zero"
+            " bias added twice) or leave below float tolerance at the output (CLIP eps 1e-5 vs 1e-6) counts"
+            " as clean; it may also come out masked where a captured pair inside exceeds tolerance, if the"
+            " module named claims no cause."
+        ),
+        (
+            "False hint: any hint on a clean port, a cause other than the true one, 'no known signature ..."
+            " the forward"
+        ),
+        (
+            "code differs' where the cause is a weight slip or a config value, a repair whose edit is not the"
+            " planted fix,"
+        ),
+        (
+            "or a fix verified at a module that is not a culprit. Verified fix: a hint with verified=true at"
+            " a true"
+        ),
         "culprit, of a true kind (a repair: its edit is one of the case's true edits).",
         "",
         *table,

@@ -641,9 +641,14 @@ class PortJointModel(nn.Module):
         from diffusers.models.transformers.transformer_flux import FluxAttention
 
         self.attn = FluxAttention(
-            query_dim=DIM, heads=JOINT_HEADS, dim_head=JOINT_HEAD_DIM, bias=True, added_kv_proj_dim=DIM,
-            context_pre_only=False, eps=eps,
-        )  # fmt: skip
+            query_dim=DIM,
+            heads=JOINT_HEADS,
+            dim_head=JOINT_HEAD_DIM,
+            bias=True,
+            added_kv_proj_dim=DIM,
+            context_pre_only=False,
+            eps=eps,
+        )
 
     def forward(self, hidden_states, encoder_hidden_states):
         return self.attn(hidden_states, encoder_hidden_states)
@@ -718,11 +723,13 @@ def two_stream_pair(bug: str | None = None, seed: int = 0):
         context_scale=1.5 if bug == "context-inline" else 1.0,
     ).eval()
     sd = reference.state_dict()
-    port.load_state_dict({
-        f"{new}.{kind}": sd[f"{old}.{kind}"]
-        for old, new in (("img_mlp", "ff"), ("txt_mlp", "ff_context"))
-        for kind in ("weight", "bias")
-    })  # fmt: skip
+    port.load_state_dict(
+        {
+            f"{new}.{kind}": sd[f"{old}.{kind}"]
+            for old, new in (("img_mlp", "ff"), ("txt_mlp", "ff_context"))
+            for kind in ("weight", "bias")
+        }
+    )
     g = torch.Generator().manual_seed(seed + 1)
     img, txt = torch.randn(2, TOKENS, DIM, generator=g), torch.randn(2, TOKENS, DIM, generator=g)
     return reference, port, ((img, txt), {})

@@ -246,8 +246,7 @@ def test_disk_errors_name_the_path(tmp_path):
         load_checkpoints(tmp_path / "ok")
 
 
-_REFERENCE_PROCESS = textwrap.dedent(
-    """
+_REFERENCE_PROCESS = textwrap.dedent("""
     import sys
 
     import torch
@@ -260,8 +259,7 @@ _REFERENCE_PROCESS = textwrap.dedent(
     output = make_tiny_unet_pipeline()(seed=int(sys.argv[2]), _checkpoints=checkpoints)
     save_checkpoints(sys.argv[1], checkpoints)
     save_file({"output": output.contiguous()}, sys.argv[1] + "-output.safetensors")
-    """
-)
+    """)
 
 
 def test_checkpoints_cross_processes(tmp_path, pipe):

@@ -134,8 +134,10 @@ def test_dtype_difference_alone_passes_with_differing_dtype_fields(tmp_path):
     result = run("compare", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
     pair = json.loads(result.stdout)["pairs"][0]
     assert result.exit_code == 0 and (pair["status"], pair["dtype_a"], pair["dtype_b"]) == (
-        "pass", "float16", "float32"
-    )  # fmt: skip
+        "pass",
+        "float16",
+        "float32",
+    )
 
 
 def test_nan_reaches_json_as_null_with_a_flag(tmp_path):

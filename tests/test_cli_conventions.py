@@ -44,14 +44,17 @@ class _Evil:
 
 
 SPEC_HEAD = "import torch\n\n\ndef make_inputs():\n    return (torch.ones(2, 3),), {}\n\n\n"
-SPEC_OK = SPEC_HEAD + (
-    "def build_reference():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())\n\n\n"
-    "def build_port():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())\n"
+SPEC_OK = (
+    SPEC_HEAD
+    + "def build_reference():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(3,"
+    " 3), torch.nn.ReLU())\n\n\ndef build_port():\n    torch.manual_seed(0)\n    return"
+    " torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())\n"
 )
 SPEC_DIVERGE = SPEC_OK.replace(
-    "def build_port():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())",
-    "def build_port():\n    torch.manual_seed(0)\n    port = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())\n"
-    "    with torch.no_grad():\n        port[0].bias.add_(0.5)\n    return port",
+    "def build_port():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(3, 3),"
+    " torch.nn.ReLU())",
+    "def build_port():\n    torch.manual_seed(0)\n    port = torch.nn.Sequential(torch.nn.Linear(3, 3),"
+    " torch.nn.ReLU())\n    with torch.no_grad():\n        port[0].bias.add_(0.5)\n    return port",
 )
 TRIAGE_OK = """import torch
 
@@ -94,8 +97,8 @@ def port_denoiser():
 TRIAGE_DIFFER = TRIAGE_OK.replace(
     "REF, PORT = Denoiser(), Denoiser()", "REF, PORT = Denoiser(), Denoiser()\nPORT.lin.bias.data += 0.5"
 )
-SPEC_RAISE = SPEC_HEAD + (
-    "def build_reference():\n    return torch.nn.Linear(3, 3)\n\n\n"
+SPEC_RAISE = (
+    SPEC_HEAD + "def build_reference():\n    return torch.nn.Linear(3, 3)\n\n\n"
     "def _helper():\n    raise RuntimeError('boom in user code')\n\n\n"
     "def build_port():\n    return _helper()\n"
 )
@@ -237,7 +240,12 @@ BAD_INPUT = [
     ("compare-non-dict", ["compare", "list.pt", "a.safetensors"], ["list.pt"], True),
     ("compare-unknown-suffix", ["compare", "x.unknown", "a.safetensors"], ["x.unknown"], True),
     ("compare-bad-map", ["compare", "a.safetensors", "b.safetensors", "--map", "(=x"], ["--map"], True),
-    ("compare-bad-map-replacement", ["compare", "a.safetensors", "b.safetensors", "--map", "x=\\9"], ["--map", "replacement"], True),
+    (
+        "compare-bad-map-replacement",
+        ["compare", "a.safetensors", "b.safetensors", "--map", "x=\\9"],
+        ["--map", "replacement"],
+        True,
+    ),
     ("compare-map-no-equals", ["compare", "a.safetensors", "b.safetensors", "--map", "w"], ["--map"], True),
     ("compare-bad-atol", ["compare", "a.safetensors", "b.safetensors", "--atol", "abc"], ["--atol"], True),
     ("compare-negative-atol", ["compare", "a.safetensors", "b.safetensors", "--atol", "-1"], ["atol"], True),
@@ -249,11 +257,26 @@ BAD_INPUT = [
     ("config-not-json", ["config-diff", "bad.json", "c1.json"], ["bad.json"], True),
     ("config-unknown-suffix", ["config-diff", "c1.json", "x.unknown"], ["x.unknown"], True),
     ("config-bad-map", ["config-diff", "c1.json", "c2.json", "--map", "(=x"], ["--map"], True),
-    ("config-bad-map-replacement", ["config-diff", "c1.json", "c2.json", "--map", "x=\\9"], ["--map", "replacement"], True),
+    (
+        "config-bad-map-replacement",
+        ["config-diff", "c1.json", "c2.json", "--map", "x=\\9"],
+        ["--map", "replacement"],
+        True,
+    ),
     # weights diff
-    ("wdiff-missing", ["weights", "diff", "missing.safetensors", "a.safetensors"], ["missing.safetensors"], True),
+    (
+        "wdiff-missing",
+        ["weights", "diff", "missing.safetensors", "a.safetensors"],
+        ["missing.safetensors"],
+        True,
+    ),
     ("wdiff-empty-dir", ["weights", "diff", "adir", "a.safetensors"], ["adir"], True),
-    ("wdiff-truncated", ["weights", "diff", "trunc.safetensors", "a.safetensors"], ["trunc.safetensors"], True),
+    (
+        "wdiff-truncated",
+        ["weights", "diff", "trunc.safetensors", "a.safetensors"],
+        ["trunc.safetensors"],
+        True,
+    ),
     (
         "wdiff-truncated-keys-only",
         ["weights", "diff", "a.safetensors", "trunc.safetensors", "--keys-only"],
@@ -264,9 +287,24 @@ BAD_INPUT = [
     ("wdiff-non-dict", ["weights", "diff", "list.pt", "a.safetensors"], ["list.pt"], True),
     ("wdiff-unknown-suffix", ["weights", "diff", "x.unknown", "a.safetensors"], ["x.unknown"], True),
     ("wdiff-bad-map", ["weights", "diff", "a.safetensors", "b.safetensors", "--map", "(=x"], ["--map"], True),
-    ("wdiff-bad-map-replacement", ["weights", "diff", "a.safetensors", "b.safetensors", "--map", "x=\\9"], ["--map", "replacement"], True),
-    ("wdiff-bad-metric", ["weights", "diff", "a.safetensors", "b.safetensors", "--metric", "abc"], ["--metric"], True),
-    ("wdiff-plot-is-dir", ["weights", "diff", "a.safetensors", "b.safetensors", "--plot", "adir"], ["adir"], True),
+    (
+        "wdiff-bad-map-replacement",
+        ["weights", "diff", "a.safetensors", "b.safetensors", "--map", "x=\\9"],
+        ["--map", "replacement"],
+        True,
+    ),
+    (
+        "wdiff-bad-metric",
+        ["weights", "diff", "a.safetensors", "b.safetensors", "--metric", "abc"],
+        ["--metric"],
+        True,
+    ),
+    (
+        "wdiff-plot-is-dir",
+        ["weights", "diff", "a.safetensors", "b.safetensors", "--plot", "adir"],
+        ["adir"],
+        True,
+    ),
     (
         "wdiff-plot-under-file",
         ["weights", "diff", "a.safetensors", "b.safetensors", "--quiet", "--plot", "a.pt/x.png"],
@@ -286,7 +324,12 @@ BAD_INPUT = [
         True,
     ),
     # weights map
-    ("wmap-missing", ["weights", "map", "missing.safetensors", "a.safetensors"], ["missing.safetensors"], True),
+    (
+        "wmap-missing",
+        ["weights", "map", "missing.safetensors", "a.safetensors"],
+        ["missing.safetensors"],
+        True,
+    ),
     ("wmap-empty-dir", ["weights", "map", "a.safetensors", "adir"], ["adir"], True),
     ("wmap-truncated", ["weights", "map", "trunc.safetensors", "a.safetensors"], ["trunc.safetensors"], True),
     ("wmap-dangerous-pickle", ["weights", "map", "evil.pt", "a.safetensors"], ["evil.pt", "system"], True),
@@ -306,17 +349,37 @@ BAD_INPUT = [
     ("bisect-bad-atol", ["bisect", "spec_ok.py", "--atol", "abc"], ["--atol"], True),
     ("bisect-bad-rtol", ["bisect", "spec_ok.py", "--rtol", "abc"], ["--rtol"], True),
     ("bisect-bad-map", ["bisect", "spec_ok.py", "--map", "(=x"], ["--map"], True),
-    ("bisect-bad-map-replacement", ["bisect", "spec_ok.py", "--map", "x=\\9"], ["--map", "replacement"], True),
+    (
+        "bisect-bad-map-replacement",
+        ["bisect", "spec_ok.py", "--map", "x=\\9"],
+        ["--map", "replacement"],
+        True,
+    ),
     ("bisect-nothing", ["bisect"], ["SPEC"], True),
     ("triage-missing-spec", ["triage", "missing_spec.py"], ["missing_spec.py"], True),
     ("triage-spec-incomplete", ["triage", "spec_empty.py"], ["spec_empty.py", "run_reference"], True),
-    ("triage-out-is-a-file", ["triage", "triage_ok.py", "--out", "spec_ok.py"], ["--out", "spec_ok.py"], True),
+    (
+        "triage-out-is-a-file",
+        ["triage", "triage_ok.py", "--out", "spec_ok.py"],
+        ["--out", "spec_ok.py"],
+        True,
+    ),
     ("bisect-bad-device", ["bisect", "spec_ok.py", "--device", "gpu"], ["--device", "gpu"], True),
     ("bisect-traces-not-traces", ["bisect", "--traces", "adir", "adir"], ["adir"], True),
     # trace
-    ("trace-missing-spec", ["trace", "missing_spec.py", "--side", "port", "--out", "t"], ["missing_spec.py"], True),
+    (
+        "trace-missing-spec",
+        ["trace", "missing_spec.py", "--side", "port", "--out", "t"],
+        ["missing_spec.py"],
+        True,
+    ),
     ("trace-bad-side", ["trace", "spec_ok.py", "--side", "both", "--out", "t"], ["--side"], True),
-    ("trace-bad-device", ["trace", "spec_ok.py", "--side", "port", "--out", "t", "--device", "gpu"], ["--device"], True),
+    (
+        "trace-bad-device",
+        ["trace", "spec_ok.py", "--side", "port", "--out", "t", "--device", "gpu"],
+        ["--device"],
+        True,
+    ),
     ("trace-out-is-file", ["trace", "spec_ok.py", "--side", "port", "--out", "a.pt"], ["a.pt"], True),
     ("trace-out-under-file", ["trace", "spec_ok.py", "--side", "port", "--out", "a.pt/t"], ["a.pt"], True),
     # steps
@@ -329,7 +392,12 @@ BAD_INPUT = [
     ("steps-unknown-key", ["steps", "steps_a", "steps_b", "--key", "noise"], ["noise"], True),
     ("steps-plot-is-dir", ["steps", "steps_a", "steps_b", "--plot", "adir"], ["adir"], True),
     ("steps-plot-under-file", ["steps", "steps_a", "steps_b", "--plot", "a.pt/x.png"], ["a.pt"], True),
-    ("steps-plot-is-an-input", ["steps", "steps_a", "steps_b", "--sigmas", "sigmas.json", "--plot", "sigmas.json"], ["--plot"], True),
+    (
+        "steps-plot-is-an-input",
+        ["steps", "steps_a", "steps_b", "--sigmas", "sigmas.json", "--plot", "sigmas.json"],
+        ["--plot"],
+        True,
+    ),
     # images
     ("images-missing", ["images", "missing.png", "i1.png"], ["missing.png"], True),
     ("images-not-an-image", ["images", "notimg.png", "i1.png"], ["notimg.png"], True),
@@ -340,29 +408,79 @@ BAD_INPUT = [
     ("images-bad-psnr", ["images", "i1.png", "i2.png", "--psnr-min", "abc"], ["--psnr-min"], True),
     ("images-out-is-dir", ["images", "i1.png", "i2.png", "--out", "adir"], ["adir"], True),
     ("images-out-under-file", ["images", "i1.png", "i2.png", "--out", "a.pt/d.png"], ["a.pt"], True),
-    ("images-out-is-an-input", ["images", "i1.png", "i2.png", "--out", "./i2.png"], ["--out", "i2.png"], True),
+    (
+        "images-out-is-an-input",
+        ["images", "i1.png", "i2.png", "--out", "./i2.png"],
+        ["--out", "i2.png"],
+        True,
+    ),
     # new (torch-free, no --json)
-    ("new-name-digit", ["new", "component-test", "1vae", "--reference", "r:b", "--diffusers", "UNet2DModel"], ["1vae"], False),
-    ("new-name-keyword", ["new", "component-test", "class", "--reference", "r:b", "--diffusers", "UNet2DModel"], ["class"], False),
-    ("new-bad-reference", ["new", "component-test", "vae", "--reference", "nocolon", "--diffusers", "UNet2DModel"], ["--reference"], False),
-    ("new-bad-diffusers", ["new", "component-test", "vae", "--reference", "r:b", "--diffusers", "no class"], ["--diffusers"], False),
+    (
+        "new-name-digit",
+        ["new", "component-test", "1vae", "--reference", "r:b", "--diffusers", "UNet2DModel"],
+        ["1vae"],
+        False,
+    ),
+    (
+        "new-name-keyword",
+        ["new", "component-test", "class", "--reference", "r:b", "--diffusers", "UNet2DModel"],
+        ["class"],
+        False,
+    ),
+    (
+        "new-bad-reference",
+        ["new", "component-test", "vae", "--reference", "nocolon", "--diffusers", "UNet2DModel"],
+        ["--reference"],
+        False,
+    ),
+    (
+        "new-bad-diffusers",
+        ["new", "component-test", "vae", "--reference", "r:b", "--diffusers", "no class"],
+        ["--diffusers"],
+        False,
+    ),
     ("new-stub-lowercase", ["new", "pipeline-stub", "my_model"], ["my_model"], False),
     ("new-stub-space", ["new", "pipeline-stub", "My Model"], ["My Model"], False),
-    ("new-stage-dash", ["new", "stage-test", "x-y", "--pipeline", "p:P", "--reference", "r:run"], ["x-y"], False),
-    ("new-config-slash", ["new", "config-diff", "a/b", "--reference", "c1.json", "--diffusers", "c2.json"], ["a/b"], False),
-    ("new-out-is-file", ["new", "config-diff", "ok", "--reference", "c1.json", "--diffusers", "c2.json", "--out", "a.pt"], ["a.pt"], False),
+    (
+        "new-stage-dash",
+        ["new", "stage-test", "x-y", "--pipeline", "p:P", "--reference", "r:run"],
+        ["x-y"],
+        False,
+    ),
+    (
+        "new-config-slash",
+        ["new", "config-diff", "a/b", "--reference", "c1.json", "--diffusers", "c2.json"],
+        ["a/b"],
+        False,
+    ),
+    (
+        "new-out-is-file",
+        ["new", "config-diff", "ok", "--reference", "c1.json", "--diffusers", "c2.json", "--out", "a.pt"],
+        ["a.pt"],
+        False,
+    ),
     ("new-unknown-template", ["new", "nonesuch", "x"], ["nonesuch"], False),
     # skills
     ("skills-show-unknown", ["skills", "show", "nonesuch"], ["nonesuch"], False),
     ("skills-show-path", ["skills", "show", "../README"], ["../README"], False),
     ("skills-validate-missing", ["skills", "validate", "missing_dir"], ["missing_dir"], True),
     ("skills-validate-file", ["skills", "validate", "a.pt"], ["a.pt"], True),
-    ("skills-install-bad-agent", ["skills", "install", "--agent", "bogus", "--target", "adir"], ["bogus"], True),
-    ("skills-install-missing-target", ["skills", "install", "--agent", "claude", "--target", "nowhere", "--dry-run"], ["nowhere"], True),
+    (
+        "skills-install-bad-agent",
+        ["skills", "install", "--agent", "bogus", "--target", "adir"],
+        ["bogus"],
+        True,
+    ),
+    (
+        "skills-install-missing-target",
+        ["skills", "install", "--agent", "claude", "--target", "nowhere", "--dry-run"],
+        ["nowhere"],
+        True,
+    ),
     ("skills-uninstall-missing-target", ["skills", "uninstall", "--target", "nowhere"], ["nowhere"], True),
     # demo
     ("demo-out-is-file", ["demo", "--out", "a.pt"], ["a.pt"], False),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -384,9 +502,12 @@ def test_bad_input_is_one_line_exit_2(files, args, names, mode):
     "args",
     [
         pytest.param(["compare", "evil.pt", "a.safetensors"], id="compare-pickle"),
-        pytest.param(["weights", "diff", "trunc.safetensors", "a.safetensors", "--keys-only", "--json"], id="keys-only-json"),
+        pytest.param(
+            ["weights", "diff", "trunc.safetensors", "a.safetensors", "--keys-only", "--json"],
+            id="keys-only-json",
+        ),
     ],
-)  # fmt: skip
+)
 def test_in_process_runs_match_a_real_process(files, cli, args):
     """The harness above is faithful: ``python -m paritykit`` prints the same bytes and exits the same."""
     process = cli(*args, cwd=files)
@@ -460,9 +581,17 @@ RESULTS = [
     ("skills-list", ["skills", "list"], 0),
     ("skills-validate-pack", ["skills", "validate"], 0),
     ("skills-validate-broken", ["skills", "validate", "adir"], 1),
-    ("skills-install-dry-run", ["skills", "install", "--agent", "claude", "--target", "adir", "--dry-run"], 0),
-    ("skills-uninstall-dry-run", ["skills", "uninstall", "--agent", "claude", "--target", "adir", "--dry-run"], 0),
-]  # fmt: skip
+    (
+        "skills-install-dry-run",
+        ["skills", "install", "--agent", "claude", "--target", "adir", "--dry-run"],
+        0,
+    ),
+    (
+        "skills-uninstall-dry-run",
+        ["skills", "uninstall", "--agent", "claude", "--target", "adir", "--dry-run"],
+        0,
+    ),
+]
 
 
 @pytest.mark.parametrize(("args", "code"), [pytest.param(a, c, id=i) for i, a, c in RESULTS])
@@ -530,12 +659,28 @@ def test_nonfinite_values_reach_json_as_null_and_are_listed(files):
 
 
 NEW_CASES = {
-    "component-test": ("component-test", ["vae", "--reference", "ref.model:build", "--diffusers", "AutoencoderKL"], "test_vae_component.py"),
+    "component-test": (
+        "component-test",
+        ["vae", "--reference", "ref.model:build", "--diffusers", "AutoencoderKL"],
+        "test_vae_component.py",
+    ),
     "pipeline-stub": ("pipeline-stub", ["MyModel"], "pipeline_my_model.py"),
-    "pipeline-stub-modular": ("pipeline-stub", ["MyModel", "--modular"], "modular_my_model/modular_pipeline.py"),
-    "stage-test": ("stage-test", ["my", "--pipeline", "port.pipe:MyPipeline", "--reference", "ref.run:run"], "test_my_stages.py"),
-    "config-diff": ("config-diff", ["my", "--reference", "c1.json", "--diffusers", "c2.json"], "config_diff_my.py"),
-}  # fmt: skip
+    "pipeline-stub-modular": (
+        "pipeline-stub",
+        ["MyModel", "--modular"],
+        "modular_my_model/modular_pipeline.py",
+    ),
+    "stage-test": (
+        "stage-test",
+        ["my", "--pipeline", "port.pipe:MyPipeline", "--reference", "ref.run:run"],
+        "test_my_stages.py",
+    ),
+    "config-diff": (
+        "config-diff",
+        ["my", "--reference", "c1.json", "--diffusers", "c2.json"],
+        "config_diff_my.py",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(NEW_CASES))
@@ -569,11 +714,13 @@ def test_emit_rules_never_overwrites_without_force(files, tmp_path):
 @pytest.mark.parametrize(
     "args",
     [
-        pytest.param(["weights", "diff", "a.safetensors", "b.safetensors", "--quiet", "--plot"], id="weights-diff-plot"),
+        pytest.param(
+            ["weights", "diff", "a.safetensors", "b.safetensors", "--quiet", "--plot"], id="weights-diff-plot"
+        ),
         pytest.param(["steps", "steps_a", "steps_b", "--plot"], id="steps-plot"),
         pytest.param(["images", "i1.png", "i2.png", "--out"], id="images-out"),
     ],
-)  # fmt: skip
+)
 def test_reports_asked_for_are_overwritten(files, tmp_path, args):
     report = tmp_path / "report.png"
     report.write_bytes(b"an older report")
@@ -585,16 +732,30 @@ def test_reports_asked_for_are_overwritten(files, tmp_path, args):
 @pytest.mark.parametrize(
     ("args", "victim"),
     [
-        pytest.param(["images", "ref.png", "port.png", "--out", "port.png"], "port.png", id="images-out-port"),
+        pytest.param(
+            ["images", "ref.png", "port.png", "--out", "port.png"], "port.png", id="images-out-port"
+        ),
         pytest.param(["images", "ref.png", "port.png", "--out", "./ref.png"], "ref.png", id="images-out-ref"),
-        pytest.param(["steps", "sa", "sb", "--sigmas", "s.json", "--plot", "s.json"], "s.json", id="steps-plot-sigmas"),
-        pytest.param(["weights", "diff", "w.safetensors", "b.safetensors", "--plot", "w.safetensors"], "w.safetensors", id="wdiff-plot-input"),
+        pytest.param(
+            ["steps", "sa", "sb", "--sigmas", "s.json", "--plot", "s.json"], "s.json", id="steps-plot-sigmas"
+        ),
+        pytest.param(
+            ["weights", "diff", "w.safetensors", "b.safetensors", "--plot", "w.safetensors"],
+            "w.safetensors",
+            id="wdiff-plot-input",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_report_path_never_destroys_an_input(files, tmp_path, args, victim):
     import shutil
 
-    for name, source in {"ref.png": "i1.png", "port.png": "i2.png", "s.json": "sigmas.json", "w.safetensors": "a.safetensors", "b.safetensors": "b.safetensors"}.items():  # fmt: skip
+    for name, source in {
+        "ref.png": "i1.png",
+        "port.png": "i2.png",
+        "s.json": "sigmas.json",
+        "w.safetensors": "a.safetensors",
+        "b.safetensors": "b.safetensors",
+    }.items():
         shutil.copy(files / source, tmp_path / name)
     for name, source in {"sa": "steps_a", "sb": "steps_b"}.items():
         shutil.copytree(files / source, tmp_path / name)
@@ -635,8 +796,12 @@ class GuardedDemo:
         self.outcome: Run | None = None  # None: killed because the user's file vanished (or timed out)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "paritykit", "demo", "--out", str(out)],
-            cwd=out.parent, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=out.parent,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.thread = threading.Thread(target=self._watch, args=(time.monotonic() + timeout,), daemon=True)
         self.thread.start()
 
@@ -762,22 +927,30 @@ def test_group_without_subcommand_shows_its_help(files, group):
 
 def test_every_help_is_torch_free():
     helps = [
-        ["--help"], ["compare", "--help"], ["config-diff", "--help"], ["weights", "--help"],
-        ["weights", "diff", "--help"], ["weights", "map", "--help"], ["bisect", "--help"], ["trace", "--help"],
-        ["steps", "--help"], ["images", "--help"], ["new", "--help"], ["new", "component-test", "--help"],
-        ["new", "pipeline-stub", "--help"], ["new", "stage-test", "--help"], ["new", "config-diff", "--help"],
-        ["skills", "--help"], ["skills", "install", "--help"], ["demo", "--help"],
-    ]  # fmt: skip
+        ["--help"],
+        ["compare", "--help"],
+        ["config-diff", "--help"],
+        ["weights", "--help"],
+        ["weights", "diff", "--help"],
+        ["weights", "map", "--help"],
+        ["bisect", "--help"],
+        ["trace", "--help"],
+        ["steps", "--help"],
+        ["images", "--help"],
+        ["new", "--help"],
+        ["new", "component-test", "--help"],
+        ["new", "pipeline-stub", "--help"],
+        ["new", "stage-test", "--help"],
+        ["new", "config-diff", "--help"],
+        ["skills", "--help"],
+        ["skills", "install", "--help"],
+        ["demo", "--help"],
+    ]
     code = (
-        "import sys\n"
-        "from paritykit.cli import cli\n"
-        f"for argv in {helps!r}:\n"
-        "    try:\n"
-        "        cli.main(argv)\n"
-        "    except SystemExit as exc:\n"
-        "        assert exc.code in (0, None), (argv, exc.code)\n"
-        "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers', 'matplotlib') if m in sys.modules)\n"
-        "print('HEAVY=' + ','.join(heavy))\n"
+        f"import sys\nfrom paritykit.cli import cli\nfor argv in {helps!r}:\n    try:\n       "
+        " cli.main(argv)\n    except SystemExit as exc:\n        assert exc.code in (0, None), (argv,"
+        " exc.code)\nheavy = sorted(m for m in ('torch', 'diffusers', 'transformers', 'matplotlib') if m in"
+        " sys.modules)\nprint('HEAVY=' + ','.join(heavy))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120

@@ -375,8 +375,15 @@ def test_sets_pair_by_name_in_a_order_with_one_sided_names():
     assert [p.name for p in r.pairs] == ["step_0", "step_1", "step_2"]
     assert r.first_divergence == "step_1"  # first failing in A's (execution) order, not the worst
     assert (r.only_a, r.only_b, r.exit_code) == (["gone"], ["new"], 1)
-    assert r.counts() == {"pairs": 3, "pass": 1, "fail": 2, "shape_mismatch": 0, "only_a": 1, "only_b": 1,
-                          "value_diffs": 0}  # fmt: skip
+    assert r.counts() == {
+        "pairs": 3,
+        "pass": 1,
+        "fail": 2,
+        "shape_mismatch": 0,
+        "only_a": 1,
+        "only_b": 1,
+        "value_diffs": 0,
+    }
 
 
 def test_sets_apply_map_rules_to_a_and_only_filters():
@@ -422,13 +429,32 @@ def test_set_report_json_schema_and_table():
     assert payload["only_a"] == ["c"] and payload["only_b"] == ["d"]
     assert "torch" in payload["environment"]
     for pair in payload["pairs"]:
-        assert {"name", "status", "max_abs", "mean_abs", "cosine", "mismatch_fraction", "dtype_a", "dtype_b",
-                "hints"} <= set(pair)  # fmt: skip
+        assert {
+            "name",
+            "status",
+            "max_abs",
+            "mean_abs",
+            "cosine",
+            "mismatch_fraction",
+            "dtype_a",
+            "dtype_b",
+            "hints",
+        } <= set(pair)
         assert pair["status"] in ("pass", "fail", "shape_mismatch")
         assert all({"id", "message"} <= set(h) for h in pair["hints"])
     text = r.render()
-    assert text.splitlines()[0].split() == ["name", "status", "max_abs", "mean_abs", "cosine", "mismatch",
-                                            "head", "A", "head", "B"]  # fmt: skip
+    assert text.splitlines()[0].split() == [
+        "name",
+        "status",
+        "max_abs",
+        "mean_abs",
+        "cosine",
+        "mismatch",
+        "head",
+        "A",
+        "head",
+        "B",
+    ]
     assert "first divergence: b" in text and "[constant-scale]" in text and "only in A (1): c" in text
     many = compare_tensor_sets({f"t{i}": t for i in range(50)}, {f"t{i}": t for i in range(50)})
     assert "… 40 more" in many.render(limit=10) and "all tensors match" in many.render()
@@ -453,9 +479,12 @@ print((after - before) * 1024 / (4 * n), r.status)
 @pytest.mark.parametrize(("diagnose", "bound"), [(False, 0.1), (True, 0.35)])
 def test_comparison_allocates_no_full_size_buffer(diagnose, bound):
     out = subprocess.run(
-        [sys.executable, "-c", _MEMORY_PROBE, str(int(diagnose))], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _MEMORY_PROBE, str(int(diagnose))],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PYTHONPATH": str(REPO / "helpers"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     extra_buffers, status = out.stdout.split()
     assert status == "fail" and float(extra_buffers) < bound, extra_buffers

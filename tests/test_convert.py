@@ -81,7 +81,8 @@ def test_fused_qkv_weight_and_bias_are_split_into_chunks_with_layer_rules():
     assert (entry.args["index"], entry.args["count"], entry.args["dim"]) == (2, 3, 0)
     # weight and bias rules with the same op share one rule
     assert [r.text for r in cmap.rules] == [
-        rf"net\.blocks\.(\d+)\.attn\.qkv\.(weight|bias) [chunk {j}/3 dim 0] -> transformer_blocks.\1.attn.to_{n}.\2"
+        rf"net\.blocks\.(\d+)\.attn\.qkv\.(weight|bias) [chunk {j}/3 dim 0] ->"
+        rf" transformer_blocks.\1.attn.to_{n}.\2"
         for j, n in enumerate("qkv")
     ]
     assert all(r.count == 6 for r in cmap.rules)
@@ -466,12 +467,12 @@ def test_real_flux_research_layout_is_mapped_back_exactly(tmp_path):
     # the rules generalise over layer indices
     texts = {r.text for r in cmap.rules}
     assert (
-        r"double_blocks\.(\d+)\.img_attn\.qkv\.(weight|bias) [chunk 0/3 dim 0] -> transformer_blocks.\1.attn.to_q.\2"
-        in texts
+        r"double_blocks\.(\d+)\.img_attn\.qkv\.(weight|bias) [chunk 0/3 dim 0] ->"
+        r" transformer_blocks.\1.attn.to_q.\2" in texts
     )
     assert (
-        r"single_blocks\.(\d+)\.linear1\.(weight|bias) [slice 96:224 dim 0] -> single_transformer_blocks.\1.proj_mlp.\2"
-        in texts
+        r"single_blocks\.(\d+)\.linear1\.(weight|bias) [slice 96:224 dim 0] ->"
+        r" single_transformer_blocks.\1.proj_mlp.\2" in texts
     )
     assert all(r.count in (2, 4) for r in cmap.rules if "blocks" in r.target)
     assert len(cmap.rules) < len(cmap.mapping) / 3
@@ -587,8 +588,8 @@ def test_real_autoencoder_in_ldm_layout_reversed_up_blocks_and_1x1_convs(tmp_pat
     # reversed block numbers cannot become back-references; the rules spell them out and stay exact
     texts = {r.text for r in cmap.rules}
     assert (
-        r"first_stage_model\.decoder\.up\.2\.block\.(\d+)\.conv(\d+)\.(weight|bias) -> decoder.up_blocks.0.resnets.\1.conv\2.\3"
-        in texts
+        r"first_stage_model\.decoder\.up\.2\.block\.(\d+)\.conv(\d+)\.(weight|bias) ->"
+        r" decoder.up_blocks.0.resnets.\1.conv\2.\3" in texts
     )
     path = emit_rules(cmap, tmp_path / "vae.py")
     _assert_lint_clean(path)

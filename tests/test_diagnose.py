@@ -13,8 +13,19 @@ from hypothesis import strategies as st
 from paritykit.compare.diagnose import Hint, diagnose
 
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-IDS = {"bf16-cast", "fp16-cast", "constant-scale", "offset", "transpose", "permute", "swapped-halves", "zeroed",
-       "sign-flip", "timestep-rounding", "nonfinite"}  # fmt: skip
+IDS = {
+    "bf16-cast",
+    "fp16-cast",
+    "constant-scale",
+    "offset",
+    "transpose",
+    "permute",
+    "swapped-halves",
+    "zeroed",
+    "sign-flip",
+    "timestep-rounding",
+    "nonfinite",
+}
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -40,8 +51,14 @@ scales = st.floats(0.05, 8.0)
 
 def test_hint_to_dict_and_render():
     hint = Hint("offset", "B ≈ A + 1 everywhere.", {"c": 1.0}, score=0.8)
-    assert hint.to_dict() == {"id": "offset", "message": "B ≈ A + 1 everywhere.", "evidence": {"c": 1.0},
-                              "score": 0.8, "verified": None, "fix": None}  # fmt: skip
+    assert hint.to_dict() == {
+        "id": "offset",
+        "message": "B ≈ A + 1 everywhere.",
+        "evidence": {"c": 1.0},
+        "score": 0.8,
+        "verified": None,
+        "fix": None,
+    }
     fixed = Hint("module-config", "eps differs", {}, verified=True, fix="norm.eps = 1e-06")
     assert fixed.to_dict()["verified"] is True and fixed.to_dict()["fix"] == "norm.eps = 1e-06"
     assert hint.render() == "[offset] B ≈ A + 1 everywhere."
@@ -73,8 +90,11 @@ def test_symmetric_matrix_with_noise_gets_no_transpose_hint():
 # --------------------------------------------------------------------------------- property: right hint first
 
 
-@given(shapes, seeds, st.one_of(st.floats(0.05, 0.98), st.floats(1.02, 20.0), st.floats(-20.0, -1.05),
-                                st.floats(-0.95, -0.05)))  # fmt: skip
+@given(
+    shapes,
+    seeds,
+    st.one_of(st.floats(0.05, 0.98), st.floats(1.02, 20.0), st.floats(-20.0, -1.05), st.floats(-0.95, -0.05)),
+)
 @PROPERTY
 def test_constant_scale_ranks_first(shape, seed, k):
     a = randn(*shape, seed=seed)

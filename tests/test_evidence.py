@@ -27,10 +27,18 @@ from tests.evidence_pairs import mha_pair, rope_pair, vit_pair
 PLANTED = [
     (vit_pair, "eps", "norm1", "layernorm_before", "module-config", True, "layernorm_before.eps = 1e-06"),
     (vit_pair, "gelu", "mlp.act", "mlp.activation_fn", "activation", True, "torch.nn.GELU()"),
-    (vit_pair, "qk", "attn", "attention", "weights", True, "attention.q_proj.weight from attn.qkv.weight (chunk 0/3"),
+    (
+        vit_pair,
+        "qk",
+        "attn",
+        "attention",
+        "weights",
+        True,
+        "attention.q_proj.weight from attn.qkv.weight (chunk 0/3",
+    ),
     (vit_pair, "scale", "attn", "attention", "module-config", True, "attention.scaling = 0.35355339"),
     (rope_pair, "theta", "rope", "rope", "module-config", True, "rope.inv_freq"),
-]  # fmt: skip
+]
 ALL_IDS = {"module-config", "activation", "norm-eps", "attention-scale", "weights", "no-signature"}
 
 
@@ -411,8 +419,8 @@ def test_weights_names_a_k_loaded_from_v_between_two_split_layouts():
     assert hint.verified is True
     assert (
         "port layers.0.norm.to_k.weight holds reference blocks.0.norm.v_proj.weight "
-        "(its name implies blocks.0.norm.k_proj.weight)"
-    ) in hint.message
+        "(its name implies blocks.0.norm.k_proj.weight)" in hint.message
+    )
 
 
 def test_weights_names_a_transpose_only_when_undoing_it_makes_the_module_match():

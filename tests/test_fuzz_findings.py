@@ -46,7 +46,7 @@ def traces(tmp_path_factory):
         (
             lambda m: json.dumps({**m, "tensors": dict.fromkeys(m["tensors"], "../weights.json")}).encode(),
             "not a file name inside the trace folder",
-        ),  # fmt: skip
+        ),
     ],
     ids=["not-utf8", "about-nan", "records-int", "shard-outside"],
 )

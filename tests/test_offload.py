@@ -41,7 +41,7 @@ def _offload(kind, model, folder):
         accelerate.disk_offload(model, str(folder), execution_device=torch.device("cpu"))
     else:  # a device map mixing CPU and disk entries
         names = [n for n, _ in model.named_children()]
-        device_map = {n: ("disk" if i % 2 == 0 else "cpu") for i, n in enumerate(names)}
+        device_map = {n: "disk" if i % 2 == 0 else "cpu" for i, n in enumerate(names)}
         accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(folder))
     return model
 
@@ -174,7 +174,8 @@ def test_offloaded_alignment_memory_stays_below_the_weights(tmp_path):
     glibc's mmap threshold is fixed at 1 MiB in the child (``MALLOC_MMAP_THRESHOLD_``) so that RSS measures
     what is held, not what glibc keeps after it was freed: with its default dynamic threshold, freed 16 MiB
     tensors can stay in a heap glibc does not give back (measured once with 24 layers: 1.2 GB of growth for
-    806 MB of weights, RSS staying there after the run; with the fixed threshold RSS returned to its start)."""
+    806 MB of weights, RSS staying there after the run; with the fixed threshold RSS returned to its start).
+    """
     _child("prepare", tmp_path, {})
     in_memory = json.loads((tmp_path / "in_memory.json").read_text())
     offloaded = json.loads(

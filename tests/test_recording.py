@@ -83,12 +83,20 @@ def test_two_recorded_runs_feed_compare_and_steps(tmp_path):
 
 
 def test_single_file_names_are_ordered_as_a_run_writes_them():
-    names = ["after_step_10/latents", "after_step_2/latents", "post_loop/latents", "preloop/latents",
-             "text_encoding/prompt_embeds"]  # fmt: skip
-    assert run_order(names) == [
-        "text_encoding/prompt_embeds", "preloop/latents", "after_step_2/latents", "after_step_10/latents",
+    names = [
+        "after_step_10/latents",
+        "after_step_2/latents",
         "post_loop/latents",
-    ]  # fmt: skip
+        "preloop/latents",
+        "text_encoding/prompt_embeds",
+    ]
+    assert run_order(names) == [
+        "text_encoding/prompt_embeds",
+        "preloop/latents",
+        "after_step_2/latents",
+        "after_step_10/latents",
+        "post_loop/latents",
+    ]
     # must not fire: names that are not all checkpoints keep their order
     other = ["b.weight", "after_step_1/latents", "a.weight"]
     assert run_order(other) == other
@@ -103,6 +111,7 @@ def test_compare_on_one_file_reports_the_first_divergence_in_time(tmp_path):
     }
     save_file(a, tmp_path / "a.safetensors")
     save_file(b, tmp_path / "b.safetensors")
-    assert compare_paths(tmp_path / "a.safetensors", tmp_path / "b.safetensors").first_divergence == (
-        "after_step_2/latents"
+    assert (
+        compare_paths(tmp_path / "a.safetensors", tmp_path / "b.safetensors").first_divergence
+        == "after_step_2/latents"
     )

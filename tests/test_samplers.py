@@ -96,7 +96,7 @@ ROWS = [
         "DPMSolverMultistepScheduler",
         {"use_exponential_sigmas": True},
         why=ROUNDED + "; t also lands one lower (998 at σmax)",
-    ),  # fmt: skip
+    ),
     Row("euler", "sd3", "FlowMatchEulerDiscreteScheduler", {"shift": 3.0}),
     Row(
         "euler",
@@ -104,7 +104,7 @@ ROWS = [
         "FlowMatchEulerDiscreteScheduler",
         FLUX_CONFIG,
         "set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=calculate_shift(seq_len, ...))",
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -258,8 +258,12 @@ def record_kdiffusion(kd, unet, row, folder, n=10, *, quantize=False, batch=1):
     den = external.DiscreteEpsDDPMDenoiser(eps, R.alphas_cumprod().float(), quantize=quantize)
     sigmas = sigma_list(kd, den, row.sigmas, n)
     run = getattr(sampling, f"sample_{row.sampler}")
-    return record(eps, folder, lambda: run(den, noise * sigmas[0], sigmas, extra_args={"cond": cond},
-                                           disable=True), final=True)  # fmt: skip
+    return record(
+        eps,
+        folder,
+        lambda: run(den, noise * sigmas[0], sigmas, extra_args={"cond": cond}, disable=True),
+        final=True,
+    )
 
 
 def fit(name, folder, **config):
@@ -326,21 +330,35 @@ def test_what_a_recording_cannot_check_is_said_not_guessed(kd, unet, tmp_path):
     assert any("draws fresh noise" in n for n in result.notes)
     # a guidance batch (the same latents twice): the guided output the step used is not recorded
     noise, cond = tiny_inputs()
-    guided = record(unet, tmp_path / "cfg", lambda: port_loop(
-        unet, diffusers.EulerDiscreteScheduler(**SD_BETAS), torch.cat([noise] * 2), torch.cat([cond] * 2)))  # fmt: skip
+    guided = record(
+        unet,
+        tmp_path / "cfg",
+        lambda: port_loop(
+            unet, diffusers.EulerDiscreteScheduler(**SD_BETAS), torch.cat([noise] * 2), torch.cat([cond] * 2)
+        ),
+    )
     result = fit("EulerDiscreteScheduler", guided)
     assert result.fits[0].step_check is None and any("classifier-free guidance" in n for n in result.notes)
     # ... but two different images in one batch are checked as usual
     noise2, cond2 = tiny_inputs(2)
-    two = record(unet, tmp_path / "two", lambda: port_loop(unet, diffusers.EulerDiscreteScheduler(**SD_BETAS),
-                                                           noise2, cond2), final=True)  # fmt: skip
+    two = record(
+        unet,
+        tmp_path / "two",
+        lambda: port_loop(unet, diffusers.EulerDiscreteScheduler(**SD_BETAS), noise2, cond2),
+        final=True,
+    )
     assert fit("EulerDiscreteScheduler", two).fits[0].step_check.matched
     # the k-diffusion wrapper itself (it takes sigma and returns its x0 estimate) is not the network
     sampling, external = kd
     den = external.DiscreteEpsDDPMDenoiser(Eps(unet), R.alphas_cumprod().float(), quantize=False)
     sigmas = den.get_sigmas(10)
-    wrapper = record(den, tmp_path / "wrapper", lambda: sampling.sample_euler(
-        den, noise * sigmas[0], sigmas, extra_args={"cond": cond}, disable=True))  # fmt: skip
+    wrapper = record(
+        den,
+        tmp_path / "wrapper",
+        lambda: sampling.sample_euler(
+            den, noise * sigmas[0], sigmas, extra_args={"cond": cond}, disable=True
+        ),
+    )
     result = fit("EulerDiscreteScheduler", wrapper)
     assert all(c.step_check is None for c in result.fits) and any("takes sigma" in n for n in result.notes)
 

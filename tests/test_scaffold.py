@@ -130,7 +130,10 @@ def test_every_template_declares_its_variables_in_one_spec(tmp_path):
 
     # the registry holds a template to its spec: a variable used but not declared is refused
     broken = tmp_path / "broken.py.j2"
-    spec = "{#- spec\nsummary: s\noutput: x_{name}.py\nrun: python {filename}\nvariables:\n  name: identifier\n-#}\n"
+    spec = (
+        "{#- spec\nsummary: s\noutput: x_{name}.py\nrun: python {filename}\nvariables:\n  name:"
+        " identifier\n-#}\n"
+    )
     broken.write_text(spec + "X = {{ name|pystr }}\nY = {{ undeclared }}\n")
     with pytest.raises(ParityKitError, match=r"used but not declared: \['undeclared'\]"):
         scaffold.templates(tmp_path)

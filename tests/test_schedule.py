@@ -381,9 +381,11 @@ def test_step_check_from_a_pipelines_checkpoint_folder(tmp_path):
     assert fit.fits[0].step_check.matched and fit.fits[0].step_check.steps_checked == TINY_STEPS
     # the same run against a config whose final alpha differs: the lists still match, the update does not
     other = fit_scheduler(
-        "DDIMScheduler", tmp_path / "run", base_config={**pipe.scheduler.config, "set_alpha_to_one": False},
+        "DDIMScheduler",
+        tmp_path / "run",
+        base_config={**pipe.scheduler.config, "set_alpha_to_one": False},
         step_check=tmp_path / "run",
-    )  # fmt: skip
+    )
     assert other.fits and other.fits[0].changes == {"set_alpha_to_one": True}
 
 

@@ -28,12 +28,10 @@ FLOW = "FlowMatchEulerDiscreteScheduler"
 def flux_spec(tmp_path, base_shift=0.5, max_shift=1.15):
     spec = tmp_path / f"flux_{base_shift}_{max_shift}.py"
     spec.write_text(
-        "import math\n"
-        "from tests.reference_loops import flux_mu\n\n"
-        "def ref_schedule(n, image_seq_len):\n"
-        f"    mu = flux_mu(image_seq_len, {base_shift}, {max_shift})\n"
-        "    times = [1 - i / n for i in range(n + 1)]\n"
-        "    return {'sigmas': [math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if t > 0 else 0.0 for t in times]}\n"
+        "import math\nfrom tests.reference_loops import flux_mu\n\ndef ref_schedule(n, image_seq_len):\n   "
+        f" mu = flux_mu(image_seq_len, {base_shift}, {max_shift})\n    times = [1 - i / n for i in range(n +"
+        " 1)]\n    return {'sigmas': [math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if t > 0 else 0.0 for t"
+        " in times]}\n"
     )
     return spec
 
@@ -199,9 +197,13 @@ def test_recordings_of_a_size_independent_schedule_fit_a_static_shift(tmp_path):
 
     unet, (noise, cond) = tiny_cond_unet(), tiny_inputs()
     folders = {
-        seq: record(unet, tmp_path / f"sd3_{seq}", lambda: R.flow_loop(denoiser(unet), noise, cond, R.sd3_sigmas(STEPS)))
+        seq: record(
+            unet,
+            tmp_path / f"sd3_{seq}",
+            lambda: R.flow_loop(denoiser(unet), noise, cond, R.sd3_sigmas(STEPS)),
+        )
         for seq in (256, 4096)
-    }  # fmt: skip
+    }
     fit = fit_scheduler(FLOW, folders)
     assert fit.line == f"{FLOW}.from_config(pipe.scheduler.config, shift=3.0)" and fit.call_line is None
     assert fit.mu_rule is None and not fit.fits[0].mu

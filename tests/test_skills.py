@@ -557,8 +557,7 @@ def test_every_agent_has_project_and_user_folders():
 
 
 def test_skills_commands_never_import_torch(tmp_path):
-    code = textwrap.dedent(
-        f"""
+    code = textwrap.dedent(f"""
         import sys
         from paritykit.cli import cli
         for args in (["skills", "list"], ["skills", "validate"], ["skills", "show", {PACK_NAMES[0]!r}],
@@ -569,8 +568,7 @@ def test_skills_commands_never_import_torch(tmp_path):
             except SystemExit:
                 pass
         print("HEAVY=" + ",".join(m for m in ("torch", "diffusers", "numpy") if m in sys.modules))
-        """
-    )
+        """)
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -182,8 +182,11 @@ def test_half_decode_is_bit_exact_on_every_float16_value():
 def test_float16_infinities_and_nans_reach_the_statistics(tmp_path):
     import numpy as np
 
-    a = {"inf": torch.zeros(3000, dtype=torch.float16), "nan": torch.ones(3000, dtype=torch.float16),
-         "large": torch.full((3000,), 2000.0, dtype=torch.float16)}  # fmt: skip
+    a = {
+        "inf": torch.zeros(3000, dtype=torch.float16),
+        "nan": torch.ones(3000, dtype=torch.float16),
+        "large": torch.full((3000,), 2000.0, dtype=torch.float16),
+    }
     b = {k: v.clone() for k, v in a.items()}
     b["inf"][1500] = float("inf")
     b["nan"][7] = float("nan")
@@ -208,8 +211,10 @@ def test_statistics_match_a_float64_reference_on_random_and_edge_values(tmp_path
     big = min(info.max, 1e18)  # float32 accumulation: squares of float32's max overflow, today as before
     edges = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, big, -big, 1.0, -1.0, 0.5])
     a = {"rand": torch.randn(5000, generator=g).to(dtype), "edge": edges.to(dtype)}
-    b = {"rand": (a["rand"].float() + 0.01 * torch.randn(5000, generator=g)).to(dtype),
-         "edge": edges.flip(0).to(dtype)}  # fmt: skip
+    b = {
+        "rand": (a["rand"].float() + 0.01 * torch.randn(5000, generator=g)).to(dtype),
+        "edge": edges.flip(0).to(dtype),
+    }
     b["rand"][:2048] = a["rand"][:2048]  # an equal prefix of two chunks: its statistics come from A alone
     save_file(a, tmp_path / "a.safetensors")
     save_file(b, tmp_path / "b.safetensors")
@@ -254,8 +259,17 @@ def test_fresh_process_measures_the_pairs_put_aside_while_numpy_imports(tmp_path
     # which are measured at the end. Every one of them must come back, with its own numbers.
     a, b = _interleaved_pair(tmp_path)
     env = {"PYTHONPATH": str(REPO / "helpers")}
-    command = [sys.executable, "-m", "paritykit", "weights", "diff", str(tmp_path / "a.safetensors"),
-               str(tmp_path / "b.safetensors"), "--json", "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "paritykit",
+        "weights",
+        "diff",
+        str(tmp_path / "a.safetensors"),
+        str(tmp_path / "b.safetensors"),
+        "--json",
+        "--quiet",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
@@ -335,8 +349,8 @@ def test_renamed_text_encoder_prefix_with_map(tmp_path):
 def test_sdxl_layout_and_sharded_index(tmp_path):
     g = torch.Generator().manual_seed(0)
     state = {
-        "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.k_proj.weight": torch.randn(
-            8, 8
+        "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.k_proj.weight": (
+            torch.randn(8, 8)
         ),
         "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight": torch.randn(24, 8),
         "conditioner.embedders.1.model.transformer.resblocks.0.mlp.c_fc.weight": torch.randn(32, 8),
@@ -372,10 +386,17 @@ def tiny_unet(seed):
 
     torch.manual_seed(seed)
     return UNet2DConditionModel(
-        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, attention_head_dim=2, norm_num_groups=4,
-    )  # fmt: skip
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    )
 
 
 def test_diffusers_model_and_pipeline_folders(tmp_path):
@@ -429,9 +450,15 @@ def test_cli_json_schema_and_plot(cli, tmp_path):
     save_file(a, tmp_path / "a.safetensors")
     save_file(b, tmp_path / "b.safetensors")
     result = cli(
-        "weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json", "--quiet",
-        "--plot", tmp_path / "out.png",
-    )  # fmt: skip
+        "weights",
+        "diff",
+        tmp_path / "a.safetensors",
+        tmp_path / "b.safetensors",
+        "--json",
+        "--quiet",
+        "--plot",
+        tmp_path / "out.png",
+    )
     assert result.returncode == 1, result.stderr
     assert result.stderr == ""
     payload = json.loads(result.stdout)
@@ -442,14 +469,24 @@ def test_cli_json_schema_and_plot(cli, tmp_path):
     assert payload["changed"][0]["key"] == "model.diffusion_model.input_blocks.1.1.proj_in.weight"
     assert set(payload["changed"][0]) >= {"key", "group", "l2", "cosine", "max_abs"}
     assert set(payload["groups"]["diffusion_model"]) >= {
-        "identical", "changed", "only_a", "only_b", "shape_mismatch", "distance"
-    }  # fmt: skip
+        "identical",
+        "changed",
+        "only_a",
+        "only_b",
+        "shape_mismatch",
+        "distance",
+    }
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert payload["plot"] == str(tmp_path / "out.png")
     text = cli(
-        "weights", "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--quiet",
-        "--plot", tmp_path / "out2.png",
-    )  # fmt: skip
+        "weights",
+        "diff",
+        tmp_path / "a.safetensors",
+        tmp_path / "b.safetensors",
+        "--quiet",
+        "--plot",
+        tmp_path / "out2.png",
+    )
     assert f"plot: {tmp_path / 'out2.png'}" in text.stdout
 
     same = cli("weights", "diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors")

@@ -97,10 +97,23 @@ CASES = {
         ("skills", "install", "--agent", "claude", "--target", "{A}"),
         (("target", "target"),),
         outputs=("{A}",),
-    ),  # fmt: skip
+    ),
 }
-KINDS = ("truncate", "empty", "flip-header", "huge-header", "wrong-dtype", "nan-values", "random-bytes",
-         "json-wrong-type", "json-nan", "delete", "swap", "same", "cross")  # fmt: skip
+KINDS = (
+    "truncate",
+    "empty",
+    "flip-header",
+    "huge-header",
+    "wrong-dtype",
+    "nan-values",
+    "random-bytes",
+    "json-wrong-type",
+    "json-nan",
+    "delete",
+    "swap",
+    "same",
+    "cross",
+)
 # a file of another kind, put where a command expects its own
 CROSS = ("i1.png", "cfg_a.json", "a.pt", "ckpt_a", "trace_ref", "sched_a.json", "notes.txt")
 

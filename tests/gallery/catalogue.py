@@ -301,7 +301,8 @@ CASES: tuple[Case, ...] = (
         "mha-out-scale",
         "mha",
         "out-scale",
-        "port forward code multiplies the attention out-projection by 1.01 (no setting or weight explains it)",
+        "port forward code multiplies the attention out-projection by 1.01 (no setting or weight"
+        " explains it)",
         (("attn", "attn1"),),
         also=(("attn.out_proj", "attn1.to_out.0"),),
         # a constant factor is the true observation; any config, weights or cast claim is false
@@ -336,18 +337,48 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def _held_out(id: str, pair: str, what: str, culprit: tuple[str, str], repairs: tuple[str, ...], cause: str,
-              also: tuple[Pair, ...] = (), invisible_when_fresh: bool = False,
-              hints: tuple[str, ...] = ()) -> Case:  # fmt: skip
+def _held_out(
+    id: str,
+    pair: str,
+    what: str,
+    culprit: tuple[str, str],
+    repairs: tuple[str, ...],
+    cause: str,
+    also: tuple[Pair, ...] = (),
+    invisible_when_fresh: bool = False,
+    hints: tuple[str, ...] = (),
+) -> Case:
     r"""A held-out case: its true hint is a verified repair whose edit is one of ``repairs`` (or one of ``hints``:
     the weights map does know row reorders, so its verified layout slip is true too); the catalogue's other
-    observations at the culprit (a constant scale, unmatched weights) are true but not counted as the cause."""
+    observations at the culprit (a constant scale, unmatched weights) are true but not counted as the cause.
+    """
     return Case(
-        id, pair, id.split("-", 1)[1], what, (culprit,), also=also, cause=cause, repairs=repairs, hints=_hints(*hints),
-        neutral=_hints("constant-scale", "weights", "inline-reference", "inline-input", "transpose", "sign-flip",
-                       "permutation", "no-signature", "remix", "module-config", "zeroed", "swapped-halves"),
-        split="held-out", invisible_when_fresh=invisible_when_fresh,
-    )  # fmt: skip
+        id,
+        pair,
+        id.split("-", 1)[1],
+        what,
+        (culprit,),
+        also=also,
+        cause=cause,
+        repairs=repairs,
+        hints=_hints(*hints),
+        neutral=_hints(
+            "constant-scale",
+            "weights",
+            "inline-reference",
+            "inline-input",
+            "transpose",
+            "sign-flip",
+            "permutation",
+            "no-signature",
+            "remix",
+            "module-config",
+            "zeroed",
+            "swapped-halves",
+        ),
+        split="held-out",
+        invisible_when_fresh=invisible_when_fresh,
+    )
 
 
 # ---- held-out split: written after the repair search (issue 22), each a bug class no detector knows

@@ -62,7 +62,8 @@ def port_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``swap-kv``, ``swap-kv+gelu-tanh``, ``quick-gelu`` (the reference
-    is an OpenAI CLIP with quick_gelu, the port keeps exact GELU), ``eps`` (port norm1 eps 1e-6, CLIP's 1e-5)."""
+    is an OpenAI CLIP with quick_gelu, the port keeps exact GELU), ``eps`` (port norm1 eps 1e-6, CLIP's 1e-5).
+    """
     bugs = set(bug.split("+")) if bug else set()
     act = "quick_gelu" if "quick-gelu" in bugs else "gelu"
     reference = with_weights(seeded(lambda: make_reference(act)), variant)

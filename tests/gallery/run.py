@@ -179,15 +179,19 @@ def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = T
         all_ok=all_ok,
         first_hint=f"[{first.id}] {first.message}" if first is not None else None,
         # a true first hint is the true cause stated at the true culprit
-        first_hint_true=(culprit_ok and first is not None and is_true(first, case, report.culprit.hints))
-        if expected
-        else None,
+        first_hint_true=(
+            (culprit_ok and first is not None and is_true(first, case, report.culprit.hints))
+            if expected
+            else None
+        ),
         false_hints=[h.id for h in hints if is_false(h, case, variant, hints)]
         + _misplaced_fixes(report, accepted),
         fix=verified[0].fix if verified else None,
-        fix_verified=(bool(verified) and is_true(verified[0], case, verified))
-        if (case.fix or case.repairs) and expected
-        else None,
+        fix_verified=(
+            (bool(verified) and is_true(verified[0], case, verified))
+            if (case.fix or case.repairs) and expected
+            else None
+        ),
         conversion=conversion,
         conversion_ok=conversion_ok,
         seconds=seconds,

@@ -46,41 +46,148 @@ _STANDARD_WEIGHT_NAMES = (
 # each gives a pickle a way to run commands, touch files, open sockets or load more code.
 _DANGEROUS_MODULES = frozenset(
     {
-        "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "_posixsubprocess", "sys", "shutil",
-        "socket", "_socket", "ssl", "runpy", "importlib", "imp", "zipimport", "pty", "webbrowser", "pickle",
-        "_pickle", "cPickle", "pickletools", "marshal", "ctypes", "_ctypes", "code", "codeop", "timeit", "pdb",
-        "bdb", "pydoc", "asyncio", "multiprocessing", "signal", "io", "_io", "commands", "popen2", "http",
-        "httplib", "urllib", "urllib2", "urllib3", "requests", "aiohttp", "ftplib", "smtplib", "telnetlib",
-        "xmlrpc", "venv", "ensurepip", "pip", "setuptools", "distutils", "dill", "cloudpickle", "joblib",
-        "torch.hub", "torch.jit", "torch.package", "torch.utils.cpp_extension", "numpy.f2py", "numpy.distutils",
+        "os",
+        "posix",
+        "nt",
+        "posixpath",
+        "ntpath",
+        "subprocess",
+        "_posixsubprocess",
+        "sys",
+        "shutil",
+        "socket",
+        "_socket",
+        "ssl",
+        "runpy",
+        "importlib",
+        "imp",
+        "zipimport",
+        "pty",
+        "webbrowser",
+        "pickle",
+        "_pickle",
+        "cPickle",
+        "pickletools",
+        "marshal",
+        "ctypes",
+        "_ctypes",
+        "code",
+        "codeop",
+        "timeit",
+        "pdb",
+        "bdb",
+        "pydoc",
+        "asyncio",
+        "multiprocessing",
+        "signal",
+        "io",
+        "_io",
+        "commands",
+        "popen2",
+        "http",
+        "httplib",
+        "urllib",
+        "urllib2",
+        "urllib3",
+        "requests",
+        "aiohttp",
+        "ftplib",
+        "smtplib",
+        "telnetlib",
+        "xmlrpc",
+        "venv",
+        "ensurepip",
+        "pip",
+        "setuptools",
+        "distutils",
+        "dill",
+        "cloudpickle",
+        "joblib",
+        "torch.hub",
+        "torch.jit",
+        "torch.package",
+        "torch.utils.cpp_extension",
+        "numpy.f2py",
+        "numpy.distutils",
         "numpy.testing",
     }
-)  # fmt: skip
+)
 _BUILTIN_MODULES = frozenset({"builtins", "__builtin__", "__builtins__"})
 _DANGEROUS_BUILTINS = frozenset(
     {
-        "eval", "exec", "execfile", "compile", "open", "file", "__import__", "getattr", "setattr", "delattr",
-        "globals", "locals", "vars", "breakpoint", "input", "raw_input", "apply", "reload", "exit", "quit",
-        "help", "__loader__", "__build_class__",
+        "eval",
+        "exec",
+        "execfile",
+        "compile",
+        "open",
+        "file",
+        "__import__",
+        "getattr",
+        "setattr",
+        "delattr",
+        "globals",
+        "locals",
+        "vars",
+        "breakpoint",
+        "input",
+        "raw_input",
+        "apply",
+        "reload",
+        "exit",
+        "quit",
+        "help",
+        "__loader__",
+        "__build_class__",
     }
-)  # fmt: skip
+)
 _DANGEROUS_GLOBALS = frozenset(
     {
-        "operator.attrgetter", "operator.methodcaller", "_operator.attrgetter", "_operator.methodcaller",
-        "types.CodeType", "types.FunctionType", "types.LambdaType", "types.MethodType", "types.ModuleType",
-        "codecs.open", "torch.load", "torch.serialization.load", "torch.storage._load_from_bytes",
-        "numpy.load", "numpy.lib.npyio.load", "tempfile.mkstemp", "tempfile.NamedTemporaryFile",
+        "operator.attrgetter",
+        "operator.methodcaller",
+        "_operator.attrgetter",
+        "_operator.methodcaller",
+        "types.CodeType",
+        "types.FunctionType",
+        "types.LambdaType",
+        "types.MethodType",
+        "types.ModuleType",
+        "codecs.open",
+        "torch.load",
+        "torch.serialization.load",
+        "torch.storage._load_from_bytes",
+        "numpy.load",
+        "numpy.lib.npyio.load",
+        "tempfile.mkstemp",
+        "tempfile.NamedTemporaryFile",
     }
-)  # fmt: skip
+)
 # Attribute names that only serve to walk from an allowed object to a dangerous one (protocol 4 lets a
 # global's name contain dots: ``torch.serialization.os.system``).
 _DANGEROUS_ATTRIBUTES = frozenset(
     {
-        "__globals__", "__builtins__", "__import__", "__subclasses__", "__code__", "__getattribute__",
-        "__dict__", "__class__", "__bases__", "__base__", "__mro__", "__init__", "__reduce__", "__reduce_ex__",
-        "__loader__", "__spec__", "eval", "exec", "system", "popen", "spawn",
+        "__globals__",
+        "__builtins__",
+        "__import__",
+        "__subclasses__",
+        "__code__",
+        "__getattribute__",
+        "__dict__",
+        "__class__",
+        "__bases__",
+        "__base__",
+        "__mro__",
+        "__init__",
+        "__reduce__",
+        "__reduce_ex__",
+        "__loader__",
+        "__spec__",
+        "eval",
+        "exec",
+        "system",
+        "popen",
+        "spawn",
     }
-)  # fmt: skip
+)
 
 
 def _python3_name(module: str, name: str) -> tuple[str, str]:
@@ -169,11 +276,19 @@ def _rebuild_from_type_v2(func: Callable, new_type: Any, args: tuple, state: Any
 
 # The tensor rebuild functions torch's own weights_only loader accepts (plus the pre-1.0 `_rebuild_tensor`).
 _TENSOR_REBUILD_FUNCTIONS = (
-    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
-    "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+    "_rebuild_tensor",
+    "_rebuild_tensor_v2",
+    "_rebuild_tensor_v3",
+    "_rebuild_parameter",
+    "_rebuild_parameter_with_state",
+    "_rebuild_qtensor",
+    "_rebuild_sparse_tensor",
+    "_rebuild_nested_tensor",
+    "_rebuild_meta_tensor_no_storage",
+    "_rebuild_wrapper_subclass",
+    "_rebuild_device_tensor_from_numpy",
     "_rebuild_device_tensor_from_cpu_tensor",
-)  # fmt: skip
+)
 
 
 def _allowed_globals() -> dict[str, Any]:
@@ -198,8 +313,23 @@ def _allowed_globals() -> dict[str, Any]:
         "torch.serialization._get_layout": torch.serialization._get_layout,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     }
-    for name in ("set", "frozenset", "bytearray", "complex", "slice", "range", "object", "list", "dict",
-                 "tuple", "int", "float", "bool", "str", "bytes"):  # fmt: skip
+    for name in (
+        "set",
+        "frozenset",
+        "bytearray",
+        "complex",
+        "slice",
+        "range",
+        "object",
+        "list",
+        "dict",
+        "tuple",
+        "int",
+        "float",
+        "bool",
+        "str",
+        "bytes",
+    ):
         allowed[f"builtins.{name}"] = getattr(builtins, name)
     for name in _TENSOR_REBUILD_FUNCTIONS:
         if hasattr(torch._utils, name):
@@ -701,8 +831,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     version = manifest.get("schema_version", 1)
     if version != CHECKPOINT_SCHEMA:
         raise ParityKitError(
-            f"{manifest_path}: checkpoint schema {version!r}, this paritykit reads {CHECKPOINT_SCHEMA} (save the "
-            "run again with this version)"
+            f"{manifest_path}: checkpoint schema {version!r}, this paritykit reads {CHECKPOINT_SCHEMA} (save"
+            " the run again with this version)"
         )
     return manifest
 

@@ -66,7 +66,8 @@ class Spec:
 
     def input_fingerprint(self) -> dict[str, Any]:
         r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name, and
-        one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their inputs."""
+        one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their inputs.
+        """
         import hashlib
 
         import torch

@@ -585,7 +585,8 @@ MAX_STREAM_CANDIDATES = 4096
 
 def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> float:
     r"""Relative error between two calls' first floating-point inputs (up to a dim permutation): ``unknown``
-    when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond."""
+    when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond.
+    """
     from paritykit.bisection.leaves import pair_layouts, rel_error
 
     if ref_call is None or port_call is None:

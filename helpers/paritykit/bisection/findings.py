@@ -291,9 +291,9 @@ def _culprit_context(
         port=port_module,
         reference_output=ref_out,
         port_output=port_out,
-        run_reference=(lambda fn: leaf_of(fn, ref_inputs(), i))
-        if ref_module is not None and can_run
-        else None,
+        run_reference=(
+            (lambda fn: leaf_of(fn, ref_inputs(), i)) if ref_module is not None and can_run else None
+        ),
         run_port=(lambda fn: leaf_of(fn, port_inputs(), j)) if port_module is not None and can_run else None,
         check=check if port_module is not None and can_run else None,
         subpairs=subpairs,

@@ -306,15 +306,15 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
         message = (
-            f"{where}; the port computes that input in {names}, which no reference module is aligned with: "
-            f"the reference computes it inside {call.name}, inline or in a submodule without a port counterpart "
-            "(evidence: the port module's captured output is exactly that input)"
+            f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
+            f" the reference computes it inside {call.name}, inline or in a submodule without a port"
+            " counterpart (evidence: the port module's captured output is exactly that input)"
         )
     elif found.untested:
         hint_id = "inline-input"
         message = (
-            f"{where}; no port module returns that input, and {', '.join(found.untested)} before it could not "
-            "be tested one-to-one, so the difference comes from there or from the culprit's own forward"
+            f"{where}; no port module returns that input, and {', '.join(found.untested)} before it could not"
+            " be tested one-to-one, so the difference comes from there or from the culprit's own forward"
         )
     else:
         hint_id = "inline-input"
@@ -467,10 +467,10 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
         hints.append(
             Hint(
                 "module-fit",
-                f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name}, which "
-                f"the reference computes inside {call.name}; built with {text} it makes {port_call.name} match "
-                f"the reference (replayed on the reference's inputs: max_abs {_num(before)} -> "
-                f"{_num(after.max_abs)}, {trials} constructor settings tried)",
+                f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name},"
+                f" which the reference computes inside {call.name}; built with {text} it makes"
+                f" {port_call.name} match the reference (replayed on the reference's inputs: max_abs"
+                f" {_num(before)} -> {_num(after.max_abs)}, {trials} constructor settings tried)",
                 {
                     "module": record.module,
                     "module_type": record.type,
@@ -495,10 +495,10 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
         hints.append(
             Hint(
                 "inline-reference",
-                f"port {port_call.name} takes {fed} from {names}, which the reference computes inside "
-                f"{call.name} (evidence: that port module's captured output is exactly the input, and no "
-                "reference module is aligned with it); the culprit was replayed with the port's own values of "
-                "those inputs, so the difference is in them or in the culprit's forward"
+                f"port {port_call.name} takes {fed} from {names}, which the reference computes inside"
+                f" {call.name} (evidence: that port module's captured output is exactly the input, and no"
+                " reference module is aligned with it); the culprit was replayed with the port's own values"
+                " of those inputs, so the difference is in them or in the culprit's forward"
                 + ("" if hints else "; no constructor setting of that module made the culprit match"),
                 {"producers": [r.module for r, _ in producers], "inputs": fed.split(", ")},
                 score=0.9,

@@ -99,18 +99,18 @@ def remix_hint(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]
         terms = ", ".join(names)
         return Hint(
             "constant-scale",
-            f"on identical inputs the port's output is {_coef(k)} x the reference's (coefficients "
-            f"({', '.join(_coef(w) for w in w_ref)}) vs ({', '.join(_coef(w) for w in w_port)}) of ({terms})): "
-            "an output scale read from a different place (a default instead of the config, or one knob used for "
-            "two concepts)",
+            f"on identical inputs the port's output is {_coef(k)} x the reference's (coefficients"
+            f" ({', '.join(_coef(w) for w in w_ref)}) vs ({', '.join(_coef(w) for w in w_port)}) of"
+            f" ({terms})): an output scale read from a different place (a default instead of the config, or"
+            " one knob used for two concepts)",
             evidence,
             score=0.96,
         )
     mix = ", ".join(names)
     return Hint(
         "remix",
-        f"reference mixes ({', '.join(_coef(w) for w in w_ref)}), port ({', '.join(_coef(w) for w in w_port)}) "
-        f"of ({mix}): one knob may mean two concepts",
+        f"reference mixes ({', '.join(_coef(w) for w in w_ref)}), port"
+        f" ({', '.join(_coef(w) for w in w_port)}) of ({mix}): one knob may mean two concepts",
         evidence,
         score=0.97,
     )

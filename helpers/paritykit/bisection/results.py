@@ -207,8 +207,9 @@ class BisectReport:
         if self.first_output_divergence:
             f = self.first_output_divergence
             lines.append(
-                f"first aligned module whose outputs differ: {shown_name(f.reference)} <-> {shown_name(f.port)} "
-                f"(max_abs {format_number(f.max_abs)}; errors there may be inherited from upstream)"
+                f"first aligned module whose outputs differ: {shown_name(f.reference)} <->"
+                f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; errors there may be inherited"
+                " from upstream)"
             )
         rows = [
             [shown_name(t.reference), shown_name(t.port), t.test, t.status, t.max_abs, t.cosine, t.note]
@@ -234,8 +235,11 @@ class BisectReport:
         if self.next_steps:
             lines += [
                 "",
-                "the traces hold this block's outputs only; to look inside it, run the first command where the "
-                "reference runs, the second where the port runs, the third where both folders are:",
+                (
+                    "the traces hold this block's outputs only; to look inside it, run the first command"
+                    " where the reference runs, the second where the port runs, the third where both folders"
+                    " are:"
+                ),
             ]
             lines += [f"  {command}" for command in self.next_steps]
         return "\n".join(lines)
@@ -249,21 +253,27 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
     low = "" if f.confidence == "high" else f", {f.confidence} confidence"
     lines = [
         f"{label}: reference {shown_name(f.reference)}  <->  port {shown_name(f.port)}",
-        f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
-        f"cosine {format_number(f.cosine, 6)}",
+        (
+            f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
+            f"cosine {format_number(f.cosine, 6)}"
+        ),
     ]
     if f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
         lines.append(
-            f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters through "
-            "a port module the reference has no module for (it computes that step inline): see the hints"
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters"
+            " through a port module the reference has no module for (it computes that step inline): see the"
+            " hints"
         )
     elif f.inline:
         lines.append(
-            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in this "
-            "module's own forward code, not in a submodule"
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in"
+            " this module's own forward code, not in a submodule"
             if not any(h.id in _NOT_FORWARD_CODE for h in f.hints)
-            else f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name "
-            "the difference (settings or weights this module holds, which replaying its children cannot see)"
+            else (
+                f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name"
+                " the difference (settings or weights this module holds, which replaying its children cannot"
+                " see)"
+            )
         )
     elif f.through_inputs:
         lines.append("  its captured outputs differ, but it passes on the reference's inputs: see the note")

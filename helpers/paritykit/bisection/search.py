@@ -141,8 +141,8 @@ def every_culprit(
             handle = _substitute(searcher, last.reference.split("#", 1)[0])
             if handle is None:
                 report.all_note = (
-                    f"--all: stopped: the reference output of {shown_name(last.reference)} cannot be put in place of "
-                    "the port's (outputs do not pair)"
+                    f"--all: stopped: the reference output of {shown_name(last.reference)} cannot be put in"
+                    " place of the port's (outputs do not pair)"
                 )
                 return
             handles.append(handle)
@@ -188,7 +188,8 @@ def every_culprit(
         state = "matches" if after.passed else f"still differs (max_abs {format_number(after.max_abs)})"
         report.all_note = join_notes(
             report.all_note,
-            f"with the {len(report.culprits)} culprit(s) given the reference's outputs, the port's output {state}",
+            f"with the {len(report.culprits)} culprit(s) given the reference's outputs, the port's output"
+            f" {state}",
         )
 
 

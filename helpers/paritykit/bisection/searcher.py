@@ -207,7 +207,8 @@ class Searcher:
 
     def replayed_outputs(self, ref_record: Any, port_record: Any) -> tuple[list, list] | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept, so
-        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed."""
+        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed.
+        """
         kept = self.replays.get(ref_record.name)
         if kept is None and port_record is not None:
             outcome = self.run_replay(ref_record, port_record)
@@ -238,7 +239,10 @@ class Searcher:
                 in_layout(port_out, self.layouts.get(ref_record.name, {})),
             )
         own = self.own_inputs.get(ref_record.name)
-        own_note = f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own or [])}"
+        own_note = (
+            "port inputs the reference has no counterpart for taken from the port's own run:"
+            f" {', '.join(own or [])}"
+        )
         return ModuleTest(
             ref_record.name,
             port_record.name,
@@ -300,7 +304,8 @@ class Searcher:
             base.status = "fail"
             base.note = join_notes(
                 note,
-                f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}",
+                f"output error {format_number(out_err)} > {self.ratio:g} x input error"
+                f" {format_number(in_err)}",
             )
         else:
             base.note = join_notes(note, "error inherited from the inputs")

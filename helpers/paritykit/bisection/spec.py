@@ -150,8 +150,8 @@ class TraceSummary:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         head = (
-            f"traced the {self.side}: {self.calls} calls of {self.modules} modules, {self.tensors} tensors and "
-            f"{self.weights} weights written to {self.directory}"
+            f"traced the {self.side}: {self.calls} calls of {self.modules} modules, {self.tensors} tensors"
+            f" and {self.weights} weights written to {self.directory}"
         )
         if self.other is not None:
             found = f"the {_other_side(self.side)} is traced in {self.other}"

@@ -50,14 +50,15 @@ class Located:
             pair = self.searcher.alignment.pair_of(up.reference.split("#", 1)[0])
             low = pair is not None and pair.confidence == "low"
             where = (
-                f"; upstream, {up.reference} <-> {up.port} differs most on identical inputs relative to its "
-                f"output (max_abs {format_number(up.max_abs)}; it {'fails' if up.status == 'fail' else 'passes'} "
-                f"there{', aligned with low confidence' if low else ''})"
+                f"; upstream, {up.reference} <-> {up.port} differs most on identical inputs relative to its"
+                f" output (max_abs {format_number(up.max_abs)}; it"
+                f" {'fails' if up.status == 'fail' else 'passes'}"
+                f" there{', aligned with low confidence' if low else ''})"
             )
         return (
-            "its captured outputs differ beyond tolerance, yet it passes on identical inputs: the difference "
-            "reaches it with its inputs, built up from differences below tolerance upstream or made by code no "
-            "aligned module covers (inline in a parent, or an unaligned module)" + where
+            "its captured outputs differ beyond tolerance, yet it passes on identical inputs: the difference"
+            " reaches it with its inputs, built up from differences below tolerance upstream or made by code"
+            " no aligned module covers (inline in a parent, or an unaligned module)" + where
         )
 
 

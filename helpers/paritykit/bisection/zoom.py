@@ -269,7 +269,8 @@ def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
 
 def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
     """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
-    tensor per access (:class:`paritykit.tracing.machines.ModelWeights`), in place of its ``meta`` state dict."""
+    tensor per access (:class:`paritykit.tracing.machines.ModelWeights`), in place of its ``meta`` state dict.
+    """
     from paritykit.tracing.machines import ModelWeights
 
     models = []

@@ -72,9 +72,11 @@ your files).
     type=click.Choice(["auto", "zoom", "full"]),
     default="auto",
     show_default=True,
-    help="full: capture every module at once. zoom: capture the top-level blocks, then only inside the "
-    "first failing block, one level at a time (memory of one level). auto: zoom when the reference has "
-    "more than 300 modules or accelerate keeps its weights offloaded (on meta).",
+    help=(
+        "full: capture every module at once. zoom: capture the top-level blocks, then only inside the "
+        "first failing block, one level at a time (memory of one level). auto: zoom when the reference has "
+        "more than 300 modules or accelerate keeps its weights offloaded (on meta)."
+    ),
 )
 @click.option(
     "--zoom",
@@ -87,8 +89,10 @@ your files).
     "--all",
     "all_culprits",
     is_flag=True,
-    help="After each culprit, give it the reference's output in the port and search again: every "
-    "independent culprit in execution order, and whether the output then matches.",
+    help=(
+        "After each culprit, give it the reference's output in the port and search again: every "
+        "independent culprit in execution order, and whether the output then matches."
+    ),
 )
 @click.option(
     "--allow-masked",
@@ -99,8 +103,10 @@ your files).
     "--no-repair",
     "no_repair",
     is_flag=True,
-    help="Skip the repair search (small edits of the port tried at each culprit and kept only when replay "
-    "then matches the reference).",
+    help=(
+        "Skip the repair search (small edits of the port tried at each culprit and kept only when replay "
+        "then matches the reference)."
+    ),
 )
 @json_option
 @limit_option

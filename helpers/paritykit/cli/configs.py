@@ -15,15 +15,19 @@ from paritykit.cli._common import emit, json_option, limit_option, map_option
     "ignore",
     multiple=True,
     metavar="GLOB",
-    help="Skip keys matching GLOB (dotted key or its last part, either side's name, before or after --map); "
-    "repeatable.",
+    help=(
+        "Skip keys matching GLOB (dotted key or its last part, either side's name, before or after --map); "
+        "repeatable."
+    ),
 )
 @map_option
 @click.option(
     "--ldm/--no-ldm",
     default=None,
-    help="Read A, an original LDM YAML (model.params.unet_config / first_stage_config), as the diffusers config "
-    "diffusers' single-file helpers derive from it. Default: when A is such a YAML and B is not.",
+    help=(
+        "Read A, an original LDM YAML (model.params.unet_config / first_stage_config), as the diffusers"
+        " config diffusers' single-file helpers derive from it. Default: when A is such a YAML and B is not."
+    ),
 )
 @click.option(
     "--reference-keys", is_flag=True, help="Compare only the keys A has (after --map); list B's others."

@@ -103,8 +103,10 @@ def component_test(name: str, out_dir: str, force: bool, **options) -> None:
 @click.option(
     "--components",
     metavar="LIST",
-    help="Comma list: unet or transformer, scheduler, and optionally vae, text_encoder+tokenizer "
-    f"[default: {templates()['pipeline-stub'].defaults['components']}].",
+    help=(
+        "Comma list: unet or transformer, scheduler, and optionally vae, text_encoder+tokenizer "
+        f"[default: {templates()['pipeline-stub'].defaults['components']}]."
+    ),
 )
 @click.option(
     "--modular", is_flag=True, help="Render the modular-pipeline file set into modular_<name>/ instead."

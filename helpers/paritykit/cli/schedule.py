@@ -12,24 +12,26 @@ from paritykit.cli._common import emit, json_option, limit_option
 
 @click.command(
     help=(
-        "Compare two sampling schedules, or find the scheduler config that reproduces one.\n\n"
-        "REF and PORT are each a checkpoint folder (its preloop checkpoint's timesteps/sigmas, e.g. written by "
-        "paritykit.record_loop), a tensor file (.safetensors, .pt, .npy; keys timesteps/sigmas), or a .json list "
-        "or object. Diagnoses: a constant offset (steps_offset), the spacing each side follows (leading / "
-        "trailing / linspace), a different count (an extra final step, a final sigma 0), Karras / exponential / "
-        "shifted flow-matching sigmas (with the fitted shift and where its range ends: a shift applied twice), whole vs fractional timesteps, reversed order.\n\n"
-        "With --fit CLASS (no PORT): search the keys CLASS accepts for configs whose set_timesteps reproduces REF "
-        "at --steps and at three or more other counts (some not dividing num_train_timesteps), and print the fix "
-        "as a ready from_config line. REF may also be a SPEC .py defining ref_schedule(n) (a list of timesteps, "
-        "or a dict with timesteps and/or sigmas) and ref_step(x, eps, t, t_prev) (t: a timestep, or a sigma when "
-        "the schedule has sigmas only; t_prev is None at the last step); ref_schedule(n, image_seq_len) for a schedule "
-        "that depends on the image size (with --image-seq-len), or SIZE=PATH,SIZE=PATH: the reference recorded at two or more image sizes. The search covers the set_timesteps call too "
-        "(sigmas=np.linspace(1, 1/n, n), mu= with use_dynamic_shifting, the reference's own lists), every fit "
-        "states its residual, and with no fit the nearest candidate's remaining differences and the other classes "
-        "that reproduce REF are named. --step-check also verifies step() "
-        "against the reference's update (SPEC's ref_step, or --step-check FOLDER: the reference's preloop / "
-        "after_step_<i> latents and model output, or a record_loop folder).\n\n"
-        "Exit 0 same / fit found, 1 differ / no fit, 2 on bad input."
+        "Compare two sampling schedules, or find the scheduler config that reproduces one.\n\nREF and PORT"
+        " are each a checkpoint folder (its preloop checkpoint's timesteps/sigmas, e.g. written by"
+        " paritykit.record_loop), a tensor file (.safetensors, .pt, .npy; keys timesteps/sigmas), or a .json"
+        " list or object. Diagnoses: a constant offset (steps_offset), the spacing each side follows (leading"
+        " / trailing / linspace), a different count (an extra final step, a final sigma 0), Karras /"
+        " exponential / shifted flow-matching sigmas (with the fitted shift and where its range ends: a shift"
+        " applied twice), whole vs fractional timesteps, reversed order.\n\nWith --fit CLASS (no PORT):"
+        " search the keys CLASS accepts for configs whose set_timesteps reproduces REF at --steps and at"
+        " three or more other counts (some not dividing num_train_timesteps), and print the fix as a ready"
+        " from_config line. REF may also be a SPEC .py defining ref_schedule(n) (a list of timesteps, or a"
+        " dict with timesteps and/or sigmas) and ref_step(x, eps, t, t_prev) (t: a timestep, or a sigma when"
+        " the schedule has sigmas only; t_prev is None at the last step); ref_schedule(n, image_seq_len) for"
+        " a schedule that depends on the image size (with --image-seq-len), or SIZE=PATH,SIZE=PATH: the"
+        " reference recorded at two or more image sizes. The search covers the set_timesteps call too"
+        " (sigmas=np.linspace(1, 1/n, n), mu= with use_dynamic_shifting, the reference's own lists), every"
+        " fit states its residual, and with no fit the nearest candidate's remaining differences and the"
+        " other classes that reproduce REF are named. --step-check also verifies step() against the"
+        " reference's update (SPEC's ref_step, or --step-check FOLDER: the reference's preloop /"
+        " after_step_<i> latents and model output, or a record_loop folder).\n\nExit 0 same / fit found, 1"
+        " differ / no fit, 2 on bad input."
     )
 )
 @click.argument("ref")
@@ -52,8 +54,10 @@ from paritykit.cli._common import emit, json_option, limit_option
     "--image-seq-len",
     "image_seq_len",
     metavar="L1,L2",
-    help="With --fit and a SPEC whose ref_schedule(n, image_seq_len) depends on the image size: the sizes (latent "
-    "tokens) to fit at; mu is then reported as a function of the size.",
+    help=(
+        "With --fit and a SPEC whose ref_schedule(n, image_seq_len) depends on the image size: the sizes"
+        " (latent tokens) to fit at; mu is then reported as a function of the size."
+    ),
 )
 @click.option(
     "--num-train-timesteps",

@@ -28,8 +28,10 @@ _global_option = click.option(
 _install_target_option = click.option(
     "--target",
     type=click.Path(file_okay=False),
-    help="Repository to install into (default: the git root above the current folder). Only paritykit's own "
-    "checkout gets CLAUDE.md/AGENTS.md links to .ai/AGENTS.md; another repository's are never touched.",
+    help=(
+        "Repository to install into (default: the git root above the current folder). Only paritykit's own "
+        "checkout gets CLAUDE.md/AGENTS.md links to .ai/AGENTS.md; another repository's are never touched."
+    ),
 )
 _uninstall_target_option = click.option(
     "--target",
@@ -94,13 +96,17 @@ def validate_command(paths: tuple[str, ...], as_json: bool, limit: int) -> None:
 @click.option(
     "--copy",
     is_flag=True,
-    help="Copy the skill folders instead of linking them: better when the pack's folder (a clone, a venv) may "
-    "move or be deleted, which breaks links; copies are updated by installing again.",
+    help=(
+        "Copy the skill folders instead of linking them: better when the pack's folder (a clone, a venv) may "
+        "move or be deleted, which breaks links; copies are updated by installing again."
+    ),
 )
 @click.option(
     "--force",
     is_flag=True,
-    help="Replace a same-name skill that is not paritykit's; it is moved to paritykit-backups/, never deleted.",
+    help=(
+        "Replace a same-name skill that is not paritykit's; it is moved to paritykit-backups/, never deleted."
+    ),
 )
 @click.option(
     "--skip-existing", is_flag=True, help="Leave same-name skills that are not paritykit's; install the rest."

@@ -9,18 +9,17 @@ from paritykit.cli._common import emit, json_option, limit_option
 
 @click.command(
     help=(
-        "Run a reference sampling pipeline and its port from one seed, record every denoiser (and decoder) "
-        "call, and name where the port first parts from the reference: the initial noise, the schedule, the "
-        "conditioning, a denoiser module (bisected on that call's inputs), the sampler's update, the decoder's "
-        "input scaling, the decoder (bisected), or the post-processing; each with its evidence, a verified "
-        "fix when one is found, and the paritykit command that reproduces it alone.\n\n"
-        "SPEC.py defines run_reference() and run_port() (each runs its side end to end and returns the result "
-        "as a tensor), reference_denoiser() and port_denoiser() (the modules those runs call each step), and "
-        "optionally reference_vae() / port_vae() (the decoder modules), port_scheduler() (for the schedule "
-        "fit), TOLERANCE and SEED. `paritykit new triage-spec NAME` writes one.\n\n"
-        "With --all every place is checked on its own, the port's modules fed the reference's values at that "
-        "point, so independent bugs are all named in one run.\n\n"
-        "Exit 0 match, 1 differ, 2 on bad input."
+        "Run a reference sampling pipeline and its port from one seed, record every denoiser (and decoder)"
+        " call, and name where the port first parts from the reference: the initial noise, the schedule, the"
+        " conditioning, a denoiser module (bisected on that call's inputs), the sampler's update, the"
+        " decoder's input scaling, the decoder (bisected), or the post-processing; each with its evidence, a"
+        " verified fix when one is found, and the paritykit command that reproduces it alone.\n\nSPEC.py"
+        " defines run_reference() and run_port() (each runs its side end to end and returns the result as a"
+        " tensor), reference_denoiser() and port_denoiser() (the modules those runs call each step), and"
+        " optionally reference_vae() / port_vae() (the decoder modules), port_scheduler() (for the schedule"
+        " fit), TOLERANCE and SEED. `paritykit new triage-spec NAME` writes one.\n\nWith --all every place is"
+        " checked on its own, the port's modules fed the reference's values at that point, so independent"
+        " bugs are all named in one run.\n\nExit 0 match, 1 differ, 2 on bad input."
     )
 )
 @click.argument("spec", metavar="SPEC.py")

@@ -17,14 +17,12 @@ _GROWTH_HELP = (
 
 @click.command(
     help=(
-        "Per-step error curve of two denoising runs.\n\n"
-        "A and B are checkpoint folders written by paritykit.save_checkpoints with after_step_<i> checkpoints "
-        "(reference first). Each step's KEY tensor is compared: max_abs, mean_abs, cosine.\n\n"
-        f"{_GROWTH_HELP}\n\n"
-        "With --sigmas (a .json list, .txt numbers, .npy or a tensor file; step i uses sigma[i]) the table adds "
-        "1/sigma and max_abs*sigma: when the latter is bounded, the growth is 1/sigma amplification of an "
-        "early difference.\n\n"
-        "Exit 0 when the last step is within tolerance, 1 when not, 2 on bad input."
+        "Per-step error curve of two denoising runs.\n\nA and B are checkpoint folders written by"
+        " paritykit.save_checkpoints with after_step_<i> checkpoints (reference first). Each step's KEY"
+        f" tensor is compared: max_abs, mean_abs, cosine.\n\n{_GROWTH_HELP}\n\nWith --sigmas (a .json list,"
+        " .txt numbers, .npy or a tensor file; step i uses sigma[i]) the table adds 1/sigma and"
+        " max_abs*sigma: when the latter is bounded, the growth is 1/sigma amplification of an early"
+        " difference.\n\nExit 0 when the last step is within tolerance, 1 when not, 2 on bad input."
     )
 )
 @click.argument("a")
@@ -51,12 +49,12 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 
 @click.command(
     help=(
-        "Side-by-side images with a diff heatmap and PSNR.\n\n"
-        "A (reference) and B (port) are image files (.png, .jpg, ...; an animated GIF is a video) or tensor "
-        "files (.pt, .safetensors, .npy, ...) holding an image H×W×C / C×H×W or a video F×H×W×C / F×C×H×W. "
-        "Float values are read as [-1, 1] when negative values occur, else [0, 1] ([0, 255] above 1.1); "
-        "override with --range-a/--range-b. Videos are measured per frame; the verdict uses the worst frame.\n\n"
-        "Exit 0 when PSNR >= --psnr-min, 1 below it or on different shapes, 2 on bad input."
+        "Side-by-side images with a diff heatmap and PSNR.\n\nA (reference) and B (port) are image files"
+        " (.png, .jpg, ...; an animated GIF is a video) or tensor files (.pt, .safetensors, .npy, ...)"
+        " holding an image H×W×C / C×H×W or a video F×H×W×C / F×C×H×W. Float values are read as [-1, 1] when"
+        " negative values occur, else [0, 1] ([0, 255] above 1.1); override with --range-a/--range-b. Videos"
+        " are measured per frame; the verdict uses the worst frame.\n\nExit 0 when PSNR >= --psnr-min, 1"
+        " below it or on different shapes, 2 on bad input."
     )
 )
 @click.argument("a")

@@ -64,7 +64,9 @@ def weights() -> None:
     type=click.Choice(["component", "kind", "both"]),
     default="component",
     show_default=True,
-    help="Group by component (vae, text_encoder, diffusion_model, ema …), by kind (attention, norm …) or both.",
+    help=(
+        "Group by component (vae, text_encoder, diffusion_model, ema …), by kind (attention, norm …) or both."
+    ),
 )
 @map_option
 @click.option(
@@ -89,9 +91,14 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
     # contend with them, for 12 % more CPU time on the benchmark pair. Set before numpy is first imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     report = weights_diff(
-        a, b, rules=parse_map_options(maps), metric=metric, group_by=group_by, keys_only=keys_only,
+        a,
+        b,
+        rules=parse_map_options(maps),
+        metric=metric,
+        group_by=group_by,
+        keys_only=keys_only,
         progress=False if quiet else None,
-    )  # fmt: skip
+    )
     if plot:
         if keys_only:
             raise click.UsageError("--plot needs values; drop --keys-only")

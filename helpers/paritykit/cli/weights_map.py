@@ -25,8 +25,10 @@ from paritykit.cli._common import emit, json_option, limit_option
 @click.option(
     "--allow-ambiguous",
     is_flag=True,
-    help="Accept sources guessed by names (equal values, nothing in the structure to choose): exit 0, "
-    "and --emit-rules writes them with a GUESSED comment.",
+    help=(
+        "Accept sources guessed by names (equal values, nothing in the structure to choose): exit 0, "
+        "and --emit-rules writes them with a GUESSED comment."
+    ),
 )
 @limit_option
 def weights_map(

@@ -220,7 +220,10 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     elif counts["a_only"] and not counts["b_only"]:
         where = f"A has {_count(counts['a_only'], 'NaN/Inf value')} where B is finite"
     else:
-        where = f"A and B have NaN/Inf in different places ({counts['a_only']} in A only, {counts['b_only']} in B only)"
+        where = (
+            f"A and B have NaN/Inf in different places ({counts['a_only']} in A only, {counts['b_only']} in B"
+            " only)"
+        )
     return Hint(
         "nonfinite",
         f"{where} (first at index {index}: A={_num(va)}, B={_num(vb)}); look for an overflow (fp16 range), "
@@ -277,7 +280,7 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             return Hint(
                 "transpose",
                 f"B equals A with axes {i} and {j} swapped (evidence: relative residual {_num(gap)} after "
-                f"swapping them): a transpose is missing or extra on one side "
+                "swapping them): a transpose is missing or extra on one side "
                 "(Conv1D vs Linear weights, (batch, heads, seq, dim) vs (batch, seq, heads, dim)).",
                 {"axes": [i, j], "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
                 score=0.97,
@@ -318,9 +321,9 @@ def detect_swapped_halves(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
                 )
             else:
                 message = (
-                    f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order} (evidence: "
-                    "each chunk matches another chunk's place, not its own): check the "
-                    "order of a chunked projection (shift/scale/gate) or of a fused qkv."
+                    f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order}"
+                    " (evidence: each chunk matches another chunk's place, not its own): check the order of"
+                    " a chunked projection (shift/scale/gate) or of a fused qkv."
                 )
             return Hint("swapped-halves", message, evidence, score=0.96)
     return None
@@ -376,9 +379,8 @@ def detect_sign_flip(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     if fraction > 0.999:
         return Hint(
             "sign-flip",
-            "B = -A (evidence: every sign flipped, magnitudes equal): a sign convention differs (negated velocity "
-            "or noise "
-            "direction, sin vs -sin, subtraction order).",
+            "B = -A (evidence: every sign flipped, magnitudes equal): a sign convention differs (negated"
+            " velocity or noise direction, sin vs -sin, subtraction order).",
             {"flipped_fraction": fraction},
             score=0.93,
         )
@@ -455,7 +457,10 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> 
         "on a timestep/sigma list: the scheduler keys that shift a schedule are timestep_spacing and "
         "steps_offset (check with `paritykit schedule`)"
         if schedule
-        else "a constant shift differs (a bias, a shift term, or a constant such as `+ 1` added on one side only)"
+        else (
+            "a constant shift differs (a bias, a shift term, or a constant such as `+ 1` added on one side"
+            " only)"
+        )
     )
     return Hint(
         "offset",
@@ -502,9 +507,9 @@ def _make_cast_detector(dtype_name: str, hint_id: str, coarser: str | None) -> C
 
     detect.__name__ = f"detect_{hint_id.replace('-', '_')}"
     detect.__doc__ = (
-        f"One side equals the other rounded to {dtype_name}, or only one side's values lie on the {dtype_name} "
-        "grid. Relative errors of the order of the unit roundoff alone are not evidence (float noise, GELU "
-        "approximations and eps changes produce them too)."
+        f"One side equals the other rounded to {dtype_name}, or only one side's values lie on the"
+        f" {dtype_name} grid. Relative errors of the order of the unit roundoff alone are not evidence (float"
+        " noise, GELU approximations and eps changes produce them too)."
     )
     return detect
 

@@ -225,7 +225,8 @@ def _run_side(model: Any, args, kwargs, loss_fn: Callable, seed: int, side: str)
                 )
             if not loss.requires_grad:
                 raise ParityKitError(
-                    f"the {side} loss does not require grad: are the parameters frozen or the forward under no_grad?"
+                    f"the {side} loss does not require grad: are the parameters frozen or the forward under"
+                    " no_grad?"
                 )
             loss.backward()
         grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in params.items()}

@@ -129,7 +129,8 @@ class ImageComparison:
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         lines = [f"images: {self.a} vs {self.b}"]
         lines.append(
-            f"shape {self.shape_a} vs {self.shape_b} (frames×H×W×C); value range: A {self.range_a}, B {self.range_b}"
+            f"shape {self.shape_a} vs {self.shape_b} (frames×H×W×C); value range: A {self.range_a}, B"
+            f" {self.range_b}"
         )
         if self.range_note:
             lines.append(f"note: {self.range_note}")
@@ -147,8 +148,8 @@ class ImageComparison:
         where = f" (worst frame {worst.frame})" if self.video else ""
         verdict = "PASS" if self.passed else "FAIL"
         lines.append(
-            f"{verdict}: PSNR {format_number(self.psnr)} dB{where}, threshold {self.psnr_min:g} dB; "
-            f"max pixel diff {format_number(self.max_pixel_diff)}/255; mean |diff| {format_number(self.mean_abs)}"
+            f"{verdict}: PSNR {format_number(self.psnr)} dB{where}, threshold {self.psnr_min:g} dB; max pixel"
+            f" diff {format_number(self.max_pixel_diff)}/255; mean |diff| {format_number(self.mean_abs)}"
         )
         if self.out_path:
             lines.append(f"reference | port | diff heatmap: {self.out_path}")

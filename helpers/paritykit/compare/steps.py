@@ -38,11 +38,12 @@ EXPONENTIAL_MIN_R2 = 0.9
 #: ... and that fits at least as well as a power law log(error) ~ p·log(step + 1).
 
 GROWTH_HELP = (
-    "Growth: fit log(max_abs) against the step. 'bounded' when the fitted error grows less than "
-    f"{BOUNDED_MAX_GROWTH:g}x over the run or less than {BOUNDED_MAX_LATE_GROWTH:g}x over its last half; "
-    f"'exponential' when it grows by at least {EXPONENTIAL_MIN_FACTOR:g}x per step, that fit has "
-    f"R^2 >= {EXPONENTIAL_MIN_R2:g} and it beats a power law in the step; otherwise 'polynomial' (error ~ "
-    "step^p, the fitted exponent p reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give 'unknown'."
+    "Growth: fit log(max_abs) against the step. 'bounded' when the fitted error grows less than"
+    f" {BOUNDED_MAX_GROWTH:g}x over the run or less than {BOUNDED_MAX_LATE_GROWTH:g}x over its last half;"
+    f" 'exponential' when it grows by at least {EXPONENTIAL_MIN_FACTOR:g}x per step, that fit has R^2 >="
+    f" {EXPONENTIAL_MIN_R2:g} and it beats a power law in the step; otherwise 'polynomial' (error ~ step^p,"
+    " the fitted exponent p reported). All-zero errors are 'bounded'; fewer than 3 non-zero steps give"
+    " 'unknown'."
 )
 
 # after_step_<i> from a pipeline's checkpoints, step_<i> from paritykit.record_loop
@@ -592,9 +593,9 @@ def step_curve(
         growth=classify_growth([p.max_abs for p in points], [p.step for p in points]),
         atol=used_atol,
         rtol=used_rtol,
-        sigmas_source=None
-        if sigmas is None
-        else (str(sigmas) if isinstance(sigmas, (str, Path)) else "given"),
+        sigmas_source=(
+            None if sigmas is None else (str(sigmas) if isinstance(sigmas, (str, Path)) else "given")
+        ),
         only_a=[s for s in files_a if s not in files_b],
         only_b=[s for s in files_b if s not in files_a],
         first_failing_step=first_fail,

@@ -62,9 +62,9 @@ class NonfiniteInfo:
             "inf_a": self.inf_a,
             "inf_b": self.inf_b,
             "positions_agree": self.positions_agree,
-            "first_disagreement": list(self.first_disagreement)
-            if self.first_disagreement is not None
-            else None,
+            "first_disagreement": (
+                list(self.first_disagreement) if self.first_disagreement is not None else None
+            ),
         }
 
     def render(self) -> str:
@@ -236,7 +236,8 @@ class TensorComparison:
         if self.status != "shape_mismatch":
             lines.append(f"  tolerance    |a-b| <= {self.atol:g} + {self.rtol:g}·|b|")
             lines.append(
-                f"  mismatched   {self.mismatches} / {self.numel} ({100 * (self.mismatch_fraction or 0):.3g}%)"
+                f"  mismatched   {self.mismatches} / {self.numel}"
+                f" ({100 * (self.mismatch_fraction or 0):.3g}%)"
             )
             where = f" at {self.max_abs_index}" if self.max_abs_index is not None else ""
             lines.append(f"  max |a-b|    {format_number(self.max_abs)}{where}")
@@ -472,10 +473,18 @@ def compare_tensors(
     if rtol < 0 or atol < 0 or math.isnan(rtol) or math.isnan(atol):
         raise ParityKitError(f"tolerances must be non-negative numbers (got atol={atol}, rtol={rtol})")
     result = TensorComparison(
-        name=name, status="pass", shape_a=tuple(a.shape), shape_b=tuple(b.shape),
-        dtype_a=dtype_name(a.dtype), dtype_b=dtype_name(b.dtype), atol=atol, rtol=rtol,
-        numel=a.numel(), name_b=name_b, note=note,
-    )  # fmt: skip
+        name=name,
+        status="pass",
+        shape_a=tuple(a.shape),
+        shape_b=tuple(b.shape),
+        dtype_a=dtype_name(a.dtype),
+        dtype_b=dtype_name(b.dtype),
+        atol=atol,
+        rtol=rtol,
+        numel=a.numel(),
+        name_b=name_b,
+        note=note,
+    )
     with torch.no_grad(), walk_threads():
         flat_a, flat_b = _flat(a), _flat(b)
         result.head_a, result.head_b = _head(flat_a), _head(flat_b)

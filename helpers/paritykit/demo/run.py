@@ -178,8 +178,8 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
         echo,
         2,
         "Infer the weight conversion from values",
-        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules {out}/convert_rules.py "
-        "--force --limit 12",
+        f"paritykit weights map {ref_dir}/model.safetensors {port_weights} --emit-rules"
+        f" {out}/convert_rules.py --force --limit 12",
         "every port tensor explained (qkv split, shift/scale swap, renames): the bug is not in the weights.",
     )
     cmap = infer_conversion_map(ref_dir / "model.safetensors", port_weights)

@@ -121,8 +121,8 @@ def ldm_targets(
         parts = {name: _PART_CLASSES[cls] for name, cls in components.items() if cls in _PART_CLASSES}
         if not parts:
             raise ParityKitError(
-                f"{target_label}: pipeline has no UNet2DConditionModel or AutoencoderKL component to compare with the "
-                "LDM YAML (use --no-ldm to compare raw keys)"
+                f"{target_label}: pipeline has no UNet2DConditionModel or AutoencoderKL component to compare"
+                " with the LDM YAML (use --no-ldm to compare raw keys)"
             )
         return parts
     name = class_name or target.get("_class_name") or ""
@@ -130,8 +130,8 @@ def ldm_targets(
         return {"": _PART_CLASSES[name]}
     if name:
         raise ParityKitError(
-            f"{target_label}: diffusers' single-file helpers (--ldm) derive UNet2DConditionModel and AutoencoderKL configs, "
-            f"not {name} (use --no-ldm to compare raw keys)"
+            f"{target_label}: diffusers' single-file helpers (--ldm) derive UNet2DConditionModel and"
+            f" AutoencoderKL configs, not {name} (use --no-ldm to compare raw keys)"
         )
     if "latent_channels" in target and "cross_attention_dim" not in target:
         return {"": "vae"}
@@ -161,13 +161,15 @@ def derive_from_ldm(
     """
     if not is_ldm_config(yaml_config):
         raise ParityKitError(
-            f"{label}: --ldm needs an LDM-style YAML (model.params.unet_config or model.params.first_stage_config)"
+            f"{label}: --ldm needs an LDM-style YAML (model.params.unet_config or"
+            " model.params.first_stage_config)"
         )
     targets = ldm_targets(target, class_name, target_label=target_label)
     for part in set(targets.values()):
         if not _has_section(yaml_config, part):
             raise ParityKitError(
-                f"{label}: the port is a {part} but the YAML has no model.params.{_SECTIONS[part][0]} to derive it from"
+                f"{label}: the port is a {part} but the YAML has no model.params.{_SECTIONS[part][0]} to"
+                " derive it from"
             )
     log: dict[str, Any] = {"read": set()}
     recorder = _Recorder(yaml_config, "", log)

@@ -161,8 +161,8 @@ class ConfigDiff:
             counts.append(f"{len(self.not_compared)} not compared")
         if self.exit_code:
             summary = (
-                f"{len(self.differences)} differ, {len(self.only_a)} only in A, {len(self.only_b)} only in B, "
-                + ", ".join(counts)
+                f"{len(self.differences)} differ, {len(self.only_a)} only in A, {len(self.only_b)} only"
+                " in B, " + ", ".join(counts)
             )
         else:
             summary = "configs match: " + ", ".join(counts)

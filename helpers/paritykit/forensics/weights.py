@@ -169,9 +169,20 @@ _COMPONENT_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 # diffusers pipeline components (saved or merged with their folder name as prefix)
 _DIFFUSERS_COMPONENTS = {
-    "vae", "unet", "transformer", "prior", "decoder", "controlnet", "image_encoder", "text_encoder",
-    "text_encoder_2", "text_encoder_3", "movq", "vqvae", "audio_encoder",
-}  # fmt: skip
+    "vae",
+    "unet",
+    "transformer",
+    "prior",
+    "decoder",
+    "controlnet",
+    "image_encoder",
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "movq",
+    "vqvae",
+    "audio_encoder",
+}
 _LDM_SCHEDULE = re.compile(
     r"^(betas|alphas_cumprod(_prev)?|sqrt_\w+|posterior_\w+|log_one_minus_alphas_cumprod|logvar|model_ema\.(decay|num_updates))$"
 )
@@ -277,7 +288,8 @@ def _group_name(key: str, shape: Sequence[int], group_by: str) -> str:
 @dataclass
 class ChangedTensor:
     r"""One tensor whose values differ. ``dot``/``norm_a``/``norm_b``/``sq_diff`` are the raw sums behind the
-    metrics, kept so a group's distance is the metric of the concatenated group, not a sum of per-tensor values."""
+    metrics, kept so a group's distance is the metric of the concatenated group, not a sum of per-tensor values.
+    """
 
     key: str
     group: str
@@ -356,8 +368,9 @@ class WeightsDiff:
         if not self.no_shared_names:
             return None
         return (
-            "no tensor name is shared: the two sides name their tensors differently. Infer the renames from the "
-            "values with `paritykit weights map A B`, then pass them here as --map 'REGEX=REPL' (applied to A)."
+            "no tensor name is shared: the two sides name their tensors differently. Infer the renames from"
+            " the values with `paritykit weights map A B`, then pass them here as --map 'REGEX=REPL' (applied"
+            " to A)."
         )
 
     @property
@@ -519,10 +532,15 @@ def weights_diff(
     entries_b = ckpt_b.entries
 
     report = WeightsDiff(
-        a=ckpt_a.path, b=ckpt_b.path, metric=metric, group_by=group_by, keys_only=keys_only,
-        tensors_a=len(entries_a), tensors_b=len(entries_b),
+        a=ckpt_a.path,
+        b=ckpt_b.path,
+        metric=metric,
+        group_by=group_by,
+        keys_only=keys_only,
+        tensors_a=len(entries_a),
+        tensors_b=len(entries_b),
         renamed=sum(old != new for old, new in renamed.items()),
-    )  # fmt: skip
+    )
 
     def group(key: str, entry: _Entry) -> GroupStats:
         name = _group_name(key, entry.shape, group_by)
@@ -576,11 +594,18 @@ def weights_diff(
         stats.changed += 1
         report.changed.append(
             ChangedTensor(
-                key=key, group=_group_name(key, eb.shape, group_by), shape=eb.shape,
-                l2=values["l2"], l1=values["l1"], cosine=values["cosine"], max_abs=values["max_abs"],
-                dot=values["dot"], norm_a=values["norm_a"], norm_b=values["norm_b"],
+                key=key,
+                group=_group_name(key, eb.shape, group_by),
+                shape=eb.shape,
+                l2=values["l2"],
+                l1=values["l1"],
+                cosine=values["cosine"],
+                max_abs=values["max_abs"],
+                dot=values["dot"],
+                norm_a=values["norm_a"],
+                norm_b=values["norm_b"],
             )
-        )  # fmt: skip
+        )
     for name, stats in report.groups.items():
         stats.distance = _aggregate([c for c in report.changed if c.group == name], metric)
     report.groups = dict(sorted(report.groups.items(), key=lambda item: natural_key(item[0])))

@@ -102,10 +102,19 @@ def _same_tensor_bytes(a: Any, b: Any) -> bool:
 
 
 _NUMPY_DTYPES = {
-    "float64": "float64", "float32": "float32", "float16": "float16", "int64": "int64", "int32": "int32",
-    "int16": "int16", "int8": "int8", "uint64": "uint64", "uint32": "uint32", "uint16": "uint16",
-    "uint8": "uint8", "bool": "bool",
-}  # fmt: skip
+    "float64": "float64",
+    "float32": "float32",
+    "float16": "float16",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint64": "uint64",
+    "uint32": "uint32",
+    "uint16": "uint16",
+    "uint8": "uint8",
+    "bool": "bool",
+}
 
 
 def _decode(entry: Any, start: int, count: int, out: Any, worker: _Worker, side: str) -> Any:
@@ -185,7 +194,8 @@ def _decode_with_norm(entry: Any, start: int, count: int, out: Any, worker: _Wor
 
 def _distances(a: Any, b: Any, worker: _Worker, equal_before: int = 0) -> dict[str, float]:
     r"""Every statistic of the pair in one pass of cache-sized chunks. Elements before ``equal_before`` are
-    known to be byte-identical: there only A is decoded, and its square norm is also the dot product and B's."""
+    known to be byte-identical: there only A is decoded, and its square norm is also the dot product and B's.
+    """
     import numpy as np
 
     wide = a.dtype in _WIDE_DTYPES or b.dtype in _WIDE_DTYPES

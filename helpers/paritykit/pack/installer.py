@@ -115,7 +115,10 @@ class InstallReport:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         dry = " --dry-run (nothing written)" if self.dry_run else ""
-        head = f"paritykit skills {self.command}{dry} for {', '.join(self.agents)} ({self.scope} scope, {self.base})"
+        head = (
+            f"paritykit skills {self.command}{dry} for {', '.join(self.agents)} ({self.scope} scope,"
+            f" {self.base})"
+        )
         counts = ", ".join(f"{n} {name}" for name, n in self.counts().items()) or "nothing to do"
         summary = ("dry run, nothing written: " if self.dry_run else "") + counts
         rows = [(a.action, a.path, a.detail) for a in self.actions]
@@ -143,7 +146,7 @@ def detect_agents(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def resolve_agents(selected: Iterable[str] | None, *, default: Sequence[str]) -> list[str]:
     r"""Normalise ``--agent`` values (repeatable, comma-separated, ``all``) to known agent names."""
-    names = [n.strip().lower() for item in (selected or ()) for n in item.split(",") if n.strip()]
+    names = [n.strip().lower() for item in selected or () for n in item.split(",") if n.strip()]
     if not names:
         return list(default)
     unknown = [n for n in names if n != "all" and n not in AGENTS]
@@ -224,8 +227,8 @@ def _install_advice(ctx: _Context, report: InstallReport, copy: bool) -> list[st
         missing = [f"/{f.rstrip('/')}/" for f in report.folders if f"/{f.rstrip('/')}/" not in listed]
         if missing:
             notes.append(
-                f"to keep them out of `git status` without touching .gitignore, add {' and '.join(missing)} to "
-                f".git/info/exclude (local to this clone, never committed)"
+                f"to keep them out of `git status` without touching .gitignore, add {' and '.join(missing)}"
+                " to .git/info/exclude (local to this clone, never committed)"
             )
     if not copy:
         notes.append(
@@ -324,10 +327,10 @@ def _refusal_message(
     parts = list(refusals)
     if conflicts:
         parts.append(
-            f"{', '.join(conflicts)} already exist{'s' if len(conflicts) == 1 else ''} and "
-            f"{'is' if len(conflicts) == 1 else 'are'} not paritykit's; rerun with --skip-existing to install the "
-            f"other skills, or --force to replace {'it' if len(conflicts) == 1 else 'them'} "
-            f"(moved aside to {BACKUP_FOLDER}/, never deleted)"
+            f"{', '.join(conflicts)} already exist{'s' if len(conflicts) == 1 else ''} and"
+            f" {'is' if len(conflicts) == 1 else 'are'} not paritykit's; rerun with --skip-existing to"
+            f" install the other skills, or --force to replace {'it' if len(conflicts) == 1 else 'them'}"
+            f" (moved aside to {BACKUP_FOLDER}/, never deleted)"
         )
     return f"{lead}: " + "; ".join(parts)
 
@@ -467,8 +470,9 @@ def _folder_refusal(ctx: _Context, folder: Path) -> str | None:
     for part in checked:
         if part.is_symlink():
             return (
-                f"{ctx.show(part)} is a symlink (to {os.readlink(part)}), and writing through it would change the "
-                f"files it points to; replace it with a real folder, or install elsewhere (--target, --global)"
+                f"{ctx.show(part)} is a symlink (to {os.readlink(part)}), and writing through it would change"
+                " the files it points to; replace it with a real folder, or install elsewhere (--target,"
+                " --global)"
             )
         if os.path.lexists(part) and not part.is_dir():
             return f"{ctx.show(part)} is a file where a folder is needed"
@@ -660,7 +664,8 @@ def _plan_instruction_link(plan: _Plan, filename: str) -> None:
     else:
         plan.entries.pop(key, None)
         plan.warnings.append(
-            f"{filename} exists ({_describe(dest)}) and is not a link to {INSTRUCTIONS_SOURCE}; left untouched"
+            f"{filename} exists ({_describe(dest)}) and is not a link to {INSTRUCTIONS_SOURCE}; left"
+            " untouched"
         )
 
 

@@ -126,8 +126,8 @@ class ScheduleComparison:
         else:
             lines.append("differ:")
             lines += [f"  [{h.id}] {h.message}" for h in self.hints] or [
-                "  unknown cause: not reversed, not a constant offset, not a count or int/float difference, and neither "
-                "side follows a closed form that would name the difference"
+                "  unknown cause: not reversed, not a constant offset, not a count or int/float difference,"
+                " and neither side follows a closed form that would name the difference"
             ]
         return "\n".join(lines)
 
@@ -162,10 +162,10 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 ScheduleHint(
                     "int-vs-float",
                     kind,
-                    f"{side} holds whole-number timesteps, {other} fractional ones that round to them (first "
-                    f"at step {k.first_difference}: {format_number(floats[k.first_difference or 0], 6)} vs "
-                    f"{format_number(ints[k.first_difference or 0], 6)}): one side rounds the timesteps it feeds "
-                    "the model (or casts them to an integer dtype).",
+                    f"{side} holds whole-number timesteps, {other} fractional ones that round to them (first"
+                    f" at step {k.first_difference}: {format_number(floats[k.first_difference or 0], 6)} vs"
+                    f" {format_number(ints[k.first_difference or 0], 6)}): one side rounds the timesteps it"
+                    " feeds the model (or casts them to an integer dtype).",
                     ["timestep_spacing"],
                 )
             ]
@@ -264,11 +264,12 @@ def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:
     return ScheduleHint(
         "shift-twice",
         "sigmas",
-        f"both sides shift flow-matching sigmas by {format_number(s)}, but {twice} starts from an end point that "
-        f"was already shifted ({(fa if marks[0] else fb).detail}): the shift is applied twice at the low end. "
-        f"{once} goes {f_once.detail}. diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps(n) with a static "
-        "shift does the former (as SD3's reference sampler does); set_timesteps(sigmas=np.linspace(1, 1/n, n)) "
-        "or use_dynamic_shifting with mu does the latter (as Flux's reference does).",
+        f"both sides shift flow-matching sigmas by {format_number(s)}, but {twice} starts from an end point"
+        f" that was already shifted ({(fa if marks[0] else fb).detail}): the shift is applied twice at the"
+        f" low end. {once} goes {f_once.detail}. diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps(n)"
+        " with a static shift does the former (as SD3's reference sampler does);"
+        " set_timesteps(sigmas=np.linspace(1, 1/n, n)) or use_dynamic_shifting with mu does the latter (as"
+        " Flux's reference does).",
         ["shift", "use_dynamic_shifting"],
     )
 
@@ -322,8 +323,10 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
             if kind == "sigmas" and short.per_call and len(other) == len(mine) + 1 and other[-1] == 0:
                 # a recorded loop never sees the sigma its last step goes to: compare what both sides hold
                 va, vb = va[: len(mine)], vb[: len(mine)]
-                notes.append(f"{side} was recorded per denoiser call, so its final sigma is unknown; the other "
-                             "side's final 0 is not compared")  # fmt: skip
+                notes.append(
+                    f"{side} was recorded per denoiser call, so its final sigma is unknown; the other "
+                    "side's final 0 is not compared"
+                )
         first = _first_difference(va, vb, kind)
         kinds.append(
             KindComparison(
@@ -334,7 +337,7 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
                 first,
                 family_of(kind, va, num_train_timesteps),
                 family_of(kind, vb, num_train_timesteps),
-            )  # fmt: skip
+            )
         )
     if not kinds:
         raise ParityKitError(

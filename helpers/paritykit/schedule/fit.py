@@ -176,7 +176,8 @@ class FitResult:
         lines = [f"reference: {self.reference} ({self.steps} steps)"]
         lines += [f"  {k}: {v}" for k, v in self.reference_families.items()]
         lines.append(
-            f"searched {self.searched} configs and set_timesteps calls of {self.scheduler}; step counts checked: "
+            f"searched {self.searched} configs and set_timesteps calls of {self.scheduler}; step counts"
+            " checked: "
             + ", ".join(map(str, self.counts))
             + (f"; image_seq_len checked: {', '.join(map(str, self.sizes))}" if self.sizes else "")
         )
@@ -200,13 +201,17 @@ class FitResult:
                 lines.append(f"     {self.call_line}")
             check = self.fits[0].step_check
             if check is not None:
-                lines.append(f"step: {check.steps_checked} updates match the reference's"
-                             + (f" ({check.explanation})" if check.explanation else ""))  # fmt: skip
+                lines.append(
+                    f"step: {check.steps_checked} updates match the reference's"
+                    + (f" ({check.explanation})" if check.explanation else "")
+                )
             return "\n".join(lines)
         lines.append(f"no config or set_timesteps call of {self.scheduler} reproduces the reference")
         if self.nearest is not None:
-            lines.append(f"nearest: {_change_text(self.nearest)} (worst relative error "
-                         f"{format_number(self.nearest.distance)} at {self.steps} steps)")  # fmt: skip
+            lines.append(
+                f"nearest: {_change_text(self.nearest)} (worst relative error "
+                f"{format_number(self.nearest.distance)} at {self.steps} steps)"
+            )
             lines += [f"  still differs: {d}" for d in self.differences]
         lines += [f"  elsewhere: {e}" for e in self.elsewhere]
         return "\n".join(lines)
@@ -268,7 +273,8 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
 
 def _mu(config: dict[str, Any], ref: Schedule | None) -> float | None:
     r"""The ``mu`` a dynamically shifting config needs to reproduce ``ref``: ``log(shift)`` (exponential time
-    shift) or the shift itself (linear), from the shift fitted to the reference's sigmas; ``None`` otherwise."""
+    shift) or the shift itself (linear), from the shift fitted to the reference's sigmas; ``None`` otherwise.
+    """
     if not config.get("use_dynamic_shifting") or ref is None or not ref.sigmas:
         return None
     shift = _flow_shift(tuple(ref.sigmas))
@@ -359,8 +365,10 @@ def fit_scheduler(
     flow_note = None
     if "shift" in keys and _timesteps_only(ref, train_steps):
         ref = _with_flow_sigmas(ref, train_steps)
-        flow_note = (f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} "
-                     "(a flow model is called at t = σ · num_train_timesteps)")  # fmt: skip
+        flow_note = (
+            f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} "
+            "(a flow model is called at t = σ · num_train_timesteps)"
+        )
     sizes = _sizes(ref, image_seq_len)
     calls_n = _steps_of_calls(cls, base, ref)
     if steps is None:
@@ -440,10 +448,17 @@ def fit_scheduler(
         (rejected if cand.failures else fits).append(cand)
     fits = _minimal(fits)
     result = FitResult(
-        cls.__name__, steps, counts, ref.source,
-        {k: f.describe() for k, f in families.items()}, fits, rejected[:10], len(seen), notes=notes,
+        cls.__name__,
+        steps,
+        counts,
+        ref.source,
+        {k: f.describe() for k, f in families.items()},
+        fits,
+        rejected[:10],
+        len(seen),
+        notes=notes,
         sizes=[s for s in sizes if s is not None],
-    )  # fmt: skip
+    )
     if fits and fits[0].mu and len(fits[0].mu) >= 2:
         _mu_as_function_of_size(result, cls, keys, base, ref, counts)
     if step_check is not None and step_check is not False:
@@ -477,8 +492,9 @@ def _sizes(ref: Schedule, image_seq_len: Sequence[int] | None) -> list[int | Non
     return sizes
 
 
-def _validate(cand: Candidate, cls: type, base: dict, ref: Schedule, counts: list[int], sizes: list,
-              variant: dict) -> None:  # fmt: skip
+def _validate(
+    cand: Candidate, cls: type, base: dict, ref: Schedule, counts: list[int], sizes: list, variant: dict
+) -> None:
     r"""Check ``cand`` at every count and size besides the first, recording matches, failures and residuals."""
     config = {**base, **cand.changes}
     for size in sizes:
@@ -502,8 +518,9 @@ def _validate(cand: Candidate, cls: type, base: dict, ref: Schedule, counts: lis
                 cand.failures[label] = match.why
 
 
-def _mu_as_function_of_size(result: FitResult, cls: type, keys: dict, base: dict, ref: Schedule,
-                            counts: list[int]) -> None:  # fmt: skip
+def _mu_as_function_of_size(
+    result: FitResult, cls: type, keys: dict, base: dict, ref: Schedule, counts: list[int]
+) -> None:
     r"""``mu`` fitted per size, read as diffusers' line ``calculate_shift`` (``base_shift`` at
     ``base_image_seq_len``, ``max_shift`` at ``max_image_seq_len``), and checked by building the scheduler from
     those config values at every size and count, and at a size between the ones given."""
@@ -528,8 +545,10 @@ def _mu_as_function_of_size(result: FitResult, cls: type, keys: dict, base: dict
     checked = {**best.mu}
     if _reference_at(ref, counts[0], {}, middle) is None:
         if len(checked) == 2:
-            result.notes.append(f"mu is a line through the two sizes given; it is not checked between them "
-                                f"(record a third size, e.g. {middle}, to check it)")  # fmt: skip
+            result.notes.append(
+                "mu is a line through the two sizes given; it is not checked between them "
+                f"(record a third size, e.g. {middle}, to check it)"
+            )
     elif middle not in checked:
         mu = m1 + slope * (middle - l1)
         for n in counts:
@@ -546,8 +565,10 @@ def _mu_as_function_of_size(result: FitResult, cls: type, keys: dict, base: dict
         result.rejected.insert(0, result.fits.pop(0))
         return
     result.sizes = sorted({*result.sizes, *(s for s in checked if s is not None)})
-    result.mu_rule = ("calculate_shift(image_seq_len, scheduler.config.base_image_seq_len, "
-                      "scheduler.config.max_image_seq_len, scheduler.config.base_shift, scheduler.config.max_shift)")  # fmt: skip
+    result.mu_rule = (
+        "calculate_shift(image_seq_len, scheduler.config.base_image_seq_len, "
+        "scheduler.config.max_image_seq_len, scheduler.config.base_shift, scheduler.config.max_shift)"
+    )
     result.notes.append(
         f"mu = {format_number(slope, 6)} * image_seq_len + {format_number(m1 - slope * l1, 6)} (base_shift "
         f"{format_number(base_shift, 6)} at {lo}, max_shift {format_number(max_shift, 6)} at {hi}); "
@@ -645,8 +666,14 @@ def _safe_lists(cls: type, config: dict[str, Any], n: int) -> dict[str, list[flo
         return None
 
 
-def _try(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, call: Call = DEFAULT_CALL,
-         mu: float | None = None) -> Match:  # fmt: skip
+def _try(
+    cls: type,
+    config: dict[str, Any],
+    ref: Schedule | None,
+    n: int,
+    call: Call = DEFAULT_CALL,
+    mu: float | None = None,
+) -> Match:
     if ref is None:
         return Match(False, "reference unknown at this count")
     try:
@@ -659,31 +686,61 @@ def _try(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, call: 
 
 
 # the keys still searched when the reference's own lists are passed to set_timesteps
-_GIVEN_KEYS = {"shift", "flow_shift", "final_sigmas_type", "use_flow_sigmas", "use_dynamic_shifting",
-               "time_shift_type"}  # fmt: skip
+_GIVEN_KEYS = {
+    "shift",
+    "flow_shift",
+    "final_sigmas_type",
+    "use_flow_sigmas",
+    "use_dynamic_shifting",
+    "time_shift_type",
+}
 
 
 # classes tried when the requested one cannot reproduce the reference, by what the reference holds
 _SIBLINGS = {
     "flow": ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler"),
-    "sigmas": ("EulerDiscreteScheduler", "HeunDiscreteScheduler", "LMSDiscreteScheduler", "KDPM2DiscreteScheduler",
-               "DPMSolverMultistepScheduler", "UniPCMultistepScheduler", "DEISMultistepScheduler"),
-    "timesteps": ("DDIMScheduler", "DDPMScheduler", "PNDMScheduler", "EulerDiscreteScheduler",
-                  "DPMSolverMultistepScheduler"),
-}  # fmt: skip
+    "sigmas": (
+        "EulerDiscreteScheduler",
+        "HeunDiscreteScheduler",
+        "LMSDiscreteScheduler",
+        "KDPM2DiscreteScheduler",
+        "DPMSolverMultistepScheduler",
+        "UniPCMultistepScheduler",
+        "DEISMultistepScheduler",
+    ),
+    "timesteps": (
+        "DDIMScheduler",
+        "DDPMScheduler",
+        "PNDMScheduler",
+        "EulerDiscreteScheduler",
+        "DPMSolverMultistepScheduler",
+    ),
+}
 
 
-def _explain_no_fit(result: FitResult, cls: type, base: dict, ref: Schedule, ref_n: Schedule, steps: int,
-                    train_steps: int, tried: list[Candidate], step_check: Any, variants: list[dict]) -> None:  # fmt: skip
+def _explain_no_fit(
+    result: FitResult,
+    cls: type,
+    base: dict,
+    ref: Schedule,
+    ref_n: Schedule,
+    steps: int,
+    train_steps: int,
+    tried: list[Candidate],
+    step_check: Any,
+    variants: list[dict],
+) -> None:
     r"""Nothing fits: the nearest candidate (a rejected fit first, else the smallest worst relative error at
     ``steps``), each difference that remains between its lists and the reference's, and the sibling classes
     whose own fit reproduces the reference (each found by a full fit, not assumed)."""
     from paritykit.schedule.compare import compare_schedules
 
     finite = [c for c in tried if math.isfinite(c.distance)]
-    near = result.rejected[0] if result.rejected else min(
-        finite, key=lambda c: (c.distance, c.call.rank, len(c.changes)), default=None
-    )  # fmt: skip
+    near = (
+        result.rejected[0]
+        if result.rejected
+        else min(finite, key=lambda c: (c.distance, c.call.rank, len(c.changes)), default=None)
+    )
     if near is not None:
         result.nearest = near
         config = {**base, **near.changes}
@@ -717,8 +774,18 @@ def _explain_no_fit(result: FitResult, cls: type, base: dict, ref: Schedule, ref
                 result.elsewhere.append(found)
 
 
-def _sibling(name: str, near: Candidate, base: dict, ref: Schedule, ref_n: Schedule, steps: int,
-             result: FitResult, step_check: Any, train_steps: int, variants: list[dict]) -> str | None:  # fmt: skip
+def _sibling(
+    name: str,
+    near: Candidate,
+    base: dict,
+    ref: Schedule,
+    ref_n: Schedule,
+    steps: int,
+    result: FitResult,
+    step_check: Any,
+    train_steps: int,
+    variants: list[dict],
+) -> str | None:
     r"""The nearest candidate's config (the keys ``name`` accepts) in another class, validated like a fit: at
     every count and size, and by the step check when the request had one. A line saying it reproduces the
     reference, or ``None``."""
@@ -747,8 +814,17 @@ def _sibling(name: str, near: Candidate, base: dict, ref: Schedule, ref_n: Sched
     cand.changes = {k: v for k, v in changes.items() if keys.get(k) != v}
     probe = FitResult(name, steps, result.counts, result.reference, {}, [cand], [], 1)
     if step_check is not None and step_check is not False:
-        _run_step_check(probe, other, {k: v for k, v in base.items() if k in keys}, keys, ref, ref_n, steps,
-                        step_check, train_steps)  # fmt: skip
+        _run_step_check(
+            probe,
+            other,
+            {k: v for k, v in base.items() if k in keys},
+            keys,
+            ref,
+            ref_n,
+            steps,
+            step_check,
+            train_steps,
+        )
         if not probe.fits:
             return None
     checked = " (its step is not checked)" if cand.step_check is None and probe.step_checked else ""
@@ -785,8 +861,10 @@ def _interpolation(ref: Schedule, got: dict[str, list[float]], cls: type, config
     a, b = which(ref.sigmas), which(got["sigmas"])
     if a is None or b is None or a == b:
         return []
-    return [f"[interpolation] the timesteps agree but the sigmas at them do not: the reference interpolates the "
-            f"training sigmas {a}, {cls.__name__} {b} (they differ where a timestep is fractional)"]  # fmt: skip
+    return [
+        "[interpolation] the timesteps agree but the sigmas at them do not: the reference interpolates the "
+        f"training sigmas {a}, {cls.__name__} {b} (they differ where a timestep is fractional)"
+    ]
 
 
 def _minimal(fits: list[Candidate]) -> list[Candidate]:

@@ -150,8 +150,8 @@ def _from_spec(path: Path) -> Schedule:
             )
         if sized and size is None:
             raise ParityKitError(
-                f"SPEC {str(path)!r}: ref_schedule(n, image_seq_len) depends on the image size: give the sizes "
-                "to fit at (--image-seq-len 256,4096)"
+                f"SPEC {str(path)!r}: ref_schedule(n, image_seq_len) depends on the image size: give the"
+                " sizes to fit at (--image-seq-len 256,4096)"
             )
         args = (n, size) if sized else (n,)
         what = f"ref_schedule({', '.join(map(str, args))})"
@@ -196,9 +196,16 @@ def load_sized(recordings: Mapping[int, Any]) -> Schedule:
     source = "recordings at image_seq_len " + ", ".join(
         f"{size} ({rec.source})" for size, rec in loaded.items()
     )
-    return Schedule(source, timesteps=first.timesteps, sigmas=first.sigmas, integer=first.integer,
-                    per_call=first.per_call, generator=generate, sized=True,
-                    recorded_sizes=tuple(loaded))  # fmt: skip
+    return Schedule(
+        source,
+        timesteps=first.timesteps,
+        sigmas=first.sigmas,
+        integer=first.integer,
+        per_call=first.per_call,
+        generator=generate,
+        sized=True,
+        recorded_sizes=tuple(loaded),
+    )
 
 
 def load_schedule(source: Any) -> Schedule:
@@ -226,8 +233,10 @@ def load_schedule(source: Any) -> Schedule:
         if isinstance(data, dict):
             return _from_mapping(data, str(path))
         if not isinstance(data, list):
-            raise ParityKitError(f"{path}: expected a JSON list of numbers, or an object with timesteps/sigmas "
-                                 f"(got {type(data).__name__})")  # fmt: skip
+            raise ParityKitError(
+                f"{path}: expected a JSON list of numbers, or an object with timesteps/sigmas "
+                f"(got {type(data).__name__})"
+            )
         ts, integer = _floats(data, str(path))
         return Schedule(str(path), timesteps=ts, integer=integer and all(isinstance(v, int) for v in data))
     if path.is_dir():

@@ -159,7 +159,8 @@ _CALLS = (
 
 def calls_for(cls: type, keys: dict[str, Any], ref: Schedule) -> list[Call]:
     r"""The ``set_timesteps`` calls ``cls`` accepts that could reproduce ``ref``: the default one, the flow
-    pipelines' linspace sigmas (flow classes, which shift what they are given), and the reference's own lists."""
+    pipelines' linspace sigmas (flow classes, which shift what they are given), and the reference's own lists.
+    """
     params = inspect.signature(cls.set_timesteps).parameters
     calls = [DEFAULT_CALL]
     for call in _CALLS:
@@ -173,15 +174,22 @@ def calls_for(cls: type, keys: dict[str, Any], ref: Schedule) -> list[Call]:
     return calls
 
 
-def lists_of(cls: type, config: dict[str, Any], n: int, call: Call = DEFAULT_CALL, ref: Schedule | None = None,
-             mu: float | None = None) -> dict[str, list[float]]:  # fmt: skip
+def lists_of(
+    cls: type,
+    config: dict[str, Any],
+    n: int,
+    call: Call = DEFAULT_CALL,
+    ref: Schedule | None = None,
+    mu: float | None = None,
+) -> dict[str, list[float]]:
     r"""The timestep and sigma lists ``cls(**config)`` sets for ``n`` steps under ``call``."""
     steps, kwargs = call.kwargs(n, ref, mu)
     return _scheduler_lists(_make(cls, config), steps, **kwargs)
 
 
-def set_with(scheduler: Any, n: int, call: Call = DEFAULT_CALL, ref: Schedule | None = None,
-             mu: float | None = None) -> None:  # fmt: skip
+def set_with(
+    scheduler: Any, n: int, call: Call = DEFAULT_CALL, ref: Schedule | None = None, mu: float | None = None
+) -> None:
     r"""``scheduler.set_timesteps`` under ``call`` (the step check runs the fitted call, not the default)."""
     steps, kwargs = call.kwargs(n, ref, mu)
     _scheduler_lists(scheduler, steps, **kwargs)

@@ -63,8 +63,15 @@ def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, 
             x = torch.randn(shape, generator=gen, dtype=torch.float64)
             eps = torch.randn(shape, generator=gen, dtype=torch.float64)
             t_prev = values[i + 1] if i + 1 < len(values) else None
-            out = call_user(spec.module.ref_step, x.clone(), eps.clone(), values[i], t_prev,
-                            what=f"ref_step at step {i}", spec=spec)  # fmt: skip
+            out = call_user(
+                spec.module.ref_step,
+                x.clone(),
+                eps.clone(),
+                values[i],
+                t_prev,
+                what=f"ref_step at step {i}",
+                spec=spec,
+            )
             yield i, x.float(), eps.float(), torch.as_tensor(out).float()
         return
     if source is True or not Path(source).is_dir():
@@ -87,8 +94,9 @@ def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, 
                 return
             eps, nxt = pick(data.data, outputs), pick(data.data, ("latents", "sample"))
             if eps is None or nxt is None:
-                raise ParityKitError(f"{source}: after_step_{i} needs the latents and the model output "
-                                     f"({', '.join(outputs)})")  # fmt: skip
+                raise ParityKitError(
+                    f"{source}: after_step_{i} needs the latents and the model output ({', '.join(outputs)})"
+                )
             yield i, x.float(), eps.float(), nxt.float()
             x = nxt
         return
@@ -119,8 +127,16 @@ def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, floa
     return dt, float((step - dt * d).norm() / step.norm().clamp_min(1e-30))
 
 
-def _check_one(cls: type, config: dict[str, Any], steps: int, updates: list, keys: dict, call: Call = DEFAULT_CALL,
-               ref: Schedule | None = None, mu: float | None = None) -> StepCheck:  # fmt: skip
+def _check_one(
+    cls: type,
+    config: dict[str, Any],
+    steps: int,
+    updates: list,
+    keys: dict,
+    call: Call = DEFAULT_CALL,
+    ref: Schedule | None = None,
+    mu: float | None = None,
+) -> StepCheck:
     scheduler = _make(cls, config)
     set_with(scheduler, steps, call, ref, mu)
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
@@ -189,9 +205,9 @@ def _recorded_calls(source: Any) -> Recorded | str | None:
         return None
     if "preloop" in ck and "sigmas" in ck["preloop"].data:
         return (
-            "the recorded denoiser takes sigma (a k-diffusion-style wrapper, whose output is its own x0 "
-            "estimate): record the network inside it, whose input the scheduler scales and whose output step() "
-            "reads"
+            "the recorded denoiser takes sigma (a k-diffusion-style wrapper, whose output is its own x0"
+            " estimate): record the network inside it, whose input the scheduler scales and whose output"
+            " step() reads"
         )
     calls = []
     while f"step_{len(calls)}" in ck:
@@ -213,8 +229,15 @@ def _recorded_calls(source: Any) -> Recorded | str | None:
 _SAMPLE_NAMES = ("sample", "hidden_states", "x", "latents", "input", "arg0")
 
 
-def _check_calls(cls: type, config: dict[str, Any], steps: int, recorded: Recorded, call: Call = DEFAULT_CALL,
-                 ref: Schedule | None = None, mu: float | None = None) -> StepCheck:  # fmt: skip
+def _check_calls(
+    cls: type,
+    config: dict[str, Any],
+    steps: int,
+    recorded: Recorded,
+    call: Call = DEFAULT_CALL,
+    ref: Schedule | None = None,
+    mu: float | None = None,
+) -> StepCheck:
     r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is undone
     to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call ``j``'s
     own model output, so a multistep solver's history is the reference's. The last update is checked against
@@ -226,8 +249,14 @@ def _check_calls(cls: type, config: dict[str, Any], steps: int, recorded: Record
     set_with(scheduler, steps, call, ref, mu)
     timesteps = scheduler.timesteps
     if len(timesteps) != len(calls):
-        return StepCheck(False, 0, explanation=f"the folder holds {len(calls)} denoiser calls, {cls.__name__} "
-                         f"makes {len(timesteps)} at {steps} steps")  # fmt: skip
+        return StepCheck(
+            False,
+            0,
+            explanation=(
+                f"the folder holds {len(calls)} denoiser calls, {cls.__name__} "
+                f"makes {len(timesteps)} at {steps} steps"
+            ),
+        )
     kwargs = {"eta": 0.0} if "eta" in inspect.signature(scheduler.step).parameters else {}
     expected = previous = None
     for j, (t, (sample, output)) in enumerate(zip(timesteps, calls)):
@@ -259,13 +288,24 @@ def _mismatch(
     alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
     ref_v, ref_r = _implied(quantity, x, eps, nxt, alpha_t)
     port_v, port_r = _implied(quantity, x, eps, out, alpha_t)
-    head = f"the lists match, the update at step {i} (t={format_number(float(t))}) does not (max_abs {format_number(err)})"
+    head = (
+        f"the lists match, the update at step {i} (t={format_number(float(t))}) does not (max_abs"
+        f" {format_number(err)})"
+    )
     if max(ref_r, port_r) > 1e-3:
         # one number cannot account for it: say so instead of naming a quantity that is not the cause
-        return StepCheck(False, checked, i, err, None, None, None,
-                         f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
-                         f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
-                         "(solver, x0 clipping, prediction_type)")  # fmt: skip
+        return StepCheck(
+            False,
+            checked,
+            i,
+            err,
+            None,
+            None,
+            None,
+            f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
+            f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
+            "(solver, x0 clipping, prediction_type)",
+        )
     where = ""
     if alpha_based:
         ac = scheduler.alphas_cumprod.double()
@@ -278,10 +318,16 @@ def _mismatch(
 
         where = f" — reference ≈ {at(ref_v)}, {cls.__name__} ≈ {at(port_v)}"
     return StepCheck(
-        False, checked, i, err, quantity, ref_v, port_v,
+        False,
+        checked,
+        i,
+        err,
+        quantity,
+        ref_v,
+        port_v,
         f"{head}: {quantity} {format_number(ref_v)} (reference) vs {format_number(port_v)} "
         f"({cls.__name__}){where}",
-    )  # fmt: skip
+    )
 
 
 def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
@@ -295,12 +341,16 @@ def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, tra
         "Ancestral" in name or "SDE" in name or str(base.get("algorithm_type", "")).startswith(_STOCHASTIC)
     )
     if stochastic:
-        result.notes.append(f"--step-check: {name} is not checked: its step draws fresh noise, which no "
-                            "recording holds; schedule only")  # fmt: skip
+        result.notes.append(
+            f"--step-check: {name} is not checked: its step draws fresh noise, which no "
+            "recording holds; schedule only"
+        )
         return
     if calls is None and name.startswith(("Heun", "KDPM2")):
-        result.notes.append(f"--step-check: {name} makes two denoiser calls per step; check it against a "
-                            "record_loop folder of every call, not one update per step")  # fmt: skip
+        result.notes.append(
+            f"--step-check: {name} makes two denoiser calls per step; check it against a "
+            "record_loop folder of every call, not one update per step"
+        )
         return
     if _ddim_like(cls, keys) and train_steps % steps:
         result.warnings.append(
@@ -320,9 +370,9 @@ def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, tra
 
         if calls.final is None:
             result.notes.append(
-                f"--step-check: {n - 1} of {n} updates checked in lockstep with the recorded loop; the last one "
-                "(where the final sigma and the last step's order act) needs the loop's result: "
-                "`with record_loop(...) as rec: rec.final(sampler(...))`"
+                f"--step-check: {n - 1} of {n} updates checked in lockstep with the recorded loop; the last"
+                " one (where the final sigma and the last step's order act) needs the loop's result: `with"
+                " record_loop(...) as rec: rec.final(sampler(...))`"
             )
     else:
         updates = list(_reference_updates(ref, ref_n, steps, source))
@@ -364,8 +414,10 @@ def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, tra
             found = first
             tried = [k for k in _STEP_AXES if k in keys]
             if tried:
-                found.explanation += (f"; no value of {', '.join(tried)} (up to two changed at once) reproduces "
-                                      "every update: none of them, alone or in pairs, is the cause")  # fmt: skip
+                found.explanation += (
+                    f"; no value of {', '.join(tried)} (up to two changed at once) reproduces "
+                    "every update: none of them, alone or in pairs, is the cause"
+                )
         cand.step_check = found
         (good if found.matched else bad).append(cand)
     result.fits = good
@@ -384,5 +436,7 @@ def _fixed_by(first: StepCheck, fixes: list[dict[str, Any]]) -> str:
     head = f"the update differs {at} with the config as fitted"
     if len(fixes) == 1:
         return f"{head}; {text(fixes[0])} reproduces every checked update"
-    return (f"{head}; each of {' / '.join(text(f) for f in fixes)} reproduces every checked update (this "
-            f"recording cannot tell them apart; the first is proposed)")  # fmt: skip
+    return (
+        f"{head}; each of {' / '.join(text(f) for f in fixes)} reproduces every checked update (this "
+        "recording cannot tell them apart; the first is proposed)"
+    )

@@ -112,8 +112,8 @@ def maybe_checkpoint(
             )
         if tensors and not set(checkpoint.data) & set(tensors):
             raise ParityKitError(
-                f"checkpoint {name!r}: none of its keys ({', '.join(checkpoint.data)}) match the values passed "
-                f"here ({', '.join(tensors)})"
+                f"checkpoint {name!r}: none of its keys ({', '.join(checkpoint.data)}) match the values"
+                f" passed here ({', '.join(tensors)})"
             )
         for key, stored in checkpoint.data.items():
             values[key] = _inject(stored, tensors.get(key))

@@ -138,29 +138,45 @@ def check_pair(ref_trace: Trace, port_trace: Trace, inputs: dict[str, Any] | Non
     a, b = ref_trace.about, port_trace.about
     sides = a.get("side"), b.get("side")
     if sides == ("port", "reference"):
-        raise ParityKitError(f"--traces: swapped: {ref_dir} holds the port's trace and {port_dir} the reference's; "
-                             "give the reference's folder first")  # fmt: skip
+        raise ParityKitError(
+            f"--traces: swapped: {ref_dir} holds the port's trace and {port_dir} the reference's; "
+            "give the reference's folder first"
+        )
     if sides[0] is not None and sides[0] == sides[1]:
         raise ParityKitError(f"--traces: {ref_dir} and {port_dir} both hold the {sides[0]}'s trace")
     for folder, side, wanted in ((ref_dir, sides[0], "reference"), (port_dir, sides[1], "port")):
         if side is not None and side != wanted:
             raise ParityKitError(f"--traces: {folder} holds the {side}'s trace where the {wanted}'s belongs")
-    _same_inputs(a.get("inputs"), b.get("inputs"), f"{ref_dir} was traced on", f"{port_dir} on",
-                 f"{ref_dir} and {port_dir}")  # fmt: skip
+    _same_inputs(
+        a.get("inputs"),
+        b.get("inputs"),
+        f"{ref_dir} was traced on",
+        f"{port_dir} on",
+        f"{ref_dir} and {port_dir}",
+    )
     traced = a.get("inputs") or b.get("inputs")
-    _same_inputs(traced, inputs, "the traces were written on", "SPEC's make_inputs() gives",
-                 "the traces and SPEC's make_inputs()")  # fmt: skip
+    _same_inputs(
+        traced,
+        inputs,
+        "the traces were written on",
+        "SPEC's make_inputs() gives",
+        "the traces and SPEC's make_inputs()",
+    )
 
 
 def _same_inputs(first: Any, second: Any, said_first: str, said_second: str, both: str) -> None:
     if not isinstance(first, dict) or not isinstance(second, dict):
         return
     if first.get("shapes") != second.get("shapes"):
-        raise ParityKitError(f"--traces: different inputs: {said_first} {_shapes_text(first.get('shapes'))}, "
-                             f"{said_second} {_shapes_text(second.get('shapes'))}")  # fmt: skip
+        raise ParityKitError(
+            f"--traces: different inputs: {said_first} {_shapes_text(first.get('shapes'))}, "
+            f"{said_second} {_shapes_text(second.get('shapes'))}"
+        )
     if first.get("sha256") != second.get("sha256"):
-        raise ParityKitError(f"--traces: different inputs: {both} agree in shape ({_shapes_text(first.get('shapes'))}) "
-                             "but not in value: a different make_inputs(), or one that is not seeded")  # fmt: skip
+        raise ParityKitError(
+            f"--traces: different inputs: {both} agree in shape ({_shapes_text(first.get('shapes'))}) "
+            "but not in value: a different make_inputs(), or one that is not seeded"
+        )
 
 
 def _shapes_text(shapes: Any) -> str:

@@ -148,7 +148,8 @@ def record_calls(module: Any, on_call: Callable[[int, Call], None] | None = None
     r"""Record every call of ``module`` (a ``torch.nn.Module``) inside the ``with`` block, in memory.
 
     A forward hook, nothing patched: each call's arguments and output are copied as it returns, so a loop that
-    updates its latents in place does not change what was recorded. ``on_call(index, call)`` runs after each."""
+    updates its latents in place does not change what was recorded. ``on_call(index, call)`` runs after each.
+    """
     import torch
 
     if not isinstance(module, torch.nn.Module):

@@ -316,8 +316,8 @@ class Trace:
         version = manifest.get("version")
         if version != FORMAT_VERSION:
             raise ParityKitError(
-                f"{manifest_path}: trace format {version!r}, this paritykit reads {FORMAT_VERSION} (re-trace it with "
-                "this version)"
+                f"{manifest_path}: trace format {version!r}, this paritykit reads {FORMAT_VERSION} (re-trace"
+                " it with this version)"
             )
         try:
             trace = cls._from_manifest(manifest, directory)
@@ -342,8 +342,10 @@ class Trace:
                 trace._tensors.open_shard(shard).keys()
             )
             if missing:
-                raise ParityKitError(f"{directory / shard}: lacks {len(missing)} tensors the manifest lists "
-                                     f"(e.g. {sorted(missing)[0]!r}); the trace is incomplete")  # fmt: skip
+                raise ParityKitError(
+                    f"{directory / shard}: lacks {len(missing)} tensors the manifest lists "
+                    f"(e.g. {sorted(missing)[0]!r}); the trace is incomplete"
+                )
         for item in manifest["records"]:
             trace._add(
                 Record(

@@ -222,9 +222,15 @@ def compare_call(index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: T
         else None
     )
     return CallComparison(
-        index, lat, note, timestep(ref, rr), timestep(port, pr), (rr.timestep_kind, pr.timestep_kind),
-        conditioning, out,
-    )  # fmt: skip
+        index,
+        lat,
+        note,
+        timestep(ref, rr),
+        timestep(port, pr),
+        (rr.timestep_kind, pr.timestep_kind),
+        conditioning,
+        out,
+    )
 
 
 def comparison_evidence(comparison: Any) -> list[str]:

@@ -147,7 +147,8 @@ def _as_tensor(value: Any, what: str, spec: Spec) -> Any:
         return torch.as_tensor(value if isinstance(value, torch.Tensor) else np.array(value)).detach()
     except (TypeError, ValueError, RuntimeError):
         raise ParityKitError(
-            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of images"
+            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of"
+            " images"
         ) from None
 
 
@@ -196,17 +197,31 @@ class Triage:
         result = self.result_comparison()
         if result.get("passed") is False and not self.findings:
             self.findings.append(
-                Finding("result", None, "the results differ while every check above agrees: the difference is "
-                        "outside what was recorded" + ("" if self.ref.vae is not None else " (give reference_vae() "
-                        "and port_vae() to check the decoder)"), evidence=result.get("evidence", []))
-            )  # fmt: skip
+                Finding(
+                    "result",
+                    None,
+                    "the results differ while every check above agrees: the difference is "
+                    "outside what was recorded"
+                    + (
+                        ""
+                        if self.ref.vae is not None
+                        else " (give reference_vae() and port_vae() to check the decoder)"
+                    ),
+                    evidence=result.get("evidence", []),
+                )
+            )
         return TriageReport(
-            spec=str(self.spec.path), findings=self.findings, ruled_out=self.ruled_out,
-            not_checked=self.not_checked, curve=self.curve(), calls=(len(self.ref.calls), len(self.port.calls)),
-            result={k: v for k, v in result.items() if k != "evidence"}, all_causes=self.all_causes,
+            spec=str(self.spec.path),
+            findings=self.findings,
+            ruled_out=self.ruled_out,
+            not_checked=self.not_checked,
+            curve=self.curve(),
+            calls=(len(self.ref.calls), len(self.port.calls)),
+            result={k: v for k, v in result.items() if k != "evidence"},
+            all_causes=self.all_causes,
             out_dir=str(self.out_dir) if self.out_dir is not None else None,
             environment=environment_stamp(spec=str(self.spec.path)),
-        )  # fmt: skip
+        )
 
     def first_difference(self) -> None:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
@@ -246,13 +261,16 @@ class Triage:
             import torch
 
             same_values = torch.equal(xr.reshape(-1).sort().values, xp.reshape(-1).sort().values.to(xr.dtype))
-            summary = (f"the first call's latents are laid out differently: reference {tuple(xr.shape)}, port "
-                       f"{tuple(xp.shape)}; ")  # fmt: skip
+            summary = (
+                f"the first call's latents are laid out differently: reference {tuple(xr.shape)}, port "
+                f"{tuple(xp.shape)}; "
+            )
             summary += (
                 "the same values, rearranged: a packing (2×2 patches into tokens, channels last); calls are "
-                "compared only where the layouts agree" if same_values else
-                "the values differ too: other noise, then laid out differently"
-            )  # fmt: skip
+                "compared only where the layouts agree"
+                if same_values
+                else "the values differ too: other noise, then laid out differently"
+            )
             self.findings.append(Finding("initial noise", 0, summary, evidence=[pair.latents_note]))
             return
         if pair.latents_match:
@@ -262,14 +280,25 @@ class Triage:
         fit = fit_affine(xp, xr)
         summary = "the first call's latents differ"
         if fit is not None and fit.exact:
-            summary += f": the port's are {affine_words(fit, THE_REFERENCES)} (exact, residual {format_number(fit.residual)})"
+            summary += (
+                f": the port's are {affine_words(fit, THE_REFERENCES)} (exact, residual"
+                f" {format_number(fit.residual)})"
+            )
             summary += "; a missing or extra scaling of the noise (init_noise_sigma, a sigma_max factor)"
         elif pair.latents.cosine is not None and abs(pair.latents.cosine) < 0.1:
-            summary += " and are uncorrelated (cosine ~0): different noise: another generator, seed, device or draw order"
+            summary += (
+                " and are uncorrelated (cosine ~0): different noise: another generator, seed, device or draw"
+                " order"
+            )
         self.findings.append(
-            Finding("initial noise", 0, summary, evidence=evidence,
-                    command=self._compare_command(0, self.ref_roles[0].latents, self.port_roles[0].latents))
-        )  # fmt: skip
+            Finding(
+                "initial noise",
+                0,
+                summary,
+                evidence=evidence,
+                command=self._compare_command(0, self.ref_roles[0].latents, self.port_roles[0].latents),
+            )
+        )
 
     # --------------------------------------------------------------------------------------- 2. schedule
     def schedule(self, independent: bool) -> None:
@@ -288,13 +317,20 @@ class Triage:
         if repeated:
             side, times = repeated
             self.findings.append(
-                Finding("schedule", None, f"the {side} calls the denoiser {times} times per timestep where the other "
-                        "calls it once (guidance halves run separately against one batch): the calls cannot be "
-                        "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
-                        "reference's halves",
-                        evidence=[f"reference {_head(t_ref)}", f"port      {_head(t_port)}",
-                                  "the timesteps agree once the repeats are collapsed"])
-            )  # fmt: skip
+                Finding(
+                    "schedule",
+                    None,
+                    f"the {side} calls the denoiser {times} times per timestep where the other "
+                    "calls it once (guidance halves run separately against one batch): the calls cannot be "
+                    "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
+                    "reference's halves",
+                    evidence=[
+                        f"reference {_head(t_ref)}",
+                        f"port      {_head(t_port)}",
+                        "the timesteps agree once the repeats are collapsed",
+                    ],
+                )
+            )
             return
         first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
         comparison = compare_schedules(t_ref, t_port)
@@ -304,10 +340,14 @@ class Triage:
             *(h.message for h in getattr(comparison, "hints", [])[:3]),
         ]
         finding = Finding(
-            "schedule", first, f"the timesteps differ from call {first} "
-            f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)", evidence=evidence,
-            command=self._schedule_command(), details=comparison.to_dict(),
-        )  # fmt: skip
+            "schedule",
+            first,
+            f"the timesteps differ from call {first} "
+            f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)",
+            evidence=evidence,
+            command=self._schedule_command(),
+            details=comparison.to_dict(),
+        )
         self._fit_schedule(finding)
         self.findings.append(finding)
 
@@ -353,10 +393,15 @@ class Triage:
             return
         r, p, c = bad[0]
         self.findings.append(
-            Finding("conditioning", 0, f"the denoiser's conditioning input {r} (port: {p}) differs before any "
-                    "denoiser computation: the text encoder, the prompt's embedding or its packing",
-                    evidence=comparison_evidence(c), command=self._compare_command(0, r, p))
-        )  # fmt: skip
+            Finding(
+                "conditioning",
+                0,
+                f"the denoiser's conditioning input {r} (port: {p}) differs before any "
+                "denoiser computation: the text encoder, the prompt's embedding or its packing",
+                evidence=comparison_evidence(c),
+                command=self._compare_command(0, r, p),
+            )
+        )
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, independent: bool, call: int | None = None) -> None:
@@ -385,17 +430,22 @@ class Triage:
 
         # a module on one call's inputs is held to bisect's own per-dtype tolerances, or the SPEC's
         return bisect(
-            reference, port, (ref_call.args, ref_call.kwargs), port_inputs=lambda a, k: port_inputs,
-            atol=self.spec.tolerance.get("atol"), rtol=self.spec.tolerance.get("rtol"),
-        )  # fmt: skip
+            reference,
+            port,
+            (ref_call.args, ref_call.kwargs),
+            port_inputs=lambda a, k: port_inputs,
+            atol=self.spec.tolerance.get("atol"),
+            rtol=self.spec.tolerance.get("rtol"),
+        )
 
     # ----------------------------------------------------------------------------------------- 5. update
     def update(self, independent: bool, step: int | None = None) -> None:
         fits = [self._update_fits(i) for i in range(len(self.pairs))]
         comparable = [
-            i for i, (fr, fp) in enumerate(fits)
+            i
+            for i, (fr, fp) in enumerate(fits)
             if fr is not None and fp is not None and self._same_step_times(i)
-        ]  # fmt: skip
+        ]
         if step is not None and step not in comparable:
             comparable.append(step)
         for i in sorted(comparable):
@@ -407,13 +457,22 @@ class Triage:
             differences = coefficient_differences(fr, fp)
             if differences:
                 self.findings.append(
-                    Finding("update", i, f"the update from call {i} to the next differs: " + "; ".join(differences),
-                            evidence=[f"reference: next latents = {fr.text()} (residual {format_number(fr.residual)})",
-                                      f"port:      next latents = {fp.text()} (residual {format_number(fp.residual)})",
-                                      "timesteps, latents and output of the step agree"
-                                      if step == i else "the step's timesteps agree on both sides"],
-                            command=self._steps_command())
-                )  # fmt: skip
+                    Finding(
+                        "update",
+                        i,
+                        f"the update from call {i} to the next differs: " + "; ".join(differences),
+                        evidence=[
+                            f"reference: next latents = {fr.text()} (residual {format_number(fr.residual)})",
+                            f"port:      next latents = {fp.text()} (residual {format_number(fp.residual)})",
+                            (
+                                "timesteps, latents and output of the step agree"
+                                if step == i
+                                else "the step's timesteps agree on both sides"
+                            ),
+                        ],
+                        command=self._steps_command(),
+                    )
+                )
                 self._check_step(self.findings[-1])
                 return
         if step is not None:
@@ -424,11 +483,15 @@ class Triage:
                 else "the fitted rules agree, yet the next latents differ"
             )
             self.findings.append(
-                Finding("update", step, f"the latents after step {step} differ while that step's inputs and output "
-                        f"agree: the sampler's update (cause unknown: {why})",
-                        evidence=comparison_evidence(self._next_latents_comparison(step)),
-                        command=self._steps_command())
-            )  # fmt: skip
+                Finding(
+                    "update",
+                    step,
+                    f"the latents after step {step} differ while that step's inputs and output "
+                    f"agree: the sampler's update (cause unknown: {why})",
+                    evidence=comparison_evidence(self._next_latents_comparison(step)),
+                    command=self._steps_command(),
+                )
+            )
             self._check_step(self.findings[-1])
             return
         checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
@@ -461,14 +524,18 @@ class Triage:
         check = fit.fits[0].step_check if fit.fits else None
         if check is not None and check.matched and fit.fits[0].changes:
             finding.fix, finding.verified = fit.line, True
-            finding.evidence.append(f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
-                                    f"updates: {check.explanation}")  # fmt: skip
+            finding.evidence.append(
+                f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
+                f"updates: {check.explanation}"
+            )
         else:
             why = (
                 fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""
             )
-            finding.evidence.append("no step key of the port's scheduler reproduces the reference's updates"
-                                    + (f": {why}" if why else ""))  # fmt: skip
+            finding.evidence.append(
+                "no step key of the port's scheduler reproduces the reference's updates"
+                + (f": {why}" if why else "")
+            )
         finding.command = shlex.join(
             ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__, "--step-check", reference]
         )
@@ -489,8 +556,14 @@ class Triage:
         sides = []
         for run, roles in ((self.ref, self.ref_roles), (self.port, self.port_roles)):
             previous = output(run.calls[i - 1]) if i > 0 else None
-            sides.append(update_fit(latents(run.calls[i], roles[i]), output(run.calls[i]),
-                                    self._next_latents(run, roles, i), previous))  # fmt: skip
+            sides.append(
+                update_fit(
+                    latents(run.calls[i], roles[i]),
+                    output(run.calls[i]),
+                    self._next_latents(run, roles, i),
+                    previous,
+                )
+            )
         return tuple(sides)
 
     def _next_latents_comparison(self, i: int) -> Any:
@@ -525,25 +598,34 @@ class Triage:
             fit = fit_affine(zp, zr, per_channel=True)
             if fit is not None and fit.exact and not _identity(fit):
                 self.findings.append(
-                    Finding("decoder input", None,
-                            f"the latents reach the decoder as {affine_words(fit, THE_REFERENCES)} "
-                            f"(exact, residual {format_number(fit.residual)}): the scaling between the loop and the "
-                            "decoder (scaling_factor, shift_factor) differs",
-                            evidence=[f"fitted over every element of the decoder's input (relative error "
-                                      f"{format_number(rel(zr, zp))} before the fit)"],
-                            command=self._inputs_command("decoder_input", zr, zp))
-                )  # fmt: skip
+                    Finding(
+                        "decoder input",
+                        None,
+                        f"the latents reach the decoder as {affine_words(fit, THE_REFERENCES)} (exact,"
+                        f" residual {format_number(fit.residual)}): the scaling between the loop and the"
+                        " decoder (scaling_factor, shift_factor) differs",
+                        evidence=[
+                            "fitted over every element of the decoder's input (relative error "
+                            f"{format_number(rel(zr, zp))} before the fit)"
+                        ],
+                        command=self._inputs_command("decoder_input", zr, zp),
+                    )
+                )
                 if not independent:
                     return
             elif not independent:
                 residual = f"residual {format_number(fit.residual)}" if fit is not None else "shapes differ"
                 self.findings.append(
-                    Finding("decoder input", None,
-                            "the decoder's input differs though every denoiser call agrees: the last update (after "
-                            "the last call) or the latents' preparation for the decoder; no scale and shift relates "
-                            f"the two ({residual})", evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
-                            command=self._inputs_command("decoder_input", zr, zp))
-                )  # fmt: skip
+                    Finding(
+                        "decoder input",
+                        None,
+                        "the decoder's input differs though every denoiser call agrees: the last update"
+                        " (after the last call) or the latents' preparation for the decoder; no scale and"
+                        f" shift relates the two ({residual})",
+                        evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
+                        command=self._inputs_command("decoder_input", zr, zp),
+                    )
+                )
                 return
         mapped = _with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
         if mapped is None:
@@ -571,16 +653,24 @@ class Triage:
             self.not_checked.append("post-processing: a result is not laid out like its decoder's output")
             return
         if not (fr.exact and fp.exact):
-            self.not_checked.append("post-processing: a side's result is not a scale and shift of its decoder's "
-                                    "output where unclamped")  # fmt: skip
+            self.not_checked.append(
+                "post-processing: a side's result is not a scale and shift of its decoder's "
+                "output where unclamped"
+            )
             return
         differences = coefficient_differences(fr, fp)
         if differences:
             self.findings.append(
-                Finding("post-processing", None, "the decoded image is mapped differently: " + "; ".join(differences),
-                        evidence=[f"reference: result = {fr.text()} where unclamped",
-                                  f"port:      result = {fp.text()} where unclamped"])
-            )  # fmt: skip
+                Finding(
+                    "post-processing",
+                    None,
+                    "the decoded image is mapped differently: " + "; ".join(differences),
+                    evidence=[
+                        f"reference: result = {fr.text()} where unclamped",
+                        f"port:      result = {fp.text()} where unclamped",
+                    ],
+                )
+            )
         else:
             self.ruled_out.append(
                 "post-processing: both results are the same scale and shift of the decoder's output"
@@ -603,11 +693,18 @@ class Triage:
         rows = []
         for p in self.pairs:
             i = p.index
-            rows.append(CallError(
-                i, p.t_reference, p.t_port,
-                rel(latents(self.ref.calls[i], self.ref_roles[i]), latents(self.port.calls[i], self.port_roles[i])),
-                rel(output(self.ref.calls[i]), output(self.port.calls[i])),
-            ))  # fmt: skip
+            rows.append(
+                CallError(
+                    i,
+                    p.t_reference,
+                    p.t_port,
+                    rel(
+                        latents(self.ref.calls[i], self.ref_roles[i]),
+                        latents(self.port.calls[i], self.port_roles[i]),
+                    ),
+                    rel(output(self.ref.calls[i]), output(self.port.calls[i])),
+                )
+            )
         return rows
 
     # ------------------------------------------------------------------------------ files and commands
@@ -639,7 +736,8 @@ class Triage:
 
     def _inputs_command(self, what: str, reference: Any, port: Any) -> str | None:
         r"""Both sides' tensor at one place, written beside the recordings (``{what}_reference.safetensors`` and
-        ``{what}_port.safetensors``, key ``latents``); returns the ``paritykit compare`` that diagnoses them."""
+        ``{what}_port.safetensors``, key ``latents``); returns the ``paritykit compare`` that diagnoses them.
+        """
         if self.out_dir is None:
             return None
         from safetensors.torch import save_file
@@ -692,10 +790,16 @@ class Triage:
             return f"(not written: {type(exc).__name__} saving the call's inputs)"
         module = "vae" if what == "decoder" else "denoiser"
         path = self.out_dir / f"bisect_{what}.py"
-        path.write_text(BISECT_SPEC.format(
-            what=what, call=call, spec=str(Path(self.spec.path).resolve()), inputs=inputs.name, module=module,
-            tolerance=repr(self.spec.tolerance),
-        ))  # fmt: skip
+        path.write_text(
+            BISECT_SPEC.format(
+                what=what,
+                call=call,
+                spec=str(Path(self.spec.path).resolve()),
+                inputs=inputs.name,
+                module=module,
+                tolerance=repr(self.spec.tolerance),
+            )
+        )
         return shlex.join(["paritykit", "bisect", str(path)])
 
 
@@ -799,18 +903,29 @@ def _identity(fit: Any) -> bool:
 def _bisect_finding(place: str, call: int | None, report: Any) -> Finding:
     culprit = report.culprit or report.first_output_divergence
     if culprit is None:
-        return Finding(place, call, f"the port's {place} differs ({report.verdict}) but no module was named",
-                       details=report.to_dict())  # fmt: skip
+        return Finding(
+            place,
+            call,
+            f"the port's {place} differs ({report.verdict}) but no module was named",
+            details=report.to_dict(),
+        )
     hints = list(culprit.hints)
     verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
     first = hints[0].render() if hints else (culprit.note or "no cause named")
     evidence = [
-        f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'} "
-        f"({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine {format_number(culprit.cosine, 7)})",
+        (
+            f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
+            f" ({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine"
+            f" {format_number(culprit.cosine, 7)})"
+        ),
         f"first hint: {first}",
     ]
     return Finding(
-        place, call, f"module {culprit.port or '(top)'} of the port computes something else",
-        evidence=evidence, fix=verified.fix if verified else None, verified=verified is not None,
+        place,
+        call,
+        f"module {culprit.port or '(top)'} of the port computes something else",
+        evidence=evidence,
+        fix=verified.fix if verified else None,
+        verified=verified is not None,
         details=report.to_dict(),
-    )  # fmt: skip
+    )

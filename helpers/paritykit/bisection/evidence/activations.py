@@ -88,8 +88,7 @@ def activation(c: Culprit) -> list[Hint]:
         f"reference computes {ref_name} (relative error {ref_err:.1e} on its captured input), port computes "
         f"{port_name}"
         + (f" ({port_err:.1e})" if port_names else "")
-        + " (evidence: each side's output refitted "
-        "from the same input)",
+        + " (evidence: each side's output refitted from the same input)",
         {"reference": ref_names, "port": port_names, "reference_fit": ref_err, "port_fit": port_err},
         score=0.9,
         fix=f"{c.port_path()} = {ctor}",
@@ -163,11 +162,11 @@ def inner_activation(c: Culprit) -> list[Hint]:
         return [
             Hint(
                 "activation",
-                f"reference {c.reference_path(name)} computes {ref_name} (relative error {ref_err:.1e} on its "
-                f"captured input); the port computes {' or '.join(names[:2])} ({err:.1e}) of that same tensor in "
-                f"{c.port_path(port_name)} and {ref_names[0]} nowhere (evidence: submodule outputs of both sides "
-                f"refitted from the reference activation's input; not verified: the fix is code, "
-                f"{functions[ref_names[0]][1]})",
+                f"reference {c.reference_path(name)} computes {ref_name} (relative error {ref_err:.1e} on its"
+                f" captured input); the port computes {' or '.join(names[:2])} ({err:.1e}) of that same"
+                f" tensor in {c.port_path(port_name)} and {ref_names[0]} nowhere (evidence: submodule outputs"
+                " of both sides refitted from the reference activation's input; not verified: the fix is"
+                f" code, {functions[ref_names[0]][1]})",
                 {
                     "reference": ref_names,
                     "port": names,

@@ -48,8 +48,10 @@ def reduced_precision(c: Culprit) -> list[Hint]:
             with torch.autocast(device_type=device, dtype=_dtype):
                 return c.reference(*args, **kwargs)
 
-        for how, fn in ((f"with its inputs rounded to {dtype_name}", rounded),
-                        (f"under torch.autocast({dtype_name})", autocast)):  # fmt: skip
+        for how, fn in (
+            (f"with its inputs rounded to {dtype_name}", rounded),
+            (f"under torch.autocast({dtype_name})", autocast),
+        ):
             try:
                 out = c.run_reference(fn)
             except Exception:  # autocast unsupported for this dtype on this device
@@ -59,9 +61,9 @@ def reduced_precision(c: Culprit) -> list[Hint]:
                 return [
                     Hint(
                         hint_id,
-                        f"the reference module re-run {how} reproduces the port's output (relative error "
-                        f"{err:.1e}, against {before:.1e} as it is) (evidence: the rerun): the port computes this "
-                        f"module or its input in {dtype_name}",
+                        f"the reference module re-run {how} reproduces the port's output (relative error"
+                        f" {err:.1e}, against {before:.1e} as it is) (evidence: the rerun): the port computes"
+                        f" this module or its input in {dtype_name}",
                         {"rerun_error": err, "error": before, "dtype": dtype_name, "rerun": how},
                         score=0.92,
                     )

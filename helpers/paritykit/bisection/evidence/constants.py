@@ -112,8 +112,14 @@ def _scale_candidates(module: Any, current: float) -> list[float]:
     for name in ("head_dim", "attention_head_size", "dim_head"):
         if isinstance(getattr(module, name, None), int):
             dims.add(getattr(module, name))
-    heads = next((getattr(module, n) for n in ("heads", "num_heads", "num_attention_heads") if
-                  isinstance(getattr(module, n, None), int)), None)  # fmt: skip
+    heads = next(
+        (
+            getattr(module, n)
+            for n in ("heads", "num_heads", "num_attention_heads")
+            if isinstance(getattr(module, n, None), int)
+        ),
+        None,
+    )
     for name in ("inner_dim", "embed_dim", "all_head_size", "dim"):
         value = getattr(module, name, None)
         if isinstance(value, int):
@@ -152,9 +158,9 @@ def attention_scale(c: Culprit) -> list[Hint]:
         ):
             hint = Hint(
                 "attention-scale",
-                f"the port's attention reproduces the reference output with scale {_num(best)} (relative error "
-                f"{err:.1e}); it uses {port_attr}={_num(current)} (evidence: softmax scale fitted on the "
-                "captured input)",
+                f"the port's attention reproduces the reference output with scale {_num(best)} (relative"
+                f" error {err:.1e}); it uses {port_attr}={_num(current)} (evidence: softmax scale fitted on"
+                " the captured input)",
                 {"fitted_scale": best, "port_scale": current, "fit_error": err, "error": before},
                 score=0.9,
                 fix=f"{c.port_path(attr=port_attr)} = {best!r}",
@@ -180,8 +186,9 @@ def attention_scale(c: Culprit) -> list[Hint]:
     return [
         Hint(
             "attention-scale",
-            f"the port computes attention with softmax scale {_num(best)} where the reference uses "
-            f"{_num(current)} (evidence: the reference refitted to the port's output, relative error {err:.1e})",
+            f"the port computes attention with softmax scale {_num(best)} where the reference uses"
+            f" {_num(current)} (evidence: the reference refitted to the port's output, relative error"
+            f" {err:.1e})",
             {"fitted_scale": best, "reference_scale": current, "fit_error": err, "error": before},
             score=0.88,
             fix=f"use softmax scale {current!r} in {c.port_path()}",

@@ -98,7 +98,10 @@ class SettingDifference:
     def describe(self, reference_class: str = "") -> str:
         what = f"{reference_class} " if reference_class else ""
         if self.kind == "attribute":
-            return f"reference {what}{self.name}={_num(self.reference_value)}, port {self.attr}={_num(self.port_value)}"
+            return (
+                f"reference {what}{self.name}={_num(self.reference_value)}, port"
+                f" {self.attr}={_num(self.port_value)}"
+            )
         if self.kind == "parameter":
             return f"reference {what}has parameter {self.attr}, the port's is None"
         return f"{self.kind} {self.attr}: {self.reference_value} (reference) vs {self.port_value} (port)"
@@ -113,7 +116,7 @@ class SettingDifference:
             "reference_value": self.reference_value,
             "port_value": self.port_value,
         }
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def _tensor_summary(t: Any, name: str = "") -> str:

@@ -19,7 +19,7 @@ _ROLES = {
         ("q", "query", "to_q", "q_proj", "wq"),
         ("k", "key", "to_k", "k_proj", "wk"),
         ("v", "value", "to_v", "v_proj", "wv"),
-    ),  # fmt: skip
+    ),
     2: (("k", "key", "to_k", "k_proj", "wk"), ("v", "value", "to_v", "v_proj", "wv")),
 }
 
@@ -133,20 +133,30 @@ def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], st
             return None
         size = entry.args["stop"] - entry.args["start"]
         steps[0] = dict(steps[0], index=implied, start=implied * size, stop=(implied + 1) * size)
-        return _rule(source, entry.target, steps), (
-            f"port {entry.target} holds chunk {index}/{count} of reference {source} "
-            f"(its name implies chunk {implied}/{count})"
+        return (
+            _rule(source, entry.target, steps),
+            (
+                f"port {entry.target} holds chunk {index}/{count} of reference {source} "
+                f"(its name implies chunk {implied}/{count})"
+            ),
         )
     want, have = _implied_index(entry.target, 3), _implied_index(source, 3)
     if entry.op == "chunk" or want is None or have is None or want == have:
         return None
     leaf = source.rsplit(".", 1)[-1]
-    others = [k for k in ref_sd if k.rsplit(".", 1)[-1] == leaf and _implied_index(k, 3) == want
-              and k.count(".") == source.count(".") and _same_but_role(k, source)]  # fmt: skip
+    others = [
+        k
+        for k in ref_sd
+        if k.rsplit(".", 1)[-1] == leaf
+        and _implied_index(k, 3) == want
+        and k.count(".") == source.count(".")
+        and _same_but_role(k, source)
+    ]
     if len(others) != 1:
         return None
-    return _rule(others[0], entry.target, steps), (
-        f"port {entry.target} holds reference {source} (its name implies {others[0]})"
+    return (
+        _rule(others[0], entry.target, steps),
+        f"port {entry.target} holds reference {source} (its name implies {others[0]})",
     )
 
 

@@ -88,8 +88,8 @@ class RepairOutcome:
                 rest = [w for w in others if w != edit.words]
                 evidence["ambiguous"] = rest
                 message = (
-                    f"ambiguous: {len(self.verified)} edits each make it match and the numbers cannot tell them "
-                    f"apart; read the port's code to choose. This one: {message}"
+                    f"ambiguous: {len(self.verified)} edits each make it match and the numbers cannot tell"
+                    f" them apart; read the port's code to choose. This one: {message}"
                 )
             message += (
                 f" (verified: {self.site.path()} replayed with this edit matches the reference, max_abs "
@@ -112,7 +112,10 @@ class RepairOutcome:
 
     def ruled_out(self) -> str:
         r"""What an unsuccessful search covered, for the "unknown" hint."""
-        text = f"repair search at {self.site.path()}: {self.tried} edits over {', '.join(self.tiers) or 'no tier'}"
+        text = (
+            f"repair search at {self.site.path()}: {self.tried} edits over"
+            f" {', '.join(self.tiers) or 'no tier'}"
+        )
         text += ", none verified"
         if self.exhausted:
             text += " (stopped at its time budget)"

@@ -75,8 +75,16 @@ def _set_params(work: Any, values: dict[str, Any]) -> Callable[[], None]:
     return undo
 
 
-def _param_edit(site: Site, kind: str, target: str, values: Callable[[Any], dict], words: str, cost: int,
-                tier: str = "parameters", **parameters: Any) -> Edit:  # fmt: skip
+def _param_edit(
+    site: Site,
+    kind: str,
+    target: str,
+    values: Callable[[Any], dict],
+    words: str,
+    cost: int,
+    tier: str = "parameters",
+    **parameters: Any,
+) -> Edit:
     edit = Edit(tier, kind, site.path(target), parameters, words, cost)
     state: dict[str, Callable] = {}
 
@@ -117,8 +125,9 @@ def _swaps(site: Site, params: dict[str, Any]) -> Iterator[Edit]:
             "swap-parameters",
             oa,
             lambda w, pairs=pairs: {x: params[y] for p in pairs for x, y in (p, p[::-1])},
-            f"{site.path(oa)} and {site.path(ob)}: swap their weights{' and biases' if len(pairs) > 1 else ''} "
-            f"(each holds the other's: fix the conversion of {oa} and {ob})",
+            f"{site.path(oa)} and {site.path(ob)}: swap their"
+            f" weights{' and biases' if len(pairs) > 1 else ''} (each holds the other's: fix the conversion"
+            f" of {oa} and {ob})",
             0,
             parameters=[list(p) for p in pairs],
         )
@@ -149,9 +158,9 @@ def _said(site: Site, tier: str, name: str, change: str, conversion: str) -> str
         return f"{site.path(name)}: {change} ({conversion})"
     source = site.held.get(name, "the aligned reference module's")
     return (
-        f"{site.path(name)} holds exactly the reference's values ({source}), yet the port matches only after this "
-        f"edit: {change}; its forward uses the parameter differently from the reference: fix that use, not the "
-        "weights"
+        f"{site.path(name)} holds exactly the reference's values ({source}), yet the port matches only after"
+        f" this edit: {change}; its forward uses the parameter differently from the reference: fix that use,"
+        " not the weights"
     )
 
 
@@ -169,13 +178,25 @@ def _edits_of(
 
     for name, p in chosen.items():
         if p.ndim >= 2 and p.shape[0] == p.shape[1]:
-            yield edit("transpose", name, lambda w, n=name, p=p: {n: p.transpose(0, 1).contiguous()},
-                       "transpose it (dims 0 and 1)", "the conversion transposed it, or should have", 1)  # fmt: skip
+            yield edit(
+                "transpose",
+                name,
+                lambda w, n=name, p=p: {n: p.transpose(0, 1).contiguous()},
+                "transpose it (dims 0 and 1)",
+                "the conversion transposed it, or should have",
+                1,
+            )
         yield edit("negate", name, lambda w, n=name, p=p: {n: -p}, "negate it", "its sign is flipped", 1)
         for dims in _spatial_flips(p):
-            yield edit("flip", name, lambda w, n=name, p=p, d=dims: {n: p.flip(d)},
-                       f"flip it along dim{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))}",
-                       "its kernel is flipped: convolution vs correlation order", 2, dims=list(dims))  # fmt: skip
+            yield edit(
+                "flip",
+                name,
+                lambda w, n=name, p=p, d=dims: {n: p.flip(d)},
+                f"flip it along dim{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))}",
+                "its kernel is flipped: convolution vs correlation order",
+                2,
+                dims=list(dims),
+            )
     for name, p in chosen.items():
         bias = _bias_of(params, name)
         for dim in range(min(p.ndim, 2)):
@@ -187,22 +208,46 @@ def _edits_of(
                         values[bias] = reorder(params[bias], 0, count, order)
                     what = "its weight and bias" if with_bias else "it"
                     yield edit(
-                        "permute-chunks", name, lambda w, v=values: v,
+                        "permute-chunks",
+                        name,
+                        lambda w, v=values: v,
                         f"{order_words(count, order)} of {what} along dim {dim}",
-                        "the conversion put the chunks in another order", 3 + count, dim=dim, count=count,
-                        order=list(order), bias=bool(with_bias),
-                    )  # fmt: skip
+                        "the conversion put the chunks in another order",
+                        3 + count,
+                        dim=dim,
+                        count=count,
+                        order=list(order),
+                        bias=bool(with_bias),
+                    )
     for name, p in chosen.items():
         if p.numel() < 1:
             continue
-        yield edit("exp", name, lambda w, n=name, p=p: {n: p.exp()}, "replace it by exp() of it",
-                   "the checkpoint stores its logarithm: load exp() of it", 12)  # fmt: skip
+        yield edit(
+            "exp",
+            name,
+            lambda w, n=name, p=p: {n: p.exp()},
+            "replace it by exp() of it",
+            "the checkpoint stores its logarithm: load exp() of it",
+            12,
+        )
         if bool((p > 0).all()):
-            yield edit("log", name, lambda w, n=name, p=p: {n: p.log()}, "replace it by log() of it",
-                       "the port expects its logarithm: load log() of it", 12)  # fmt: skip
+            yield edit(
+                "log",
+                name,
+                lambda w, n=name, p=p: {n: p.log()},
+                "replace it by log() of it",
+                "the port expects its logarithm: load log() of it",
+                12,
+            )
         if bool((p != 0).all()):
-            yield edit("reciprocal", name, lambda w, n=name, p=p: {n: p.reciprocal()}, "replace it by 1/it",
-                       "the checkpoint stores the inverse: load 1/it", 12)  # fmt: skip
+            yield edit(
+                "reciprocal",
+                name,
+                lambda w, n=name, p=p: {n: p.reciprocal()},
+                "replace it by 1/it",
+                "the checkpoint stores the inverse: load 1/it",
+                12,
+            )
     for name in chosen:
         bias = _bias_of(params, name)
         names = [name] + ([bias] if bias is not None else [])
@@ -217,8 +262,15 @@ def _edits_of(
         def scaled(
             factor: float, label: str, names: list = names, target: str = target, what: str = what
         ) -> Edit:
-            return edit("rescale", target, lambda w: {n: params[n] * factor for n in names},
-                        f"multiply {what} by {label}", f"load {what} multiplied by {label}", 14, factor=factor)  # fmt: skip
+            return edit(
+                "rescale",
+                target,
+                lambda w: {n: params[n] * factor for n in names},
+                f"multiply {what} by {label}",
+                f"load {what} multiplied by {label}",
+                14,
+                factor=factor,
+            )
 
         for scale, label in _fitted_scales(site, zero):
             yield _controlled(
@@ -272,8 +324,15 @@ def _with_snaps(value: float, sizes: tuple[int, ...]) -> list[tuple[float, str]]
 # ------------------------------------------------------------------------------------------------- inputs
 
 
-def _input_edit(site: Site, kind: str, target: str, change: Callable[[dict], dict], words: str, cost: int,
-                **parameters: Any) -> Edit:  # fmt: skip
+def _input_edit(
+    site: Site,
+    kind: str,
+    target: str,
+    change: Callable[[dict], dict],
+    words: str,
+    cost: int,
+    **parameters: Any,
+) -> Edit:
     r"""An edit of the site's inputs: ``change(leaves)`` maps ``{path: tensor}`` to the replaced ones."""
 
     def before(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -299,27 +358,40 @@ def input_edits(site: Site, work: Any) -> Iterator[Edit]:
     for (pa, ta), (pb, tb) in itertools.combinations(leaves, 2):
         if ta.shape == tb.shape and not bool((ta == tb).all()):
             yield _input_edit(
-                site, "swap-inputs", f"{names[pa]} <-> {names[pb]}",
+                site,
+                "swap-inputs",
+                f"{names[pa]} <-> {names[pb]}",
                 lambda lv, pa=pa, pb=pb: {pa: lv[pb], pb: lv[pa]},
-                f"{site.path()}: its {names[pa]} and {names[pb]} are swapped (pass each where the other goes)", 0,
+                f"{site.path()}: its {names[pa]} and {names[pb]} are swapped (pass each where the other"
+                " goes)",
+                0,
                 inputs=[names[pa], names[pb]],
-            )  # fmt: skip
+            )
     for path, t in leaves:
         sizes = list(t.shape)
         for a, b in itertools.combinations(range(1, t.ndim), 2):
             if sizes[a] == sizes[b] and sizes[a] > 1:
                 yield _input_edit(
-                    site, "swap-dims", names[path], lambda lv, p=path, a=a, b=b: {p: lv[p].transpose(a, b)},
-                    f"{site.path()}: its {names[path]} comes with dims {a} and {b} swapped (transpose it)", 1,
+                    site,
+                    "swap-dims",
+                    names[path],
+                    lambda lv, p=path, a=a, b=b: {p: lv[p].transpose(a, b)},
+                    f"{site.path()}: its {names[path]} comes with dims {a} and {b} swapped (transpose it)",
+                    1,
                     dims=[a, b],
-                )  # fmt: skip
+                )
         for dim in sorted({1, t.ndim - 1}):
             if t.ndim > dim >= 1 and sizes[dim] % 2 == 0 and sizes[dim] > 1:
                 yield _input_edit(
-                    site, "swap-halves", names[path], lambda lv, p=path, d=dim: {p: reorder(lv[p], d, 2, (1, 0))},
+                    site,
+                    "swap-halves",
+                    names[path],
+                    lambda lv, p=path, d=dim: {p: reorder(lv[p], d, 2, (1, 0))},
                     f"{site.path()}: its {names[path]} is concatenated the other way round along dim {dim} "
-                    "(swap its two halves)", 2, dim=dim,
-                )  # fmt: skip
+                    "(swap its two halves)",
+                    2,
+                    dim=dim,
+                )
     for path, t in leaves:
         yield from _rescaled_input(site, work, path, t, names[path])
 
@@ -335,10 +407,15 @@ def _rescaled_input(site: Site, work: Any, path: str, t: Any, name: str) -> Iter
 
     def scaled(factor: float, label: str) -> Edit:
         return _input_edit(
-            site, "rescale", name, lambda lv: {path: lv[path] * factor},
-            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply it "
-            f"by {label} (fix where it is computed, or the scale the reference applies)", 10, factor=factor,
-        )  # fmt: skip
+            site,
+            "rescale",
+            name,
+            lambda lv: {path: lv[path] * factor},
+            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply"
+            f" it by {label} (fix where it is computed, or the scale the reference applies)",
+            10,
+            factor=factor,
+        )
 
     for scale, label in [*fitted, *plain]:
         if scale in tried:
@@ -350,8 +427,16 @@ def _rescaled_input(site: Site, work: Any, path: str, t: Any, name: str) -> Iter
 # ------------------------------------------------------------------------------------------------ outputs
 
 
-def _output_edit(site: Site, kind: str, j: int, change: Callable[[Any, dict], Any], words: str, cost: int,
-                 inputs: dict, **parameters: Any) -> Edit:  # fmt: skip
+def _output_edit(
+    site: Site,
+    kind: str,
+    j: int,
+    change: Callable[[Any, dict], Any],
+    words: str,
+    cost: int,
+    inputs: dict,
+    **parameters: Any,
+) -> Edit:
     r"""An edit of output leaf ``j``: ``change(tensor, inputs)`` gives the edited tensor (``inputs``: the site's
     input leaves by path, for the local check)."""
     path = site.got[j][0]
@@ -398,15 +483,23 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
                 for order in chunk_orders(count):
                     halves = count == 2 and dim == got.ndim - 1
                     words = (
-                        f"{site.path()}: swap the two halves of its {path} along the last dim (e.g. cos/sin or "
-                        "sin/cos order)"
+                        f"{site.path()}: swap the two halves of its {path} along the last dim (e.g. cos/sin"
+                        " or sin/cos order)"
                         if halves
                         else f"{site.path()}: {order_words(count, order)} of its {path} along dim {dim}"
                     )
                     yield _output_edit(
-                        site, "permute-chunks", j, lambda t, _, d=dim, c=count, o=order: reorder(t, d, c, o),
-                        words, count, seen, dim=dim, count=count, order=list(order),
-                    )  # fmt: skip
+                        site,
+                        "permute-chunks",
+                        j,
+                        lambda t, _, d=dim, c=count, o=order: reorder(t, d, c, o),
+                        words,
+                        count,
+                        seen,
+                        dim=dim,
+                        count=count,
+                        order=list(order),
+                    )
         w, g = want.double().flatten(), site.as_wanted(site.got)[j][1].double().flatten()
         den = float(g @ g)
         if den > 0:
@@ -414,11 +507,16 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
 
                 def scaled(factor: float, label: str = label, j: int = j, path: str = path) -> Edit:
                     return _output_edit(
-                        site, "rescale", j, lambda t, _: t * factor,
-                        f"{site.path()}: its {path} is the reference's multiplied by {inverse(label, factor)}: "
-                        f"multiply it by {label}",
-                        10, seen, factor=factor,
-                    )  # fmt: skip
+                        site,
+                        "rescale",
+                        j,
+                        lambda t, _: t * factor,
+                        f"{site.path()}: its {path} is the reference's multiplied by"
+                        f" {inverse(label, factor)}: multiply it by {label}",
+                        10,
+                        seen,
+                        factor=factor,
+                    )
 
                 yield _controlled(scaled(scale), lambda s=scale, f=scaled: [f(s * 1.5), f(s / 1.5)])
         for in_path, x in inputs:
@@ -426,10 +524,17 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
                 continue
             for a, b, label in _affine_fits(w, g, x.double().flatten().to(w.device), site.sizes, torch):
                 yield _output_edit(
-                    site, "input-residual", j, lambda t, lv, a=a, b=b, p=in_path: a * t + b * lv[p],
-                    _residual_words(site, path, names[in_path], a, b, label), 11, seen, output_factor=a, input_factor=b,
+                    site,
+                    "input-residual",
+                    j,
+                    lambda t, lv, a=a, b=b, p=in_path: a * t + b * lv[p],
+                    _residual_words(site, path, names[in_path], a, b, label),
+                    11,
+                    seen,
+                    output_factor=a,
+                    input_factor=b,
                     input=names[in_path],
-                )  # fmt: skip
+                )
 
 
 # the coefficients a residual edit may take: a residual's sign or count is wrong, never a fitted mixture
@@ -505,9 +610,13 @@ def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:
         for new in _values_for(module, attr, value):
             target = site.path(f"{sub}.{attr}" if sub else attr)
             edit = Edit(
-                "settings", "attribute", target, {"value": new, "was": value},
-                f"{target} = {_shown(new)} (now {_shown(value)})", 19,
-            )  # fmt: skip
+                "settings",
+                "attribute",
+                target,
+                {"value": new, "was": value},
+                f"{target} = {_shown(new)} (now {_shown(value)})",
+                19,
+            )
 
             edit.apply, edit.undo = _attribute_setter(sub, attr, new, value)
             yield edit

@@ -103,9 +103,9 @@ def _layer_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
             out.append(
                 ConversionWarning(
                     e.target,
-                    f"built as {what} of {', '.join(e.sources)}, but {counts[usual]} other layer(s) build it "
-                    f"as {usual_what} of their own tensor ({', '.join(model.sources)} -> {model.target}){hint}: "
-                    "the mapping is inconsistent across layer indices",
+                    f"built as {what} of {', '.join(e.sources)}, but {counts[usual]} other layer(s) build it"
+                    f" as {usual_what} of their own tensor ({', '.join(model.sources)} ->"
+                    f" {model.target}){hint}: the mapping is inconsistent across layer indices",
                 )
             )
     return out

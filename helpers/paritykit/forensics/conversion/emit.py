@@ -179,8 +179,9 @@ def emit_rules(conversion_map: ConversionMap, path: str | os.PathLike, force: bo
     path = Path(path)
     if conversion_map.ambiguous and not conversion_map.allow_ambiguous:
         raise ParityKitError(
-            f"--emit-rules: {len(conversion_map.ambiguous)} target(s) are ambiguous (equal values, source guessed "
-            "by names); run without --emit-rules to see them, or pass --allow-ambiguous to write the guesses"
+            f"--emit-rules: {len(conversion_map.ambiguous)} target(s) are ambiguous (equal values, source"
+            " guessed by names); run without --emit-rules to see them, or pass --allow-ambiguous to write"
+            " the guesses"
         )
     if path.exists() and not force:
         raise ParityKitError(f"--emit-rules {str(path)!r} already exists; pass --force to overwrite it")

@@ -192,11 +192,11 @@ class ConversionMap:
             for r in self.rules
         ]
         summary = (
-            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)} rule{'' if len(self.rules) == 1 else 's'} "
-            f"from {self.n_source} source tensors; {len(self.unmapped_target)} unexplained, "
-            f"{len(self.unused_source)} sources unused, {self.n_structure} settled by structure, "
-            f"{len(self.ambiguous)} ambiguous, {len(self.warnings)} warning{'' if len(self.warnings) == 1 else 's'} "
-            f"({self.seconds:.2f} s)"
+            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)}"
+            f" rule{'' if len(self.rules) == 1 else 's'} from {self.n_source} source tensors;"
+            f" {len(self.unmapped_target)} unexplained, {len(self.unused_source)} sources unused,"
+            f" {self.n_structure} settled by structure, {len(self.ambiguous)} ambiguous, {len(self.warnings)}"
+            f" warning{'' if len(self.warnings) == 1 else 's'} ({self.seconds:.2f} s)"
         )
         parts = [f"weights map: {self.source_label} -> {self.target_label}", ""]
         parts.append(_fitted_table(["source pattern", "op", "target", "n"], rows, limit))
@@ -220,9 +220,11 @@ class ConversionMap:
             )
             parts += [
                 "",
-                f"Ambiguous targets ({len(self.ambiguous)}): equal values in several sources and nothing in the "
-                f"structure to choose; the chosen source is a GUESS by names ({verdict}). "
-                "Rows alike but for layer numbers are folded (n); --json lists every candidate.",
+                (
+                    f"Ambiguous targets ({len(self.ambiguous)}): equal values in several sources and nothing"
+                    f" in the structure to choose; the chosen source is a GUESS by names ({verdict}). Rows"
+                    " alike but for layer numbers are folded (n); --json lists every candidate."
+                ),
             ]
             parts.append(
                 _fitted_table(["target", "chosen (guess)", "candidates", "n"], _folded(self.ambiguous), limit)
