@@ -3,9 +3,8 @@ everything else as is)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-from paritykit.base.errors import ParityKitError
 
 
 def is_tensor(x: Any) -> bool:
@@ -25,8 +24,24 @@ def to_device(value: Any, device: Any) -> Any:
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(inputs, dict):
+    r"""A call's inputs as ``(args, kwargs)``, from any of the forms a user writes.
+
+    Args:
+        inputs: ``(args, kwargs)``; a kwargs mapping; a list or tuple of positional arguments; or one
+            positional value (a tensor).
+
+    Returns:
+        ``(args, kwargs)``, new containers holding the same values.
+    """
+    if isinstance(inputs, Mapping):
         return (), dict(inputs)
-    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):
+    if (
+        isinstance(inputs, tuple)
+        and len(inputs) == 2
+        and isinstance(inputs[0], (tuple, list))
+        and isinstance(inputs[1], Mapping)
+    ):
         return tuple(inputs[0]), dict(inputs[1])
-    raise ParityKitError("inputs must be (args, kwargs) or a kwargs dict")
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}

@@ -47,11 +47,9 @@ class Spec:
         return {k: float(v) for k, v in tol.items()}
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
-        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
+        args, kwargs = split_inputs(self.call("make_inputs"))
         if side == "port" and self.has("port_inputs"):
-            args, kwargs = _split_spec_inputs(
-                self.call("port_inputs", args, kwargs), self.path, "port_inputs()"
-            )
+            args, kwargs = split_inputs(self.call("port_inputs", args, kwargs))
         if device is not None:
             args, kwargs = to_device((args, kwargs), device)
         return args, kwargs
@@ -72,7 +70,7 @@ class Spec:
 
         import torch
 
-        args, kwargs = _split_spec_inputs(self.call("make_inputs"), self.path, "make_inputs()")
+        args, kwargs = split_inputs(self.call("make_inputs"))
         named = {**{f"arg{i}": v for i, v in enumerate(args)}, **kwargs}
         tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         digest = hashlib.sha256()
@@ -99,13 +97,6 @@ class Spec:
         return lambda side, output: call_user(
             fn, side, output, what=f"select_output() in {self.path.name}", spec=self
         )
-
-
-def _split_spec_inputs(value: Any, path: Any, what: str) -> tuple[tuple, dict]:
-    try:
-        return split_inputs(value)
-    except ParityKitError:
-        raise ParityKitError(f"{path}: {what} must return (args, kwargs) or a kwargs dict") from None
 
 
 def _user_frames(exc: BaseException, spec: Spec | None) -> str:

@@ -587,7 +587,8 @@ def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> floa
     r"""Relative error between two calls' first floating-point inputs (up to a dim permutation): ``unknown``
     when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond.
     """
-    from paritykit.bisection.leaves import pair_layouts, rel_error
+    from paritykit.bisection.leaves import pair_layouts
+    from paritykit.compare.tensors import relative_error
 
     if ref_call is None or port_call is None:
         return unknown
@@ -601,7 +602,7 @@ def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> floa
     found = pair_layouts(a, b)
     if found is None:
         return math.inf
-    error = rel_error(a[0][1], found[1][0][1])
+    error = relative_error(found[1][0][1], a[0][1])
     return error if math.isfinite(error) else 1e30
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from paritykit.base.calls import is_tensor
 from paritykit.base.errors import ParityKitError
+from paritykit.compare.tensors import relative_error
 
 
 def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]:
@@ -89,7 +90,7 @@ def pair_layouts(
         best = None
         for _, target in a:
             for order in dim_orders(tensor.shape, target.shape):
-                error = rel_error(target, tensor.permute(order))
+                error = relative_error(tensor.permute(order), target)
                 if best is None or error < best[0]:
                     best = (error, order)
         if best is None:
@@ -142,20 +143,6 @@ def pair_with_extras(ref: list, port: list) -> tuple[list[tuple[int, int]] | Non
         pairs.append((i, hits[0]))
     used = {j for _, j in pairs}
     return pairs, [j for j in range(len(port)) if j not in used]
-
-
-def rel_error(a: Any, b: Any) -> float:
-    import torch
-
-    a64, b64 = a.detach().double().flatten().cpu(), b.detach().double().flatten().cpu()
-    finite = torch.isfinite(a64) & torch.isfinite(b64)
-    if not bool(finite.all()):
-        return math.inf
-    denom = float(a64.norm())
-    diff = float((a64 - b64).norm())
-    if denom == 0:
-        return 0.0 if diff == 0 else math.inf
-    return diff / denom
 
 
 def module_device(module: Any) -> Any:

@@ -16,9 +16,9 @@ from paritykit.bisection.leaves import (
     pair_inputs,
     pair_layouts,
     pair_with_extras,
-    rel_error,
 )
 from paritykit.bisection.results import ModuleTest
+from paritykit.compare.tensors import relative_error
 
 JUMP_RATIO = 10.0
 # calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
@@ -292,10 +292,10 @@ class Searcher:
             base.note = join_notes(note, "inputs cannot be paired")
             return base
         in_pass = all(self.compare(ref_in[i][1], port_in[j][1], "input").passed for i, j in pairs)
-        in_err = max(rel_error(ref_in[i][1], port_in[j][1]) for i, j in pairs)
+        in_err = max(relative_error(port_in[j][1], ref_in[i][1]) for i, j in pairs)
         ref_outs = list(ref_record.outputs.items())
         out_pairs, port_outs, _ = pair_layouts(ref_outs, list(port_record.outputs.items()))
-        out_err = max(rel_error(ref_outs[i][1], port_outs[j][1]) for i, j in out_pairs)
+        out_err = max(relative_error(port_outs[j][1], ref_outs[i][1]) for i, j in out_pairs)
         base.input_error, base.output_error = in_err, out_err
         if in_pass:
             base.status = "fail"

@@ -12,6 +12,7 @@ from paritykit.base.lazy import lazy_exports
 EXPORTS = {
     "TensorComparison": "paritykit.compare.tensors",
     "compare_tensors": "paritykit.compare.tensors",
+    "relative_error": "paritykit.compare.tensors",
     "default_tolerances": "paritykit.compare.tolerances",
     "Hint": "paritykit.compare.diagnose",
     "SetComparison": "paritykit.compare.sets",

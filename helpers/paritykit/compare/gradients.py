@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paritykit.base.calls import split_inputs
 from paritykit.base.errors import ParityKitError, UserCodeError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
@@ -167,22 +168,6 @@ class GradientComparison:
 
 def _num(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    r"""``(args, kwargs)``, a kwargs dict, a tuple/list of positional args, or one positional value."""
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    if (
-        isinstance(inputs, tuple)
-        and len(inputs) == 2
-        and isinstance(inputs[0], (tuple, list))
-        and isinstance(inputs[1], Mapping)
-    ):
-        return tuple(inputs[0]), dict(inputs[1])
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
 
 
 def _clone_inputs(value: Any) -> Any:
@@ -361,16 +346,16 @@ def compare_gradients(
     for side, model in (("reference", reference), ("port", port)):
         if not isinstance(model, torch.nn.Module):
             raise ParityKitError(f"{side} must be a torch.nn.Module, got {type(model).__name__}")
-    args, kwargs = _split_inputs(inputs)
+    args, kwargs = split_inputs(inputs)
     if port_inputs is None:
         p_args, p_kwargs = args, kwargs
     elif callable(port_inputs):
         try:
-            p_args, p_kwargs = _split_inputs(port_inputs(_clone_inputs(args), _clone_inputs(kwargs)))
+            p_args, p_kwargs = split_inputs(port_inputs(_clone_inputs(args), _clone_inputs(kwargs)))
         except Exception as exc:  # noqa: BLE001 - the user's adapter raised
             raise UserCodeError(f"port_inputs raised {type(exc).__name__}: {exc}") from exc
     else:
-        p_args, p_kwargs = _split_inputs(port_inputs)
+        p_args, p_kwargs = split_inputs(port_inputs)
 
     loss_ref, grads_ref = _run_side(
         reference, _clone_inputs(args), _clone_inputs(kwargs), loss_fn, seed, "reference"

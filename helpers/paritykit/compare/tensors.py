@@ -261,6 +261,31 @@ class TensorComparison:
 # --------------------------------------------------------------------------------------- one pair of tensors
 
 
+def relative_error(value: Any, reference: Any) -> float:
+    r"""``‖value - reference‖ / ‖reference‖`` over every element, in float64: the one relative error of the
+    package (``compare_tensors`` holds B as the reference the same way, element by element).
+
+    Args:
+        value: the tensor measured.
+        reference: the tensor it is measured against; its norm is the denominator.
+
+    Returns:
+        The ratio; ``0.0`` for two zero tensors; ``inf`` when either is missing (``None``), the shapes differ,
+        a value is not finite, or the reference is zero and the value is not.
+    """
+    import torch
+
+    if value is None or reference is None or tuple(value.shape) != tuple(reference.shape):
+        return math.inf
+    v64 = value.detach().to("cpu", torch.float64)
+    r64 = reference.detach().to("cpu", torch.float64)
+    diff = float(torch.linalg.vector_norm(v64 - r64))
+    if not math.isfinite(diff):
+        return math.inf
+    den = float(torch.linalg.vector_norm(r64))
+    return diff / den if den else (0.0 if diff == 0 else math.inf)
+
+
 def as_tensor(value: Any, label: str) -> torch.Tensor:
     import torch
 

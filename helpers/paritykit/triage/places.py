@@ -35,12 +35,13 @@ def compare(a: Any, b: Any, tol: Tolerance, name: str) -> Any:
 
 
 def rel(a: Any, b: Any) -> float | None:
-    r"""``|b - a| / |a|`` in float64, or ``None`` when the shapes differ."""
+    r"""``|b - a| / |a|`` (:func:`~paritykit.compare.tensors.relative_error`, the reference ``a`` as the
+    denominator), or ``None`` when the shapes differ: a curve cell left empty."""
     if a is None or b is None or tuple(a.shape) != tuple(b.shape):
         return None
-    from paritykit.bisection.leaves import rel_error
+    from paritykit.compare.tensors import relative_error
 
-    return rel_error(a, b)
+    return relative_error(b, a)
 
 
 def same_timestep(a: float | None, b: float | None) -> bool:

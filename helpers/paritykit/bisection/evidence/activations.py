@@ -10,10 +10,10 @@ from typing import Any
 from paritykit.bisection.evidence.culprit import (
     FIT_REL,
     Culprit,
-    _rel,
     _verify,
 )
 from paritykit.compare.diagnose import Hint
+from paritykit.compare.tensors import relative_error
 
 # inner_activation looks inside culprits of at most this many modules (an MLP, a feed-forward block)
 INNER_ACTIVATION_MODULES = 12
@@ -51,7 +51,7 @@ def identify_function(x: Any, y: Any) -> tuple[list[str], float]:
     fits = []
     with torch.no_grad():
         for name, (fn, _) in _known_functions().items():
-            err = _rel(fn(x.to(y.dtype)), y)
+            err = relative_error(fn(x.to(y.dtype)), y)
             if err <= FIT_REL:
                 fits.append((err, name))
     fits.sort()

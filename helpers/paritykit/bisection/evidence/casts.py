@@ -8,9 +8,9 @@ from typing import Any
 
 from paritykit.bisection.evidence.culprit import (
     Culprit,
-    _rel,
 )
 from paritykit.compare.diagnose import Hint
+from paritykit.compare.tensors import relative_error
 
 # a rerun in reduced precision "reproduces" the port when it leaves at most this share of the error
 CAST_GAIN = 0.1
@@ -27,7 +27,7 @@ def reduced_precision(c: Culprit) -> list[Hint]:
 
     if c.reference is None or c.run_reference is None:
         return []
-    before = _rel(c.reference_output, c.port_output)
+    before = relative_error(c.reference_output, c.port_output)
     if not (before > 0 and math.isfinite(before)):
         return []  # an all-zero port output has no relative error to shrink: a rerun proves nothing
     device = next((t.device.type for t in (*c.reference.parameters(), *c.reference.buffers())), "cpu")
@@ -56,7 +56,7 @@ def reduced_precision(c: Culprit) -> list[Hint]:
                 out = c.run_reference(fn)
             except Exception:  # autocast unsupported for this dtype on this device
                 continue
-            err = _rel(out.to(c.port_output.dtype), c.port_output)
+            err = relative_error(out.to(c.port_output.dtype), c.port_output)
             if math.isfinite(err) and err <= CAST_GAIN * before:
                 return [
                     Hint(

@@ -15,10 +15,10 @@ from paritykit.bisection.evidence.culprit import (
     Culprit,
     _num,
     _patched,
-    _rel,
     _verify,
 )
 from paritykit.compare.diagnose import Hint
+from paritykit.compare.tensors import relative_error
 
 
 def _attr_of(module: Any, names: Sequence[str]) -> str | None:
@@ -37,7 +37,7 @@ def _fit_constant(
     scored = []
     for value in candidates:
         try:
-            scored.append((_rel(run(value), target), value))
+            scored.append((relative_error(run(value), target), value))
         except Exception:
             continue
     if not scored:
@@ -47,7 +47,7 @@ def _fit_constant(
     if refine and best_err > FIT_REL and best > 0 and best_err < 0.5:
         # golden-section search in log space around the best candidate, one new evaluation per step
         def cost(u: float) -> float:
-            return _rel(run(math.exp(u)), target)
+            return relative_error(run(math.exp(u)), target)
 
         golden = (math.sqrt(5) - 1) / 2
         lo, hi = math.log(best / 4), math.log(best * 4)
@@ -77,7 +77,7 @@ def norm_eps(c: Culprit) -> list[Hint]:
     if attr is None:
         return []
     ref_eps = float(getattr(c.reference, attr))
-    before = _rel(c.reference_output, c.port_output)
+    before = relative_error(c.reference_output, c.port_output)
 
     def run(eps: float) -> Any:
         return c.run_reference(_patched(c.reference, {attr: eps}))
@@ -141,7 +141,7 @@ def attention_scale(c: Culprit) -> list[Hint]:
     """
     if not (_is_attention(c.reference) or _is_attention(c.port)):
         return []
-    before = _rel(c.port_output, c.reference_output)
+    before = relative_error(c.port_output, c.reference_output)
     port_attr = _attr_of(c.port, _SCALE_NAMES) if c.port is not None else None
     if port_attr is not None and c.run_port is not None:
         current = float(getattr(c.port, port_attr))

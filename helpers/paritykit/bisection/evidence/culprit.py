@@ -84,20 +84,6 @@ class Culprit:
         return ".".join(p for p in (self.reference_name, sub) if p) or "reference"
 
 
-def _rel(x: Any, y: Any) -> float:
-    r"""||x - y|| / ||y|| in float64 (inf for a shape mismatch or a non-finite value)."""
-    import torch
-
-    if x is None or y is None or tuple(x.shape) != tuple(y.shape):
-        return math.inf
-    x64, y64 = x.detach().double().cpu(), y.detach().double().cpu()
-    diff = float(torch.linalg.vector_norm(x64 - y64))
-    den = float(torch.linalg.vector_norm(y64))
-    if not math.isfinite(diff):
-        return math.inf
-    return diff / den if den else (0.0 if diff == 0 else math.inf)
-
-
 def _num(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}" if value != 0 and 1e-4 <= abs(value) < 1e5 else f"{value:g}"
