@@ -1,5 +1,5 @@
 """The rooms of paritykit (docs/architecture.md) hold: the layering and no-cycle contracts pass under import-linter,
-no room imports another room's private names, no module outgrows a few hundred lines, and no public name of a
+no module imports another module's private names, no module outgrows a few hundred lines, and no public name of a
 room is shadowed by one of its submodules."""
 
 import ast
@@ -30,19 +30,25 @@ def room_of(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def cross_room_private_imports(root: Path) -> list[str]:
-    r"""Every ``from <another room> import _name`` (at any depth of the file) under package folder ``root``."""
+def private_imports(root: Path) -> list[str]:
+    r"""Every ``from <another module> import _name`` (at any depth of the file) under package folder ``root``: a
+    helper two modules share is public in the module that owns it. A private *module* (``_moved``) may be
+    imported by name."""
     found = []
     for path in sorted(root.rglob("*.py")):
         importer = module_name(path, root)
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
                 continue
-            if not node.module.startswith(root.name + ".") or room_of(node.module) == room_of(importer):
+            if not node.module.startswith(root.name + ".") and node.module != root.name:
                 continue
+            source = root.parent.joinpath(*node.module.split("."))
             for alias in node.names:
-                if alias.name.startswith("_") and not alias.name.startswith("__"):
-                    found.append(f"{importer}:{node.lineno} imports {alias.name} from {node.module}")
+                if not alias.name.startswith("_") or alias.name.startswith("__"):
+                    continue
+                if (source / f"{alias.name}.py").is_file() or (source / alias.name).is_dir():
+                    continue
+                found.append(f"{importer}:{node.lineno} imports {alias.name} from {node.module}")
     return found
 
 
@@ -54,23 +60,28 @@ def test_import_contracts_hold():
     assert "2 kept, 0 broken" in result.stdout
 
 
-def test_no_room_imports_another_rooms_private_names():
-    assert cross_room_private_imports(PACKAGE) == []
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(PACKAGE) == []
 
 
-def test_the_private_import_check_fires_across_rooms_only(tmp_path):
+def test_the_private_import_check_fires_across_modules_and_rooms(tmp_path):
     pkg = tmp_path / "pkg"
     for room in ("one", "two"):
         (pkg / room).mkdir(parents=True)
         (pkg / room / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
+    (pkg / "_hidden.py").write_text("")
     (pkg / "one" / "a.py").write_text("def _helper():\n    pass\n")
-    # same room: allowed
-    (pkg / "one" / "b.py").write_text("from pkg.one.a import _helper\n")
-    assert cross_room_private_imports(pkg) == []
-    # another room, even inside a function: reported with file and line
-    (pkg / "two" / "c.py").write_text("def f():\n    from pkg.one.a import _helper, public\n")
-    assert cross_room_private_imports(pkg) == ["pkg.two.c:2 imports _helper from pkg.one.a"]
+    # a private module imported by name, and public names: allowed
+    (pkg / "one" / "b.py").write_text("from pkg import _hidden\nfrom pkg.one.a import public\n")
+    assert private_imports(pkg) == []
+    # another module of the same room, and another room even inside a function: reported with file and line
+    (pkg / "one" / "c.py").write_text("from pkg.one.a import _helper\n")
+    (pkg / "two" / "d.py").write_text("def f():\n    from pkg.one.a import _helper, public\n")
+    assert private_imports(pkg) == [
+        "pkg.one.c:1 imports _helper from pkg.one.a",
+        "pkg.two.d:2 imports _helper from pkg.one.a",
+    ]
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))

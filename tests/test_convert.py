@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import to_json
 from paritykit.forensics.conversion.emit import apply_rules_to_state_dict, emit_rules
-from paritykit.forensics.conversion.fingerprints import _multiset_hashes
+from paritykit.forensics.conversion.fingerprints import multiset_hashes
 from paritykit.forensics.conversion.matching import infer_conversion_map
 from paritykit.forensics.conversion.modules import match_modules
 from paritykit.forensics.conversion.runtime import OPS
@@ -326,16 +326,14 @@ def test_layer_offsets_do_not_overreach():
 
 def test_fingerprints_are_layout_insensitive_and_pieces_add_up():
     w = _rand(6, 4, 10)
-    full, pieces = _multiset_hashes(w, torch.float32, [(0, 3), (2, 5)])
-    assert full == _multiset_hashes(w.permute(2, 0, 1).contiguous(), torch.float32)[0]
-    assert full == _multiset_hashes(w.reshape(-1).flip(0), torch.float32)[0]
-    assert full != _multiset_hashes(w + 1e-6, torch.float32)[0]
+    full, pieces = multiset_hashes(w, torch.float32, [(0, 3), (2, 5)])
+    assert full == multiset_hashes(w.permute(2, 0, 1).contiguous(), torch.float32)[0]
+    assert full == multiset_hashes(w.reshape(-1).flip(0), torch.float32)[0]
+    assert full != multiset_hashes(w + 1e-6, torch.float32)[0]
     for (dim, count), hashes in pieces.items():
-        assert hashes == [_multiset_hashes(p, torch.float32)[0] for p in w.chunk(count, dim=dim)]
+        assert hashes == [multiset_hashes(p, torch.float32)[0] for p in w.chunk(count, dim=dim)]
     # casting commutes with the fingerprint (rounding is monotone): what the cast matching relies on
-    assert (
-        _multiset_hashes(w, torch.float16)[0] == _multiset_hashes(w.half().transpose(0, 2), torch.float16)[0]
-    )
+    assert multiset_hashes(w, torch.float16)[0] == multiset_hashes(w.half().transpose(0, 2), torch.float16)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -787,10 +785,10 @@ def test_values_rounded_through_bf16_are_a_cast_round_trip():
 @given(st.permutations(list(range(12))) | st.permutations(list(range(16))))
 def test_any_row_permutation_is_described_compactly_and_exactly(perm):
     from paritykit.forensics.conversion.fingerprints import _describe_permutation
-    from paritykit.forensics.conversion.runtime import _row_index
+    from paritykit.forensics.conversion.runtime import row_index
 
     description = _describe_permutation(perm)
-    assert _row_index(description, len(perm)).tolist() == perm
+    assert row_index(description, len(perm)).tolist() == perm
     if description["pattern"] == "ranges":
         assert len(description["ranges"]) <= len(perm)
 
@@ -805,10 +803,10 @@ def test_any_row_permutation_is_described_compactly_and_exactly(perm):
 def test_fingerprint_ignores_layout_and_sees_one_changed_element(rows, cols, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(rows, cols, generator=g) * 100).to(dtype)
-    h = _multiset_hashes(w, dtype)[0]
-    assert h == _multiset_hashes(w.t().contiguous(), dtype)[0]
-    assert h == _multiset_hashes(w.reshape(-1)[torch.randperm(w.numel(), generator=g)], dtype)[0]
+    h = multiset_hashes(w, dtype)[0]
+    assert h == multiset_hashes(w.t().contiguous(), dtype)[0]
+    assert h == multiset_hashes(w.reshape(-1)[torch.randperm(w.numel(), generator=g)], dtype)[0]
     changed = w.clone()
     changed.view(-1)[0] = changed.view(-1)[0] + 1
     if not torch.equal(changed, w):
-        assert h != _multiset_hashes(changed, dtype)[0]
+        assert h != multiset_hashes(changed, dtype)[0]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from paritykit.base.errors import ParityKitError
-from paritykit.base.io import dangerous_global, load_state_dict, load_tensors, safe_torch_load
+from paritykit.base.io import load_state_dict, load_tensors
+from paritykit.base.pickles import dangerous_global, safe_torch_load
 from safetensors.torch import save_file
 
 # ----------------------------------------------------------------------------------------------- malicious pickles

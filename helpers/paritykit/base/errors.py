@@ -22,3 +22,9 @@ class UserCodeError(ParityKitError):
     def __init__(self, message: str, detail: str = ""):
         super().__init__(message)
         self.detail = detail
+
+
+def first_line(exc: BaseException) -> str:
+    r"""An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from paritykit.base.errors import ParityKitError
+
+# the file a run folder (checkpoints, a trace, recorded calls) describes itself in
+MANIFEST_NAME = "paritykit.json"
+
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, executable: bool = False) -> None:
     r"""Write ``text`` to ``path`` via a temporary file in the same folder and a rename.
@@ -43,7 +48,6 @@ def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> 
     An unwritable path or a format matplotlib cannot write becomes one line naming the file (exit 2 from the
     CLI), never a traceback.
     """
-    from paritykit.base.errors import ParityKitError
 
     path = Path(path)
     try:
@@ -62,7 +66,6 @@ def refuse_overwriting_an_input(label: str, out: Any, *inputs: Any) -> None:
     ``images ref.png port.png --out port.png`` would otherwise replace the port's image with the report.
     ``label`` names the argument in the one-line error (``--out``, ``--plot``); non-path inputs are ignored.
     """
-    from paritykit.base.errors import ParityKitError
 
     if not isinstance(out, (str, os.PathLike)):
         return
@@ -91,7 +94,6 @@ def same_path_warning(a: Any, b: Any) -> str | None:
 def check_sides(a: Any, b: Any) -> None:
     r"""Refuse a pair of run folders whose manifests say they are not (reference, port): both of one side, or
     swapped. Folders (or files) that record no side are not checked."""
-    from paritykit.base.errors import ParityKitError
 
     sides = [_side_of(p) for p in (a, b)]
     if None in sides:
@@ -107,8 +109,6 @@ def check_sides(a: Any, b: Any) -> None:
 def _side_of(path: Any) -> str | None:
     import json
 
-    from paritykit.base.io import MANIFEST_NAME
-
     if not isinstance(path, (str, os.PathLike)):
         return None
     manifest = Path(path) / MANIFEST_NAME
@@ -117,3 +117,11 @@ def _side_of(path: Any) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None  # an unreadable manifest is the loader's to name
     return side if side in ("reference", "port") else None
+
+
+def require_file(path: Path) -> None:
+    r"""One line naming ``path`` when it is missing or not a file."""
+    if not path.exists():
+        raise ParityKitError(f"{path}: no such file or directory")
+    if not path.is_file():
+        raise ParityKitError(f"{path}: not a file")

@@ -101,8 +101,19 @@ def with_verdict(payload: dict[str, Any], exit_code: int) -> dict[str, Any]:
     return {"verdict": verdict, "passed": exit_code == 0, **rest}
 
 
-def format_number(value: Any, digits: int = 3) -> str:
-    """Compact human form of a metric: ``1.23e-05``, ``0.999``, ``nan``, ``-``."""
+def format_number(value: Any, digits: int = 3, exponent_digits: int | None = None) -> str:
+    r"""A measured quantity (an error, a cosine, a ratio) as a report shows it: ``1.23e-05``, ``0.999``,
+    ``nan``, ``-`` for ``None``; the one formatter of metrics in the package.
+
+    Args:
+        value: the number (``None``, ints and non-numbers are shown as they are).
+        digits: significant digits in scientific form are ``digits``; plain form between 1e-3 and 1e4 shows
+            one more.
+        exponent_digits: digits after the point in scientific form (default ``digits - 1``).
+
+    Returns:
+        The text.
+    """
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -115,7 +126,13 @@ def format_number(value: Any, digits: int = 3) -> str:
         return "0"
     if 1e-3 <= abs(value) < 1e4:
         return f"{value:.{digits + 1}g}"
-    return f"{value:.{digits - 1}e}"
+    return f"{value:.{digits - 1 if exponent_digits is None else exponent_digits}e}"
+
+
+def format_value(value: Any) -> str:
+    r"""A setting's value as a porter writes it in code: a float to six significant digits (``1e-06``,
+    ``0.176777``), anything else as its ``repr`` (``'gelu'``, ``True``, ``(1, 0)``)."""
+    return f"{value:.6g}" if isinstance(value, float) else repr(value)
 
 
 def render_table(

@@ -31,6 +31,7 @@ from typing import Any
 
 from paritykit.base.naming import apply_rules, compile_rules
 from paritykit.base.report import DEFAULT_LIMIT, render_table
+from paritykit.forensics.conversion.fingerprints import informative
 
 HOW = ("names", "map", "weights", "order")
 
@@ -311,7 +312,7 @@ class _Builder:
         cmap, ref_sd, port_sd = _infer(ref_sd, port_sd)
         self.cmap = cmap
         ambiguous = {a.target for a in cmap.ambiguous}
-        informative = {t for t in sources_of_all(cmap) if t not in ambiguous and _informative(port_sd.get(t))}
+        informative = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
 
         # Containers and leaves alike: a module pairs with another when the value-unique parameters under
@@ -402,7 +403,7 @@ class _Builder:
         ref_sd, port_sd = self.ref.state_dict or {}, self.port.state_dict or {}
         by_shape: dict[tuple, list[str]] = defaultdict(list)
         for key, value in ref_sd.items():
-            if _informative(value):
+            if informative(value):
                 by_shape[tuple(value.shape)].append(key)
         paired = {(q.reference, q.port) for q in self.pairs}
         out = []
@@ -410,9 +411,11 @@ class _Builder:
             sources = []
             for local in self.port.params.get(p, {}):
                 tensor = port_sd.get(f"{p}.{local}" if p else local)
-                if not _informative(tensor):
+                if not informative(tensor):
                     continue
-                sources += [k for k in by_shape.get(tuple(tensor.shape), []) if _equal(ref_sd[k], tensor)]
+                sources += [
+                    k for k in by_shape.get(tuple(tensor.shape), []) if equal_values(ref_sd[k], tensor)
+                ]
             owners = {k.rsplit(".", 1)[0] if "." in k else "" for k in sources}
             if len(owners) != 1:
                 continue
@@ -614,16 +617,8 @@ def sources_of_all(cmap: Any) -> set[str]:
     return {e.target for e in cmap.mapping}
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal_values(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.device == b.device and bool((a == b).all())
-
-
-def _informative(tensor: Any) -> bool:
-    """A tensor whose values can identify it: more than one element and not constant (not all ones/zeros)."""
-    if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
-        return False
-    flat = tensor.detach().reshape(-1)
-    return bool((flat != flat[0]).any())
 
 
 def _output_layouts(mapping: Sequence[Any]) -> dict[str, str]:

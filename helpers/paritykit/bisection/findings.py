@@ -15,6 +15,7 @@ from paritykit.bisection.remix import culprit_hints
 from paritykit.bisection.repair.at_culprit import RepairOptions, repair_hints
 from paritykit.bisection.results import ModuleFinding, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
+from paritykit.tracing.trace import call_name
 
 
 def first_divergence(
@@ -38,7 +39,7 @@ def first_divergence(
         if pair is None or pair.layout or pair.confidence not in confidence:
             continue
         port_name = pair.port
-        port_call = port_name if record.call == 0 else f"{port_name}#{record.call}"
+        port_call = call_name(port_name, record.call)
         if port_call not in port_trace:
             continue
         other = port_trace[port_call]

@@ -4,7 +4,6 @@ and shape, rebuilding a call from them, and the compared tensor of a model's fin
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 

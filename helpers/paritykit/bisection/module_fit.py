@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from paritykit.base.report import format_number
+
 # a bounded search: at most this many candidate settings are built and run
 MAX_TRIALS = 64
 _SCALARS = (bool, int, float, str)
@@ -301,7 +303,7 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
     where = (
         f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
     )
-    where += f"(max_abs {_num(cmp.max_abs)})"
+    where += f"(max_abs {format_number(cmp.max_abs)})"
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
@@ -371,10 +373,10 @@ def _fit_producers(
             Hint(
                 "module-fit",
                 f"port {record.module} ({fit.module_type}) built with {changes} reproduces the tensor the "
-                f"reference feeds {found.child.name} (max_abs {_num(fit.before)} -> {_num(fit.after)}, "
+                f"reference feeds {found.child.name} (max_abs {format_number(fit.before)} -> {format_number(fit.after)}, "
                 f"{fit.trials} constructor settings tried)"
                 + (
-                    f"; replaying the culprit with it: max_abs {_num(before)} -> {_num(after.max_abs)}"
+                    f"; replaying the culprit with it: max_abs {format_number(before)} -> {format_number(after.max_abs)}"
                     if after is not None
                     else ""
                 ),
@@ -424,12 +426,6 @@ def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitt
     return searcher.compare_leaves(list(call.outputs.items()), out, call.name)
 
 
-def _num(value: float | None) -> str:
-    from paritykit.base.report import format_number
-
-    return format_number(value)
-
-
 # ------------------------------------------------------------------- port inputs the reference computes inside
 
 # bounded refinement of one numeric argument: a log grid of factors around the current value, then a search
@@ -470,7 +466,7 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
                 f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name},"
                 f" which the reference computes inside {call.name}; built with {text} it makes"
                 f" {port_call.name} match the reference (replayed on the reference's inputs: max_abs"
-                f" {_num(before)} -> {_num(after.max_abs)}, {trials} constructor settings tried)",
+                f" {format_number(before)} -> {format_number(after.max_abs)}, {trials} constructor settings tried)",
                 {
                     "module": record.module,
                     "module_type": record.type,

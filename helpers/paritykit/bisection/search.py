@@ -42,6 +42,7 @@ from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, shown_name
 from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
 from paritykit.bisection.strategy import FullSearch, run_search
+from paritykit.tracing.trace import module_of
 
 
 def bisect_traces(
@@ -138,7 +139,7 @@ def every_culprit(
             if not last.reference:
                 report.all_note = "--all: stopped at the top level's own forward (nothing to substitute)"
                 return
-            handle = _substitute(searcher, last.reference.split("#", 1)[0])
+            handle = _substitute(searcher, module_of(last.reference))
             if handle is None:
                 report.all_note = (
                     f"--all: stopped: the reference output of {shown_name(last.reference)} cannot be put in"

@@ -19,6 +19,7 @@ from paritykit.bisection.leaves import (
 )
 from paritykit.bisection.results import ModuleTest
 from paritykit.compare.tensors import relative_error
+from paritykit.tracing.trace import call_name, module_of
 
 JUMP_RATIO = 10.0
 # calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
@@ -79,7 +80,7 @@ class Searcher:
         if pair is None or pair.layout:
             return None
         port_module = pair.port
-        name = port_module if ref_record.call == 0 else f"{port_module}#{ref_record.call}"
+        name = call_name(port_module, ref_record.call)
         return self.pt[name] if name in self.pt else None
 
     def frontier(self, record: Any) -> list[Any]:
@@ -343,7 +344,7 @@ class Searcher:
     def masking(self) -> bool:
         """Whether a failing test sits on a pair aligned with medium or high confidence."""
         for test in self.results.values():
-            pair = self.alignment.pair_of(test.reference.split("#", 1)[0])
+            pair = self.alignment.pair_of(module_of(test.reference))
             if test.status == "fail" and pair is not None and pair.confidence != "low":
                 return True
         return False

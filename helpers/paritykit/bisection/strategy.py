@@ -26,6 +26,7 @@ from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
+from paritykit.tracing.trace import module_of
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Located:
         up = self.upstream
         where = ""
         if up is not None:
-            pair = self.searcher.alignment.pair_of(up.reference.split("#", 1)[0])
+            pair = self.searcher.alignment.pair_of(module_of(up.reference))
             low = pair is not None and pair.confidence == "low"
             where = (
                 f"; upstream, {up.reference} <-> {up.port} differs most on identical inputs relative to its"

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from paritykit.base.report import format_number
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +89,8 @@ def _norm(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x.double()))
 
 
-def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel_index(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
+    r"""The index of element ``flat_index`` of a row-major tensor of ``shape`` (a size-0 dim gives 0 there)."""
     index = []
     for size in reversed(shape):
         index.append(flat_index % size if size else 0)
@@ -95,10 +98,8 @@ def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def _num(value: float) -> str:
-    if value == 0 or not math.isfinite(value):
-        return str(value)
-    return f"{value:.4g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.3e}"
+def _metric(value: float) -> str:
+    return str(value) if value == 0 else format_number(value, 3, exponent_digits=3)
 
 
 def _count(n: int, noun: str) -> str:
@@ -213,7 +214,7 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
         counts["b_only"] += n_b
     if first is None:
         return None
-    index = _unravel(first, tuple(a.shape))
+    index = unravel_index(first, tuple(a.shape))
     va, vb = float(a[index]), float(b[index])
     if counts["b_only"] and not counts["a_only"]:
         where = f"B has {_count(counts['b_only'], 'NaN/Inf value')} where A is finite"
@@ -226,7 +227,7 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
         )
     return Hint(
         "nonfinite",
-        f"{where} (first at index {index}: A={_num(va)}, B={_num(vb)}); look for an overflow (fp16 range), "
+        f"{where} (first at index {index}: A={_metric(va)}, B={_metric(vb)}); look for an overflow (fp16 range), "
         "a division by zero or a log/sqrt of a non-positive value on that side.",
         {
             "a_only": counts["a_only"],
@@ -250,10 +251,10 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     if zero_a == zero_b:
         return None
     side, other, t = ("B", "A", a) if zero_b else ("A", "B", b)
-    peak = max(float(c.abs().nan_to_num(0.0).max()) for _, c in _chunks(t))
+    peak = max(float(c.abs().nan_to_metric(0.0).max()) for _, c in _chunks(t))
     return Hint(
         "zeroed",
-        f"{side} is all zeros while {other} is not (max |{other}| = {_num(peak)}): a branch is disabled or "
+        f"{side} is all zeros while {other} is not (max |{other}| = {_metric(peak)}): a branch is disabled or "
         f"scaled by 0 on {side}'s side (a zero-initialised layer, a scale or mask set to 0).",
         {"zero_side": side.lower(), f"max_abs_{other.lower()}": peak},
         score=0.95,
@@ -279,7 +280,7 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             i, j = moved
             return Hint(
                 "transpose",
-                f"B equals A with axes {i} and {j} swapped (evidence: relative residual {_num(gap)} after "
+                f"B equals A with axes {i} and {j} swapped (evidence: relative residual {_metric(gap)} after "
                 "swapping them): a transpose is missing or extra on one side "
                 "(Conv1D vs Linear weights, (batch, heads, seq, dim) vs (batch, seq, heads, dim)).",
                 {"axes": [i, j], "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
@@ -287,7 +288,7 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             )
         return Hint(
             "permute",
-            f"B equals A.permute{perm} (evidence: relative residual {_num(gap)} after permuting): the axis "
+            f"B equals A.permute{perm} (evidence: relative residual {_metric(gap)} after permuting): the axis "
             "order differs between the sides (channels-last vs "
             "channels-first, head/sequence layout).",
             {"dims": list(perm), "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
@@ -421,13 +422,13 @@ def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     if residual > EXPLAINED:
         return None
     power = _power_form(k)
-    shown = _num(k) + (f" (= {power})" if power else "")
+    shown = _metric(k) + (f" (= {power})" if power else "")
     evidence: dict[str, Any] = {"k": k, "residual": residual}
     if power:
         evidence["power_form"] = power
     return Hint(
         "constant-scale",
-        f"B ≈ {shown}·A everywhere (evidence: least-squares factor, residual {_num(residual)} of the "
+        f"B ≈ {shown}·A everywhere (evidence: least-squares factor, residual {_metric(residual)} of the "
         "difference): a scale knob differs between the sides; check whether one knob stands for "
         "two concepts (e.g. a control scale also applied to a time mixture).",
         evidence,
@@ -464,7 +465,7 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> 
     )
     return Hint(
         "offset",
-        f"B ≈ A {'+' if c > 0 else '−'} {_num(abs(c))} everywhere: {what}.",
+        f"B ≈ A {'+' if c > 0 else '−'} {_metric(abs(c))} everywhere: {what}.",
         {"c": c, "residual": residual},
         score=0.88 - 0.5 * residual,
     )
@@ -585,7 +586,7 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
                     "timestep-rounding",
                     f"A and B differ only at the {_count(n, 'value')} with a fractional part, "
                     f"where {side} = {mode}({other}) "
-                    f"(e.g. A={_num(float(x[i]))}, B={_num(float(y[i]))}): one side rounds or casts to int "
+                    f"(e.g. A={_metric(float(x[i]))}, B={_metric(float(y[i]))}): one side rounds or casts to int "
                     "(timesteps as int64 vs float).",
                     {"mode": mode, "rounded_side": side.lower(), "count": n, "share": share},
                     score=0.945,  # above an exact cast: integer-valued B on a tiny tensor can also be a bf16 rounding

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, format_number
+from paritykit.compare.diagnose import unravel_index
 from paritykit.compare.tolerances import default_tolerances, dtype_name, walk_threads
 
 if TYPE_CHECKING:
@@ -314,14 +315,6 @@ def _work_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _unravel(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        index.append(flat_index % size)
-        flat_index //= size
-    return tuple(reversed(index))
-
-
 def _head(flat: torch.Tensor) -> list[Any]:
     import torch
 
@@ -555,7 +548,7 @@ def compare_tensors(
 def _finish(result: TensorComparison, acc: _Accumulator) -> None:
     shape = result.shape_a
     acc.nonfinite.first_disagreement = (
-        _unravel(acc.first_disagreement, shape) if acc.first_disagreement is not None else None
+        unravel_index(acc.first_disagreement, shape) if acc.first_disagreement is not None else None
     )
     result.nonfinite = acc.nonfinite
     result.mismatches = acc.mismatches
@@ -563,7 +556,7 @@ def _finish(result: TensorComparison, acc: _Accumulator) -> None:
     if acc.n_finite == 0:
         return
     result.max_abs = acc.max_abs
-    result.max_abs_index = _unravel(acc.max_index, shape) if acc.max_index is not None else None
+    result.max_abs_index = unravel_index(acc.max_index, shape) if acc.max_index is not None else None
     result.mean_abs = acc.sum_abs / acc.n_finite
     result.rmse = math.sqrt(acc.sum_sq_diff / acc.n_finite)
     result.max_rel = acc.max_rel

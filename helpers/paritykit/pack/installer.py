@@ -16,7 +16,7 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.files import atomic_write_text
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
-from paritykit.pack.skills import _is_within, find_skills, pack_dir
+from paritykit.pack.skills import find_skills, is_within, pack_dir
 
 MANIFEST_NAME = ".paritykit-manifest.json"
 
@@ -308,7 +308,7 @@ class _Context:
     def points_into_pack(self, link: Path) -> bool:
         r"""Whether a symlink leads into the pack (checked on its text too, so a dangling one counts)."""
         lexical = os.path.normpath(os.path.join(os.path.realpath(link.parent), os.readlink(link)))
-        return _is_within(lexical, str(self.pack)) or _is_within(os.path.realpath(link), str(self.pack))
+        return is_within(lexical, str(self.pack)) or is_within(os.path.realpath(link), str(self.pack))
 
 
 def _repository_root(start: Path) -> Path:

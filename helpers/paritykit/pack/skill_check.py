@@ -15,12 +15,12 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
 from paritykit.pack.skills import (
     SKILL_FILE,
-    _has_skill_file,
-    _is_within,
-    _read_skill_file,
-    _split_frontmatter,
     find_skills,
+    has_skill_file,
+    is_within,
     pack_dir,
+    read_skill_file,
+    split_frontmatter,
 )
 
 ALLOWED_FIELDS = ("name", "description", "license", "compatibility", "metadata", "allowed-tools")
@@ -114,7 +114,7 @@ def validate(paths: Sequence[str | os.PathLike] | None = None) -> ValidationRepo
             if path.name.lower() != SKILL_FILE.lower():
                 raise ParityKitError(f"{path}: expected a skill folder, its SKILL.md, or a folder of skills")
             folders.append(path.parent)
-        elif _has_skill_file(path) or not find_skills(path):
+        elif has_skill_file(path) or not find_skills(path):
             folders.append(path)  # a skill folder, or a would-be one that lacks SKILL.md
         else:
             folders.extend(find_skills(path))
@@ -128,19 +128,19 @@ def check_skill(folder: str | os.PathLike) -> SkillCheck:
     folder_name = Path(os.path.abspath(folder)).name
     check = SkillCheck(folder_name, str(folder))
     problems = check.problems
-    if not _has_skill_file(folder):
+    if not has_skill_file(folder):
         names = os.listdir(folder) if folder.is_dir() else []
         near = [n for n in names if n.lower() == SKILL_FILE.lower()]
         hint = f" (found {near[0]!r}; the name must be exactly SKILL.md)" if near else ""
         problems.append(Problem("skill-md-missing", f"no SKILL.md in {folder}{hint}"))
         return check
     try:
-        _, text = _read_skill_file(folder)
+        _, text = read_skill_file(folder)
     except UnicodeDecodeError as exc:
         problems.append(Problem("encoding", f"SKILL.md is not UTF-8 text ({exc.reason})"))
         return check
     try:
-        frontmatter_text, body, body_line = _split_frontmatter(text)
+        frontmatter_text, body, body_line = split_frontmatter(text)
     except ValueError as exc:
         problems.append(Problem("frontmatter-missing", str(exc), line=1))
         return check
@@ -343,8 +343,8 @@ def _check_links(folder: Path) -> list[Problem]:
                     )
                     continue
                 resolved = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), target))
-                inside_lexically = _is_within(resolved, os.path.abspath(folder))
-                if not inside_lexically or not _is_within(os.path.realpath(resolved), root):
+                inside_lexically = is_within(resolved, os.path.abspath(folder))
+                if not inside_lexically or not is_within(os.path.realpath(resolved), root):
                     problems.append(
                         Problem(
                             "link-outside",

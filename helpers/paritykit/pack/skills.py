@@ -40,10 +40,10 @@ def find_skills(root: str | os.PathLike | None = None) -> list[Path]:
     root = pack_dir() if root is None else Path(root)
     if not root.is_dir():
         raise ParityKitError(f"{root}: not a folder of skills")
-    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and _has_skill_file(p))
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and has_skill_file(p))
 
 
-def _has_skill_file(folder: Path) -> bool:
+def has_skill_file(folder: Path) -> bool:
     # Compare exact names: on a case-insensitive file system `skill.md` would pass an `is_file` check.
     try:
         return folder.is_dir() and SKILL_FILE in os.listdir(folder)
@@ -51,7 +51,7 @@ def _has_skill_file(folder: Path) -> bool:
         return False
 
 
-def _split_frontmatter(text: str) -> tuple[str, str, int]:
+def split_frontmatter(text: str) -> tuple[str, str, int]:
     r"""Split ``SKILL.md`` text into (frontmatter, body, line number where the body starts).
 
     Raises ValueError with a readable reason when the file does not start with a closed ``---`` block.
@@ -68,14 +68,14 @@ def _split_frontmatter(text: str) -> tuple[str, str, int]:
 def _frontmatter(folder: Path) -> dict[str, Any]:
     import yaml
 
-    _, text = _read_skill_file(folder)
-    data = yaml.safe_load(_split_frontmatter(text)[0])
+    _, text = read_skill_file(folder)
+    data = yaml.safe_load(split_frontmatter(text)[0])
     if not isinstance(data, dict):
         raise ValueError("the frontmatter is not a YAML mapping")
     return data
 
 
-def _read_skill_file(folder: Path) -> tuple[Path, str]:
+def read_skill_file(folder: Path) -> tuple[Path, str]:
     path = folder / SKILL_FILE
     return path, path.read_text(encoding="utf-8")
 
@@ -146,7 +146,7 @@ def show_skill(name: str, root: str | os.PathLike | None = None) -> str:
     folders = {p.name: p for p in find_skills(root)}
     if name not in folders:
         raise ParityKitError(f"unknown skill {name!r}; available: {', '.join(folders) or 'none'}")
-    return _read_skill_file(folders[name])[1]
+    return read_skill_file(folders[name])[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,6 +154,6 @@ def show_skill(name: str, root: str | os.PathLike | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _is_within(path: str, root: str) -> bool:
+def is_within(path: str, root: str) -> bool:
     path, root = os.path.normcase(path), os.path.normcase(root)
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

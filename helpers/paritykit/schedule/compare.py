@@ -18,7 +18,7 @@ from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
-from paritykit.schedule.families import Family, _close, family_of
+from paritykit.schedule.families import Family, family_of, lists_close
 from paritykit.schedule.load import (
     KINDS,
     OFFSET_KEYS,
@@ -114,7 +114,7 @@ class ScheduleComparison:
                 va = k.a[i] if i < len(k.a) else None
                 vb = k.b[i] if i < len(k.b) else None
                 diff = vb - va if va is not None and vb is not None else None
-                ok = va is not None and vb is not None and _close([va], [vb], k.kind)
+                ok = va is not None and vb is not None and lists_close([va], [vb], k.kind)
                 rows.append([str(i), va, vb, diff, "" if ok else "≠"])
             lines.append(render_table(["i", "A", "B", "B - A", ""], rows, limit=limit))
         for name in self.only_one_side:
@@ -132,9 +132,9 @@ class ScheduleComparison:
         return "\n".join(lines)
 
 
-def _first_difference(a: list[float], b: list[float], kind: str) -> int | None:
+def first_list_difference(a: list[float], b: list[float], kind: str) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
-        if not _close([x], [y], kind):
+        if not lists_close([x], [y], kind):
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
@@ -142,7 +142,7 @@ def _first_difference(a: list[float], b: list[float], kind: str) -> int | None:
 def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint]:
     a, b, kind = k.a, k.b, k.kind
     hints: list[ScheduleHint] = []
-    if len(a) == len(b) and len(a) > 1 and _close(a[::-1], b, kind):
+    if len(a) == len(b) and len(a) > 1 and lists_close(a[::-1], b, kind):
         return [
             ScheduleHint(
                 "reversed",
@@ -172,7 +172,7 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
     if len(a) != len(b):
         short, long_, s_name, l_name = (a, b, "A", "B") if len(a) < len(b) else (b, a, "B", "A")
         extra = long_[len(short) :]
-        if _close(short, long_[: len(short)], kind):
+        if lists_close(short, long_[: len(short)], kind):
             if kind == "sigmas" and all(v == 0 for v in extra):
                 hints.append(
                     ScheduleHint(
@@ -327,7 +327,7 @@ def compare_schedules(a: Any, b: Any, num_train_timesteps: int = 1000) -> Schedu
                     f"{side} was recorded per denoiser call, so its final sigma is unknown; the other "
                     "side's final 0 is not compared"
                 )
-        first = _first_difference(va, vb, kind)
+        first = first_list_difference(va, vb, kind)
         kinds.append(
             KindComparison(
                 kind,

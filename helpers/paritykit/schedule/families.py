@@ -13,7 +13,7 @@ from paritykit.schedule.load import (
     SIGMA_ATOL,
     SIGMA_RTOL,
     TIMESTEP_ATOL,
-    _dedupe,
+    dedupe,
 )
 
 
@@ -32,7 +32,7 @@ def spacing_lists(n: int, train_steps: int) -> dict[str, list[float]]:
     }
 
 
-def _close(a: Sequence[float], b: Sequence[float], kind: str) -> bool:
+def lists_close(a: Sequence[float], b: Sequence[float], kind: str) -> bool:
     if len(a) != len(b):
         return False
     if kind == "timesteps":
@@ -67,7 +67,7 @@ def timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
     integral = all(v == round(v) for v in ts)
     for name, values in lists.items():
         rounded = [float(round(v)) for v in values]
-        if _close(ts, values, "timesteps") or _close(ts, rounded, "timesteps"):
+        if lists_close(ts, values, "timesteps") or lists_close(ts, rounded, "timesteps"):
             # an integer list is read as the rounded family: at other counts it stays integer
             exact = not integral
 
@@ -83,7 +83,7 @@ def timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
             return family
     for name, values in lists.items():
         shift = ts[-1] - values[-1]
-        if shift and _close(ts, [v + shift for v in values], "timesteps"):
+        if shift and lists_close(ts, [v + shift for v in values], "timesteps"):
 
             def generate(m: int, name=name, shift=shift) -> list[float]:
                 return [v + shift for v in spacing_lists(m, train_steps)[name]]
@@ -218,5 +218,5 @@ def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | N
 def family_of(kind: str, values: Sequence[float] | None, train_steps: int) -> Family | None:
     if values is None:
         return None
-    values = _dedupe(values)
+    values = dedupe(values)
     return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values, train_steps)

@@ -15,7 +15,7 @@ from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
-from paritykit.schedule.families import _close, family_of, sigma_family
+from paritykit.schedule.families import family_of, lists_close, sigma_family
 from paritykit.schedule.load import (
     KINDS,
     OTHER_COUNTS,
@@ -28,19 +28,19 @@ from paritykit.schedule.schedulers import (
     DEFAULT_CALL,
     Call,
     Match,
-    _changes,
-    _format_value,
-    _make,
-    _matches,
-    _scheduler_lists,
     accepted_keys,
     all_scheduler_keys,
     calls_for,
+    config_changes,
     lists_of,
+    make_scheduler,
+    python_literal,
     ready_line,
     resolve_scheduler,
+    schedule_matches,
+    scheduler_lists,
 )
-from paritykit.schedule.step_check import StepCheck, _run_step_check
+from paritykit.schedule.step_check import StepCheck, run_step_check
 
 # a fit whose worst relative error is at most this is float32 rounding of the reference: "exact"
 EXACT_RTOL = 1e-6
@@ -218,7 +218,7 @@ class FitResult:
 
 
 def _change_text(c: Candidate) -> str:
-    text = ", ".join(f"{k}={_format_value(v)}" for k, v in c.changes.items()) or "(base)"
+    text = ", ".join(f"{k}={python_literal(v)}" for k, v in c.changes.items()) or "(base)"
     if c.call != DEFAULT_CALL:
         text += f"; {c.call.text.partition('  #')[0]}"
     if c.mu:
@@ -405,7 +405,7 @@ def fit_scheduler(
     configs = []
     for combo in itertools.product(*_axes(keys, base, ref_n, offsets)):
         config = {k: v for part in combo for k, v in part.items()}
-        configs.append((config, _changes(config, keys, base)))
+        configs.append((config, config_changes(config, keys, base)))
     calls = calls_for(cls, keys, ref_n)
     seen: dict[str, Candidate] = {}
     matched_here: list[Candidate] = []
@@ -462,7 +462,7 @@ def fit_scheduler(
     if fits and fits[0].mu and len(fits[0].mu) >= 2:
         _mu_as_function_of_size(result, cls, keys, base, ref, counts)
     if step_check is not None and step_check is not False:
-        _run_step_check(result, cls, base, keys, ref, ref_n, steps, step_check, train_steps)
+        run_step_check(result, cls, base, keys, ref, ref_n, steps, step_check, train_steps)
     if not result.fits and explain:
         _explain_no_fit(
             result, cls, base, ref, ref_n, steps, train_steps, list(seen.values()), step_check, variants
@@ -601,7 +601,7 @@ def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], sourc
     for key in base:  # the one key whose value, set back to the class's default, makes the config work
         if keys.get(key) != base[key] and _refusal(cls, {k: v for k, v in base.items() if k != key}) is None:
             raise ParityKitError(
-                f"{what}: {key}={_format_value(base[key])} is refused by {cls.__name__}: {problem}"
+                f"{what}: {key}={python_literal(base[key])} is refused by {cls.__name__}: {problem}"
             )
     raise ParityKitError(f"{what}: refused by {cls.__name__}: {problem}")
 
@@ -611,11 +611,11 @@ def _refusal(cls: type, config: dict[str, Any]) -> str | None:
     import inspect
 
     try:
-        scheduler = _make(cls, config)
+        scheduler = make_scheduler(cls, config)
         call = {"mu": 0.0} if config.get("use_dynamic_shifting") else {}
         if "mu" in call and "mu" not in inspect.signature(scheduler.set_timesteps).parameters:
             call = {}
-        _scheduler_lists(scheduler, 10, **call)
+        scheduler_lists(scheduler, 10, **call)
     except Exception as exc:  # diffusers raises ValueError, NotImplementedError, RuntimeError, KeyError here
         return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
     return None
@@ -682,7 +682,7 @@ def _try(
         return Match(
             False, f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
         )
-    return _matches(ref, got)
+    return schedule_matches(ref, got)
 
 
 # the keys still searched when the reference's own lists are passed to set_timesteps
@@ -802,7 +802,9 @@ def _sibling(
     match = _try(other, config, ref_n, steps, call, mu)
     if not match.ok:
         return None
-    cand = Candidate(_changes(config, keys, {}), call, [steps], mu={sizes[0]: mu} if mu is not None else {})
+    cand = Candidate(
+        config_changes(config, keys, {}), call, [steps], mu={sizes[0]: mu} if mu is not None else {}
+    )
     cand.absorb(match)
     for variant in variants or [{}]:
         cand.counts_matched, cand.failures = [steps], {}
@@ -814,7 +816,7 @@ def _sibling(
     cand.changes = {k: v for k, v in changes.items() if keys.get(k) != v}
     probe = FitResult(name, steps, result.counts, result.reference, {}, [cand], [], 1)
     if step_check is not None and step_check is not False:
-        _run_step_check(
+        run_step_check(
             probe,
             other,
             {k: v for k, v in base.items() if k in keys},
@@ -841,9 +843,9 @@ def _interpolation(ref: Schedule, got: dict[str, list[float]], cls: type, config
     if not (ref.timesteps and ref.sigmas and got.get("timesteps") and got.get("sigmas")):
         return []
     n = min(len(ref.timesteps), len(got["timesteps"]))
-    if not _close(ref.timesteps[:n], got["timesteps"][:n], "timesteps"):
+    if not lists_close(ref.timesteps[:n], got["timesteps"][:n], "timesteps"):
         return []
-    ac = getattr(_make(cls, config), "alphas_cumprod", None)
+    ac = getattr(make_scheduler(cls, config), "alphas_cumprod", None)
     if ac is None:
         return []
     train = ((1 - ac.double()) / ac.double()).sqrt().numpy()
@@ -856,7 +858,7 @@ def _interpolation(ref: Schedule, got: dict[str, list[float]], cls: type, config
     }
 
     def which(values: list[float]) -> str | None:
-        return next((k for k, v in names.items() if _close(values[:n], list(v), "sigmas")), None)
+        return next((k for k, v in names.items() if lists_close(values[:n], list(v), "sigmas")), None)
 
     a, b = which(ref.sigmas), which(got["sigmas"])
     if a is None or b is None or a == b:

@@ -76,12 +76,12 @@ class Schedule:
     @property
     def steps(self) -> int:
         if self.timesteps is not None:
-            return len(_dedupe(self.timesteps))
-        sig = _dedupe(self.sigmas or [])
+            return len(dedupe(self.timesteps))
+        sig = dedupe(self.sigmas or [])
         return len(sig) - 1 if sig and sig[-1] == 0 else len(sig)
 
 
-def _dedupe(values: Sequence[float]) -> list[float]:
+def dedupe(values: Sequence[float]) -> list[float]:
     r"""Consecutive repeats dropped: a second-order scheduler (Heun) lists every timestep but the first twice."""
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.schedule.compare import _first_difference
-from paritykit.schedule.families import _close
+from paritykit.schedule.compare import first_list_difference
+from paritykit.schedule.families import lists_close
 from paritykit.schedule.load import (
     KINDS,
     Schedule,
-    _dedupe,
+    dedupe,
 )
 
 
@@ -76,7 +76,7 @@ def all_scheduler_keys() -> frozenset[str]:
 _ALL_KEYS: frozenset[str] | None = None
 
 
-def _scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, list[float]]:
+def scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, list[float]]:
     import warnings
 
     with warnings.catch_warnings(), _quiet_diffusers():
@@ -89,7 +89,7 @@ def _scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, li
     return out
 
 
-def _make(cls: type, config: dict[str, Any]) -> Any:
+def make_scheduler(cls: type, config: dict[str, Any]) -> Any:
     # keys are filtered to those __init__ accepts, so the constructor is enough (from_config re-reads the
     # signature for every key: 10x slower over a search)
     with _quiet_diffusers():
@@ -184,7 +184,7 @@ def lists_of(
 ) -> dict[str, list[float]]:
     r"""The timestep and sigma lists ``cls(**config)`` sets for ``n`` steps under ``call``."""
     steps, kwargs = call.kwargs(n, ref, mu)
-    return _scheduler_lists(_make(cls, config), steps, **kwargs)
+    return scheduler_lists(make_scheduler(cls, config), steps, **kwargs)
 
 
 def set_with(
@@ -192,7 +192,7 @@ def set_with(
 ) -> None:
     r"""``scheduler.set_timesteps`` under ``call`` (the step check runs the fitted call, not the default)."""
     steps, kwargs = call.kwargs(n, ref, mu)
-    _scheduler_lists(scheduler, steps, **kwargs)
+    scheduler_lists(scheduler, steps, **kwargs)
 
 
 @dataclass
@@ -212,14 +212,14 @@ def _aligned(ref: Schedule, got: dict[str, list[float]], kind: str) -> tuple[lis
     if want is None or kind not in got:
         return None
     have = got[kind]
-    if len(have) != len(want) and len(_dedupe(have)) != len(have):
-        have, want = _dedupe(have), _dedupe(want)  # one model call per list entry vs per step
+    if len(have) != len(want) and len(dedupe(have)) != len(have):
+        have, want = dedupe(have), dedupe(want)  # one model call per list entry vs per step
     if kind == "sigmas" and len(have) == len(want) + 1:
         have = have[: len(want)]  # a recorded loop sees no final sigma
     return have, want
 
 
-def _matches(ref: Schedule, got: dict[str, list[float]]) -> Match:
+def schedule_matches(ref: Schedule, got: dict[str, list[float]]) -> Match:
     match = Match(True, "", {}, 0.0)
     for kind in KINDS:
         pair = _aligned(ref, got, kind)
@@ -233,23 +233,23 @@ def _matches(ref: Schedule, got: dict[str, list[float]]) -> Match:
             rel = [e / max(abs(w), 1.0 if kind == "timesteps" else 1e-6) for e, w in zip(errors, want)]
             match.residual[kind] = (max(errors, default=0.0), max(rel, default=0.0))
             match.distance = max(match.distance, match.residual[kind][1])
-        if match.ok and not _close(have, want, kind):
-            match.ok, match.why = False, f"{kind} differ from step {_first_difference(have, want, kind)}"
+        if match.ok and not lists_close(have, want, kind):
+            match.ok, match.why = False, f"{kind} differ from step {first_list_difference(have, want, kind)}"
     if not match.residual and match.ok and match.distance == 0.0:
         return Match(False, "nothing comparable")
     return match
 
 
-def _format_value(value: Any) -> str:
+def python_literal(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     return repr(value)
 
 
 def ready_line(cls_name: str, changes: dict[str, Any]) -> str:
-    args = "".join(f", {k}={_format_value(v)}" for k, v in changes.items())
+    args = "".join(f", {k}={python_literal(v)}" for k, v in changes.items())
     return f"{cls_name}.from_config(pipe.scheduler.config{args})"
 
 
-def _changes(candidate: dict[str, Any], keys: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def config_changes(candidate: dict[str, Any], keys: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in candidate.items() if base.get(k, keys.get(k)) != v}

@@ -18,7 +18,14 @@ from paritykit.schedule.load import (
     Schedule,
     load_schedule,
 )
-from paritykit.schedule.schedulers import DEFAULT_CALL, Call, _changes, _format_value, _make, set_with
+from paritykit.schedule.schedulers import (
+    DEFAULT_CALL,
+    Call,
+    config_changes,
+    make_scheduler,
+    python_literal,
+    set_with,
+)
 
 
 @dataclass
@@ -137,7 +144,7 @@ def _check_one(
     ref: Schedule | None = None,
     mu: float | None = None,
 ) -> StepCheck:
-    scheduler = _make(cls, config)
+    scheduler = make_scheduler(cls, config)
     set_with(scheduler, steps, call, ref, mu)
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
     checked = 0
@@ -245,7 +252,7 @@ def _check_calls(
     import torch
 
     calls = recorded.calls
-    scheduler = _make(cls, config)
+    scheduler = make_scheduler(cls, config)
     set_with(scheduler, steps, call, ref, mu)
     timesteps = scheduler.timesteps
     if len(timesteps) != len(calls):
@@ -330,7 +337,7 @@ def _mismatch(
     )
 
 
-def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
+def run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, train_steps) -> None:
     result.step_checked = True
     calls = _recorded_calls(source)
     name = cls.__name__
@@ -403,7 +410,7 @@ def _run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, tra
                 continue
             first = first or found
             if found.matched:
-                fixes.append((_changes(more, keys, base), found))
+                fixes.append((config_changes(more, keys, base), found))
         if fixes:
             changed, found = fixes[0]
             cand.changes.update(changed)
@@ -429,7 +436,7 @@ def _fixed_by(first: StepCheck, fixes: list[dict[str, Any]]) -> str:
     apart, and the sentence says so instead of choosing."""
 
     def text(changed: dict[str, Any]) -> str:
-        what = ", ".join(f"{k}={_format_value(v)}" for k, v in changed.items())
+        what = ", ".join(f"{k}={python_literal(v)}" for k, v in changed.items())
         return f"{what} ({'; '.join(_STEP_AXES[k][1] for k in changed)})"
 
     at = f"at step {first.first_failing_step}" if first.first_failing_step is not None else "as fitted"

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.io import CHECKPOINT_SCHEMA, MANIFEST_NAME, read_manifest
+from paritykit.base.files import MANIFEST_NAME
+from paritykit.base.io import CHECKPOINT_SCHEMA, read_manifest
 
 if TYPE_CHECKING:
     import torch

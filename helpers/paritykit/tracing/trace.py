@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paritykit.base.errors import ParityKitError
-from paritykit.base.io import first_line
+from paritykit.base.errors import ParityKitError, first_line
 
 MANIFEST = "trace.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -78,6 +77,17 @@ class ModuleInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type, "params": self.params}
+
+
+def call_name(module: str, call: int) -> str:
+    r"""The name of call ``call`` (0-based) of ``module`` in a trace: the module's own name for its first call,
+    ``module#k`` for the (k+1)-th; :func:`module_of` reads it back."""
+    return module if call == 0 else f"{module}#{call}"
+
+
+def module_of(name: str) -> str:
+    r"""The module of a call named by :func:`call_name` (``block#2`` -> ``block``)."""
+    return name.split("#", 1)[0]
 
 
 @dataclass(slots=True)
@@ -484,7 +494,7 @@ class _Recorder:
         self.counts[name] = count + 1
         parent = self.stack[-1] if self.stack else None
         record = Record(
-            name=name if count == 0 else f"{name}#{count}",
+            name=call_name(name, count),
             module=name,
             call=count,
             type=type_name,

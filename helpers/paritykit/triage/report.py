@@ -137,7 +137,13 @@ class TriageReport:
         lines += [f"not checked: {n}" for n in self.not_checked]
         if self.curve:
             rows = [
-                [str(r.call), _num(r.t_reference), _num(r.t_port), _num(r.latents), _num(r.output)]
+                [
+                    str(r.call),
+                    format_number(r.t_reference),
+                    format_number(r.t_port),
+                    format_number(r.latents),
+                    format_number(r.output),
+                ]
                 for r in self.curve
             ]
             lines.append("error per denoiser call (relative L2, port against reference):")
@@ -147,14 +153,10 @@ class TriageReport:
         return "\n".join(lines)
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else format_number(value)
-
-
 def _result_text(result: dict[str, Any]) -> str:
     if result.get("error"):
         return f"results not compared: {result['error']}"
     return (
         f"result {'matches' if result.get('passed') else 'differs'} "
-        f"(max_abs {_num(result.get('max_abs'))}, cosine {_num(result.get('cosine'))})"
+        f"(max_abs {format_number(result.get('max_abs'))}, cosine {format_number(result.get('cosine'))})"
     )

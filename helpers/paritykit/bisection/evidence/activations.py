@@ -10,7 +10,7 @@ from typing import Any
 from paritykit.bisection.evidence.culprit import (
     FIT_REL,
     Culprit,
-    _verify,
+    verify_hint,
 )
 from paritykit.compare.diagnose import Hint
 from paritykit.compare.tensors import relative_error
@@ -93,7 +93,7 @@ def activation(c: Culprit) -> list[Hint]:
         score=0.9,
         fix=f"{c.port_path()} = {ctor}",
     )
-    return [_verify(c, lambda: fn, hint)]
+    return [verify_hint(c, lambda: fn, hint)]
 
 
 def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless: bool) -> list[tuple]:

@@ -7,15 +7,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paritykit.base.report import format_value
 from paritykit.bisection.evidence.culprit import (
-    _EPS_NAMES,
-    _SCALE_NAMES,
+    EPS_NAMES,
     FIT_GAIN,
     FIT_REL,
+    SCALE_NAMES,
     Culprit,
-    _num,
-    _patched,
-    _verify,
+    patched_copy,
+    verify_hint,
 )
 from paritykit.compare.diagnose import Hint
 from paritykit.compare.tensors import relative_error
@@ -73,14 +73,14 @@ def norm_eps(c: Culprit) -> list[Hint]:
     r"""``norm-eps``: the epsilon with which the reference's norm reproduces the port's output."""
     if c.reference is None or c.run_reference is None or "norm" not in type(c.reference).__name__.lower():
         return []
-    attr = _attr_of(c.reference, _EPS_NAMES)
+    attr = _attr_of(c.reference, EPS_NAMES)
     if attr is None:
         return []
     ref_eps = float(getattr(c.reference, attr))
     before = relative_error(c.reference_output, c.port_output)
 
     def run(eps: float) -> Any:
-        return c.run_reference(_patched(c.reference, {attr: eps}))
+        return c.run_reference(patched_copy(c.reference, {attr: eps}))
 
     candidates = sorted(
         {10.0**-k for k in range(0, 15)} | {m * 10.0**-k for m in (2, 5) for k in range(1, 13)}
@@ -88,18 +88,22 @@ def norm_eps(c: Culprit) -> list[Hint]:
     best, err, fitting = _fit_constant(run, c.port_output, candidates, refine=False)
     if not before > 0 or err > FIT_REL or err >= FIT_GAIN * before or not fitting:
         return []
-    shown = _num(best) if len(fitting) == 1 else f"any eps in [{_num(fitting[0])}, {_num(fitting[-1])}]"
-    port_attr = _attr_of(c.port, _EPS_NAMES) if c.port is not None else None
+    shown = (
+        format_value(best)
+        if len(fitting) == 1
+        else f"any eps in [{format_value(fitting[0])}, {format_value(fitting[-1])}]"
+    )
+    port_attr = _attr_of(c.port, EPS_NAMES) if c.port is not None else None
     hint = Hint(
         "norm-eps",
         f"the reference norm reproduces the port's output with {shown} (relative error {err:.1e}, "
-        f"{before:.1e} with its own eps={_num(ref_eps)}) (evidence: eps fitted on the captured input)",
+        f"{before:.1e} with its own eps={format_value(ref_eps)}) (evidence: eps fitted on the captured input)",
         {"fitted_eps": best, "fitting": fitting, "reference_eps": ref_eps, "fit_error": err, "error": before},
         score=0.88,
         fix=f"{c.port_path(attr=port_attr or 'eps')} = {ref_eps!r}",
     )
     if port_attr is not None:
-        _verify(c, lambda: _patched(c.port, {port_attr: ref_eps}), hint)
+        verify_hint(c, lambda: patched_copy(c.port, {port_attr: ref_eps}), hint)
     return [hint]
 
 
@@ -142,12 +146,12 @@ def attention_scale(c: Culprit) -> list[Hint]:
     if not (_is_attention(c.reference) or _is_attention(c.port)):
         return []
     before = relative_error(c.port_output, c.reference_output)
-    port_attr = _attr_of(c.port, _SCALE_NAMES) if c.port is not None else None
+    port_attr = _attr_of(c.port, SCALE_NAMES) if c.port is not None else None
     if port_attr is not None and c.run_port is not None:
         current = float(getattr(c.port, port_attr))
 
         def run(s: float) -> Any:
-            return c.run_port(_patched(c.port, {port_attr: s}))
+            return c.run_port(patched_copy(c.port, {port_attr: s}))
 
         best, err, _ = _fit_constant(run, c.reference_output, _scale_candidates(c.port, current), refine=True)
         if (
@@ -158,22 +162,22 @@ def attention_scale(c: Culprit) -> list[Hint]:
         ):
             hint = Hint(
                 "attention-scale",
-                f"the port's attention reproduces the reference output with scale {_num(best)} (relative"
-                f" error {err:.1e}); it uses {port_attr}={_num(current)} (evidence: softmax scale fitted on"
+                f"the port's attention reproduces the reference output with scale {format_value(best)} (relative"
+                f" error {err:.1e}); it uses {port_attr}={format_value(current)} (evidence: softmax scale fitted on"
                 " the captured input)",
                 {"fitted_scale": best, "port_scale": current, "fit_error": err, "error": before},
                 score=0.9,
                 fix=f"{c.port_path(attr=port_attr)} = {best!r}",
             )
-            return [_verify(c, lambda: _patched(c.port, {port_attr: best}), hint)]
+            return [verify_hint(c, lambda: patched_copy(c.port, {port_attr: best}), hint)]
         return []
-    ref_attr = _attr_of(c.reference, _SCALE_NAMES) if c.reference is not None else None
+    ref_attr = _attr_of(c.reference, SCALE_NAMES) if c.reference is not None else None
     if ref_attr is None or c.run_reference is None:
         return []
     current = float(getattr(c.reference, ref_attr))
 
     def run_ref(s: float) -> Any:
-        return c.run_reference(_patched(c.reference, {ref_attr: s}))
+        return c.run_reference(patched_copy(c.reference, {ref_attr: s}))
 
     best, err, _ = _fit_constant(run_ref, c.port_output, _scale_candidates(c.reference, current), refine=True)
     if (
@@ -186,8 +190,8 @@ def attention_scale(c: Culprit) -> list[Hint]:
     return [
         Hint(
             "attention-scale",
-            f"the port computes attention with softmax scale {_num(best)} where the reference uses"
-            f" {_num(current)} (evidence: the reference refitted to the port's output, relative error"
+            f"the port computes attention with softmax scale {format_value(best)} where the reference uses"
+            f" {format_value(current)} (evidence: the reference refitted to the port's output, relative error"
             f" {err:.1e})",
             {"fitted_scale": best, "reference_scale": current, "fit_error": err, "error": before},
             score=0.88,

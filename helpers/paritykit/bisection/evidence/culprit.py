@@ -4,7 +4,6 @@ copy) and the helpers detectors share."""
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +18,13 @@ FIT_REL = 1e-5
 FIT_GAIN = 0.01
 
 
-# attributes that never change a module's numbers
-_IGNORED = frozenset({"training", "inplace", "dump_patches", "call_super_init"})
+# a module's attributes that are not settings of its computation: torch's bookkeeping, and switches that change
+# memory or speed, never the numbers (the one list for the settings evidence and the repair search)
+NOT_SETTINGS = frozenset({"training", "inplace", "dump_patches", "call_super_init", "gradient_checkpointing"})
 
 
 # names that mean the same setting in different code bases
-_SYNONYMS = {
+SYNONYMS = {
     "epsilon": "eps",
     "variance_epsilon": "eps",
     "norm_eps": "eps",
@@ -39,10 +39,10 @@ _SYNONYMS = {
 }
 
 
-_EPS_NAMES = ("eps", "epsilon", "variance_epsilon")
+EPS_NAMES = ("eps", "epsilon", "variance_epsilon")
 
 
-_SCALE_NAMES = ("scale", "scaling", "softmax_scale")
+SCALE_NAMES = ("scale", "scaling", "softmax_scale")
 
 
 @dataclass
@@ -84,13 +84,7 @@ class Culprit:
         return ".".join(p for p in (self.reference_name, sub) if p) or "reference"
 
 
-def _num(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}" if value != 0 and 1e-4 <= abs(value) < 1e5 else f"{value:g}"
-    return repr(value)
-
-
-def _verify(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
+def verify_hint(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
     r"""Build the fixed port (``make()``, e.g. a patched deep copy), run it on the port's inputs and record the
     before/after error: ``verified`` is True when it then matches the reference, False when it does not, and
     stays None when it could not be tried (no replay, or the copy or the call raised)."""
@@ -109,7 +103,7 @@ def _verify(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
     return hint
 
 
-def _patched(module: Any, changes: dict[str, Any]) -> Any:
+def patched_copy(module: Any, changes: dict[str, Any]) -> Any:
     r"""A deep copy of ``module`` with ``{"sub.attr": value}`` set (a missing parameter is added as one)."""
     import torch
 

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from paritykit.base.report import format_value
 from paritykit.bisection.evidence.culprit import (
-    _IGNORED,
-    _SYNONYMS,
+    NOT_SETTINGS,
+    SYNONYMS,
     Culprit,
-    _num,
-    _patched,
-    _verify,
+    patched_copy,
+    verify_hint,
 )
 from paritykit.compare.diagnose import Hint
 
@@ -63,13 +63,13 @@ def config_of(module: Any) -> dict[str, tuple[str, Any]]:
     slots = module._parameters.keys() | module._buffers.keys() | module._modules.keys()
     for key, value in _repr_fields(module).items():
         if key not in slots:  # ``bias=False`` in a repr says a parameter is absent: compared as a parameter
-            out[_SYNONYMS.get(key, key)] = (key, value)
+            out[SYNONYMS.get(key, key)] = (key, value)
     for key, value in vars(module).items():
-        if key.startswith("_") or key in _IGNORED:
+        if key.startswith("_") or key in NOT_SETTINGS:
             continue
         plain = _plain(value)
         if plain is not _SKIP:
-            out[_SYNONYMS.get(key, key)] = (key, plain)
+            out[SYNONYMS.get(key, key)] = (key, plain)
     return out
 
 
@@ -99,8 +99,8 @@ class SettingDifference:
         what = f"{reference_class} " if reference_class else ""
         if self.kind == "attribute":
             return (
-                f"reference {what}{self.name}={_num(self.reference_value)}, port"
-                f" {self.attr}={_num(self.port_value)}"
+                f"reference {what}{self.name}={format_value(self.reference_value)}, port"
+                f" {self.attr}={format_value(self.port_value)}"
             )
         if self.kind == "parameter":
             return f"reference {what}has parameter {self.attr}, the port's is None"
@@ -231,10 +231,10 @@ def module_config(c: Culprit) -> list[Hint]:
             score=0.8,
             fix="; ".join(h.fix for h in hints if h.fix),
         )
-        if _verify(c, lambda: _patched(c.port, dict(edits)), combined).verified:
+        if verify_hint(c, lambda: patched_copy(c.port, dict(edits)), combined).verified:
             return [combined]
     for hint, (path, value) in zip(hints, edits):
-        _verify(c, lambda p=path, v=value: _patched(c.port, {p: v}), hint)
+        verify_hint(c, lambda p=path, v=value: patched_copy(c.port, {p: v}), hint)
         if hint.verified is False:
             hint.message += " - setting it alone does not make the module match"
             hint.score = 0.6
@@ -249,7 +249,7 @@ def _needed(c: Culprit, edits: list[tuple[str, Any]]) -> list[int] | None:
 
     def matches(keep: list[int]) -> bool:
         try:
-            return c.check(_patched(c.port, dict(edits[k] for k in keep)))[0]
+            return c.check(patched_copy(c.port, dict(edits[k] for k in keep)))[0]
         except Exception:
             return False
 

@@ -8,10 +8,11 @@ from typing import Any
 
 from paritykit.bisection.evidence.culprit import (
     Culprit,
-    _patched,
-    _verify,
+    patched_copy,
+    verify_hint,
 )
 from paritykit.compare.diagnose import Hint
+from paritykit.forensics.conversion.fingerprints import informative
 
 # the order a fused projection holds its parts in, by the role word in a split module's name
 _ROLES = {
@@ -88,7 +89,7 @@ def weights(c: Culprit) -> list[Hint]:
         fix="; ".join(f"load {r['target']} from {r['sources'][0]}" + _describe(r) for r in rules),
     )
     patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
-    _verify(c, lambda: _patched(c.port, patch), hint)
+    verify_hint(c, lambda: patched_copy(c.port, patch), hint)
     if "layout" in rules[0] and not hint.verified:
         return _unmatched(c, cmap, ref_sd)
     return [hint]
@@ -193,7 +194,7 @@ def _prefix(name: str) -> str:
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
     r"""Port parameters that equal no reference tensor (nor a slice, transpose or cast of one), and reference
     parameters with information (not constant) that no port parameter uses: dropped in the conversion."""
-    dropped = [k for k in cmap.unused_source if _informative(ref_sd[k])]
+    dropped = [k for k in cmap.unused_source if informative(ref_sd[k])]
     if not cmap.unmapped_target and not dropped:
         return []
     parts = []
@@ -213,8 +214,3 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
             score=0.85,
         )
     ]
-
-
-def _informative(t: Any) -> bool:
-    flat = t.detach().reshape(-1)
-    return flat.numel() > 1 and bool((flat != flat[0]).any())

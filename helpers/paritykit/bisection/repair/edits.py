@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paritykit.base.report import format_value
 from paritykit.compare.diagnose import Hint
 
 # the grammar's tiers, cheapest first; ``uses`` edits parameters that hold the reference's own values (the
@@ -129,13 +130,8 @@ def inverse(label: str, value: float) -> str:
         return rest[1:-1] if rest.startswith("(") and rest.endswith(")") else rest
     named = label in {name for _, name in _NAMED} or label.startswith("√") or label.isdigit()
     if not named:
-        return number(1 / value)
+        return format_value(1 / value)
     return f"1/{label}" if " " not in label else f"1/({label})"
-
-
-def number(value: float) -> str:
-    r"""A number as a porter reads it (six significant digits)."""
-    return f"{value:.6g}"
 
 
 # ------------------------------------------------------------------------------------------ orderings

@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from paritykit.base.report import format_value
+from paritykit.bisection.evidence.culprit import NOT_SETTINGS
 from paritykit.bisection.leaves import flatten_tensors, rebuild_leaves, torch_equal
 from paritykit.bisection.module_fit import constructor_values, literal_options, placed_like, rebuild
 from paritykit.bisection.repair.edits import (
@@ -27,7 +29,6 @@ from paritykit.bisection.repair.edits import (
     chunk_counts,
     chunk_orders,
     inverse,
-    number,
     order_words,
     reorder,
     simple_constants,
@@ -318,7 +319,7 @@ def _with_snaps(value: float, sizes: tuple[int, ...]) -> list[tuple[float, str]]
     if not math.isfinite(value) or abs(value - 1.0) < 1e-9:
         return []
     near = [(c, name) for c, name in snapped(value, sizes) if c != 1.0]
-    return [*near, (value, number(value))]
+    return [*near, (value, format_value(value))]
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -557,7 +558,7 @@ def _affine_fits(
         return []
     near_a = [c for c in _RESIDUAL_COEFFICIENTS if abs(a - c) <= 0.05 * abs(c)]
     near_b = [c for c in _RESIDUAL_COEFFICIENTS if abs(b - c) <= 0.05 * abs(c)]
-    return [(sa, sb, f"{number(sa)}, {number(sb)}") for sa in near_a for sb in near_b]
+    return [(sa, sb, f"{format_value(sa)}, {format_value(sb)}") for sa in near_a for sb in near_b]
 
 
 def _residual_words(site: Site, path: str, input_name: str, a: float, b: float, label: str) -> str:
@@ -574,7 +575,7 @@ def _residual_words(site: Site, path: str, input_name: str, a: float, b: float, 
     if abs(a - 1) < 1e-9 and abs(b - 1) < 1e-9:
         return f"{site.path()}: its residual is missing: the reference adds {input_name} to {path}"
     return (
-        f"{site.path()}: reference {path} = {number(a)} x port {path} + {number(b)} x {input_name} "
+        f"{site.path()}: reference {path} = {format_value(a)} x port {path} + {format_value(b)} x {input_name} "
         f"(fitted: {label})"
     )
 
@@ -596,16 +597,10 @@ def setting_edits(site: Site, work: Any) -> Iterator[Edit]:
             yield _setting_edit(site, sub, change, rebuilt, words)
 
 
-# attributes that never change a module's numbers, or are not settings
-_NOT_SETTINGS = frozenset(
-    {"training", "inplace", "dump_patches", "call_super_init", "gradient_checkpointing"}
-)
-
-
 def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:
     r"""One plain attribute of the module set to another value, on the working copy (the forward reads it)."""
     for attr, value in list(vars(module).items()):
-        if attr.startswith("_") or attr in _NOT_SETTINGS or not isinstance(value, (bool, int, float, str)):
+        if attr.startswith("_") or attr in NOT_SETTINGS or not isinstance(value, (bool, int, float, str)):
             continue
         for new in _values_for(module, attr, value):
             target = site.path(f"{sub}.{attr}" if sub else attr)
@@ -614,7 +609,7 @@ def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:
                 "attribute",
                 target,
                 {"value": new, "was": value},
-                f"{target} = {_shown(new)} (now {_shown(value)})",
+                f"{target} = {format_value(new)} (now {format_value(value)})",
                 19,
             )
 
@@ -659,7 +654,7 @@ def _same_in_place(site: Site, work: Any, sub: str, rebuilt: Callable[[], Any]) 
 
 def _setting_edit(site: Site, sub: str, change: dict, rebuilt: Callable[[], Any], words: str) -> Edit:
     target = site.path(sub)
-    shown = "; ".join(f"{target}.{k} = {_shown(v)}" for k, v in change.items())
+    shown = "; ".join(f"{target}.{k} = {format_value(v)}" for k, v in change.items())
     edit = Edit(
         "settings", "setting", target, {k: _jsonable(v) for k, v in change.items()}, f"{shown} ({words})", 20
     )
@@ -684,10 +679,6 @@ def _setting_edit(site: Site, sub: str, change: dict, rebuilt: Callable[[], Any]
 
     edit.apply, edit.undo = apply, undo
     return edit
-
-
-def _shown(value: Any) -> str:
-    return number(value) if isinstance(value, float) else repr(value)
 
 
 def _jsonable(value: Any) -> Any:

@@ -16,6 +16,8 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from paritykit.forensics.conversion.fingerprints import informative
+
 
 class Subset(Mapping):
     r"""The entries of a lazy mapping whose names are in ``keys``; values are read on access, never kept."""
@@ -37,26 +39,21 @@ class Subset(Mapping):
         return self.weights[name]
 
 
-def _informative(t: Any) -> bool:
-    flat = t.reshape(-1)
-    return flat.numel() > 1 and bool((flat != flat[0]).any())
-
-
 def _fingerprints(weights: Mapping[str, Any], dtypes: list[Any] | None) -> dict[str, dict[str, Any]]:
     """Shape, dtype, informativeness and the matcher's hash (per target dtype for sources), one tensor at a
     time: each tensor is dropped before the next is read."""
-    from paritykit.forensics.conversion.fingerprints import _castable, _multiset_hashes
+    from paritykit.forensics.conversion.fingerprints import castable, multiset_hashes
 
     out = {}
     for key in weights:
         t = weights[key].detach()
-        wanted = [t.dtype] if dtypes is None else [d for d in dtypes if _castable(t.dtype, d)]
+        wanted = [t.dtype] if dtypes is None else [d for d in dtypes if castable(t.dtype, d)]
         out[key] = {
             "shape": tuple(t.shape),
             "dtype": t.dtype,
             "numel": t.numel(),
-            "informative": t.dtype.is_floating_point and _informative(t),
-            "hash": {d: _multiset_hashes(t, d)[0] for d in wanted},
+            "informative": t.dtype.is_floating_point and informative(t),
+            "hash": {d: multiset_hashes(t, d)[0] for d in wanted},
         }
         del t
     return out
@@ -104,7 +101,7 @@ def _stand_ins(pairs: dict[str, str], src_fp: dict, tgt_fp: dict) -> dict[str, A
     for skey in pairs:
         value = torch.randn(size, generator=gen, dtype=torch.float64).to(src_fp[skey]["dtype"])
         raw = value.view(torch.uint8).numpy().tobytes() if value.dtype.is_floating_point else b""
-        if raw in seen or not _informative(value):
+        if raw in seen or not informative(value):
             continue  # vanishingly rare: that pair keeps its real values
         seen.add(raw)
         out[skey] = value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from paritykit.forensics.conversion.names import _layer_key, _relation
+from paritykit.forensics.conversion.names import layer_key, name_relation
 from paritykit.forensics.conversion.results import (
     ConversionWarning,
     MappingEntry,
@@ -80,12 +80,12 @@ def _fused_order_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning
 def _layer_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
     groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
     for e in mapping:
-        groups[_layer_key(e.target)].append(e)
+        groups[layer_key(e.target)].append(e)
     out = []
     for members in groups.values():
         if len(members) < 2:
             continue
-        relations = [_relation(e, e.target) for e in members]
+        relations = [name_relation(e, e.target) for e in members]
         counts: dict[tuple, int] = defaultdict(int)
         for r in relations:
             counts[r] += 1

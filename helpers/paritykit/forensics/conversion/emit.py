@@ -17,10 +17,10 @@ from paritykit.forensics.conversion.results import (
     ConversionMap,
     ConversionRule,
 )
-from paritykit.forensics.conversion.rules import _expand
+from paritykit.forensics.conversion.rules import expand_rule
 from paritykit.forensics.conversion.runtime import (
-    _RUNTIME,
-    _convert_with_rules,
+    RUNTIME_SOURCE,
+    convert_with_rules,
 )
 
 
@@ -44,7 +44,7 @@ def apply_rules_to_state_dict(
     Returns:
         A new dict of target tensors; exactly what the module written by :func:`emit_rules` returns.
     """
-    return _convert_with_rules(dict(state_dict), _rule_dicts(rules))
+    return convert_with_rules(dict(state_dict), _rule_dicts(rules))
 
 
 _MODULE_HEADER = '''\
@@ -77,7 +77,7 @@ _MODULE_FOOTER = '''
 
 def convert(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Return the converted state dict (new keys; source tensors are not modified)."""
-    return _convert_with_rules(state_dict, RULES)
+    return convert_with_rules(state_dict, RULES)
 '''
 
 
@@ -137,7 +137,7 @@ def render_rules_module(conversion_map: ConversionMap, module_name: str = "conve
             for r, d in zip(conversion_map.rules, rules)
         ),
     )
-    runtime = "\n\n\n".join(inspect.getsource(fn).rstrip() for fn in _RUNTIME)
+    runtime = "\n\n\n".join(inspect.getsource(fn).rstrip() for fn in RUNTIME_SOURCE)
     return header + "\n" + runtime + "\n" + _MODULE_FOOTER
 
 
@@ -152,7 +152,7 @@ def _guess_comment(rule: ConversionRule, cmap: ConversionMap) -> str:
         for e in cmap.mapping
         if e.target in guessed
         and regex.fullmatch(e.sources[0])
-        and _expand(regex, e.sources[0], rule.target) == e.target
+        and expand_rule(regex, e.sources[0], rule.target) == e.target
     ]
     if not hits:
         return ""

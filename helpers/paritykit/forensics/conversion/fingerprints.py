@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from paritykit.forensics.conversion.runtime import (
-    _BLOCK,
-    _apply_step,
-    _row_index,
+    BLOCK,
+    apply_step,
+    row_index,
 )
 
 # 32-bit mixing constants (lowbias32), written as signed values: torch integer arithmetic wraps
@@ -22,6 +22,14 @@ _MUL1 = 0x7FEB352D
 
 
 _MUL2 = -2073254261
+
+
+def informative(tensor: Any) -> bool:
+    r"""A tensor whose values can identify it: more than one element, not all equal (not all ones or zeros)."""
+    if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
+        return False
+    flat = tensor.detach().reshape(-1)
+    return bool((flat != flat[0]).any())
 
 
 def _mix(z):
@@ -53,11 +61,11 @@ def _bits(t):
     return t.to(torch.int32)
 
 
-def _castable(src_dtype, dst_dtype) -> bool:
+def castable(src_dtype, dst_dtype) -> bool:
     return src_dtype == dst_dtype or (src_dtype.is_floating_point and dst_dtype.is_floating_point)
 
 
-def _multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
+def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
     r"""Layout-insensitive hash of ``t`` cast to ``dtype``, and of its equal pieces.
 
     Args:
@@ -75,7 +83,7 @@ def _multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
     pieces = {s: torch.zeros(s[1], dtype=torch.int64) for s in splits}
     if rows == 0 or x.numel() == 0:
         return 0, {s: v.tolist() for s, v in pieces.items()}
-    step = max(1, _BLOCK // max(1, x.numel() // rows))
+    step = max(1, BLOCK // max(1, x.numel() // rows))
     for r0 in range(0, rows, step):
         block = x[r0 : r0 + step]
         if block.dtype != dtype:
@@ -95,14 +103,14 @@ def _multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
     return int(total), {s: v.tolist() for s, v in pieces.items()}
 
 
-def _position_hash(t) -> int:
+def position_hash(t) -> int:
     """Layout-SENSITIVE hash (element value mixed with its position): groups byte-identical tensors."""
     import torch
 
     flat = t.reshape(-1)
     total = torch.zeros((), dtype=torch.int64)
-    for start in range(0, flat.numel(), _BLOCK):
-        block = flat[start : start + _BLOCK]
+    for start in range(0, flat.numel(), BLOCK):
+        block = flat[start : start + BLOCK]
         salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int32))
         total += _mix(_bits(block) ^ salt).sum()
     return int(total)
@@ -116,13 +124,13 @@ def _row_keys(m):
     return _mix(_bits(m) ^ salt[None, :]).sum(1).tolist()
 
 
-def _equal(a, b) -> bool:
+def equal_values(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and torch.equal(a, b)
 
 
-def _resolve(x, t) -> list[dict[str, Any]] | None:
+def resolve_candidates(x, t) -> list[dict[str, Any]] | None:
     r"""Layout steps turning ``x`` (already in ``t``'s dtype) into ``t`` exactly, or ``None``.
 
     Tried in order of simplicity: identity, reshape, transpose/permute (of the non-singleton dims),
@@ -130,10 +138,10 @@ def _resolve(x, t) -> list[dict[str, Any]] | None:
     """
     if x.numel() != t.numel():
         return None
-    if _equal(x, t):
+    if equal_values(x, t):
         return []
     tshape = list(t.shape)
-    if x.shape != t.shape and _equal(x.reshape(t.shape), t):
+    if x.shape != t.shape and equal_values(x.reshape(t.shape), t):
         return [{"op": "reshape", "shape": tshape}]
     xs = [s for s in x.shape if s != 1]
     ts = [s for s in t.shape if s != 1]
@@ -142,7 +150,7 @@ def _resolve(x, t) -> list[dict[str, Any]] | None:
         for perm in itertools.permutations(range(len(xs))):
             if perm == tuple(range(len(xs))) or [xs[i] for i in perm] != ts:
                 continue
-            if _equal(xv.permute(perm).reshape(t.shape), t):
+            if equal_values(xv.permute(perm).reshape(t.shape), t):
                 steps = [] if list(x.shape) == xs else [{"op": "reshape", "shape": xs}]
                 moved = [i for i, p in enumerate(perm) if p != i]
                 if len(moved) == 2:
@@ -156,7 +164,7 @@ def _resolve(x, t) -> list[dict[str, Any]] | None:
     pre = [] if x.shape == t.shape else [{"op": "reshape", "shape": tshape}]
     for dim in range(t.ndim):
         if t.shape[dim] % 2 == 0 and t.shape[dim] >= 2:
-            if _equal(_apply_step(y, {"op": "swap_halves", "dim": dim}), t):
+            if equal_values(apply_step(y, {"op": "swap_halves", "dim": dim}), t):
                 return [*pre, {"op": "swap_halves", "dim": dim}]
     for dim in range(t.ndim):
         if t.shape[dim] < 3:
@@ -203,14 +211,14 @@ def _describe_permutation(perm: list[int]) -> dict[str, Any]:
         if n % group:
             continue
         for pattern in ("deinterleave", "interleave"):
-            if torch.equal(_row_index({"pattern": pattern, "group": group}, n), p):
+            if torch.equal(row_index({"pattern": pattern, "group": group}, n), p):
                 return {"pattern": pattern, "group": group}
     for block in range(n // 2, 1, -1):
         if n % block:
             continue
         starts = p[::block]
         if bool((starts % block == 0).all()):
-            candidate = _row_index(
+            candidate = row_index(
                 {"pattern": "blocks", "block": block, "order": (starts // block).tolist()}, n
             )
             if torch.equal(candidate, p):

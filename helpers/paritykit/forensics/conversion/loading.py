@@ -10,7 +10,7 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -55,7 +55,7 @@ def _map_safetensors(path: Path) -> dict[str, Any] | None:
         return None  # the full loader reports the problem with its own one-line error
 
 
-def _as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
+def as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
     import torch
 
     if isinstance(obj, (str, os.PathLike)):

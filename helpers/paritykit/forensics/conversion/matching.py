@@ -21,7 +21,7 @@ ports silently break (a fused QKV split in the wrong order, shift/scale swapped,
 5. The mapping is collapsed into regex rules over layer indices and checked: applying the rules to the
    source key names must give exactly the mapping, otherwise the offending rule is spelt out key by key.
 
-The same rule runtime (``_convert_with_rules`` and the helpers above it) is used by
+The same rule runtime (``convert_with_rules`` and the helpers above it) is used by
 :func:`apply_rules_to_state_dict` and copied verbatim into the module :func:`emit_rules` writes, so the
 library and the generated code cannot disagree.
 
@@ -40,18 +40,18 @@ from typing import Any
 
 from paritykit.forensics.conversion.checks import conversion_warnings
 from paritykit.forensics.conversion.fingerprints import (
-    _castable,
-    _equal,
-    _multiset_hashes,
-    _position_hash,
-    _resolve,
+    castable,
+    equal_values,
+    multiset_hashes,
+    position_hash,
+    resolve_candidates,
 )
-from paritykit.forensics.conversion.loading import _as_state_dict, _dtype_name
+from paritykit.forensics.conversion.loading import as_state_dict, dtype_name
 from paritykit.forensics.conversion.names import (
-    _ancestors,
-    _layer_key,
-    _NameScorer,
-    _relation,
+    NameScorer,
+    layer_key,
+    name_ancestors,
+    name_relation,
 )
 from paritykit.forensics.conversion.results import (
     AmbiguousTarget,
@@ -60,8 +60,8 @@ from paritykit.forensics.conversion.results import (
 )
 from paritykit.forensics.conversion.rules import collapse_rules
 from paritykit.forensics.conversion.runtime import (
-    _MAX_PIECES,
-    _apply_step,
+    MAX_PIECES,
+    apply_step,
 )
 
 # --------------------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ class _Matcher:
         self.src_numels: dict[Any, set[int]] = defaultdict(set)
         self.tgt_hash: dict[str, int] = {}
         self.found: dict[str, list[_Found]] = {}
-        self.scorer = _NameScorer()
+        self.scorer = NameScorer()
         self.chosen: dict[str, _Found] = {}
         self.ambiguous: dict[str, list[str]] = {}
         self.n_candidates: dict[str, int] = {}
@@ -148,17 +148,17 @@ class _Matcher:
         tensors = self.source if side == "s" else self.target
         if (side, key, dtype) not in self._poshash:
             t = self.cast(key, dtype) if side == "s" else tensors[key]
-            self._poshash[(side, key, dtype)] = _position_hash(t)
+            self._poshash[(side, key, dtype)] = position_hash(t)
         return (tuple(tensors[key].shape), tensors[key].dtype, self._poshash[(side, key, dtype)])
 
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
         for key, t in self.target.items():
-            self.tgt_hash[key] = _multiset_hashes(t, t.dtype)[0]
+            self.tgt_hash[key] = multiset_hashes(t, t.dtype)[0]
         for key, s in self.source.items():
             for dtype in self.dtypes:
-                if _castable(s.dtype, dtype):
-                    h = _multiset_hashes(s, dtype)[0]
+                if castable(s.dtype, dtype):
+                    h = multiset_hashes(s, dtype)[0]
                     self.src_table[(dtype, s.numel(), h)].append(key)
                     self.src_numels[dtype].add(s.numel())
 
@@ -186,12 +186,12 @@ class _Matcher:
                 if cache_key is not None and cache_key in self._resolved:
                     steps = self._resolved[cache_key]
                 else:
-                    steps = _resolve(self.cast(members[0], t.dtype), t)
+                    steps = resolve_candidates(self.cast(members[0], t.dtype), t)
                     if cache_key is not None:
                         self._resolved[cache_key] = steps
                 if steps is None:
                     continue
-                cast = _dtype_name(t.dtype) if self.source[members[0]].dtype != t.dtype else None
+                cast = dtype_name(t.dtype) if self.source[members[0]].dtype != t.dtype else None
                 found = _entry_from_steps(members[0], steps, cast)
                 found.members = members if len(members) > 1 else None
                 results.append(found)
@@ -215,23 +215,23 @@ class _Matcher:
             wanted = []
             for k in open_targets:
                 t = self.target[k]
-                if k not in self.found and _equal(t.to(low).to(t.dtype), t):
+                if k not in self.found and equal_values(t.to(low).to(t.dtype), t):
                     wanted.append(k)
             if not wanted:
                 continue
             table: dict[tuple[int, int], list[str]] = defaultdict(list)
             for skey, src in self.source.items():
                 if src.dtype.is_floating_point and src.dtype != low:
-                    table[(src.numel(), _multiset_hashes(src, low)[0])].append(skey)
+                    table[(src.numel(), multiset_hashes(src, low)[0])].append(skey)
             for k in wanted:
                 t = self.target[k]
                 t_low = t.to(low)
-                for skey in table.get((t.numel(), _multiset_hashes(t_low, low)[0]), []):
-                    steps = _resolve(self.source[skey].to(low), t_low)
+                for skey in table.get((t.numel(), multiset_hashes(t_low, low)[0]), []):
+                    steps = resolve_candidates(self.source[skey].to(low), t_low)
                     if steps is not None:
                         casts = [
-                            {"op": "cast", "dtype": _dtype_name(low)},
-                            {"op": "cast", "dtype": _dtype_name(t.dtype)},
+                            {"op": "cast", "dtype": dtype_name(low)},
+                            {"op": "cast", "dtype": dtype_name(t.dtype)},
                         ]
                         self.found.setdefault(k, []).append(_entry_from_steps(skey, [*steps, *casts], None))
 
@@ -253,17 +253,17 @@ class _Matcher:
             if skey in used or s.ndim == 0:
                 continue
             for dtype in self.dtypes:
-                if not _castable(s.dtype, dtype) or not numels[dtype]:
+                if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
                 splits = [
                     (d, k)
                     for d in range(s.ndim)
-                    for k in range(2, min(s.shape[d], _MAX_PIECES) + 1)
+                    for k in range(2, min(s.shape[d], MAX_PIECES) + 1)
                     if s.shape[d] % k == 0 and s.numel() // k in numels[dtype]
                 ]
                 if not splits:
                     continue
-                _, pieces = _multiset_hashes(s, dtype, splits)
+                _, pieces = multiset_hashes(s, dtype, splits)
                 covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
                 for (dim, count), hashes in pieces.items():
                     size = s.shape[dim] // count
@@ -281,7 +281,7 @@ class _Matcher:
                         if numel not in numels[dtype]:
                             continue
                         piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
-                        h = _multiset_hashes(piece, dtype)[0]
+                        h = multiset_hashes(piece, dtype)[0]
                         for tkey in table.get((dtype, numel, h), []):
                             f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
                             if f is not None:
@@ -291,13 +291,13 @@ class _Matcher:
 
     def _piece(self, skey, dtype, dim, start, stop, tkey, index, count) -> _Found | None:
         t = self.target[tkey]
-        steps = _resolve(self.cast(skey, dtype).narrow(dim, start, stop - start), t)
+        steps = resolve_candidates(self.cast(skey, dtype).narrow(dim, start, stop - start), t)
         if steps is None:
             return None
         chunk: dict[str, Any] = {"op": "chunk", "dim": dim, "start": start, "stop": stop}
         if count is not None:
             chunk.update(index=index, count=count)
-        cast = _dtype_name(t.dtype) if self.source[skey].dtype != t.dtype else None
+        cast = dtype_name(t.dtype) if self.source[skey].dtype != t.dtype else None
         return _entry_from_steps(skey, [chunk, *steps], cast)
 
     # -- phase 4: concatenations of sources ---------------------------------------------------------------
@@ -309,12 +309,12 @@ class _Matcher:
             splits = [
                 (d, k)
                 for d in range(t.ndim)
-                for k in range(2, min(t.shape[d], _MAX_PIECES) + 1)
+                for k in range(2, min(t.shape[d], MAX_PIECES) + 1)
                 if t.shape[d] % k == 0 and t.numel() // k in numels
             ]
             if not splits:
                 continue
-            _, pieces = _multiset_hashes(t, t.dtype, splits)
+            _, pieces = multiset_hashes(t, t.dtype, splits)
             for (dim, count), hashes in sorted(pieces.items(), key=lambda kv: kv[0][1]):
                 size = t.shape[dim] // count
                 spans = [
@@ -326,7 +326,7 @@ class _Matcher:
                     continue
                 for start, stop in _gaps([(a, b) for a, b, _ in spans], t.shape[dim]):
                     piece = t.narrow(dim, start, stop - start)
-                    spans.append((start, stop, _multiset_hashes(piece, t.dtype)[0]))
+                    spans.append((start, stop, multiset_hashes(piece, t.dtype)[0]))
                 spans.sort()
                 found = self._concat(tkey, dim, spans)
                 if found is not None:
@@ -341,10 +341,10 @@ class _Matcher:
             piece = t.narrow(dim, start, stop - start)
             bucket = self.src_table.get((t.dtype, (stop - start) * per_numel, h), [])
             for skey in self.scorer.rank(tkey, bucket):
-                steps = _resolve(self.cast(skey, t.dtype), piece)
+                steps = resolve_candidates(self.cast(skey, t.dtype), piece)
                 if steps is not None:
                     cast = (
-                        [{"op": "cast", "dtype": _dtype_name(t.dtype)}]
+                        [{"op": "cast", "dtype": dtype_name(t.dtype)}]
                         if self.source[skey].dtype != t.dtype
                         else []
                     )
@@ -396,7 +396,7 @@ class _Matcher:
         narrowed: dict[str, list[_Found]] = {}
         for _ in range(4):
             claimed = self.scorer.claimed()
-            proven = {_relation(self.chosen[k], k) for k in self.chosen}
+            proven = {name_relation(self.chosen[k], k) for k in self.chosen}
             changed = False
             for tkey, ways in all_ways.items():
                 if tkey in self.chosen:
@@ -409,7 +409,7 @@ class _Matcher:
                 narrowed[tkey] = kept
                 if len({_way_sig(w) for w in kept}) == 1:
                     self.settle(tkey, kept[0], "values" if len(ways) == 1 else "structure: " + why)
-                    proven.add(_relation(kept[0], tkey))
+                    proven.add(name_relation(kept[0], tkey))
                     changed = True
             if not changed:
                 break
@@ -444,7 +444,7 @@ class _Matcher:
     def _built_like(self, way: _Found, candidate: str, t) -> _Found | None:
         r"""``candidate`` split the way ``way`` splits its source, if that gives ``t`` exactly."""
         s = self.source.get(candidate)
-        if s is None or candidate == way.sources[0] or not _castable(s.dtype, t.dtype):
+        if s is None or candidate == way.sources[0] or not castable(s.dtype, t.dtype):
             return None
         steps: list[dict[str, Any]] = []
         x = self.cast(candidate, t.dtype)
@@ -452,11 +452,11 @@ class _Matcher:
             if s.shape[0] != self.source[way.sources[0]].shape[0]:
                 return None
             steps.append({"op": "chunk", **{k: v for k, v in way.args.items() if k != "then"}})
-            x = _apply_step(x, steps[0])
-        rest = _resolve(x, t)
+            x = apply_step(x, steps[0])
+        rest = resolve_candidates(x, t)
         if rest is None:
             return None
-        cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
+        cast = dtype_name(t.dtype) if s.dtype != t.dtype else None
         return _entry_from_steps(candidate, [*steps, *rest], cast)
 
     def home_piece_ways(self, tkey: str) -> list[_Found]:
@@ -479,7 +479,7 @@ class _Matcher:
         if self._subtree is None:
             self._subtree = defaultdict(list)
             for key in self.source:
-                for anc in _ancestors(key):
+                for anc in name_ancestors(key):
                     self._subtree[anc].append(key)
         return self._pieces_in(tkey, self._subtree.get(homes[0], ()))
 
@@ -494,19 +494,19 @@ class _Matcher:
                 t.ndim == 0
                 or s.ndim != t.ndim
                 or s.shape[1:] != t.shape[1:]
-                or not _castable(s.dtype, t.dtype)
+                or not castable(s.dtype, t.dtype)
             ):
                 continue
             count, rest = divmod(s.shape[0], t.shape[0])
-            if rest or not 2 <= count <= _MAX_PIECES:
+            if rest or not 2 <= count <= MAX_PIECES:
                 continue
             x = self.cast(skey, t.dtype)
             size = t.shape[0]
             for index in range(count):
-                if _equal(x.narrow(0, index * size, size), t):
+                if equal_values(x.narrow(0, index * size, size), t):
                     chunk = {"op": "chunk", "dim": 0, "start": index * size, "stop": (index + 1) * size}
                     chunk.update(index=index, count=count)
-                    cast = _dtype_name(t.dtype) if s.dtype != t.dtype else None
+                    cast = dtype_name(t.dtype) if s.dtype != t.dtype else None
                     out.append(_entry_from_steps(skey, [chunk], cast))
         return out
 
@@ -526,24 +526,26 @@ class _Matcher:
             if inside:
                 keep(inside, f"inside {home or 'the root'}, which the module's other tensors come from")
                 break
-        t_anc = set(_ancestors(tkey))
+        t_anc = set(name_ancestors(tkey))
         keep(
             [w for w in ways if not self.foreign(w.sources[0], t_anc, claimed)],
             "others sit in modules that map to other target modules",
         )
         keep(_prefer_live(ways), "live weights over EMA/shadow copies")
-        keep([w for w in ways if _relation(w, tkey) in proven], "maps like the same tensor in other layers")
+        keep(
+            [w for w in ways if name_relation(w, tkey) in proven], "maps like the same tensor in other layers"
+        )
         return ways, "; ".join(reasons) or "only way"
 
     def ancestors(self, name: str) -> set[str]:
         if name not in self._anc_cache:
-            self._anc_cache[name] = set(_ancestors(name))
+            self._anc_cache[name] = set(name_ancestors(name))
         return self._anc_cache[name]
 
     def foreign(self, source: str, t_anc: set[str], claimed: dict[str, set[str]]) -> bool:
         r"""True when the deepest claimed module around ``source`` is claimed only by modules outside
         the target's."""
-        for anc in _ancestors(source):
+        for anc in name_ancestors(source):
             owners = claimed.get(anc)
             if owners:
                 return not (owners & t_anc)
@@ -564,7 +566,7 @@ class _Matcher:
             ranked[tkey] = [w for n in names for w in by_name[n]]
             keys = [self.scorer.key(n, tkey) for n in names[:2]]
             clear[tkey] = len(keys) < 2 or keys[0] > keys[1]
-            groups[_layer_key(tkey)].append(tkey)
+            groups[layer_key(tkey)].append(tkey)
         taken: set[str] = set()
         # groups whose names point clearly (``norm_added_q`` ~ ``txt``) choose first; the rest take what is left
         order = sorted(groups.values(), key=lambda m: -sum(clear[k] for k in m) / len(m))
@@ -574,7 +576,7 @@ class _Matcher:
             for tkey in members:
                 seen: set[tuple] = set()
                 for pos, w in enumerate(fresh[tkey]):
-                    rel = _relation(w, tkey)
+                    rel = name_relation(w, tkey)
                     if rel not in seen:
                         seen.add(rel)
                         score[rel][0] += 1
@@ -582,7 +584,7 @@ class _Matcher:
             # the pattern most layers can follow, then the one names prefer: block 1 guessed like block 0
             rel = max(score, key=lambda r: tuple(score[r]))
             for tkey in members:
-                fits = [w for w in fresh[tkey] if _relation(w, tkey) == rel]
+                fits = [w for w in fresh[tkey] if name_relation(w, tkey) == rel]
                 pick = (fits or fresh[tkey])[0]
                 taken.add(_way_sig(pick))
                 self.settle(tkey, pick, "guess: equal values; chosen by names")
@@ -679,8 +681,8 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
         ParityKitError: a path that does not exist or cannot be read, or an input without tensors.
     """
     started = time.perf_counter()
-    src, src_label = _as_state_dict(source, "SOURCE")
-    tgt, tgt_label = _as_state_dict(target, "TARGET")
+    src, src_label = as_state_dict(source, "SOURCE")
+    tgt, tgt_label = as_state_dict(target, "TARGET")
     m = _Matcher(src, tgt)
     m.fingerprint()
     m.match_whole()

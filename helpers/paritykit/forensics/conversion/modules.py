@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from paritykit.forensics.conversion.matching import infer_conversion_map
-from paritykit.forensics.conversion.names import _module_of
+from paritykit.forensics.conversion.names import module_of_tensor
 from paritykit.forensics.conversion.results import ConversionMap
 
 
@@ -50,8 +50,8 @@ def match_modules(
     for entry in cmap.mapping:
         if entry.target in ambiguous and not include_ambiguous:
             continue
-        counts = votes.setdefault(_module_of(entry.target), {})
+        counts = votes.setdefault(module_of_tensor(entry.target), {})
         for s in entry.sources:
-            mod = _module_of(s)
+            mod = module_of_tensor(s)
             counts[mod] = counts.get(mod, 0) + 1
     return {t: sorted(c, key=lambda m: -c[m]) for t, c in votes.items()}

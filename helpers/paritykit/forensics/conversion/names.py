@@ -9,18 +9,18 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-_DIGITS = re.compile(r"\d+")
+DIGITS = re.compile(r"\d+")
 
 
 _WORDS = re.compile(r"[A-Za-z]+")
 
 
-def _skeleton(name: str) -> str:
-    return _DIGITS.sub("#", name)
+def name_skeleton(name: str) -> str:
+    return DIGITS.sub("#", name)
 
 
-def _numbers(name: str) -> list[str]:
-    return _DIGITS.findall(name)
+def name_numbers(name: str) -> list[str]:
+    return DIGITS.findall(name)
 
 
 def _layer_indices(name: str) -> tuple[str, ...]:
@@ -28,7 +28,7 @@ def _layer_indices(name: str) -> tuple[str, ...]:
     return tuple(c for c in name.split(".") if c.isdigit())
 
 
-def _ancestors(name: str, depth: int = 8) -> list[str]:
+def name_ancestors(name: str, depth: int = 8) -> list[str]:
     parts = name.split(".")[:-1]
     return [".".join(parts[:n]) for n in range(len(parts), max(0, len(parts) - depth), -1)]
 
@@ -53,7 +53,7 @@ def _words_match(a: str, b: str) -> bool:
     return a == b or a.startswith(b) or b.startswith(a) or b in _SYNONYM_OF.get(a, ())
 
 
-class _NameScorer:
+class NameScorer:
     r"""Ranks candidate sources for a target whose values several sources share.
 
     In order: the (source, target) naming pattern was already proven by a value-unique match; the candidate
@@ -77,12 +77,12 @@ class _NameScorer:
         self.used.add(source)
         if not evidence:
             return
-        self.pairs.add((_skeleton(source), _skeleton(target)))
+        self.pairs.add((name_skeleton(source), name_skeleton(target)))
         self._homes = None
-        for t_anc in _ancestors(target):
+        for t_anc in name_ancestors(target):
             self.totals[t_anc] += 1
             partners = self.partners[t_anc]
-            for s_anc in _ancestors(source):
+            for s_anc in name_ancestors(source):
                 partners[s_anc] += 1
 
     def home_of(self) -> dict[str, str]:
@@ -116,7 +116,7 @@ class _NameScorer:
     def homes(self, target: str) -> list[str]:
         r"""For each parent module of ``target`` (deepest first), the source module most tied to it."""
         home_of = self.home_of()
-        return [home_of[a] for a in _ancestors(target) if a in home_of]
+        return [home_of[a] for a in name_ancestors(target) if a in home_of]
 
     def claimed(self) -> dict[str, set[str]]:
         r"""Source module -> the target modules it is the home of."""
@@ -126,14 +126,14 @@ class _NameScorer:
         return out
 
     def key(self, source: str, target: str, cheap: bool = False) -> tuple:
-        known = (_skeleton(source), _skeleton(target)) in self.pairs
+        known = (name_skeleton(source), name_skeleton(target)) in self.pairs
         si, ti = _layer_indices(source), _layer_indices(target)
         indices = sum(a == b for a, b in zip(si, ti)) / max(1, len(si), len(ti))
         context = 0.0
-        for t_anc in _ancestors(target):
+        for t_anc in name_ancestors(target):
             partners = self.partners.get(t_anc)
             if partners:
-                hits = max((partners.get(s_anc, 0) for s_anc in _ancestors(source)), default=0)
+                hits = max((partners.get(s_anc, 0) for s_anc in name_ancestors(source)), default=0)
                 context += hits / self.totals[t_anc]
         sw = set(_WORDS.findall(source.lower()))
         tw = set(_WORDS.findall(target.lower()))
@@ -157,7 +157,7 @@ class _NameScorer:
         return sorted(candidates, key=lambda s: self.key(s, target), reverse=True)
 
 
-def _module_of(param_name: str) -> str:
+def module_of_tensor(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
@@ -186,7 +186,7 @@ def _op_family(op: str, args: dict[str, Any]) -> tuple:
     return tuple(steps + [_step_family(s["op"], s) for s in args.get("then", [])])
 
 
-def _layer_key(name: str) -> tuple[str, tuple[str, ...]]:
+def layer_key(name: str) -> tuple[str, tuple[str, ...]]:
     r"""A name without its first layer index: ``blocks.1.m.2.w`` -> ``("blocks.#.m.#.w", ("2",))``.
 
     Names with equal keys are the same tensor in different layers (the first index counts layers; later
@@ -201,10 +201,10 @@ def _source_key(name: str) -> tuple[str, str]:
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
     # a whole number there is a layer index, not part of the module's name
-    return _skeleton(name), "" if module.isdigit() else "".join(_DIGITS.findall(module))
+    return name_skeleton(name), "" if module.isdigit() else "".join(DIGITS.findall(module))
 
 
-def _relation(way: Any, target: str) -> tuple:
+def name_relation(way: Any, target: str) -> tuple:
     r"""The layer-independent form of a way: ``norm1 <- norm2`` in block 1 differs from ``norm1 <- norm1``
     in block 0, while ``resnets.1 <- block_2`` and ``resnets.0 <- block_1`` are alike."""
-    return (tuple(_source_key(s) for s in way.sources), _layer_key(target), _op_family(way.op, way.args))
+    return (tuple(_source_key(s) for s in way.sources), layer_key(target), _op_family(way.op, way.args))

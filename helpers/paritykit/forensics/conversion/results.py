@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
-from paritykit.forensics.conversion.names import _skeleton
+from paritykit.forensics.conversion.names import name_skeleton
 from paritykit.forensics.conversion.runtime import (
-    _SHOWN_CANDIDATES,
-    _WIDTH,
+    SHOWN_CANDIDATES,
+    WIDTH,
 )
 
 
@@ -207,7 +207,7 @@ class ConversionMap:
             if names:
                 parts += ["", f"{title} ({len(names)}):"]
                 shown = names if not limit else names[:limit]
-                parts += [f"  {_shorten(n, _WIDTH - 2)}" for n in shown]
+                parts += [f"  {_shorten(n, WIDTH - 2)}" for n in shown]
                 if len(names) > len(shown):
                     parts.append(
                         f"  … {len(names) - len(shown)} more (raise --limit, or use --json for everything)"
@@ -240,7 +240,7 @@ class ConversionMap:
         parts += ["", summary]
         # prose wraps at the table width; table rows were fitted already
         return "\n".join(
-            line if len(line) <= _WIDTH else textwrap.fill(line, _WIDTH, subsequent_indent="  ")
+            line if len(line) <= WIDTH else textwrap.fill(line, WIDTH, subsequent_indent="  ")
             for line in "\n".join(parts).split("\n")
         )
 
@@ -249,18 +249,18 @@ def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]
     r"""One row per group of ambiguous targets alike but for layer numbers (same names, same candidate count)."""
     groups: dict[tuple, list[AmbiguousTarget]] = defaultdict(list)
     for a in ambiguous:
-        groups[(_skeleton(a.target), _skeleton(a.chosen), a.n_candidates)].append(a)
+        groups[(name_skeleton(a.target), name_skeleton(a.chosen), a.n_candidates)].append(a)
     rows = []
     for members in groups.values():
         a = members[0]
         names = a.plausible or a.candidates
-        more = ", …" if len(names) > _SHOWN_CANDIDATES else ""
+        more = ", …" if len(names) > SHOWN_CANDIDATES else ""
         tails = [".".join(n.split(".")[-3:]) for n in names]
         rows.append(
             (
                 a.target,
                 a.chosen,
-                f"{len(names)} of {a.n_candidates}: " + ", ".join(tails[:_SHOWN_CANDIDATES]) + more,
+                f"{len(names)} of {a.n_candidates}: " + ", ".join(tails[:SHOWN_CANDIDATES]) + more,
                 str(len(members)),
             )
         )
@@ -277,11 +277,11 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _fitted_table(headers: list[str], rows: list[tuple[str, ...]], limit: int | None) -> str:
-    r"""``render_table`` with the widest columns shortened in the middle until a row fits ``_WIDTH``."""
+    r"""``render_table`` with the widest columns shortened in the middle until a row fits ``WIDTH``."""
     shown = rows if not limit else rows[:limit]
     widths = [max([len(h)] + [len(r[i]) for r in shown]) for i, h in enumerate(headers)]
     floor = [max(len(h), 12) for h in headers]
-    while sum(widths) + 2 * (len(widths) - 1) > _WIDTH:
+    while sum(widths) + 2 * (len(widths) - 1) > WIDTH:
         i = max(range(len(widths)), key=lambda k: widths[k] - floor[k])
         if widths[i] <= floor[i]:
             break

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from paritykit.forensics.conversion.names import (
-    _DIGITS,
-    _module_of,
-    _numbers,
-    _skeleton,
+    DIGITS,
+    module_of_tensor,
+    name_numbers,
+    name_skeleton,
 )
 from paritykit.forensics.conversion.results import (
     ConversionRule,
@@ -44,9 +44,9 @@ def _literal_rule(entry: MappingEntry) -> ConversionRule:
 
 def _group_rules(entries: list[MappingEntry]) -> list[ConversionRule]:
     r"""Rules for entries sharing name skeletons and op: numbers that vary together become ``(\d+)``."""
-    first = [_numbers(e.sources[0]) for e in entries]
+    first = [name_numbers(e.sources[0]) for e in entries]
     derived_names = [[*e.sources[1:], e.target] for e in entries]
-    derived = [[_numbers(n) for n in names] for names in derived_names]
+    derived = [[name_numbers(n) for n in names] for names in derived_names]
     n_first = len(first[0])
     src_cols = [tuple(f[i] for f in first) for i in range(n_first)]
 
@@ -80,14 +80,14 @@ def _group_rules(entries: list[MappingEntry]) -> list[ConversionRule]:
         return [r for g in groups.values() for r in _group_rules(g)]
 
     group_of = {i: g + 1 for g, i in enumerate(sorted(referenced))}
-    texts = _DIGITS.split(entries[0].sources[0])
+    texts = DIGITS.split(entries[0].sources[0])
     pattern = re.escape(texts[0])
     for i in range(n_first):
         pattern += r"(\d+)" if i in referenced else re.escape(src_cols[i][0])
         pattern += re.escape(texts[i + 1])
 
     def template(name: str, j: int) -> str:
-        pieces = _DIGITS.split(name)
+        pieces = DIGITS.split(name)
         out = _template_escape(pieces[0])
         for p in range(len(pieces) - 1):
             kind, value = spec[(j, p)]
@@ -106,7 +106,7 @@ def _group_rules(entries: list[MappingEntry]) -> list[ConversionRule]:
 
 def _first_template(name: str, src_cols, referenced, group_of) -> str:
     """The first source written as a template (for display and for the ``sources`` list)."""
-    pieces = _DIGITS.split(name)
+    pieces = DIGITS.split(name)
     out = _template_escape(pieces[0])
     for i in range(len(pieces) - 1):
         if i in referenced:
@@ -129,7 +129,7 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
     prefix_rules, mapping = _prefix_rules(mapping, keys)
     groups: dict[tuple, list[MappingEntry]] = defaultdict(list)
     for e in mapping:
-        groups[(tuple(_skeleton(s) for s in e.sources), _skeleton(e.target), _sig(e))].append(e)
+        groups[(tuple(name_skeleton(s) for s in e.sources), name_skeleton(e.target), _sig(e))].append(e)
     rules: list[ConversionRule] = []
     origin: list[list[MappingEntry]] = []
     for entries in groups.values():
@@ -151,7 +151,7 @@ def collapse_rules(mapping: list[MappingEntry], source_keys: Iterable[str]) -> l
             fixed += [
                 _literal_rule(e)
                 for e in origin[k]
-                if regex.fullmatch(e.sources[0]) and _expand(regex, e.sources[0], rule.target) == e.target
+                if regex.fullmatch(e.sources[0]) and expand_rule(regex, e.sources[0], rule.target) == e.target
             ]
         rules = fixed
         origin = _origins(rules, mapping)
@@ -183,9 +183,9 @@ def _prefix_rules(
     rules, covered = [], set()
     for (p, q, _), entries in groups.items():
         under = [k for k in keys if k.startswith(p)]
-        modules = {_module_of(x.target) for x in entries}
+        modules = {module_of_tensor(x.target) for x in entries}
         # a strip spanning several modules, with no layer number in it (those are the index rules' job)
-        if len(modules) < 2 or _DIGITS.search(p + q) or len(under) != len(entries):
+        if len(modules) < 2 or DIGITS.search(p + q) or len(under) != len(entries):
             continue
         e = entries[0]
         rules.append(
@@ -272,7 +272,7 @@ def _fill(match: re.Match[str], template: str) -> str:
     return "".join(p if isinstance(p, str) else match.group(p) for p in _template_parts(template))
 
 
-def _expand(regex: re.Pattern[str], key: str, template: str) -> str | None:
+def expand_rule(regex: re.Pattern[str], key: str, template: str) -> str | None:
     m = regex.fullmatch(key)
     return _fill(m, template) if m else None
 
@@ -280,12 +280,14 @@ def _expand(regex: re.Pattern[str], key: str, template: str) -> str | None:
 def _origins(rules: list[ConversionRule], mapping: list[MappingEntry]) -> list[list[MappingEntry]]:
     by_first: dict[str, list[MappingEntry]] = defaultdict(list)
     for e in mapping:
-        by_first[_skeleton(e.sources[0])].append(e)
+        by_first[name_skeleton(e.sources[0])].append(e)
     out = []
     for r in rules:
         regex = re.compile(r.pattern)
-        skel = _skeleton(_unescape_pattern(r.pattern))
-        out.append([e for e in by_first.get(skel, []) if _expand(regex, e.sources[0], r.target) == e.target])
+        skel = name_skeleton(_unescape_pattern(r.pattern))
+        out.append(
+            [e for e in by_first.get(skel, []) if expand_rule(regex, e.sources[0], r.target) == e.target]
+        )
     return out
 
 
@@ -296,10 +298,10 @@ def _unescape_pattern(pattern: str) -> str:
 def _bad_rules(rules: list[ConversionRule], expected: dict, keys: list[str]) -> set[int]:
     by_skel: dict[str, list[int]] = defaultdict(list)
     for k, r in enumerate(rules):
-        by_skel[_skeleton(_unescape_pattern(r.pattern))].append(k)
+        by_skel[name_skeleton(_unescape_pattern(r.pattern))].append(k)
     bad: set[int] = set()
     for key in keys:
-        for k in by_skel.get(_skeleton(key), ()):
+        for k in by_skel.get(name_skeleton(key), ()):
             r = rules[k]
             m = re.fullmatch(r.pattern, key)
             if m is None:

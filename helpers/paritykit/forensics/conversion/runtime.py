@@ -20,22 +20,22 @@ OPS = (
 
 # elements hashed per block: temporaries of ~1 MB stay in cache (2x faster than 4 MB blocks here) and memory
 # stays bounded however large a tensor is
-_BLOCK = 1 << 18
+BLOCK = 1 << 18
 
 
 # fused tensors are split into at most this many equal pieces when looking for a target inside them
-_MAX_PIECES = 64
+MAX_PIECES = 64
 
 
 # candidates shown per ambiguous row in the text table (the JSON lists every one)
-_SHOWN_CANDIDATES = 3
+SHOWN_CANDIDATES = 3
 
 
 # the text tables fit a terminal of this width
-_WIDTH = 120
+WIDTH = 120
 
 
-def _row_index(step, n):
+def row_index(step, n):
     """The index tensor of a ``permute_rows`` step: target row ``i`` is source row ``index[i]``."""
     import torch
 
@@ -55,7 +55,7 @@ def _row_index(step, n):
     raise ValueError(f"unknown permute_rows pattern {pattern!r}")
 
 
-def _apply_step(x, step):
+def apply_step(x, step):
     """Apply one layout step (a dict with an ``op`` and its arguments) to a tensor."""
     import torch
 
@@ -76,7 +76,7 @@ def _apply_step(x, step):
         first, second = x.chunk(2, dim=step["dim"])
         return torch.cat([second, first], dim=step["dim"])
     if op == "permute_rows":
-        return x.index_select(step["dim"], _row_index(step, x.shape[step["dim"]]))
+        return x.index_select(step["dim"], row_index(step, x.shape[step["dim"]]))
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -89,18 +89,18 @@ def _apply_op(tensors, op, args):
         pieces = []
         for tensor, steps in zip(tensors, parts):
             for step in steps:
-                tensor = _apply_step(tensor, step)
+                tensor = apply_step(tensor, step)
             pieces.append(tensor)
         x = torch.cat(pieces, dim=args["dim"])
     else:
         (x,) = tensors
-        x = _apply_step(x, {"op": op, **{k: v for k, v in args.items() if k != "then"}})
+        x = apply_step(x, {"op": op, **{k: v for k, v in args.items() if k != "then"}})
     for step in args.get("then", []):
-        x = _apply_step(x, step)
+        x = apply_step(x, step)
     return x
 
 
-def _convert_with_rules(state_dict, rules):
+def convert_with_rules(state_dict, rules):
     """Apply conversion rules to a state dict; every rule is tried on every key (``re.fullmatch``)."""
     import re
 
@@ -123,4 +123,4 @@ def _convert_with_rules(state_dict, rules):
     return out
 
 
-_RUNTIME = (_row_index, _apply_step, _apply_op, _convert_with_rules)
+RUNTIME_SOURCE = (row_index, apply_step, _apply_op, convert_with_rules)
