@@ -89,7 +89,8 @@ def test_the_decoder_is_bisected_on_its_recorded_call(tmp_path):
     report = run(tmp_path, ["decoder-groups"])
     (finding,) = report.findings
     assert finding.place == "decoder" and finding.fix == "mid_block.resnets.0.norm1.num_groups = 32"
-    assert "every denoiser call (5): inputs, timestep and output agree" in report.ruled_out[0]
+    first = report.ruled_out[0]
+    assert (first.place, first.check) == ("denoiser", "calls") and "every call (5)" in first.text
 
 
 def test_the_latents_scaling_before_the_decoder_is_fitted(tmp_path, cli):
@@ -121,7 +122,7 @@ def test_two_bugs_first_difference_then_both_with_all(tmp_path):
     assert places(both) == ["schedule", "denoiser"]
     assert all(f.verified for f in both.findings)
     # the schedule differs at every step: the update cannot be compared, and is said not to be, not blamed
-    assert any(line.startswith("update:") for line in both.not_checked)
+    assert any(note.place == "update" for note in both.not_checked)
 
 
 @pytest.mark.parametrize(
@@ -188,7 +189,7 @@ def test_the_generated_triage_spec_runs_as_generated(tmp_path, monkeypatch):
     (path,) = scaffold.generate("triage-spec", "ddim", out_dir=tmp_path, **targets).paths
     report = triage_spec(path, out=tmp_path / "out")
     assert report.verdict == "match" and report.calls == (10, 10)
-    assert any(line.startswith("decoder:") for line in report.ruled_out)
+    assert any(note.place == "decoder" for note in report.ruled_out)
 
 
 def test_out_is_never_a_folder_of_the_users_own_files(tmp_path):
@@ -206,7 +207,7 @@ def test_out_is_never_a_folder_of_the_users_own_files(tmp_path):
 def test_run_results_are_read_as_pipelines_return_them():
     import numpy as np
     import torch
-    from paritykit.triage.run import _as_tensor
+    from paritykit.triage.sides import result_tensor
     from PIL import Image
 
     class Spec:
@@ -215,8 +216,8 @@ def test_run_results_are_read_as_pipelines_return_them():
     class Output:
         images = [Image.new("RGB", (4, 4)), Image.new("RGB", (4, 4))]
 
-    assert _as_tensor((torch.ones(1, 3, 4, 4), None), "run_port()", Spec).shape == (1, 3, 4, 4)
-    assert _as_tensor(Output(), "run_port()", Spec).shape == (2, 4, 4, 3)
-    assert _as_tensor(np.zeros((2, 2)), "run_port()", Spec).dtype == torch.float64
+    assert result_tensor((torch.ones(1, 3, 4, 4), None), "run_port()", Spec).shape == (1, 3, 4, 4)
+    assert result_tensor(Output(), "run_port()", Spec).shape == (2, 4, 4, 3)
+    assert result_tensor(np.zeros((2, 2)), "run_port()", Spec).dtype == torch.float64
     with pytest.raises(ParityKitError, match="run_port\\(\\) returned object, which is not a tensor"):
-        _as_tensor(object(), "run_port()", Spec)
+        result_tensor(object(), "run_port()", Spec)

@@ -312,7 +312,7 @@ class _Builder:
         cmap, ref_sd, port_sd = _infer(ref_sd, port_sd)
         self.cmap = cmap
         ambiguous = {a.target for a in cmap.ambiguous}
-        informative = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
+        identifying = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
 
         # Containers and leaves alike: a module pairs with another when the value-unique parameters under
@@ -350,7 +350,7 @@ class _Builder:
             # layer never pairs with a block that holds it and does more (an embedding table and the
             # ``embeddings`` block that also adds positions): the block is left over.
             ports = sorted(ports, key=_depth, reverse=True)
-            confidence = "high" if image & informative else "low"
+            confidence = "high" if image & identifying else "low"
             for r in sorted(refs, key=_depth, reverse=True):
                 for p in ports:
                     if self.compatible(r, p, own_params=False):
@@ -373,26 +373,26 @@ class _Builder:
             elif len(refs) > 1:
                 for r in refs:
                     # a many-to-one guess from constants alone is no correspondence at all
-                    if self._evidence(r, p, port_keys, informative) == "high":
+                    if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
         for r, ports in split.items():
             if r in self.ref_done:
                 continue
             if len(ports) == 1:
                 if self._parents_agree(r, ports[0]):
-                    self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, informative))
+                    self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, identifying))
             else:
                 for p in ports:
-                    if self._evidence(r, p, port_keys, informative) == "high":
+                    if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
 
-    def _evidence(self, ref: str, port: str, port_keys: list[str], informative: set[str]) -> str:
+    def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> str:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under ``ref``."""
         prefix = ref + "." if ref else ""
         sources = {e.target: e.sources for e in self.cmap.mapping}
         backed = [
             t
-            for t in _under(port, port_keys) & informative
+            for t in _under(port, port_keys) & identifying
             if any(s.startswith(prefix) for s in sources.get(t, ()))
         ]
         return "high" if backed else "low"

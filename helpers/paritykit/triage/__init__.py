@@ -1,8 +1,10 @@
 r"""``paritykit triage``: from two sampling pipelines to the cause, in one command.
 
-``run`` runs both sides from one seed with every denoiser (and decoder) call recorded and walks the places a
-port can part from its reference (``places``: the checks; ``calls``: one call's arguments by role and the
-reference's values put into the port's call); ``report`` holds the result. It sits above the engines: a
+``spec`` is the entry (``triage_spec``): ``sides`` loads the SPEC and runs both sides from one seed with every
+denoiser (and decoder) call recorded; ``walk`` compares them place by place, first difference first, reading
+``pairs`` (two recorded calls compared input by input), ``calls`` (one call's arguments by role, the reference's
+values put into the port's call) and ``fits`` (each side's own linear relations); ``reproduce`` writes the
+recordings and each finding's reproduce files; ``report`` holds the result. It sits above the engines: a
 module's difference is handed to ``bisection``, a schedule's to ``schedule``.
 """
 
@@ -10,7 +12,7 @@ from paritykit.base.lazy import lazy_exports
 
 # public name -> the module that defines it
 EXPORTS = {
-    "triage_spec": "paritykit.triage.run",
+    "triage_spec": "paritykit.triage.spec",
     "TriageReport": "paritykit.triage.report",
     "Finding": "paritykit.triage.report",
 }

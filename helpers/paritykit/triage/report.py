@@ -6,12 +6,13 @@ for an agent."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal, get_args
 
 from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
 
 # the places a sampling pipeline can part from its reference, in the order the data flows through them
-PLACES = (
+Place = Literal[
     "initial noise",
     "schedule",
     "conditioning",
@@ -21,8 +22,48 @@ PLACES = (
     "decoder",
     "post-processing",
     "result",
-)
+]
+PLACES: tuple[Place, ...] = get_args(Place)
 PLACE_ORDER = {place: index for index, place in enumerate(PLACES)}
+Verdict = Literal["match", "differ"]
+
+
+@dataclass
+class Note:
+    r"""One line of what was ruled out or not checked: the place, the check at that place when a place has
+    several (``fit``, ``calls``), and what was found. Tests and agents read ``place`` and ``check``; ``text``
+    is for a person."""
+
+    place: Place
+    text: str
+    check: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.place} {self.check}" if self.check else self.place
+
+    def render(self) -> str:
+        return f"{self.label}: {self.text}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"place": self.place, "check": self.check, "text": self.text}
+
+
+@dataclass
+class ReproduceFile:
+    r"""A file a finding's reproduce command reads, written into ``--out`` after the walk (never by the code
+    that builds the command).
+
+    Args:
+        path: where it goes.
+        kind: ``text`` (``content`` a str), ``safetensors`` (a dict of tensors) or ``torch`` (any object
+            ``torch.save`` takes).
+        content: what it holds.
+    """
+
+    path: Path
+    kind: Literal["text", "safetensors", "torch"]
+    content: Any = field(repr=False)
 
 
 @dataclass
@@ -36,11 +77,13 @@ class Finding:
         evidence: the numbers behind it, one line each.
         fix: the change that makes the two agree, when one is known.
         verified: ``True`` when that fix was replayed (or fitted) and then matched.
-        command: the ``paritykit …`` command that reproduces this finding alone.
+        command: the ``paritykit …`` command that reproduces this finding alone; ``None`` when there is none
+            (no ``--out``, or its files could not be written: the evidence says why).
         details: the nested report of the command that found it (``bisect``, ``schedule --fit``), as JSON.
+        files: what ``command`` reads, written into ``--out`` once the walk is done.
     """
 
-    place: str
+    place: Place
     call: int | None
     summary: str
     evidence: list[str] = field(default_factory=list)
@@ -48,6 +91,7 @@ class Finding:
     verified: bool = False
     command: str | None = None
     details: dict[str, Any] | None = None
+    files: list[ReproduceFile] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,8 +128,8 @@ class TriageReport:
 
     spec: str
     findings: list[Finding]
-    ruled_out: list[str]
-    not_checked: list[str]
+    ruled_out: list[Note]
+    not_checked: list[Note]
     curve: list[CallError]
     calls: tuple[int, int]
     result: dict[str, Any]
@@ -94,7 +138,7 @@ class TriageReport:
     environment: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         return "differ" if self.findings else "match"
 
     @property
@@ -109,8 +153,8 @@ class TriageReport:
             "calls": {"reference": self.calls[0], "port": self.calls[1]},
             "result": self.result,
             "findings": [f.to_dict() for f in self.findings],
-            "ruled_out": self.ruled_out,
-            "not_checked": self.not_checked,
+            "ruled_out": [n.to_dict() for n in self.ruled_out],
+            "not_checked": [n.to_dict() for n in self.not_checked],
             "curve": [row.to_dict() for row in self.curve],
             "out_dir": self.out_dir,
             "environment": self.environment,
@@ -133,8 +177,8 @@ class TriageReport:
                 lines.append(f"     fix ({'verified' if f.verified else 'not verified'}): {f.fix}")
             if f.command:
                 lines.append(f"     reproduce: {f.command}")
-        lines += [f"ruled out: {r}" for r in self.ruled_out]
-        lines += [f"not checked: {n}" for n in self.not_checked]
+        lines += [f"ruled out: {n.render()}" for n in self.ruled_out]
+        lines += [f"not checked: {n.render()}" for n in self.not_checked]
         if self.curve:
             rows = [
                 [

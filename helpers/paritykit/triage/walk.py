@@ -1,23 +1,23 @@
-r"""``paritykit triage SPEC.py``: both pipelines run end to end from one seed, every denoiser (and decoder)
-call recorded, then compared call by call, first difference first.
+r"""The walk of ``paritykit triage``: two recorded runs compared call by call, first difference first, each
+place a sampling pipeline can part from its reference checked in the order the data flows (initial noise,
+schedule, conditioning, denoiser, update, decoder input, decoder, post-processing).
 
-The SPEC defines ``run_reference()`` and ``run_port()`` (each runs its side's sampling end to end and returns
-the result as a tensor), ``reference_denoiser()`` and ``port_denoiser()`` (the modules those runs call once per
-step, as objects), and optionally ``reference_vae()`` / ``port_vae()`` (the decoder modules),
-``port_scheduler()`` (the port's scheduler object, for the schedule fit), ``TOLERANCE`` and ``SEED``.
+A check that isolates a place feeds the port's module the reference's values at that point (replay, never a
+guess) or fits each side's own relation between recorded tensors (the update rule, the decoder's input scaling,
+the post-processing), so it holds even when something upstream differs too. Nothing here writes a file: each
+finding carries the command that reproduces it and the files that command reads
+(:mod:`paritykit.triage.reproduce`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import shlex
-from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
-from paritykit.base.usercode import Spec, load_spec
+from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call
 from paritykit.triage.calls import (
     Roles,
@@ -28,141 +28,32 @@ from paritykit.triage.calls import (
     with_reference_values,
     with_values,
 )
-from paritykit.triage.places import (
-    Tolerance,
-    affine_words,
-    coefficient_differences,
-    compare,
-    compare_call,
-    comparison_evidence,
-    fit_affine,
-    rel,
-    update_fit,
-)
-from paritykit.triage.report import PLACE_ORDER, CallError, Finding, TriageReport
+from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
+from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel
+from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
+from paritykit.triage.reproduce import Built, Commands
+from paritykit.triage.sides import SideRun
 
-DEFAULT_OUT = "triage-out"
 THE_REFERENCES = "the reference's"
-REQUIRED = ("run_reference", "run_port", "reference_denoiser", "port_denoiser")
-# Tensors of two whole pipelines (a float64 research loop against a float32 port) drift apart by float
-# rounding, amplified through later layers: 2e-5 relative at a decoder's input after five DDIM steps of a
-# correct port. Planted bugs differ by 1e-3 and more. A SPEC's TOLERANCE replaces these.
-PIPELINE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
 
-def triage_spec(
-    spec_path: Any, *, all_causes: bool = False, out: Any = DEFAULT_OUT, seed: int | None = None
-) -> TriageReport:
-    r"""Run both sides of ``spec_path`` under recording and find where the port parts from the reference.
-
-    Args:
-        spec_path: the triage SPEC (``paritykit new triage-spec`` writes one).
-        all_causes: go on past the first cause: each place is then checked on its own, the port's modules fed
-            the reference's values at that point, so independent bugs are all named.
-        out: folder for the recordings (``reference_calls/``, ``port_calls/``, the ``record_loop`` format) and
-            the files the reproduce commands read; ``None`` writes nothing.
-        seed: torch's global seed before each side runs (default: the SPEC's ``SEED``, else 0).
-
-    Returns:
-        A :class:`~paritykit.triage.report.TriageReport`; ``exit_code`` 0 match, 1 differ.
-    """
-    out_dir = _checked_out(out)
-    spec = load_spec(spec_path, command="triage")
-    missing = [name for name in REQUIRED if not spec.has(name)]
-    if missing:
-        raise ParityKitError(
-            f"{spec.path}: defines no {', '.join(f'{m}()' for m in missing)}; see `paritykit triage --help`"
-        )
-    seed = int(getattr(spec.module, "SEED", 0) if seed is None else seed)
-    tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
-    ref = _run_side(spec, "reference", seed)
-    port = _run_side(spec, "port", seed)
-    return Triage(spec, tol, ref, port, out_dir, all_causes).report()
-
-
-MARKER = "paritykit-triage.json"
-
-
-def _checked_out(out: Any) -> Path | None:
-    r"""``--out`` as a folder triage may write: absent, empty, or an earlier triage's (its marker file); never a
-    folder of the user's own files, whose names triage would overwrite."""
-    if out is None:
-        return None
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
-        raise ParityKitError(f"--out {str(out)!r}: exists and is not an empty folder or an earlier triage's")
-    return out
-
-
-class SideRun:
-    r"""One side's run: its denoiser and decoder modules, their recorded calls, and the run's result."""
-
-    def __init__(
-        self, side: str, denoiser: Any, vae: Any, calls: list[Call], decoder_calls: list[Call], result
-    ):
-        self.side, self.denoiser, self.vae = side, denoiser, vae
-        self.calls, self.decoder_calls, self.result = calls, decoder_calls, result
-
-
-def _module(spec: Spec, name: str) -> Any:
-    import torch
-
-    module = spec.call(name)
-    if not isinstance(module, torch.nn.Module):
-        raise ParityKitError(f"{spec.path}: {name}() returned {type(module).__name__}, not a torch.nn.Module")
-    return module
-
-
-def _run_side(spec: Spec, side: str, seed: int) -> SideRun:
-    import torch
-
-    from paritykit.tracing.recording import record_calls
-
-    denoiser = _module(spec, f"{side}_denoiser")
-    vae = _module(spec, f"{side}_vae") if spec.has(f"{side}_vae") else None
-    torch.manual_seed(seed)
-    with torch.no_grad(), record_calls(denoiser) as calls, contextlib.ExitStack() as stack:
-        decoder_calls = stack.enter_context(record_calls(vae)) if vae is not None else []
-        result = spec.call(f"run_{side}")
-    if not calls:
-        raise ParityKitError(f"{spec.path}: run_{side}() never called {side}_denoiser()'s module")
-    return SideRun(side, denoiser, vae, calls, decoder_calls, _as_tensor(result, f"run_{side}()", spec))
-
-
-def _as_tensor(value: Any, what: str, spec: Spec) -> Any:
-    r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first item
-    of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
-    import numpy as np
-    import torch
-
-    for attr in ("images", "sample", "latents"):
-        if hasattr(value, attr) and not isinstance(value, torch.Tensor):
-            value = getattr(value, attr)
-    if isinstance(value, tuple) and value:
-        value = value[0]
-    try:
-        if isinstance(value, list) and value:
-            value = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)) for v in value]
-            value = torch.stack(value)
-        return torch.as_tensor(value if isinstance(value, torch.Tensor) else np.array(value)).detach()
-    except (TypeError, ValueError, RuntimeError):
-        raise ParityKitError(
-            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of"
-            " images"
-        ) from None
+def reproduce(built: Built) -> dict[str, Any]:
+    r"""A built command as a finding's ``command`` and ``files`` keywords."""
+    command, files = built
+    return {"command": command, "files": files}
 
 
 class Triage:
     r"""The comparison of two recorded runs; :meth:`report` walks the places."""
 
     def __init__(
-        self, spec: Spec, tol: Tolerance, ref: SideRun, port: SideRun, out_dir: Path | None, all_causes: bool
+        self, spec: Spec, tol: Tolerance, ref: SideRun, port: SideRun, commands: Commands, all_causes: bool
     ):
         self.spec, self.tol, self.ref, self.port = spec, tol, ref, port
-        self.out_dir, self.all_causes = out_dir, all_causes
+        self.commands, self.folders, self.all_causes = commands, commands.folders, all_causes
         self.findings: list[Finding] = []
-        self.ruled_out: list[str] = []
-        self.not_checked: list[str] = []
+        self.ruled_out: list[Note] = []
+        self.not_checked: list[Note] = []
         self.ref_roles = [roles_of(c) for c in ref.calls]
         self.port_roles = [roles_of(c) for c in port.calls]
         n = min(len(ref.calls), len(port.calls))
@@ -172,7 +63,12 @@ class Triage:
         ]
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
         self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
-        self.folders = self._write_recordings()
+
+    def rule_out(self, place: Place, text: str, check: str | None = None) -> None:
+        self.ruled_out.append(Note(place, text, check))
+
+    def skip(self, place: Place, text: str, check: str | None = None) -> None:
+        self.not_checked.append(Note(place, text, check))
 
     @functools.cached_property
     def port_scheduler(self) -> Any:
@@ -182,15 +78,9 @@ class Triage:
     # -------------------------------------------------------------------------------------------- report
     def report(self) -> TriageReport:
         if self.all_causes:
-            for check in (
-                self.noise,
-                self.schedule,
-                self.conditioning,
-                self.denoiser,
-                self.update,
-                self.decoder,
-            ):
-                check(independent=True)
+            for check in (self.noise, self.schedule, self.conditioning, self.denoiser, self.update):
+                check()
+            self.decoder(independent=True)
         else:
             self.first_difference()
         self.findings.sort(key=lambda f: (PLACE_ORDER[f.place], f.call or 0))
@@ -219,7 +109,7 @@ class Triage:
             calls=(len(self.ref.calls), len(self.port.calls)),
             result={k: v for k, v in result.items() if k != "evidence"},
             all_causes=self.all_causes,
-            out_dir=str(self.out_dir) if self.out_dir is not None else None,
+            out_dir=str(self.commands.out_dir) if self.commands.out_dir is not None else None,
             environment=environment_stamp(spec=str(self.spec.path)),
         )
 
@@ -227,28 +117,30 @@ class Triage:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
         differs is the cause; after the last call, the decoder."""
         if None not in self.t_ref and None not in self.t_port and _repeats(self.t_ref, self.t_port):
-            return self.schedule(independent=False)  # calls that cannot be paired one to one
+            return self.schedule()  # calls that cannot be paired one to one
         for pair in self.pairs:
             i = pair.index
             if i == 0 and not pair.latents_match:
-                return self.noise(independent=False)
+                return self.noise()
             if not pair.timestep_match:
-                return self.schedule(independent=False)
+                return self.schedule()
             if not pair.conditioning_match:
-                return self.conditioning(independent=False)
+                return self.conditioning()
             if i > 0 and not pair.latents_match:
-                return self.update(independent=False, step=i - 1)
+                return self.update(step=i - 1)
             if not pair.output_match:
-                return self.denoiser(independent=False, call=i)
+                return self.denoiser(call=i)
         if len(self.ref.calls) != len(self.port.calls):
-            return self.schedule(independent=False)
+            return self.schedule()
         if self.final_latents_differ():
-            return self.update(independent=False, step=len(self.pairs) - 1)
-        self.ruled_out.append(f"every denoiser call ({len(self.pairs)}): inputs, timestep and output agree")
+            return self.update(step=len(self.pairs) - 1)
+        self.rule_out(
+            "denoiser", f"inputs, timestep and output agree at every call ({len(self.pairs)})", check="calls"
+        )
         self.decoder(independent=False)
 
     # ------------------------------------------------------------------------------------------ 1. noise
-    def noise(self, independent: bool) -> None:
+    def noise(self) -> None:
         pair = self.pairs[0] if self.pairs else None
         if pair is None:
             return
@@ -256,7 +148,7 @@ class Triage:
         xp = latents(self.port.calls[0], self.port_roles[0])
         if pair.latents is None:
             if xr is None or xp is None or xr.numel() != xp.numel():
-                self.not_checked.append(f"initial noise: {pair.latents_note}")
+                self.skip("initial noise", f"{pair.latents_note}")
                 return
             import torch
 
@@ -274,7 +166,7 @@ class Triage:
             self.findings.append(Finding("initial noise", 0, summary, evidence=[pair.latents_note]))
             return
         if pair.latents_match:
-            self.ruled_out.append("initial noise: the first call's latents agree")
+            self.rule_out("initial noise", "the first call's latents agree")
             return
         evidence = comparison_evidence(pair.latents)
         fit = fit_affine(xp, xr)
@@ -296,22 +188,20 @@ class Triage:
                 0,
                 summary,
                 evidence=evidence,
-                command=self._compare_command(0, self.ref_roles[0].latents, self.port_roles[0].latents),
+                **reproduce(self.commands.compare(0, self.ref_roles[0].latents, self.port_roles[0].latents)),
             )
         )
 
     # --------------------------------------------------------------------------------------- 2. schedule
-    def schedule(self, independent: bool) -> None:
+    def schedule(self) -> None:
         from paritykit.schedule import compare_schedules
 
         t_ref, t_port = self.t_ref, self.t_port
         if None in t_ref or None in t_port:
-            self.not_checked.append(
-                "schedule: a side's denoiser calls carry no recognisable timestep argument"
-            )
+            self.skip("schedule", "a side's denoiser calls carry no recognisable timestep argument")
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
-            self.ruled_out.append(f"schedule: the {len(t_ref)} timesteps agree")
+            self.rule_out("schedule", f"the {len(t_ref)} timesteps agree")
             return
         repeated = _repeats(t_ref, t_port)
         if repeated:
@@ -345,7 +235,9 @@ class Triage:
             f"the timesteps differ from call {first} "
             f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)",
             evidence=evidence,
-            command=self._schedule_command(),
+            **reproduce(
+                self.commands.schedule(self.port_scheduler if self.spec.has("port_scheduler") else None)
+            ),
             details=comparison.to_dict(),
         )
         self._fit_schedule(finding)
@@ -353,10 +245,10 @@ class Triage:
 
     def _fit_schedule(self, finding: Finding) -> None:
         if not self.spec.has("port_scheduler"):
-            self.not_checked.append("schedule fit: the SPEC defines no port_scheduler()")
+            self.skip("schedule", "the SPEC defines no port_scheduler()", check="fit")
             return
         if self.folders is None:
-            self.not_checked.append("schedule fit: no recordings were written (out=None)")
+            self.skip("schedule", "no recordings were written (out=None)", check="fit")
             return
         from paritykit.schedule import fit_scheduler
 
@@ -380,16 +272,14 @@ class Triage:
             ]
 
     # ----------------------------------------------------------------------------------- 3. conditioning
-    def conditioning(self, independent: bool) -> None:
+    def conditioning(self) -> None:
         pair = self.pairs[0] if self.pairs else None
         if pair is None or not pair.conditioning:
-            self.not_checked.append("conditioning: no conditioning inputs paired between the two denoisers")
+            self.skip("conditioning", "no conditioning inputs paired between the two denoisers")
             return
         bad = [(r, p, c) for r, p, c in pair.conditioning if not c.passed]
         if not bad:
-            self.ruled_out.append(
-                "conditioning: " + ", ".join(f"{r} / {p}" for r, p, _ in pair.conditioning) + " agree"
-            )
+            self.rule_out("conditioning", ", ".join(f"{r} / {p}" for r, p, _ in pair.conditioning) + " agree")
             return
         r, p, c = bad[0]
         self.findings.append(
@@ -399,12 +289,12 @@ class Triage:
                 f"the denoiser's conditioning input {r} (port: {p}) differs before any "
                 "denoiser computation: the text encoder, the prompt's embedding or its packing",
                 evidence=comparison_evidence(c),
-                command=self._compare_command(0, r, p),
+                **reproduce(self.commands.compare(0, r, p)),
             )
         )
 
     # --------------------------------------------------------------------------------------- 4. denoiser
-    def denoiser(self, independent: bool, call: int | None = None) -> None:
+    def denoiser(self, call: int | None = None) -> None:
         r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else call
         0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
@@ -412,9 +302,10 @@ class Triage:
         ref_call, port_call = self.ref.calls[call], self.port.calls[call]
         mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, self.port_roles[call])
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
-        if report.verdict == "match":
-            self.ruled_out.append(
-                f"denoiser: the port's module matches the reference's on call {call}'s inputs"
+        if not module_differs(report):
+            self.rule_out(
+                "denoiser",
+                f"the port's module matches the reference's on call {call}'s inputs" + _masked_words(report),
             )
             return
         finding = _bisect_finding("denoiser", call, report)
@@ -422,7 +313,7 @@ class Triage:
             finding.evidence.insert(
                 0, f"the port's own call-{call} inputs differ; it was fed the reference's"
             )
-        finding.command = self._bisect_file("denoiser", call, ref_call, mapped)
+        finding.command, finding.files = self.commands.bisect("denoiser", call, ref_call, mapped)
         self.findings.append(finding)
 
     def _bisect(self, reference: Any, port: Any, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Any:
@@ -439,7 +330,7 @@ class Triage:
         )
 
     # ----------------------------------------------------------------------------------------- 5. update
-    def update(self, independent: bool, step: int | None = None) -> None:
+    def update(self, step: int | None = None) -> None:
         fits = [self._update_fits(i) for i in range(len(self.pairs))]
         comparable = [
             i
@@ -470,7 +361,7 @@ class Triage:
                                 else "the step's timesteps agree on both sides"
                             ),
                         ],
-                        command=self._steps_command(),
+                        **reproduce(self.commands.steps()),
                     )
                 )
                 self._check_step(self.findings[-1])
@@ -489,20 +380,18 @@ class Triage:
                     f"the latents after step {step} differ while that step's inputs and output "
                     f"agree: the sampler's update (cause unknown: {why})",
                     evidence=comparison_evidence(self._next_latents_comparison(step)),
-                    command=self._steps_command(),
+                    **reproduce(self.commands.steps()),
                 )
             )
             self._check_step(self.findings[-1])
             return
         checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
         if checked:
-            self.ruled_out.append(
-                f"update: the fitted rules agree at the {len(checked)} steps whose timesteps agree"
+            self.rule_out(
+                "update", f"the fitted rules agree at the {len(checked)} steps whose timesteps agree"
             )
         else:
-            self.not_checked.append(
-                "update: no step with the same timesteps on both sides and an exact linear rule"
-            )
+            self.skip("update", "no step with the same timesteps on both sides and an exact linear rule")
 
     def _check_step(self, finding: Finding) -> None:
         r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
@@ -581,10 +470,10 @@ class Triage:
     def decoder(self, independent: bool) -> None:
         if self.ref.vae is None or self.port.vae is None:
             if self.ref.vae is not None or self.port.vae is not None:
-                self.not_checked.append("decoder: only one side's SPEC defines its vae()")
+                self.skip("decoder", "only one side's SPEC defines its vae()")
             return
         if not self.ref.decoder_calls or not self.port.decoder_calls:
-            self.not_checked.append("decoder: a side's vae() module was never called during its run")
+            self.skip("decoder", "a side's vae() module was never called during its run")
             return
         ref_call, port_call = self.ref.decoder_calls[-1], self.port.decoder_calls[-1]
         zr, zp = _first_tensor(ref_call), _first_tensor(port_call)
@@ -608,7 +497,7 @@ class Triage:
                             "fitted over every element of the decoder's input (relative error "
                             f"{format_number(rel(zr, zp))} before the fit)"
                         ],
-                        command=self._inputs_command("decoder_input", zr, zp),
+                        **reproduce(self.commands.compare_tensors("decoder_input", zr, zp)),
                     )
                 )
                 if not independent:
@@ -623,25 +512,29 @@ class Triage:
                         " (after the last call) or the latents' preparation for the decoder; no scale and"
                         f" shift relates the two ({residual})",
                         evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
-                        command=self._inputs_command("decoder_input", zr, zp),
+                        **reproduce(self.commands.compare_tensors("decoder_input", zr, zp)),
                     )
                 )
                 return
         mapped = _with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
         if mapped is None:
-            self.not_checked.append("decoder: the two decoders' inputs cannot be paired (shapes differ)")
+            self.skip("decoder", "the two decoders' inputs cannot be paired (shapes differ)")
             return
         report = self._bisect(self.ref.vae, self.port.vae, ref_call, mapped)
-        if not _agrees(report):
+        if module_differs(report):
             finding = _bisect_finding("decoder", None, report)
             if not same_input:
                 finding.evidence.insert(0, "the port's decoder was fed the reference's decoder input")
-            finding.command = self._bisect_file("decoder", len(self.ref.decoder_calls) - 1, ref_call, mapped)
+            finding.command, finding.files = self.commands.bisect(
+                "decoder", len(self.ref.decoder_calls) - 1, ref_call, mapped
+            )
             self.findings.append(finding)
             if independent:  # each side's map from its own decoder output holds whatever the decoders do
                 self.post_processing(ref_call, port_call)
             return
-        self.ruled_out.append("decoder: the port's module matches on the reference's decoder input")
+        self.rule_out(
+            "decoder", "the port's module matches on the reference's decoder input" + _masked_words(report)
+        )
         self.post_processing(ref_call, port_call)
 
     def post_processing(self, ref_call: Call, port_call: Call) -> None:
@@ -650,12 +543,12 @@ class Triage:
         fr = _unclamped_affine(self.ref.result, output(ref_call))
         fp = _unclamped_affine(self.port.result, output(port_call))
         if fr is None or fp is None:
-            self.not_checked.append("post-processing: a result is not laid out like its decoder's output")
+            self.skip("post-processing", "a result is not laid out like its decoder's output")
             return
         if not (fr.exact and fp.exact):
-            self.not_checked.append(
-                "post-processing: a side's result is not a scale and shift of its decoder's "
-                "output where unclamped"
+            self.skip(
+                "post-processing",
+                "a side's result is not a scale and shift of its decoder's output where unclamped",
             )
             return
         differences = coefficient_differences(fr, fp)
@@ -672,8 +565,8 @@ class Triage:
                 )
             )
         else:
-            self.ruled_out.append(
-                "post-processing: both results are the same scale and shift of the decoder's output"
+            self.rule_out(
+                "post-processing", "both results are the same scale and shift of the decoder's output"
             )
 
     # ------------------------------------------------------------------------------------- result, curve
@@ -706,136 +599,6 @@ class Triage:
                 )
             )
         return rows
-
-    # ------------------------------------------------------------------------------ files and commands
-    def _write_recordings(self) -> tuple[Path, Path] | None:
-        if self.out_dir is None:
-            return None
-        import json
-
-        from paritykit.tracing import save_checkpoints
-        from paritykit.tracing.checkpoints import Checkpoint
-        from paritykit.tracing.recording import loop_checkpoints
-
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / MARKER).write_text(json.dumps({"spec": str(self.spec.path)}) + "\n")
-        folders = (self.out_dir / "reference_calls", self.out_dir / "port_calls")
-        for run, folder in zip((self.ref, self.port), folders):
-            final = Checkpoint(data={"latents": run.result}) if run.vae is None else None
-            save_checkpoints(folder, loop_checkpoints(run.calls, final), side=run.side)
-        return folders
-
-    def _compare_command(self, call: int, ref_key: str | None, port_key: str | None) -> str | None:
-        if self.folders is None or not ref_key or not port_key:
-            return None
-        a, b = (str(f / f"step_{call}.safetensors") for f in self.folders)
-        words = ["paritykit", "compare", a, b, "--only", port_key]
-        if ref_key != port_key:
-            words += ["--map", f"^{ref_key}$={port_key}"]
-        return shlex.join(words)
-
-    def _inputs_command(self, what: str, reference: Any, port: Any) -> str | None:
-        r"""Both sides' tensor at one place, written beside the recordings (``{what}_reference.safetensors`` and
-        ``{what}_port.safetensors``, key ``latents``); returns the ``paritykit compare`` that diagnoses them.
-        """
-        if self.out_dir is None:
-            return None
-        from safetensors.torch import save_file
-
-        paths = [self.out_dir / f"{what}_{side}.safetensors" for side in ("reference", "port")]
-        for path, tensor in zip(paths, (reference, port)):
-            save_file({"latents": tensor.detach().contiguous().cpu()}, str(path))
-        return shlex.join(["paritykit", "compare", *map(str, paths)])
-
-    def _schedule_command(self) -> str | None:
-        if self.folders is None:
-            return None
-        if not self.spec.has("port_scheduler"):
-            return shlex.join(["paritykit", "schedule", *map(str, self.folders)])
-        import json
-
-        scheduler = self.port_scheduler
-        config = self.out_dir / "port_scheduler.json"
-        config.write_text(json.dumps(dict(scheduler.config), indent=2, default=str))
-        return shlex.join(
-            [
-                "paritykit",
-                "schedule",
-                str(self.folders[0]),
-                "--fit",
-                type(scheduler).__name__,
-                "--config",
-                str(config),
-            ]
-        )
-
-    def _steps_command(self) -> str | None:
-        if self.folders is None:
-            return None
-        return shlex.join(["paritykit", "steps", *map(str, self.folders), "--key", "output"])
-
-    def _bisect_file(
-        self, what: str, call: int, ref_call: Call, port_inputs: tuple[tuple, dict]
-    ) -> str | None:
-        r"""A bisect SPEC beside the recordings that rebuilds both modules from the triage SPEC and feeds them
-        this call's inputs; returns the command that runs it."""
-        if self.out_dir is None:
-            return None
-        import torch
-
-        inputs = self.out_dir / f"{what}_call{call}.pt"
-        try:
-            torch.save({"reference": (ref_call.args, ref_call.kwargs), "port": port_inputs}, inputs)
-        except Exception as exc:  # an argument torch cannot save: the finding stands, its command does not
-            return f"(not written: {type(exc).__name__} saving the call's inputs)"
-        module = "vae" if what == "decoder" else "denoiser"
-        path = self.out_dir / f"bisect_{what}.py"
-        path.write_text(
-            BISECT_SPEC.format(
-                what=what,
-                call=call,
-                spec=str(Path(self.spec.path).resolve()),
-                inputs=inputs.name,
-                module=module,
-                tolerance=repr(self.spec.tolerance),
-            )
-        )
-        return shlex.join(["paritykit", "bisect", str(path)])
-
-
-BISECT_SPEC = '''"""Written by paritykit triage: the {what}'s call {call} on both sides, for `paritykit bisect`.
-
-Both modules come from the triage SPEC {spec}; the inputs are the ones recorded (or substituted) at that call.
-"""
-
-import importlib.util
-from pathlib import Path
-
-import torch
-
-HERE = Path(__file__).resolve().parent
-_found = importlib.util.spec_from_file_location("triage_spec", {spec!r})
-TRIAGE = importlib.util.module_from_spec(_found)
-_found.loader.exec_module(TRIAGE)
-CALL = torch.load(HERE / {inputs!r}, weights_only=True)
-TOLERANCE = {tolerance}
-
-
-def build_reference():
-    return TRIAGE.reference_{module}()
-
-
-def build_port():
-    return TRIAGE.port_{module}()
-
-
-def make_inputs():
-    return CALL["reference"]
-
-
-def port_inputs(args, kwargs):
-    return CALL["port"]
-'''
 
 
 def _repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
@@ -877,7 +640,7 @@ def _unclamped_affine(result: Any, decoded: Any) -> Any:
     [0, 1] leaves its clipped elements at them); ``None`` when the shapes differ or too few are left."""
     import torch
 
-    from paritykit.triage.places import fit_linear
+    from paritykit.triage.fits import fit_linear
 
     if decoded is None or tuple(result.shape) != tuple(decoded.shape):
         return None
@@ -889,10 +652,20 @@ def _unclamped_affine(result: Any, decoded: Any) -> Any:
     return fit_linear(r[inside], {"decoder output": values, "offset": torch.ones_like(values)})
 
 
-def _agrees(report: Any) -> bool:
-    r"""A module's output matches: bisect's ``match``, or ``masked`` (the output within tolerance while float noise
-    inherited inside it is not: no module computes anything else on its own inputs)."""
-    return report.verdict in ("match", "masked")
+def module_differs(report: Any) -> bool:
+    r"""Whether a module's bisect on one call's inputs puts the place's difference in that module: any verdict
+    but ``match`` and ``masked``. ``masked`` is the module's output within tolerance while a captured submodule
+    inside is not; the module's output is what the pipeline reads, so the place agrees, and the rule-out line
+    says what was masked (:func:`_masked_words`)."""
+    return report.verdict not in ("match", "masked")
+
+
+def _masked_words(report: Any) -> str:
+    if report.verdict != "masked":
+        return ""
+    inside = report.culprit or report.first_output_divergence
+    where = f" ({inside.port or '(top)'})" if inside is not None else ""
+    return f" (bisect: masked: a submodule{where} differs beyond tolerance inside it, not at its output)"
 
 
 def _identity(fit: Any) -> bool:

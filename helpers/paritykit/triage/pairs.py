@@ -1,0 +1,119 @@
+r"""Two recorded calls compared input by input (latents, timestep, conditioning) and output by output, under
+triage's tolerance; the relative error shown per call."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from paritykit.base.report import format_number
+from paritykit.tracing.recording import Call
+from paritykit.triage.calls import Roles, latents, output, pair_conditioning, timestep
+
+
+@dataclass
+class Tolerance:
+    atol: float | None = None
+    rtol: float | None = None
+
+
+def compare(a: Any, b: Any, tol: Tolerance, name: str) -> Any:
+    from paritykit.compare import compare_tensors
+
+    return compare_tensors(a, b, atol=tol.atol, rtol=tol.rtol, name=name)
+
+
+def rel(a: Any, b: Any) -> float | None:
+    r"""``|b - a| / |a|`` (:func:`~paritykit.compare.tensors.relative_error`, the reference ``a`` as the
+    denominator), or ``None`` when the shapes differ: a curve cell left empty."""
+    if a is None or b is None or tuple(a.shape) != tuple(b.shape):
+        return None
+    from paritykit.compare.tensors import relative_error
+
+    return relative_error(b, a)
+
+
+def same_timestep(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@dataclass
+class CallComparison:
+    r"""Call ``index`` of both sides, input by input: ``latents`` and each conditioning pair as tensor
+    comparisons (``None`` when a side lacks it or the shapes differ), the timesteps as numbers, the output."""
+
+    index: int
+    latents: Any
+    latents_note: str | None
+    t_reference: float | None
+    t_port: float | None
+    timestep_kinds: tuple[str | None, str | None]
+    conditioning: list[tuple[str, str, Any]]
+    output: Any
+
+    @property
+    def latents_match(self) -> bool:
+        return self.latents is not None and self.latents.passed
+
+    @property
+    def timestep_match(self) -> bool:
+        return self.timestep_kinds[0] == self.timestep_kinds[1] and same_timestep(
+            self.t_reference, self.t_port
+        )
+
+    @property
+    def conditioning_match(self) -> bool:
+        return all(c.passed for _, _, c in self.conditioning)
+
+    @property
+    def inputs_match(self) -> bool:
+        return self.latents_match and self.timestep_match and self.conditioning_match
+
+    @property
+    def output_match(self) -> bool:
+        return self.output is not None and self.output.passed
+
+
+def compare_call(index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: Tolerance) -> CallComparison:
+    xr, xp = latents(ref, rr), latents(port, pr)
+    note = None
+    lat = None
+    if xr is None or xp is None:
+        note = "a side has no latents argument"
+    elif tuple(xr.shape) != tuple(xp.shape):
+        note = f"latents shapes differ: reference {tuple(xr.shape)}, port {tuple(xp.shape)}"
+    else:
+        lat = compare(xr, xp, tol, f"call {index} latents")
+    conditioning = [
+        (r, p, compare(ref.named[r], port.named[p], tol, f"call {index} {r} / {p}"))
+        for r, p in pair_conditioning(ref, rr, port, pr)
+    ]
+    er, ep = output(ref), output(port)
+    out = (
+        compare(er, ep, tol, f"call {index} output")
+        if er is not None and ep is not None and er.shape == ep.shape
+        else None
+    )
+    return CallComparison(
+        index,
+        lat,
+        note,
+        timestep(ref, rr),
+        timestep(port, pr),
+        (rr.timestep_kind, pr.timestep_kind),
+        conditioning,
+        out,
+    )
+
+
+def comparison_evidence(comparison: Any) -> list[str]:
+    r"""A tensor comparison's numbers and its diagnoses, one line each."""
+    lines = [
+        f"max_abs {format_number(comparison.max_abs)}, cosine {format_number(comparison.cosine, 7)}, "
+        f"{format_number(comparison.mismatch_fraction)} of elements outside tolerance"
+    ]
+    lines += [hint.render() for hint in comparison.hints[:3]]
+    return lines

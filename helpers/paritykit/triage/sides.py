@@ -1,0 +1,91 @@
+r"""The two sides of a triage: the SPEC's modules, each side run once from one seed with every denoiser (and
+decoder) call recorded, and the run's result as one tensor.
+
+The SPEC defines ``run_reference()`` and ``run_port()`` (each runs its side's sampling end to end and returns
+the result), ``reference_denoiser()`` and ``port_denoiser()`` (the modules those runs call once per step), and
+optionally ``reference_vae()`` / ``port_vae()`` (the decoder modules), ``port_scheduler()`` (the port's
+scheduler object, for the schedule fit), ``TOLERANCE`` and ``SEED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from paritykit.base.errors import ParityKitError
+from paritykit.base.usercode import Spec
+from paritykit.tracing.recording import Call
+
+Side = Literal["reference", "port"]
+REQUIRED = ("run_reference", "run_port", "reference_denoiser", "port_denoiser")
+
+
+@dataclass
+class SideRun:
+    r"""One side's run: its denoiser and decoder modules, their recorded calls, and the run's result."""
+
+    side: Side
+    denoiser: Any
+    vae: Any
+    calls: list[Call]
+    decoder_calls: list[Call]
+    result: Any
+
+
+def check_required(spec: Spec) -> None:
+    r"""One line naming every function the SPEC lacks."""
+    missing = [name for name in REQUIRED if not spec.has(name)]
+    if missing:
+        raise ParityKitError(
+            f"{spec.path}: defines no {', '.join(f'{m}()' for m in missing)}; see `paritykit triage --help`"
+        )
+
+
+def spec_module(spec: Spec, name: str) -> Any:
+    r"""``name()`` of the SPEC, which must return a ``torch.nn.Module``."""
+    import torch
+
+    module = spec.call(name)
+    if not isinstance(module, torch.nn.Module):
+        raise ParityKitError(f"{spec.path}: {name}() returned {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
+    r"""Seed torch, run ``run_{side}()`` with every call of the side's denoiser (and decoder) recorded."""
+    import torch
+
+    from paritykit.tracing.recording import record_calls
+
+    denoiser = spec_module(spec, f"{side}_denoiser")
+    vae = spec_module(spec, f"{side}_vae") if spec.has(f"{side}_vae") else None
+    torch.manual_seed(seed)
+    with torch.no_grad(), record_calls(denoiser) as calls, contextlib.ExitStack() as stack:
+        decoder_calls = stack.enter_context(record_calls(vae)) if vae is not None else []
+        result = spec.call(f"run_{side}")
+    if not calls:
+        raise ParityKitError(f"{spec.path}: run_{side}() never called {side}_denoiser()'s module")
+    return SideRun(side, denoiser, vae, calls, decoder_calls, result_tensor(result, f"run_{side}()", spec))
+
+
+def result_tensor(value: Any, what: str, spec: Spec) -> Any:
+    r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first item
+    of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
+    import numpy as np
+    import torch
+
+    for attr in ("images", "sample", "latents"):
+        if hasattr(value, attr) and not isinstance(value, torch.Tensor):
+            value = getattr(value, attr)
+    if isinstance(value, tuple) and value:
+        value = value[0]
+    try:
+        if isinstance(value, list) and value:
+            value = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.array(v)) for v in value]
+            value = torch.stack(value)
+        return torch.as_tensor(value if isinstance(value, torch.Tensor) else np.array(value)).detach()
+    except (TypeError, ValueError, RuntimeError):
+        raise ParityKitError(
+            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of images"
+        ) from None
