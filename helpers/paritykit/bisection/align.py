@@ -27,13 +27,17 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from paritykit.base.naming import apply_rules, compile_rules
 from paritykit.base.report import DEFAULT_LIMIT, render_table
 from paritykit.forensics.conversion.fingerprints import informative
 
 HOW = ("names", "map", "weights", "order")
+
+
+# high: names or exact weights; medium: a conversion map's evidence; low: execution order and output shape only
+Confidence = Literal["high", "medium", "low"]
 
 
 @dataclass
@@ -44,7 +48,7 @@ class AlignedPair:
     reference: str
     port: str
     how: str
-    confidence: str = "high"
+    confidence: Confidence = "high"
     group: bool = False
     # set when the port's parameters are a row permutation of the reference's (shift/scale halves swapped,
     # reordered heads): the two outputs then differ by that permutation by design, so they are not compared
@@ -259,7 +263,7 @@ class _Builder:
         self.port_done: set[str] = set()
         self.cmap: Any = None
 
-    def add(self, r: str, p: str, how: str, confidence: str = "high", group: bool = False) -> None:
+    def add(self, r: str, p: str, how: str, confidence: Confidence = "high", group: bool = False) -> None:
         self.pairs.append(AlignedPair(r, p, how, confidence, group))
         self.ref_done.add(r)
         self.port_done.add(p)

@@ -87,7 +87,7 @@ def culprit_finding(
             if repair.catalogue
             else []
         )
-        at = port_call if port_call is not None or call.parent is not None else searcher.pt.root
+        at = port_call if port_call is not None or call.parent is not None else searcher.port_trace.root
         return repair_hints(searcher, call, at, hints, repair, inline=children_passed > 0)
 
     if call.parent is None:

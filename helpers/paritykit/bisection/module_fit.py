@@ -264,10 +264,10 @@ def _producers(searcher: Any, call: Any, tensor: Any) -> list[Any]:
     """Unaligned port calls inside the culprit whose output is exactly ``tensor`` (nearest producer last)."""
     import torch
 
-    port_call = searcher.port_record(call) if call.parent is not None else searcher.pt.root
+    port_call = searcher.port_record(call) if call.parent is not None else searcher.port_trace.root
     prefix = port_call.module + "." if port_call is not None and port_call.module else ""
     out = []
-    for record in searcher.pt.records:
+    for record in searcher.port_trace.records:
         if not record.module.startswith(prefix) or searcher.alignment.reference_of(record.module) is not None:
             continue
         for value in record.outputs.values():
@@ -518,7 +518,7 @@ def extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, di
     import torch
 
     out = []
-    for record in searcher.pt.records:
+    for record in searcher.port_trace.records:
         if record.call != 0 or searcher.alignment.reference_of(record.module) is not None:
             continue
         feeds = {}

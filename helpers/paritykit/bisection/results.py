@@ -4,10 +4,18 @@ whole ``BisectReport`` (table and JSON from one object)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
-from paritykit.bisection.align import Alignment
+from paritykit.bisection.align import Alignment, Confidence
+
+# how one aligned call was tested: replayed on the reference's inputs, judged from both sides' captured inputs and
+# outputs (an error jump), or from the final output alone
+TestKind = Literal["replay", "jump", "output"]
+Status = Literal["pass", "fail", "untestable"]
+# match: the output agrees and nothing inside fails; masked: it agrees, an aligned module inside fails on
+# identical inputs; diverge: the output differs
+Verdict = Literal["match", "masked", "diverge"]
 
 
 @dataclass
@@ -16,8 +24,8 @@ class ModuleTest:
 
     reference: str
     port: str
-    test: str  # replay | jump | output
-    status: str
+    test: TestKind
+    status: Status
     max_abs: float | None = None
     cosine: float | None = None
     input_error: float | None = None
@@ -49,12 +57,12 @@ class ModuleFinding:
     reference: str
     port: str
     how_aligned: str
-    test: str
+    test: TestKind
     max_abs: float | None
     cosine: float | None
     inline: bool = False
     hints: list[Any] = field(default_factory=list)
-    confidence: str = "high"
+    confidence: Confidence = "high"
     children_passed: int = 0
     note: str = ""
     op: OpDivergence | None = None
@@ -126,7 +134,7 @@ class OpDivergence:
 class BisectReport:
     r"""What ``paritykit bisect`` prints; one object, two faces (``to_dict`` and ``render``)."""
 
-    verdict: str
+    verdict: Verdict
     culprit: ModuleFinding | None
     first_output_divergence: ModuleFinding | None
     output: Any

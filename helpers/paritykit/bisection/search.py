@@ -127,7 +127,7 @@ def every_culprit(
     from paritykit.compare.tensors import compare_tensors
     from paritykit.tracing.trace import capture
 
-    port, port_root = searcher.port_modules.get(""), searcher.pt.root
+    port, port_root = searcher.port_modules.get(""), searcher.port_trace.root
     if port is None or port_root is None or not port_root.replayable:
         report.all_note = "--all: not searched further (needs the port model and its captured inputs)"
         return
@@ -155,7 +155,7 @@ def every_culprit(
             )
             report.output_after = output
             again = Searcher(
-                searcher.rt,
+                searcher.ref_trace,
                 trace,
                 searcher.alignment,
                 reference=None,
@@ -166,7 +166,7 @@ def every_culprit(
             )
             again.ref_modules, again.port_modules = searcher.ref_modules, searcher.port_modules
             with torch.no_grad():
-                call, passed = again.descend(searcher.rt.root)
+                call, passed = again.descend(searcher.ref_trace.root)
                 if output.passed:
                     # a matching output still hides the next masked culprit, if any
                     hidden = (
@@ -182,7 +182,7 @@ def every_culprit(
     finally:
         for handle in handles:
             handle.remove()
-    order = {r.name: i for i, r in enumerate(searcher.rt.records)}
+    order = {r.name: i for i, r in enumerate(searcher.ref_trace.records)}
     report.culprits.sort(key=lambda c: order.get(c.reference, 1 << 30))
     after = report.output_after
     if after is not None:
@@ -199,7 +199,7 @@ def _substitute(searcher: Searcher, reference: str) -> Any:
     inputs are nearest its own (so replays of its parents see the substitution too)."""
     pair = searcher.alignment.pair_of(reference)
     module = searcher.port_modules.get(pair.port) if pair is not None else None
-    calls = searcher.rt.calls(reference)
+    calls = searcher.ref_trace.calls(reference)
     if module is None or not calls:
         return None
 
@@ -209,7 +209,7 @@ def _substitute(searcher: Searcher, reference: str) -> Any:
         replaced = replace_leaves(output, list(best.outputs.items()))
         return output if replaced is None else replaced
 
-    probe = replace_leaves(searcher.pt[pair.port].output_value(), list(calls[0].outputs.items()))
+    probe = replace_leaves(searcher.port_trace[pair.port].output_value(), list(calls[0].outputs.items()))
     if probe is None:
         return None
     return module.register_forward_hook(hook, with_kwargs=True)

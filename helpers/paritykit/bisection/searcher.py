@@ -3,9 +3,11 @@ and walk down to the deepest failing call."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from paritykit.base.calls import is_tensor
+from paritykit.base.errors import first_line
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import (
@@ -17,13 +19,42 @@ from paritykit.bisection.leaves import (
     pair_layouts,
     pair_with_extras,
 )
-from paritykit.bisection.results import ModuleTest
+from paritykit.bisection.results import ModuleTest, Status
 from paritykit.compare.tensors import relative_error
-from paritykit.tracing.trace import call_name, module_of
+from paritykit.tracing.trace import Record, Trace, call_name, module_of
+
+if TYPE_CHECKING:
+    from paritykit.compare.tensors import TensorComparison
+
+# a call's tensors as (path, tensor), in the order capture flattened them
+Leaves = list[tuple[str, Any]]
+# both modules' output leaves on the reference's inputs: (reference, port)
+Replayed = tuple[Leaves, Leaves]
 
 JUMP_RATIO = 10.0
 # calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
 MAX_MASKED_CHECKS = 32
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    r"""Two leaf lists compared: the worst pair's comparison, and the dim order applied to each permuted
+    port leaf, by path (empty when the layouts agree)."""
+
+    worst: TensorComparison
+    orders: dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class InputPairing:
+    r"""How a reference call's input leaves feed a port call's: ``pairs`` of (reference index, port index),
+    ``ref_leaves`` as paired (repeats taken once, possibly in the port's layout), and the port leaves with no
+    reference counterpart (``extra``: their indices), which keep the port's own captured values."""
+
+    ref_leaves: Leaves
+    port_leaves: Leaves
+    pairs: list[tuple[int, int]]
+    extra: list[int]
 
 
 class Searcher:
@@ -44,8 +75,8 @@ class Searcher:
 
     def __init__(
         self,
-        ref_trace: Any,
-        port_trace: Any,
+        ref_trace: Trace,
+        port_trace: Trace,
         alignment: Alignment,
         *,
         reference: Any = None,
@@ -54,8 +85,8 @@ class Searcher:
         rtol: float | None,
         ratio: float,
     ):
-        self.rt = ref_trace
-        self.pt = port_trace
+        self.ref_trace = ref_trace
+        self.port_trace = port_trace
         self.alignment = alignment
         self.ref_modules = dict(reference.named_modules()) if reference is not None else {}
         self.port_modules = dict(port.named_modules()) if port is not None else {}
@@ -64,26 +95,26 @@ class Searcher:
         self.ratio = ratio
         self.results: dict[str, ModuleTest] = {}
         self.why_not_replayed: dict[str, str] = {}
-        self.replays: dict[str, tuple[list, list]] = {}
+        # what the tests found out, written by replay() and jump() only
+        self.replays: dict[str, Replayed] = {}
         # replays that fed some port inputs from the port's own capture (no reference counterpart): their paths
         self.own_inputs: dict[str, list[str]] = {}
         # calls whose leaves are compared up to a dim permutation (the two sides lay a tensor out differently):
         # the dim order applied to each port leaf, by path
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
-        self.children_of: dict[str, list[Any]] = {}
+        self.children_of: dict[str | None, list[Record]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
 
     # pairing ---------------------------------------------------------------------------------------
-    def port_record(self, ref_record: Any) -> Any:
+    def port_record(self, ref_record: Record) -> Record | None:
         pair = self.alignment.pair_of(ref_record.module)
         if pair is None or pair.layout:
             return None
-        port_module = pair.port
-        name = call_name(port_module, ref_record.call)
-        return self.pt[name] if name in self.pt else None
+        name = call_name(pair.port, ref_record.call)
+        return self.port_trace[name] if name in self.port_trace else None
 
-    def frontier(self, record: Any) -> list[Any]:
+    def frontier(self, record: Record) -> list[Record]:
         """The nearest aligned calls below ``record`` (unaligned calls in between are looked through)."""
         out = []
         for child in self.children_of.get(record.name, []):
@@ -93,21 +124,19 @@ class Searcher:
                 out += self.frontier(child)
         return out
 
-    # tests -----------------------------------------------------------------------------------------
-    def compare(self, a: Any, b: Any, name: str, diagnose: bool = False) -> Any:
+    # comparisons: pure, they return what they paired and record nothing ------------------------------
+    def compare(self, a: Any, b: Any, name: str, diagnose: bool = False) -> TensorComparison:
         from paritykit.compare.tensors import compare_tensors
 
         return compare_tensors(a, b, atol=self.atol, rtol=self.rtol, name=name, diagnose=diagnose)
 
-    def compare_leaves(self, a: list, b: list, name: str) -> Any:
-        """Worst comparison over paired output leaves, up to a dim permutation of ``b``'s (``None`` when the
-        outputs cannot be paired)."""
+    def compare_paired(self, a: Leaves, b: Leaves, name: str) -> PairedComparison | None:
+        """The worst comparison over paired leaves, up to a dim permutation of ``b``'s, with the dim order
+        applied to each permuted ``b`` leaf; ``None`` when the leaves cannot be paired."""
         found = pair_layouts(a, b)
         if found is None:
             return None
         pairs, b, orders = found
-        if orders:
-            self.layouts[name] = orders
         worst = None
         for i, j in pairs:
             cmp = self.compare(a[i][1], b[j][1], f"{name}:{a[i][0]}")
@@ -115,25 +144,17 @@ class Searcher:
                 worst = cmp
             elif not cmp.passed and not worst.passed and (cmp.max_abs or 0) > (worst.max_abs or 0):
                 worst = cmp
-        return worst
+        return PairedComparison(worst, orders)
 
-    def test(self, ref_record: Any) -> ModuleTest:
-        if ref_record.name in self.results:
-            return self.results[ref_record.name]
-        port_record = self.port_record(ref_record)
-        result = self.replay(ref_record, port_record)
-        if result is None:
-            result = self.jump(ref_record, port_record)
-        self.results[ref_record.name] = result
-        return result
+    def compare_leaves(self, a: Leaves, b: Leaves, name: str) -> TensorComparison | None:
+        """The worst comparison of :meth:`compare_paired` alone."""
+        paired = self.compare_paired(a, b, name)
+        return paired.worst if paired is not None else None
 
-    def adapt_inputs(
-        self, ref_record: Any, port_record: Any, device: Any = None, replace: dict[str, Any] | None = None
-    ) -> tuple[tuple, dict] | None:
-        """The port call's own arguments with the reference's tensors put in place of its tensors; the port's
-        extra inputs (no reference counterpart) stay its own, or ``replace[path]`` where given."""
-        from paritykit.tracing.trace import unpack_call
-
+    def pair_call_inputs(self, ref_record: Record, port_record: Record) -> InputPairing | None:
+        """How the reference call's input leaves feed the port call's: by path, order or shape, then up to a dim
+        permutation, then with port inputs the reference has no counterpart for (rotary cos/sin passed as
+        ``image_rotary_emb``) kept from the port's own capture. ``None`` when they cannot be paired."""
         if not ref_record.replayable or not port_record.replayable:
             return None
         ref_leaves = list(ref_record.inputs.items())
@@ -149,30 +170,55 @@ class Searcher:
                 ref_leaves = [(path, tensor.contiguous()) for path, tensor in found[1]]
                 pairs = [(i, j) for j, i in found[0]]
         if pairs is None:
-            # the port call may take inputs the reference computes inside the module (rotary cos/sin passed
-            # as ``image_rotary_emb``): the reference's inputs go in, the extras are the port's own captured
             pairs, extra = pair_with_extras(ref_leaves, port_leaves)
             if pairs is None:
                 return None
-            self.own_inputs[ref_record.name] = [port_leaves[j][0] for j in extra]
+        return InputPairing(ref_leaves, port_leaves, pairs, extra)
+
+    def adapt_inputs(
+        self,
+        ref_record: Record,
+        port_record: Record,
+        device: Any = None,
+        replace: dict[str, Any] | None = None,
+    ) -> tuple[tuple, dict] | None:
+        """The port call's own arguments with the reference's tensors put in place of its tensors (copies, so an
+        in-place op in the port module cannot change the trace); the port's extra inputs stay its own, or
+        ``replace[path]`` where given. ``None`` when the inputs cannot be paired."""
+        from paritykit.tracing.trace import unpack_call
+
+        pairing = self.pair_call_inputs(ref_record, port_record)
+        if pairing is None:
+            return None
         port_keys = list(port_record.input_keys.values())
         swap = {}
-        for j in extra:
-            tensor = (replace or {}).get(port_leaves[j][0], port_leaves[j][1])
+        for j in pairing.extra:
+            path, tensor = pairing.port_leaves[j]
+            tensor = (replace or {}).get(path, tensor)
             swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
-        for i, j in pairs:
-            tensor = ref_leaves[i][1]
-            own = port_leaves[j][1]
+        for i, j in pairing.pairs:
+            tensor = pairing.ref_leaves[i][1]
+            own = pairing.port_leaves[j][1]
             if tensor.is_floating_point() and own.is_floating_point():
                 tensor = tensor.to(own.dtype)
-            # a copy: an in-place op in the port module must not change the trace
             swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
         if len(swap) != len(port_keys):
             return None
         args, kwargs = unpack_call(port_record.inputs_skeleton, lambda key: swap[key])
         return tuple(args), dict(kwargs)
 
-    def run_replay(self, ref_record: Any, port_record: Any) -> tuple[list, list] | str:
+    # tests: the only methods that record ------------------------------------------------------------
+    def test(self, ref_record: Record) -> ModuleTest:
+        if ref_record.name in self.results:
+            return self.results[ref_record.name]
+        port_record = self.port_record(ref_record)
+        result = self.replay(ref_record, port_record)
+        if result is None:
+            result = self.jump(ref_record, port_record)
+        self.results[ref_record.name] = result
+        return result
+
+    def run_replay(self, ref_record: Record, port_record: Record) -> Replayed | str:
         """Outputs of both modules on the reference's captured inputs, or the reason replay is impossible."""
         port_module = self.port_modules.get(port_record.module)
         if port_module is None:
@@ -191,11 +237,10 @@ class Searcher:
             try:
                 ref_out = flatten_tensors(ref_module(*args, **kwargs))
             except Exception as exc:  # e.g. state its parent sets up before calling it
-                return f"reference call failed on its own captured inputs ({type(exc).__name__})"
+                return f"reference call failed on its own captured inputs ({first_line(exc)})"
             # A reference call that does not reproduce its own captured output (randomness, hidden state)
             # cannot be replayed meaningfully.
-            captured = list(ref_record.outputs.items())
-            check = self.compare_leaves(captured, ref_out, ref_record.name)
+            check = self.compare_leaves(list(ref_record.outputs.items()), ref_out, ref_record.name)
             if check is None or not check.passed:
                 return "the reference call does not reproduce its captured output"
         else:
@@ -203,13 +248,12 @@ class Searcher:
         try:
             port_out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
         except Exception as exc:  # the port's own signature rejects the reference's inputs
-            return f"port call failed on reference inputs ({type(exc).__name__})"
+            return f"port call failed on reference inputs ({first_line(exc)})"
         return ref_out, port_out
 
-    def replayed_outputs(self, ref_record: Any, port_record: Any) -> tuple[list, list] | None:
+    def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept, so
-        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed.
-        """
+        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed."""
         kept = self.replays.get(ref_record.name)
         if kept is None and port_record is not None:
             outcome = self.run_replay(ref_record, port_record)
@@ -222,27 +266,33 @@ class Searcher:
             )
         return kept
 
-    def replay(self, ref_record: Any, port_record: Any) -> ModuleTest | None:
+    def replay(self, ref_record: Record, port_record: Record) -> ModuleTest | None:
+        """Test a call by replaying the port module on the reference's inputs; records the layouts, the port's
+        own inputs and (for a failing call) the outputs; ``None`` (with the reason kept) when it cannot run."""
+        pairing = self.pair_call_inputs(ref_record, port_record)
+        own = [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
+        if own and port_record.module in self.port_modules:
+            self.own_inputs[ref_record.name] = own
         outcome = self.run_replay(ref_record, port_record)
         if isinstance(outcome, str):
             self.why_not_replayed[ref_record.name] = outcome
             return None
         ref_out, port_out = outcome
-        cmp = self.compare_leaves(ref_out, port_out, ref_record.name)
-        if cmp is None:
+        paired = self.compare_paired(ref_out, port_out, ref_record.name)
+        if paired is None:
             self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
             return None
+        cmp, orders = paired.worst, paired.orders
+        if orders:
+            self.layouts[ref_record.name] = orders
         if not cmp.passed:
             # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
-            self.replays[ref_record.name] = (
-                ref_out,
-                in_layout(port_out, self.layouts.get(ref_record.name, {})),
-            )
-        own = self.own_inputs.get(ref_record.name)
+            self.replays[ref_record.name] = (ref_out, in_layout(port_out, orders))
         own_note = (
-            "port inputs the reference has no counterpart for taken from the port's own run:"
-            f" {', '.join(own or [])}"
+            f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own)}"
+            if own
+            else ""
         )
         return ModuleTest(
             ref_record.name,
@@ -252,35 +302,45 @@ class Searcher:
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(own_note if own else "", layout_note(self.layouts.get(ref_record.name, {}))),
+            note=join_notes(own_note, layout_note(orders)),
         )
 
-    def jump(self, ref_record: Any, port_record: Any) -> ModuleTest:
+    def jump(self, ref_record: Record, port_record: Record) -> ModuleTest:
+        """Test a call from both sides' captured inputs and outputs: it fails when its inputs agree and its
+        outputs do not, or when its output error exceeds :data:`JUMP_RATIO` times its input error."""
         note = self.why_not_replayed.get(ref_record.name, "")
-        out_cmp = self.compare_leaves(
-            list(ref_record.outputs.items()), list(port_record.outputs.items()), ref_record.name
-        )
-        if out_cmp is None:
-            return ModuleTest(
-                ref_record.name,
-                port_record.name,
-                "jump",
-                "untestable",
-                note=join_notes(note, _unpaired_shapes(ref_record, port_record)),
-            )
-        base = ModuleTest(
+        ref_outs = list(ref_record.outputs.items())
+        paired = self.compare_paired(ref_outs, list(port_record.outputs.items()), ref_record.name)
+        if paired is None:
+            note = join_notes(note, _unpaired_shapes(ref_record, port_record))
+            return ModuleTest(ref_record.name, port_record.name, "jump", "untestable", note=note)
+        out_cmp = paired.worst
+        if paired.orders:
+            self.layouts[ref_record.name] = paired.orders
+        note = join_notes(note, layout_note(paired.orders))
+        errors: tuple[float | None, float | None] = (None, None)
+        if out_cmp.passed:
+            status: Status = "pass"
+        else:
+            status, why, errors = self._jump_inputs(ref_record, port_record, ref_outs)
+            note = join_notes(note, why)
+        return ModuleTest(
             ref_record.name,
             port_record.name,
             "jump",
-            "pass",
+            status,
             out_cmp.max_abs,
             out_cmp.cosine,
-            note=join_notes(note, layout_note(self.layouts.get(ref_record.name, {}))),
+            input_error=errors[0],
+            output_error=errors[1],
+            note=note,
             comparison=out_cmp,
         )
-        note = base.note
-        if out_cmp.passed:
-            return base
+
+    def _jump_inputs(
+        self, ref_record: Record, port_record: Record, ref_outs: Leaves
+    ) -> tuple[Status, str, tuple[float | None, float | None]]:
+        """A differing output's status from the captured inputs: its reason and (input, output) errors."""
         ref_in = list(ref_record.inputs.items())
         port_in = list(port_record.inputs.items())
         ref_in, pairs = pair_inputs(ref_in, port_in) if ref_in and port_in else (ref_in, None)
@@ -289,28 +349,18 @@ class Searcher:
             if found is not None:
                 pairs, port_in, _ = found
         if pairs is None:
-            base.status = "untestable"
-            base.note = join_notes(note, "inputs cannot be paired")
-            return base
+            return "untestable", "inputs cannot be paired", (None, None)
         in_pass = all(self.compare(ref_in[i][1], port_in[j][1], "input").passed for i, j in pairs)
         in_err = max(relative_error(port_in[j][1], ref_in[i][1]) for i, j in pairs)
-        ref_outs = list(ref_record.outputs.items())
         out_pairs, port_outs, _ = pair_layouts(ref_outs, list(port_record.outputs.items()))
         out_err = max(relative_error(port_outs[j][1], ref_outs[i][1]) for i, j in out_pairs)
-        base.input_error, base.output_error = in_err, out_err
+        errors = (in_err, out_err)
         if in_pass:
-            base.status = "fail"
-            base.note = join_notes(note, "inputs agree within tolerance, outputs do not")
-        elif in_err == 0 or out_err / in_err > self.ratio:
-            base.status = "fail"
-            base.note = join_notes(
-                note,
-                f"output error {format_number(out_err)} > {self.ratio:g} x input error"
-                f" {format_number(in_err)}",
-            )
-        else:
-            base.note = join_notes(note, "error inherited from the inputs")
-        return base
+            return "fail", "inputs agree within tolerance, outputs do not", errors
+        if in_err == 0 or out_err / in_err > self.ratio:
+            why = f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}"
+            return "fail", why, errors
+        return "pass", "error inherited from the inputs", errors
 
     def inherit(self, upper: Searcher, name: str) -> None:
         """Carry over the verdict (and replayed outputs) of call ``name``, tested already by ``upper``, the
@@ -321,12 +371,12 @@ class Searcher:
                 getattr(self, table)[name] = source[name]
 
     # search ----------------------------------------------------------------------------------------
-    def descend(self, record: Any) -> tuple[Any, int]:
+    def descend(self, record: Record) -> tuple[Record, int]:
         """Deepest failing call under a failing ``record``; returns (call, number of aligned children passed)."""
         found, passed = self._failing_below(record)
         return found if found is not None else (record, passed)
 
-    def _failing_below(self, record: Any) -> tuple[tuple[Any, int] | None, int]:
+    def _failing_below(self, record: Record) -> tuple[tuple[Record, int] | None, int]:
         # Untestable children (no aligned partner to replay) are looked through, not counted as passed.
         passed = 0
         for child in self.frontier(record):
@@ -349,28 +399,22 @@ class Searcher:
                 return True
         return False
 
-    def outputs_disagree(self, record: Any) -> bool:
+    def outputs_disagree(self, record: Record) -> bool:
         """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two sides."""
-        from paritykit.compare.tensors import compare_tensors
-
         port_record = self.port_record(record)
         if port_record is None:
             return False
-        found = pair_layouts(list(record.outputs.items()), list(port_record.outputs.items()))
-        if found is None:
-            return False
-        a, (pairs, b, _) = list(record.outputs.items()), found
-        return not all(
-            compare_tensors(a[i][1], b[j][1], atol=self.atol, rtol=self.rtol, diagnose=False).passed
-            for i, j in pairs
+        paired = self.compare_paired(
+            list(record.outputs.items()), list(port_record.outputs.items()), record.name
         )
+        return paired is not None and not paired.worst.passed
 
-    def differing_calls(self) -> list[Any]:
+    def differing_calls(self) -> list[Record]:
         r"""Every aligned call (medium or high confidence, below the top level) whose captured outputs differ
         beyond tolerance, in completion order: a comparison of what capture holds each, no run. A pair aligned
         on order and output shape alone (low confidence) is no evidence when the final output matches."""
         out = []
-        for record in self.rt.completion_order():
+        for record in self.ref_trace.completion_order():
             pair = self.alignment.pair_of(record.module)
             if record.parent is None or pair is None or pair.confidence == "low":
                 continue
@@ -378,7 +422,7 @@ class Searcher:
                 out.append(record)
         return out
 
-    def masked_call(self) -> tuple[Any, int] | None:
+    def masked_call(self) -> tuple[Record, int] | None:
         """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
         shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is a
         candidate, deepest first; the first that also fails on identical inputs is the culprit."""
@@ -392,10 +436,10 @@ def join_notes(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
-def _unpaired_shapes(ref_record: Any, port_record: Any) -> str:
+def _unpaired_shapes(ref_record: Record, port_record: Record) -> str:
     """Why two calls' outputs cannot be compared, with both sides' shapes (a shape mismatch, usually)."""
 
-    def shapes(record: Any) -> str:
+    def shapes(record: Record) -> str:
         return ", ".join(str(list(t.shape)) for t in record.outputs.values()) or "no tensor"
 
     return f"outputs cannot be paired: reference {shapes(ref_record)} vs port {shapes(port_record)}"

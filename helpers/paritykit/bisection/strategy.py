@@ -115,7 +115,7 @@ class FullSearch:
         return self.searcher
 
     def locate(self) -> Located:
-        call, passed = self.searcher.descend(self.searcher.rt.root)
+        call, passed = self.searcher.descend(self.searcher.ref_trace.root)
         return Located(self.searcher, call, passed)
 
     def masking(self) -> bool:
@@ -148,7 +148,7 @@ def differing_in(searcher: Searcher) -> Located | None:
     first = calls[0]
     searcher.test(first)
     upstream, worst = None, 0.0
-    for record in searcher.rt.completion_order():
+    for record in searcher.ref_trace.completion_order():
         if record is first:
             break
         if record.parent is None or searcher.port_record(record) is None:
@@ -196,19 +196,21 @@ def run_search(
     from paritykit.compare.tensors import compare_tensors
 
     top = strategy.top
-    ref_final = final_output("reference", top.rt.root.output_value(), select_output)
-    port_final = final_output("port", top.pt.root.output_value(), select_output)
+    ref_final = final_output("reference", top.ref_trace.root.output_value(), select_output)
+    port_final = final_output("port", top.port_trace.root.output_value(), select_output)
     output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
     # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
     trusted = ("high", "medium", "low") if not output.passed else ("high",)
-    first = first_divergence(top.rt, top.pt, top.alignment, atol=atol, rtol=rtol, confidence=trusted)
+    first = first_divergence(
+        top.ref_trace, top.port_trace, top.alignment, atol=atol, rtol=rtol, confidence=trusted
+    )
     culprit = None
     verdict = "match" if output.passed else "diverge"
     with torch.no_grad():
         located = strategy.locate()
         if output.passed:
             # the output matches, yet a module may fail on identical inputs, its error masked downstream
-            below_top = located.call is not top.rt.root
+            below_top = located.call is not top.ref_trace.root
             located = located if below_top and strategy.masking() else strategy.masked()
             # no module fails on identical inputs, yet a captured output differs: still not a match
             located = located if located is not None else strategy.differing()
