@@ -251,7 +251,7 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     if zero_a == zero_b:
         return None
     side, other, t = ("B", "A", a) if zero_b else ("A", "B", b)
-    peak = max(float(c.abs().nan_to_metric(0.0).max()) for _, c in _chunks(t))
+    peak = max(float(c.abs().nan_to_num(0.0).max()) for _, c in _chunks(t))
     return Hint(
         "zeroed",
         f"{side} is all zeros while {other} is not (max |{other}| = {_metric(peak)}): a branch is disabled or "

@@ -12,17 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.report import format_number
-from paritykit.bisection.repair.edits import TIERS, Edit, RepairHint
-from paritykit.bisection.repair.grammar import (
-    input_edits,
-    output_edits,
-    parameter_edits,
-    setting_edits,
-    use_edits,
-)
+from paritykit.bisection.repair.edits import TIERS, Edit, RepairHint, Tier
+from paritykit.bisection.repair.grammar import input_edits, output_edits, parameter_edits, use_edits
+from paritykit.bisection.repair.settings import setting_edits
 from paritykit.bisection.repair.site import Site, call_leaves
 
-GENERATORS: dict[str, Callable[[Site, Any], Iterator[Edit]]] = {
+GENERATORS: dict[Tier, Callable[[Site, Any], Iterator[Edit]]] = {
     "parameters": parameter_edits,
     "inputs": input_edits,
     "outputs": output_edits,
@@ -62,7 +57,7 @@ class RepairOutcome:
     before: float
     verified: list[tuple[Edit, float]] = field(default_factory=list)
     tried: int = 0
-    tiers: list[str] = field(default_factory=list)
+    tiers: list[Tier] = field(default_factory=list)
     exhausted: bool = False
     failed: list[str] = field(default_factory=list)
     # edits that verified, but so did the same edit with its factor moved: evidence of nothing
@@ -130,7 +125,7 @@ class RepairOutcome:
 
 
 def repair_site(
-    site: Site, budget: Budget | None = None, tiers: Sequence[str] = TIERS, progress: Any = None
+    site: Site, budget: Budget | None = None, tiers: Sequence[Tier] = TIERS, progress: Any = None
 ) -> RepairOutcome:
     r"""Try the grammar at ``site``, cheapest tier first.
 
@@ -204,7 +199,7 @@ def _best(site: Site, found: list[tuple[Edit, float, list]]) -> list[tuple[Edit,
 def _search_tier(
     site: Site,
     work: Any,
-    tier: str,
+    tier: Tier,
     budget: Budget,
     outcome: RepairOutcome,
     found: list[tuple[Edit, float, list]],
@@ -215,6 +210,7 @@ def _search_tier(
     across tiers), only that many, and only exact edits are kept."""
     here: list[tuple[Edit, float, list]] = []
     edits = GENERATORS[tier](site, work)
+    last_cost = -math.inf
     while True:
         if not budget.left:
             outcome.exhausted = probe is None
@@ -230,6 +226,12 @@ def _search_tier(
         except Exception as exc:  # a generator that cannot read this module: the tier is skipped, and said
             outcome.failed.append(f"{tier} ({type(exc).__name__}: {str(exc)[:60]})")
             break
+        if edit.cost < last_cost:
+            # pruning by the first verified edit's cost is sound only over a cost-ordered tier
+            raise AssertionError(
+                f"the {tier} grammar yielded {edit.kind} (cost {edit.cost}) after cost {last_cost}"
+            )
+        last_cost = edit.cost
         if here and edit.cost > here[0][0].cost:
             continue
         outcome.tried += 1
@@ -238,7 +240,7 @@ def _search_tier(
         tried = _try(site, work, edit)
         if tried is None:
             continue
-        if edit.controls is not None and any(_try(site, work, c) is not None for c in edit.controls()):
+        if any(_try(site, work, c) is not None for c in edit.controls()):
             outcome.unspecific.append(edit.words)
             continue
         leaves, after = tried
@@ -256,10 +258,11 @@ def _try(site: Site, work: Any, edit: Edit) -> tuple[list, float] | None:
     r"""The edited port's output leaves and the residual max_abs when they match the reference (verified),
     else ``None``. The residual is the site's own, or, at a site with nothing to compare locally, the culprit's
     replayed with the edit."""
-    if edit.on_outputs is not None and site.verify is None:
-        leaves = edit.on_outputs(site.got)
-        cmp = site.compare(site.wanted, leaves)
-        return (leaves, _max_abs(cmp)) if cmp is not None and cmp.passed else None
+    if site.verify is None:
+        edited = edit.on_outputs(site.got)
+        if edited is not None:  # an edit of the outputs alone is checked on the replayed outputs
+            cmp = site.compare(site.wanted, edited)
+            return (edited, _max_abs(cmp)) if cmp is not None and cmp.passed else None
     try:
         module = edit.apply(work)
         leaves = call_leaves(module, site.inputs())
@@ -278,8 +281,7 @@ def _try(site: Site, work: Any, edit: Edit) -> tuple[list, float] | None:
     except Exception:  # an edit the module cannot take (a shape its forward rejects) is no repair
         return None
     finally:
-        if edit.undo is not None:
-            edit.undo()
+        edit.undo()
 
 
 def _max_abs(cmp: Any) -> float:
