@@ -1,7 +1,8 @@
 """Peak memory of a bisect on a deep model, with the zoom (one level of blocks at a time) and without it.
 
 The model is the shape issue 25 names: 64 residual MLP blocks (LayerNorm, Linear 256 -> 1024, tanh-GELU,
-Linear 1024 -> 256, plus the skip) over 4096 tokens of width 256, float32, batch 1: 128 MB of weights per side,
+Linear 1024 -> 256, plus the skip) over 4096 tokens of width 256, float32, batch 1: 128 MB of weights per
+side,
 and a full capture of every module call of one side is several GB. The port is a copy of the reference whose
 block 40 computes the exact GELU in place of the tanh form; the bisect must name ``blocks.40.act`` either way.
 

@@ -11,7 +11,8 @@ Run: python benchmarks/bench_weights_diff.py   (writes benchmarks/results/weight
      paritykit     paritykit weights diff A B --json --quiet
      keys-only     paritykit weights diff A B --keys-only --json
 2. Bounded memory. A second pair, larger than an address-space limit imposed with `prlimit --as`, is diffed
-   under that limit; anonymous memory (RssAnon from /proc/PID/status, which excludes page-cache and mapped file
+   under that limit; anonymous memory (RssAnon from /proc/PID/status, which excludes page-cache and mapped
+   file
    pages) is sampled every 5 ms. The notebook's method is run under the same limit for contrast.
 The scratch files are deleted at the end.
 """
@@ -62,7 +63,8 @@ print(changed, "changed")
 
 
 def sd_like_shapes(total_elements: int, count: int, seed: int) -> list[tuple[int, ...]]:
-    """``count`` 1-D/2-D/4-D shapes whose sizes are log-uniform (like a UNet: many small norms, a few huge convs)."""
+    """``count`` 1-D/2-D/4-D shapes whose sizes are log-uniform (like a UNet: many small norms, a few huge
+    convs)."""
     rng = np.random.default_rng(seed)
     sizes = np.exp(rng.uniform(np.log(320), np.log(12e6), count))
     sizes = np.maximum(64, (sizes * total_elements / sizes.sum()).astype(np.int64) // 64 * 64)
@@ -79,7 +81,8 @@ def sd_like_shapes(total_elements: int, count: int, seed: int) -> list[tuple[int
 
 
 def write_pair(path_a: Path, path_b: Path, shapes: list[tuple[int, ...]], seed: int) -> int:
-    """Write two fp16 safetensors files tensor by tensor (never both whole in memory); odd tensors differ in B."""
+    """Write two fp16 safetensors files tensor by tensor (never both whole in memory); odd tensors differ in
+    B."""
     rng = np.random.default_rng(seed)
     names = [
         f"model.diffusion_model.blocks.{i}.{'attn1' if i % 4 else 'ff'}.weight" for i in range(len(shapes))

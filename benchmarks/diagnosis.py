@@ -84,7 +84,8 @@ def totals(outcomes: list[Outcome]) -> dict[str, str]:
 def _columns(
     named: list[Outcome], held: list[Outcome], named_r: list[Outcome], held_r: list[Outcome]
 ) -> list[str]:
-    r"""The README table: culprit, true first hint, verified fix, runs with a false hint, per split and mode."""
+    r"""The README table: culprit, true first hint, verified fix, runs with a false hint, per split and
+    mode."""
 
     def row(label: str, outs: list[Outcome]) -> str:
         t = totals(outs)

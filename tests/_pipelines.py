@@ -45,7 +45,8 @@ class TinyUNetPipeline(DiffusionPipeline):
 
 
 def make_tiny_unet(seed: int = 0, sample_size: int = TINY_SAMPLE_SIZE, attention: bool = True) -> UNet2DModel:
-    r"""A two-level ``UNet2DModel`` (one attention block unless ``attention=False``), weights drawn from ``seed``."""
+    r"""A two-level ``UNet2DModel`` (one attention block unless ``attention=False``), weights drawn from
+    ``seed``."""
     torch.manual_seed(seed)
     blocks = {"attention_head_dim": 4} if attention else {}
     return UNet2DModel(

@@ -2,7 +2,8 @@
 
 Each family has a research-style REFERENCE (plain torch modules, its own names) and a PORT built from real
 diffusers modules with diffusers names; weights go across through an explicit conversion (renames, a fused
-QKV split, a shift/scale swap), so the two sides share no module name below the top level. ``bug=None`` gives a
+QKV split, a shift/scale swap), so the two sides share no module name below the top level. ``bug=None`` gives
+a
 faithful port; every other ``bug`` plants one real-world mistake.
 """
 
@@ -554,7 +555,8 @@ class PortAttnBlock(nn.Module):
 
 
 def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
-    r"""``bug="scale"``: the port's Attention is built with ``scale_qk=False`` (no 1/sqrt(d) in the softmax)."""
+    r"""``bug="scale"``: the port's Attention is built with ``scale_qk=False`` (no 1/sqrt(d) in the
+    softmax)."""
     torch.manual_seed(seed)
     reference = ResearchMHABlock()
     reference = randomize(reference, seed) if trained else reference.eval()
@@ -572,9 +574,11 @@ def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
 
 
 # ------------------------------------------------------------------------------------ joint-attention family
-# Two token streams (image, text) attended jointly, q/k RMS-normed per head. The research side normalises in the
+# Two token streams (image, text) attended jointly, q/k RMS-normed per head. The research side normalises in
+# the
 # [B, H, L, D] layout after splitting heads, as the original two-stream transformers' code does; the port is
-# diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output thus
+# diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output
+# thus
 # differs from its counterpart's by a dim permutation, by design.
 
 JOINT_HEADS, JOINT_IMG, JOINT_TXT = 2, 6, 4
@@ -682,7 +686,8 @@ def joint_pair(bug: str | None = None, seed: int = 0):
 
 # ------------------------------------------------------------------------------------- two-stream family
 # Parameterless norms of one class on two token streams of equal length, each followed by its own MLP. The
-# research block runs the text stream first, the port (named as diffusers' two-stream blocks name it) the image
+# research block runs the text stream first, the port (named as diffusers' two-stream blocks name it) the
+# image
 # stream first: only what each norm reads tells the streams apart.
 
 

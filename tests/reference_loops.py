@@ -3,8 +3,10 @@
 * DDIM (Song et al. 2020, eq. 12 with eta = 0) over an evenly spaced timestep list that reads the previous
   timestep from its own list, the last step going to alpha-bar 1.
 * Euler over the Karras et al. (2022, eq. 5) sigma schedule, rho 7, a final sigma of 0, in the
-  k-diffusion convention (epsilon model called with c_in = 1/sqrt(sigma^2 + 1) and the timestep whose sigma it is).
-* Flow-matching Euler over SD3's schedule (Stability's sd3_infer.py: its low end shifted twice) and over Flux's
+  k-diffusion convention (epsilon model called with c_in = 1/sqrt(sigma^2 + 1) and the timestep whose sigma it
+  is).
+* Flow-matching Euler over SD3's schedule (Stability's sd3_infer.py: its low end shifted twice) and over
+  Flux's
   (black-forest-labs/flux: linspace(1, 0, n + 1) shifted once, by a mu that grows with the image size).
 
 Every loop takes a ``denoiser(sample, timestep, encoder_hidden_states)`` returning a tensor, so the same tiny
@@ -29,7 +31,8 @@ def alphas_cumprod(train_steps: int = TRAIN_STEPS) -> torch.Tensor:
 
 # --- DDIM ---------------------------------------------------------------------------------------------------
 def ddim_timesteps(n: int, spacing: str = "linspace", train_steps: int = TRAIN_STEPS) -> list[int]:
-    """Evenly spaced integer timesteps, high to low: ``linspace`` from T-1 to 0, or ``trailing`` (stride T/n, ending at T/n - 1)."""
+    """Evenly spaced integer timesteps, high to low: ``linspace`` from T-1 to 0, or ``trailing`` (stride T/n,
+    ending at T/n - 1)."""
     if spacing == "linspace":
         return [round((train_steps - 1) * (n - 1 - i) / (n - 1)) for i in range(n)]
     return [round(train_steps - i * train_steps / n) - 1 for i in range(n)]
@@ -55,7 +58,8 @@ def ddim_loop(
     return x
 
 
-# --- Karras sigmas, Euler -------------------------------------------------------------------------------------
+# --- Karras sigmas, Euler
+# -------------------------------------------------------------------------------------
 def training_sigmas() -> torch.Tensor:
     ac = alphas_cumprod()
     return ((1 - ac) / ac).sqrt()
@@ -90,7 +94,8 @@ def karras_loop(denoiser, noise: torch.Tensor, cond: torch.Tensor, n: int) -> to
     return x
 
 
-# --- flow matching: SD3's sampler and Flux's ----------------------------------------------------------------------
+# --- flow matching: SD3's sampler and Flux's
+# ----------------------------------------------------------------------
 def _time_shift(t: float, shift: float) -> float:
     """SD3's resolution shift of a flow time (Esser et al. 2024, eq. 23): s t / (1 + (s - 1) t)."""
     return shift * t / (1 + (shift - 1) * t)
@@ -98,7 +103,8 @@ def _time_shift(t: float, shift: float) -> float:
 
 def sd3_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> list[float]:
     """What Stability's SD3 reference sampler (sd3_infer.py, ``get_sigmas`` over sd3_impls.py's
-    ``ModelSamplingDiscreteFlow``) computes: a table of the shifted sigmas of timesteps 1 … T; its smallest and
+    ``ModelSamplingDiscreteFlow``) computes: a table of the shifted sigmas of timesteps 1 … T; its smallest
+    and
     largest entries, read back as timesteps (sigma · T), are spaced linearly over n steps and each is shifted
     *again*, then a final 0. The low end is therefore shifted twice — the reference's own behaviour."""
     table_min = _time_shift(1 / train_steps, shift)  # sigma(timestep 1)
@@ -116,7 +122,8 @@ def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15
 
 def flux_sigmas(n: int, image_seq_len: int) -> list[float]:
     """Flux's ``get_schedule`` (black-forest-labs/flux, src/flux/sampling.py): n + 1 times evenly from 1 to 0,
-    each moved by ``time_shift(mu, 1, t) = e^mu / (e^mu + (1/t - 1))`` with mu from the image size; t = 0 stays 0.
+    each moved by ``time_shift(mu, 1, t) = e^mu / (e^mu + (1/t - 1))`` with mu from the image size; t = 0
+    stays 0.
     The shift is applied once."""
     mu = flux_mu(image_seq_len)
     times = [1 - i / n for i in range(n + 1)]

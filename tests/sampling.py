@@ -1,4 +1,5 @@
-"""Shared pieces of the sampler tests: the one-thread fixture, one tiny conditional UNet, its inputs, the diffusers-style port loop, and
+"""Shared pieces of the sampler tests: the one-thread fixture, one tiny conditional UNet, its inputs, the
+diffusers-style port loop, and
 recording a loop with paritykit.record_loop."""
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def port_loop(unet, scheduler, noise, cond, n=10, **call):
 
 
 def record(module, folder, run, final=False):
-    r"""Run ``run()`` with every call of ``module`` recorded into ``folder``; ``final`` keeps its result too."""
+    r"""Run ``run()`` with every call of ``module`` recorded into ``folder``; ``final`` keeps its result
+    too."""
     with torch.no_grad(), record_loop(module, out=folder) as rec:
         result = run()
         if final:

@@ -233,7 +233,8 @@ class _TorchMlp(nn.Module):
 
 
 class _DiffusersMlp(nn.Module):
-    r"""diffusers' FeedForward: its GELU module holds the Linear and applies the activation; a Dropout follows."""
+    r"""diffusers' FeedForward: its GELU module holds the Linear and applies the activation; a Dropout
+    follows."""
 
     def __init__(self, approximate: str = "none"):
         super().__init__()

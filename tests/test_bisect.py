@@ -45,7 +45,8 @@ def test_planted_bug_is_named_exactly(family, bug, ref_name, port_name, inline, 
     assert culprit.inline is inline
     if hint is not None:
         assert culprit.hints and culprit.hints[0].id == hint, [h.id for h in culprit.hints]
-    # the replayed pair really differs, and every module tested before it on the way down passes or was entered
+    # the replayed pair really differs, and every module tested before it on the way down passes or was
+    # entered
     assert culprit.max_abs > 0
 
 
@@ -254,7 +255,8 @@ def write_spec(tmp_path, bug, extra="", name="SPEC.py"):
 
 
 def run(*args):
-    """The CLI in this process (torch is already imported); returns click's Result (exit_code, stdout, stderr)."""
+    """The CLI in this process (torch is already imported); returns click's Result (exit_code, stdout,
+    stderr)."""
     from click.testing import CliRunner
     from paritykit.cli import cli
 

@@ -123,7 +123,8 @@ def test_every_checkpoint_reached_warns_nothing(pipe, recwarn):
     assert not [w for w in recwarn if issubclass(w.category, CheckpointNotReached)]
 
 
-# -------------------------------------------------------------------------------------------- maybe_checkpoint
+# --------------------------------------------------------------------------------------------
+# maybe_checkpoint
 
 
 def test_load_casts_to_the_local_dtype_and_never_aliases_the_stored_tensor():
@@ -180,7 +181,8 @@ def test_seeded_noise_is_the_same_for_every_dtype():
     assert not torch.equal(seeded_noise((2, 3, 4), seed=6), base)
 
 
-# ------------------------------------------------------------------------------------------------------ on disk
+# ------------------------------------------------------------------------------------------------------ on
+# disk
 
 
 def test_save_and_load_round_trip_in_execution_order(tmp_path, reference):

@@ -1,4 +1,5 @@
-"""`paritykit compare`: exit codes, the JSON schema, one-line errors, checkpoint folders in execution order."""
+"""`paritykit compare`: exit codes, the JSON schema, one-line errors, checkpoint folders in execution
+order."""
 
 from __future__ import annotations
 

@@ -169,7 +169,8 @@ class Run:
 
 
 def invoke(cwd: Path, *args: str) -> Run:
-    """``paritykit ARGS`` in ``cwd`` through the real entry point; an escaping exception shows as a traceback."""
+    """``paritykit ARGS`` in ``cwd`` through the real entry point; an escaping exception shows as a
+    traceback."""
     runner = CliRunner()
     with contextlib.chdir(cwd):
         result = runner.invoke(
@@ -625,7 +626,8 @@ def _json_commands(group, path=()) -> list[tuple[str, ...]]:
 
 
 def test_every_command_with_json_is_swept_here():
-    # A new report command joins RESULTS, so its verdict/passed fields and exit codes are checked like the rest.
+    # A new report command joins RESULTS, so its verdict/passed fields and exit codes are checked like the
+    # rest.
     swept = {
         tuple(arg for arg in args if not arg.startswith("-") and "." not in arg)[:2] for _, args, _ in RESULTS
     }

@@ -228,7 +228,8 @@ def test_ignore_drops_the_key_on_both_sides_before_and_after_map():
     b = {"dim": 8, "norm_eps": 1e-5, "heads": 2}
     rules = [(r"^ref\.", ""), (r"^eps$", "norm_eps")]
     assert [d.key for d in config_diff(a, b, rules=rules).differences] == ["norm_eps"]
-    # the pattern in A's original naming, in A's renamed naming, or B's naming: the pair is gone from both sides
+    # the pattern in A's original naming, in A's renamed naming, or B's naming: the pair is gone from both
+    # sides
     for pattern in ("ref.eps", "ref.*", "norm_eps", "*eps"):
         report = config_diff(a, b, rules=rules, ignore=[pattern])
         assert report.exit_code == 0, pattern

@@ -1,4 +1,5 @@
-"""paritykit.forensics.conversion.matching: conversions inferred from tensor values, collapsed into rules, emitted as code."""
+"""paritykit.forensics.conversion.matching: conversions inferred from tensor values, collapsed into rules,
+emitted as code."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def _assert_reproduces(converted, target):
         assert torch.equal(converted[key], value), key
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # one hand-made case per op
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def test_fused_qkv_weight_and_bias_are_split_into_chunks_with_layer_rules():
@@ -336,9 +337,9 @@ def test_fingerprints_are_layout_insensitive_and_pieces_add_up():
     assert multiset_hashes(w, torch.float16)[0] == multiset_hashes(w.half().transpose(0, 2), torch.float16)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # a real tiny diffusers model in a "research layout"
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _tiny_flux(seed=0, randomise=True):
@@ -549,7 +550,8 @@ _LDM_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "
 def _ldm_name(key: str, n_blocks: int = 3) -> str:
     r"""The original latent-diffusion name of a diffusers AutoencoderKL key (test helper).
 
-    Note the decoder: diffusers' ``up_blocks.0`` is LDM's ``up.2`` (reversed), so layer numbers do not carry over.
+    Note the decoder: diffusers' ``up_blocks.0`` is LDM's ``up.2`` (reversed), so layer numbers do not carry
+    over.
     """
     name = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", key)
     name = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", name)
@@ -611,9 +613,9 @@ def test_real_autoencoder_fresh_init_norms_follow_their_blocks(tmp_path):
     _assert_reproduces(_import(emit_rules(cmap, tmp_path / "vae.py")).convert(source), target)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # inputs, paths, emitting
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def test_paths_are_read_through_the_safe_loader(tmp_path):

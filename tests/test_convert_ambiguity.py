@@ -188,9 +188,9 @@ def test_vae_fresh_and_distinct():
     assert entries["decoder.conv_norm_out.weight"].sources == [truth["decoder.conv_norm_out.weight"]]
 
 
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # a research ViT with a fused qkv, converted to transformers' ViT (separate query/key/value)
-# ---------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def _vit(randomise: bool):
@@ -429,7 +429,8 @@ def test_mha_zero_biases_without_their_weights_are_ambiguous_with_the_fused_chun
 
 
 def test_root_level_weight_bias_pair_by_stem_and_no_pair_across_stems():
-    # a top-level Linear (keys ``weight`` / ``bias``) cut from chunk 1 of ``qkv_weight``: its zero bias is chunk 1
+    # a top-level Linear (keys ``weight`` / ``bias``) cut from chunk 1 of ``qkv_weight``: its zero bias is
+    # chunk 1
     # of ``qkv_bias``, not the zero ``proj_bias`` beside it
     g = torch.Generator().manual_seed(7)
     src = {

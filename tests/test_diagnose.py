@@ -1,4 +1,5 @@
-"""paritykit.compare.diagnose: each detector on its own, then property tests that the right hint ranks first."""
+"""paritykit.compare.diagnose: each detector on its own, then property tests that the right hint ranks
+first."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""paritykit.bisection.evidence.collect: planted bugs in independently written port pairs get one true, verified explanation.
+"""paritykit.bisection.evidence.collect: planted bugs in independently written port pairs get one true,
+verified explanation.
 
 The pairs (tests/evidence_pairs.py) put research-style code against transformers' ViTLayer, diffusers'
 Attention against torch's MultiheadAttention, and a hand-written rotary table against Llama's. Every case runs
@@ -65,7 +66,8 @@ def test_planted_bug_gets_its_true_verified_fix(
     if culprit.confidence != "low":
         assert culprit.port == port_name
     else:
-        # fresh init: both LayerNorms hold ones, so the weights cannot tell them apart (a low-confidence pair);
+        # fresh init: both LayerNorms hold ones, so the weights cannot tell them apart (a low-confidence
+        # pair);
         # the port module it names has the same planted setting, so the fix is still true there
         assert bug == "eps" and not trained and culprit.port in ("layernorm_before", "layernorm_after")
         fix = fix.replace("layernorm_before", culprit.port)

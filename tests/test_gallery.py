@@ -1,6 +1,8 @@
-r"""The real-ports gallery (tests/gallery): every catalogue case, both weight variants, through paritykit.bisect.
+r"""The real-ports gallery (tests/gallery): every catalogue case, both weight variants, through
+paritykit.bisect.
 
-Asserted: the culprit (or a plain ``match`` for clean ports), no hint the ground truth contradicts, every culprit
+Asserted: the culprit (or a plain ``match`` for clean ports), no hint the ground truth contradicts, every
+culprit
 of the multi-bug cases with ``--all``, and that ``weights map`` exposes each planted conversion slip. The
 benchmark's percentages (benchmarks/diagnosis.py) are not asserted here.
 

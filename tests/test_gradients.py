@@ -104,7 +104,8 @@ def test_output_scale_from_a_default_fails_its_branch_with_a_constant_scale_hint
     assert not result.loss_passed
 
 
-# --- differently named port ----------------------------------------------------------------------------------
+# --- differently named port
+# ----------------------------------------------------------------------------------
 class PortBranch(nn.Module):
     def __init__(self, dim=8):
         super().__init__()
@@ -203,7 +204,8 @@ def test_incomplete_rules_leave_parameters_with_gradients_unaligned():
     assert "no counterpart" in result.render()
 
 
-# --- fused <-> split parameters through a conversion callable ------------------------------------------------
+# --- fused <-> split parameters through a conversion callable
+# ------------------------------------------------
 class FusedAttention(nn.Module):
     def __init__(self, dim=8):
         super().__init__()
@@ -267,7 +269,8 @@ def test_fused_qkv_aligns_with_split_projections_through_the_conversion():
     assert compare_gradients(ref, port, x, mse, convert, atol=1e-6, rtol=1e-5).exit_code == 1
 
 
-# --- real diffusers model ------------------------------------------------------------------------------------
+# --- real diffusers model
+# ------------------------------------------------------------------------------------
 def test_tiny_unet_groupnorm_eps_is_caught_and_state_is_left_untouched():
     unet = make_tiny_unet(sample_size=8, attention=False)
     port = copy.deepcopy(unet)

@@ -14,7 +14,8 @@ from paritykit.base.io import load_state_dict, load_tensors
 from paritykit.base.pickles import dangerous_global, safe_torch_load
 from safetensors.torch import save_file
 
-# ----------------------------------------------------------------------------------------------- malicious pickles
+# ----------------------------------------------------------------------------------------------- malicious
+# pickles
 
 
 class _SystemPayload:
@@ -50,7 +51,8 @@ def _save_torch_legacy(obj, path):
 
 
 def _save_plain_pickle(obj, path):
-    # plain pickle stores tensors through torch.storage._load_from_bytes (itself refused): keep the payload only
+    # plain pickle stores tensors through torch.storage._load_from_bytes (itself refused): keep the payload
+    # only
     with open(path, "wb") as handle:
         pickle.dump({k: v for k, v in obj.items() if not isinstance(v, torch.Tensor)}, handle)
 
@@ -133,7 +135,8 @@ def test_dangerous_global_list(module, name, dangerous):
     assert (dangerous_global(module, name) is not None) is dangerous
 
 
-# ------------------------------------------------------------------------------------ Lightning-style checkpoints
+# ------------------------------------------------------------------------------------ Lightning-style
+# checkpoints
 
 
 @pytest.fixture
@@ -227,7 +230,8 @@ def test_whole_pickled_module_yields_its_state_dict(tmp_path):
         assert torch.equal(state_dict[key], value)
 
 
-# -------------------------------------------------------------------------------------------- state dict readers
+# -------------------------------------------------------------------------------------------- state dict
+# readers
 
 
 @pytest.mark.parametrize("wrapper", ["state_dict", "model", "module"])
@@ -321,7 +325,8 @@ def test_npz_and_npy(tmp_path):
         load_tensors(tmp_path / "objects.npy")
 
 
-# ------------------------------------------------------------------------------------------- load_tensors naming
+# ------------------------------------------------------------------------------------------- load_tensors
+# naming
 
 
 def test_naming_rules_for_files_and_folders(tmp_path):
@@ -350,7 +355,8 @@ def test_natural_sort_order(tmp_path):
     assert [t.item() for t in tensors.values()] == [0.0, 1.0, 2.0, 10.0, 11.0]
 
 
-# ------------------------------------------------------------------------------------------------------- failures
+# ------------------------------------------------------------------------------------------------------------
+# failures
 
 
 def _truncate(path, keep=0.5):
@@ -396,7 +402,8 @@ def test_corrupt_unknown_and_missing_paths(tmp_path):
         load_state_dict(empty)
 
 
-# ------------------------------------------------------------------------------------------------ through the CLI
+# ------------------------------------------------------------------------------------------------ through the
+# CLI
 
 
 def test_cli_refuses_a_malicious_pickle_with_one_line_and_exit_2(tmp_path, cli):

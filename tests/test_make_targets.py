@@ -1,4 +1,5 @@
-"""`make claude` / `make codex` / `make clean-ai` in a temp copy of the repository, through the skills installer."""
+"""`make claude` / `make codex` / `make clean-ai` in a temp copy of the repository, through the skills
+installer."""
 
 from __future__ import annotations
 

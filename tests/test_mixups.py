@@ -1,5 +1,7 @@
-"""Mixed-up folders are refused, never matched: two trace folders must be one reference and one port of the same
-spec (by content) and the same inputs, in that order, written in a format this paritykit reads; a damaged shard
+"""Mixed-up folders are refused, never matched: two trace folders must be one reference and one port of the
+same
+spec (by content) and the same inputs, in that order, written in a format this paritykit reads; a damaged
+shard
 is named in one line; `compare` of a path with itself says so."""
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def build_reference():
 
 def build_port():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.GELU(approximate="{approximate}"), torch.nn.Linear(3, 3))
+    gelu = torch.nn.GELU(approximate="{approximate}")
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), gelu, torch.nn.Linear(3, 3))
 """
 
 

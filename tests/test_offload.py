@@ -168,7 +168,8 @@ def _child(mode: str, folder: Path, env: dict[str, str]) -> str:
 def test_offloaded_alignment_memory_stays_below_the_weights(tmp_path):
     r"""Memory limit of this test: capturing, aligning by weights and zooming two disk-offloaded models (12
     Linear 2048x2048 each, ~403 MB of float32 weights in all, differently named) raises the child process's
-    peak RSS by less than 50% of the weights' bytes; it measured ~50 MB. The bisect must not change because the
+    peak RSS by less than 50% of the weights' bytes; it measured ~50 MB. The bisect must not change because
+    the
     weights are offloaded: same culprit and the same aligned pairs as the zoom on the in-memory models.
 
     glibc's mmap threshold is fixed at 1 MiB in the child (``MALLOC_MMAP_THRESHOLD_``) so that RSS measures

@@ -1,4 +1,5 @@
-"""The repair search (paritykit.bisection.repair): verified edits only, none on faithful ports, ambiguity shown,
+"""The repair search (paritykit.bisection.repair): verified edits only, none on faithful ports, ambiguity
+shown,
 --no-repair honoured. References are independent torch.nn / research-style modules, not diffusers' own code.
 """
 

@@ -1,7 +1,8 @@
 """Sampler parity against k-diffusion itself, the sampler library behind A1111 and ComfyUI.
 
 k-diffusion's own ``sampling.py`` and ``external.py`` (loaded by tests/kdiffusion.py, installed --no-deps) run
-on a tiny UNet; a diffusers pipeline loop runs the same UNet with the scheduler, config and ``set_timesteps`` call
+on a tiny UNet; a diffusers pipeline loop runs the same UNet with the scheduler, config and ``set_timesteps``
+call
 the parity-testing skill's table names. Every row of that table is checked here at two step counts; a row that
 is not exact names its causes, and replaying k-diffusion with exactly those causes removed must then match.
 The step check (``schedule --fit --step-check`` on a ``record_loop`` folder) is tested on the same recordings.
@@ -114,7 +115,8 @@ def table() -> str:
     return "\n".join([*lines, *("| " + " | ".join(row.cells()) + " |" for row in ROWS)])
 
 
-# --- running both sides -------------------------------------------------------------------------------------------
+# --- running both sides
+# -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kd():
     return load()
@@ -137,7 +139,8 @@ class Eps(torch.nn.Module):
 
 
 class Flow(torch.nn.Module):
-    r"""A velocity model as a k-diffusion denoiser (rectified flow, Esser et al. 2024: x_σ = (1 − σ) x0 + σ ε and
+    r"""A velocity model as a k-diffusion denoiser (rectified flow, Esser et al. 2024: x_σ = (1 − σ) x0 + σ ε
+    and
     v = ε − x0, so x0 = x_σ − σ v), called at t = 1000 σ as SD3's sampler calls its model."""
 
     def __init__(self, inner):
@@ -149,7 +152,8 @@ class Flow(torch.nn.Module):
 
 
 def eps_denoiser(kd, unet, timesteps=None):
-    r"""k-diffusion's DiscreteEpsDDPMDenoiser over SD's training schedule; ``timesteps``, ``{sigma: t}``, replaces
+    r"""k-diffusion's DiscreteEpsDDPMDenoiser over SD's training schedule; ``timesteps``, ``{sigma: t}``,
+    replaces
     its sigma → t lookup (the replay that feeds the model diffusers' timesteps)."""
     _, external = kd
     den = external.DiscreteEpsDDPMDenoiser(Eps(unet), R.alphas_cumprod().float(), quantize=False)
@@ -211,7 +215,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-# --- the table ------------------------------------------------------------------------------------------------------
+# --- the table
+# ------------------------------------------------------------------------------------------------------------
 def test_the_skill_holds_this_table():
     assert table() in SKILL.read_text(), (
         "regenerate the table: python -c 'from tests.test_samplers import table; print(table())'"
@@ -228,7 +233,8 @@ def test_each_row_against_kdiffusion(kd, unet, row, n):
         assert rel(ported, reference) <= EXACT
         return
     assert rel(ported, reference) > EXACT  # the row says "not exact": it must not be
-    # replay: k-diffusion fed diffusers' timesteps and started where diffusers starts reproduces the port; with
+    # replay: k-diffusion fed diffusers' timesteps and started where diffusers starts reproduces the port;
+    # with
     # either cause left in, it does not, so both named causes are real and together they are all of it
     timesteps = {float(s): float(t) for s, t in zip(scheduler.sigmas, scheduler.timesteps)}
     start = math.sqrt(1 + float(scheduler.sigmas[0]) ** 2)
@@ -245,7 +251,8 @@ def test_each_row_against_kdiffusion(kd, unet, row, n):
         )
 
 
-# --- the step check on recorded k-diffusion loops -------------------------------------------------------------------
+# --- the step check on recorded k-diffusion loops
+# -------------------------------------------------------------------
 DPM_KARRAS = ROWS[6]
 
 

@@ -64,7 +64,8 @@ def _ruff(folder: Path) -> None:
 
 
 def _render_all(out: Path) -> dict[str, str]:
-    """Every template in several variants; none of the paths exists (the user may render before converting)."""
+    """Every template in several variants; none of the paths exists (the user may render before
+    converting)."""
     variants = [
         ("component-test", "unet", {"reference": "pkg.ref:build", "diffusers": "UNet2DModel"}),
         (

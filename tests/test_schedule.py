@@ -171,7 +171,8 @@ def test_karras_reference_port_without_karras_is_diagnosed_fitted_and_fixed(unet
     assert f"step: {STEPS} updates match the reference's" in checked.render().splitlines()
 
 
-# ------------------------------------------------------------------------------------------- flow matching, SD3
+# ------------------------------------------------------------------------------------------- flow matching,
+# SD3
 def test_sd3_reference_against_a_default_shift_port_is_diagnosed_fitted_and_fixed(unet, inputs, tmp_path):
     noise, cond = inputs
     ref = record(
@@ -324,7 +325,8 @@ def test_steps_growth_class_agrees_with_the_fitted_exponent():
     assert classify_growth([1e-6 * 1.6**i for i in range(12)]).growth == "exponential"
 
 
-# ------------------------------------------------------------------------------------------- every supported class
+# ------------------------------------------------------------------------------------------- every supported
+# class
 SUPPORTED = {
     "DDIMScheduler": {"timestep_spacing": "trailing"},
     "DDPMScheduler": {"timestep_spacing": "trailing"},

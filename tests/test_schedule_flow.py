@@ -1,9 +1,12 @@
 """Flow-matching schedules from the research code people compare against: Flux's size-dependent schedule
-(black-forest-labs/flux, shifted once) and SD3's sampler (Stability's sd3_infer.py, low end shifted twice), both
+(black-forest-labs/flux, shifted once) and SD3's sampler (Stability's sd3_infer.py, low end shifted twice),
+both
 written in tests/reference_loops.py from that code, never from diffusers.
 
-The fit must find the set_timesteps call (sigmas=np.linspace(1, 1/n, n), mu= with dynamic shifting) and read mu
-as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on look-alikes.
+The fit must find the set_timesteps call (sigmas=np.linspace(1, 1/n, n), mu= with dynamic shifting) and read
+mu
+as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on
+look-alikes.
 """
 
 from __future__ import annotations
@@ -161,7 +164,8 @@ def test_cli_fit_with_sizes_and_its_bad_input(tmp_path):
         assert bad.exit_code == 2 and len(lines) == 1 and named in lines[0], bad.output
 
 
-# ------------------------------------------------------------------------------------- recordings at several sizes
+# ------------------------------------------------------------------------------------- recordings at several
+# sizes
 def _record_flux(tmp_path, seq, n=STEPS, sigmas=None):
     from tests.sampling import denoiser, record, tiny_cond_unet, tiny_inputs
 

@@ -1,4 +1,5 @@
-"""`paritykit skills`: validation rules, and install/uninstall that never lose a user's file (real temp dirs)."""
+"""`paritykit skills`: validation rules, and install/uninstall that never lose a user's file (real temp
+dirs)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ PACK_NAMES = [p.name for p in find_skills()]
 
 
 def tree_state(root: Path) -> dict[str, tuple]:
-    r"""Every file, folder and symlink under ``root`` with its bytes' hash or link target (links not followed)."""
+    r"""Every file, folder and symlink under ``root`` with its bytes' hash or link target (links not
+    followed)."""
     state: dict[str, tuple] = {}
     for directory, subdirs, files in os.walk(root):
         for name in subdirs + files:
@@ -73,7 +75,8 @@ def other(tmp_path) -> Path:
     return root
 
 
-# --- discovery -----------------------------------------------------------------------------------------------
+# --- discovery
+# -----------------------------------------------------------------------------------------------
 
 
 def test_pack_has_skills_and_list_names_each_with_a_description():
@@ -104,7 +107,8 @@ def test_cli_list_json_and_show():
     assert len(missing.stderr.strip().splitlines()) == 1 and "no-such-skill" in missing.stderr
 
 
-# --- validation ------------------------------------------------------------------------------------------------
+# --- validation
+# ------------------------------------------------------------------------------------------------
 
 
 def test_pack_passes_validate():
@@ -579,7 +583,8 @@ def test_skills_commands_never_import_torch(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "HEAVY=", result.stdout + result.stderr
 
 
-# --- plugin manifests ----------------------------------------------------------------------------------------
+# --- plugin manifests
+# ----------------------------------------------------------------------------------------
 
 
 def _listed_skills(root: Path, declared) -> set[str]:
@@ -639,7 +644,8 @@ def test_an_edited_copy_is_not_overwritten_by_a_reinstall(other, pack):
     assert (backup / "SKILL.md").read_text() == "my rewrite\n"
 
 
-# --- what the reports say ------------------------------------------------------------------------------------
+# --- what the reports say
+# ------------------------------------------------------------------------------------
 
 
 def test_dry_run_with_a_conflict_shows_the_plan_with_the_conflict_and_exits_1(other, pack):

@@ -1,4 +1,5 @@
-"""paritykit.tracing.trace: capture is complete, non-destructive, leak-free, and round-trips through to_dir."""
+"""paritykit.tracing.trace: capture is complete, non-destructive, leak-free, and round-trips through
+to_dir."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_same_tensor_is_stored_once():
 
 
 def test_a_dropped_trace_frees_its_tensors_at_once_and_a_kept_record_still_reads_them():
-    # a trace and its records must not form a reference cycle: repeated captures (bisect, a loop of them) would
+    # a trace and its records must not form a reference cycle: repeated captures (bisect, a loop of them)
+    # would
     # otherwise hold every dropped trace's copies until Python's cyclic collector happened to run
     import gc
     import weakref

@@ -1,4 +1,5 @@
-"""paritykit.bisection.zoom: bisect by levels names the same culprit as a full capture, while holding one level only."""
+"""paritykit.bisection.zoom: bisect by levels names the same culprit as a full capture, while holding one
+level only."""
 
 from __future__ import annotations
 

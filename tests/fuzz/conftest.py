@@ -1,7 +1,8 @@
 """The fuzz suite's profiles and statistics.
 
 Every command meets every kind of damage (a test per pair). ``bounded`` (the default, part of ``make test``):
-two inputs per pair, under half a minute in all. ``long`` (``PARITYKIT_FUZZ=long``, ``make fuzz``): 60 per pair.
+two inputs per pair, under half a minute in all. ``long`` (``PARITYKIT_FUZZ=long``, ``make fuzz``): 60 per
+pair.
 With ``PARITYKIT_FUZZ_STATS=FILE`` the session writes, per command and per kind of damage, the inputs tried,
 how they ended (exit 0 / 1 / 2) and the failures.
 """

@@ -52,8 +52,10 @@ def build_port():
 
 @dataclass(frozen=True)
 class Case:
-    r"""One command: its argv with ``{A}``/``{B}`` for the two inputs, the input pairs to try, the outputs it may
-    write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace folders,
+    r"""One command: its argv with ``{A}``/``{B}`` for the two inputs, the input pairs to try, the outputs it
+    may
+    write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace
+    folders,
     and run folders that record their side)."""
 
     argv: tuple[str, ...]
@@ -118,7 +120,8 @@ KINDS = (
 CROSS = ("i1.png", "cfg_a.json", "a.pt", "ckpt_a", "trace_ref", "sched_a.json", "notes.txt")
 
 
-# --- the valid inputs ------------------------------------------------------------------------------------------
+# --- the valid inputs
+# ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def seeds(tmp_path_factory) -> Path:
     import numpy as np
@@ -173,7 +176,8 @@ def seeds(tmp_path_factory) -> Path:
     return root
 
 
-# --- damaging a file ---------------------------------------------------------------------------------------------
+# --- damaging a file
+# ---------------------------------------------------------------------------------------------
 def damage(path: Path, kind: str, data: st.DataObject) -> None:
     raw = path.read_bytes()
     if kind == "truncate":
@@ -233,7 +237,8 @@ def damage(path: Path, kind: str, data: st.DataObject) -> None:
 
 
 def _safetensors_header(raw: bytes) -> tuple[dict, bytes] | None:
-    r"""A safetensors file's header (as a dict) and the bytes after it, or ``None`` when ``raw`` is not one."""
+    r"""A safetensors file's header (as a dict) and the bytes after it, or ``None`` when ``raw`` is not
+    one."""
     if len(raw) < 8:
         return None
     (length,) = struct.unpack("<Q", raw[:8])
@@ -286,7 +291,8 @@ def invoke(cwd: Path, argv: list[str]) -> Run:
     return Run(result.exit_code, text)
 
 
-# --- the property ------------------------------------------------------------------------------------------------
+# --- the property
+# ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("command", sorted(CASES))
 @given(data=st.data())
@@ -348,7 +354,8 @@ def test_damaged_or_mixed_up_input_is_refused_in_one_line_and_nothing_else_is_to
             raise
 
 
-# --- new: arbitrary names and options; a file already at the output is never touched ----------------------------
+# --- new: arbitrary names and options; a file already at the output is never touched
+# ----------------------------
 NEW_TEMPLATES = {
     "component-test": ("--reference", "r:b", "--diffusers", "UNet2DModel"),
     "config-diff": ("--reference", "ref.json", "--diffusers", "port.json"),

@@ -38,7 +38,8 @@ def seeded(build: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
 
 
 def make_distinct(module: nn.Module, seed: int = 1) -> nn.Module:
-    r"""Trained-like weights: every trainable tensor gets distinct values (norm scales around 1, small biases).
+    r"""Trained-like weights: every trainable tensor gets distinct values (norm scales around 1, small
+    biases).
 
     Frozen parameters (rotary frequencies) keep the values their constructor computed.
     """

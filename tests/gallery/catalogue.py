@@ -34,7 +34,8 @@ class Case:
     # edits of the repair search that state the true fix, as "kind@target" prefixes (a verified repair
     # matching none of them is a false hint): written from the planted bug, not from what the search says
     repairs: tuple[str, ...] = ()
-    # "named": a bug class an issue described (a catalogue detector may know it); "held-out": planted after the
+    # "named": a bug class an issue described (a catalogue detector may know it); "held-out": planted after
+    # the
     # repair search was written, a class no detector in the code knows
     split: str = "named"
 
@@ -208,7 +209,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
-        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the
+        # cause
         neutral=_hints("weights"),
         cause="config",
         fix="rope.interleaved = True (and the processor's unbind dim -1)",
@@ -222,7 +224,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
-        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the
+        # cause
         neutral=_hints("weights"),
         cause="config",
         fix="rope.theta = 500.0",
@@ -236,7 +239,8 @@ CASES: tuple[Case, ...] = (
         (("attn", "attn"),),
         also=(("attn", "rope"),),
         hints=_hints("module-fit", "module-config"),
-        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the cause
+        # "reference rotary.freqs used by no port parameter ... or the port lacks the layer": true, not the
+        # cause
         neutral=_hints("weights"),
         cause="config",
         fix="rope.linear_factor = 2.0",
@@ -348,7 +352,8 @@ def _held_out(
     invisible_when_fresh: bool = False,
     hints: tuple[str, ...] = (),
 ) -> Case:
-    r"""A held-out case: its true hint is a verified repair whose edit is one of ``repairs`` (or one of ``hints``:
+    r"""A held-out case: its true hint is a verified repair whose edit is one of ``repairs`` (or one of
+    ``hints``:
     the weights map does know row reorders, so its verified layout slip is true too); the catalogue's other
     observations at the culprit (a constant scale, unmatched weights) are true but not counted as the cause.
     """

@@ -1,8 +1,11 @@
-r"""Pair 1: a pre-norm transformer block built from ``torch.nn`` parts (``nn.MultiheadAttention`` with its fused
-``in_proj_weight``) <-> diffusers ``BasicTransformerBlock`` (``Attention`` with ``to_q/to_k/to_v``, ``to_out.0``).
+r"""Pair 1: a pre-norm transformer block built from ``torch.nn`` parts (``nn.MultiheadAttention`` with its
+fused
+``in_proj_weight``) <-> diffusers ``BasicTransformerBlock`` (``Attention`` with ``to_q/to_k/to_v``,
+``to_out.0``).
 
 The weights go across twice, independently: a hand-written conversion (:func:`hand_convert`) and the rules
-``paritykit weights map --emit-rules`` infers from values (:func:`rules_convert`); the gallery checks they agree.
+``paritykit weights map --emit-rules`` infers from values (:func:`rules_convert`); the gallery checks they
+agree.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def hand_convert(sd: dict[str, torch.Tensor], swap_qk: bool = False) -> dict[str
 
 
 def rules_convert(sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    r"""Convert with the rules ``weights map`` infers from the two checkpoints (what ``--emit-rules`` writes)."""
+    r"""Convert with the rules ``weights map`` infers from the two checkpoints (what ``--emit-rules``
+    writes)."""
     import paritykit
 
     cmap = paritykit.infer_conversion_map(sd, target)
@@ -107,7 +111,8 @@ def inputs() -> tuple[tuple, dict]:
 
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``eps``, ``gelu-tanh``, ``swap-qk``,
-    ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the attention
+    ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the
+    attention
     out-projection by 1.01: no setting or weight explains it), ``bias-twice`` (its bias added a second time).
     """
     bugs = set(bug.split("+")) if bug else set()

@@ -42,7 +42,8 @@ class Outcome:
 
     @property
     def false_alarm(self) -> bool:
-        r"""A clean case that did not come out as a plain match, or an invisible one that came out otherwise than
+        r"""A clean case that did not come out as a plain match, or an invisible one that came out otherwise
+        than
         a match or a masked verdict claiming no cause (see :func:`run_case`)."""
         return not self.expected and (not self.culprit_ok or bool(self.false_hints))
 
@@ -105,7 +106,8 @@ def is_false(hint: Any, case: Case, variant: str, siblings: list | None = None) 
 
 
 def _conversion(case: Case, pair: BuiltPair, variant: str) -> tuple[str | None, bool | None]:
-    r"""What ``weights map`` says about the planted tensor, and whether it differs from the faithful mapping."""
+    r"""What ``weights map`` says about the planted tensor, and whether it differs from the faithful
+    mapping."""
     if not case.conversion:
         return None, None
     import paritykit
@@ -150,7 +152,8 @@ def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = T
         culprit_ok = bool(found) and (found[0] == expected[0] or found[0] in case.also)
     elif case.invisible_when_fresh:
         # below tolerance at the output; inside, the difference may still exceed it somewhere downstream of
-        # the bug: a masked verdict that names where it shows, claiming no module fails on its own, is true too
+        # the bug: a masked verdict that names where it shows, claiming no module fails on its own, is true
+        # too
         culprit_ok = report.verdict == "match" or (
             report.verdict == "masked" and all(c.through_inputs and not c.hints for c in report.culprits)
         )

@@ -1,4 +1,5 @@
-r"""Pair 2: the latent-diffusion autoencoder as the original Stable Diffusion VAE ran it - ``Encoder`` / ``Decoder``
+r"""Pair 2: the latent-diffusion autoencoder as the original Stable Diffusion VAE ran it - ``Encoder`` /
+``Decoder``
 from ``taming.modules.diffusionmodules.model`` (PyPI ``taming-transformers-rom1504``) - <-> diffusers
 ``AutoencoderKL``, its weights converted by diffusers' own ``convert_ldm_vae_checkpoint``.
 

@@ -37,7 +37,7 @@ _STANDARD_WEIGHT_NAMES = (
     "pytorch_model.bin",
 )
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Readers of one file. Each returns (tensors, is_container): a container names its tensors `stem/key`.
 
 
@@ -139,7 +139,7 @@ def _read_pickle(path: Path) -> Any:
     return safe_torch_load(path).obj
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Sharded sets
 
 
@@ -182,7 +182,7 @@ def _shards_of(index: Path) -> set[Path]:
     return {(index.parent / name).resolve() for name in weight_map.values()}
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # load_state_dict
 
 
@@ -239,11 +239,13 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     Args:
         path: a ``.safetensors`` file, a shard index ``*.index.json``, a folder holding one (or a single
             weights file, e.g. a diffusers component folder), a ``.npz``, or a pickle
-            (``.pt``/``.pth``/``.bin``/``.ckpt``, read with :func:`safe_torch_load`). ``state_dict``/``model``/
+            (``.pt``/``.pth``/``.bin``/``.ckpt``, read with :func:`safe_torch_load`).
+            ``state_dict``/``model``/
             ``module`` wrappers are unwrapped and nested dicts flattened with dots.
 
     Raises:
-        ParityKitError: naming the file, when it is missing, unreadable, of unknown type or holds no state dict.
+        ParityKitError: naming the file, when it is missing, unreadable, of unknown type or holds no state
+            dict.
     """
     path = Path(path)
     if not path.exists():
@@ -253,12 +255,13 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return _state_dict_from_file(path)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # load_named_tensors: the one naming every comparison shares
 
 
 def _is_model_folder(folder: Path) -> bool:
-    r"""A component folder as diffusers/transformers save it: a config or a conventionally named weights file."""
+    r"""A component folder as diffusers/transformers save it: a config or a conventionally named weights
+    file."""
     if (folder / MANIFEST_NAME).is_file():
         return False
     if any((folder / name).is_file() for name in _STANDARD_WEIGHT_NAMES) or any(
@@ -310,7 +313,7 @@ def load_named_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return load_tensors(path)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # load_tensors
 
 
@@ -347,7 +350,8 @@ def _stem(relative: Path) -> str:
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
-    r"""The ``paritykit.json`` manifest :func:`paritykit.tracing.checkpoints.save_checkpoints` wrote into ``folder``."""
+    r"""The ``paritykit.json`` manifest :func:`paritykit.tracing.checkpoints.save_checkpoints` wrote into
+    ``folder``."""
     manifest_path = folder / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())

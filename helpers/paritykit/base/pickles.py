@@ -1,4 +1,5 @@
-r"""Reading a pickled checkpoint without running code from it (:func:`safe_torch_load`): torch's ``weights_only``
+r"""Reading a pickled checkpoint without running code from it (:func:`safe_torch_load`): torch's
+``weights_only``
 loader first; when it refuses a pickle because of globals it does not know (Lightning and OmegaConf training
 checkpoints are the usual case) a restricted unpickler retries, turning every unknown global into an inert
 placeholder it reports, and refusing outright the globals that only an attack needs."""
@@ -17,7 +18,7 @@ from typing import Any
 from paritykit.base.errors import ParityKitError, first_line
 from paritykit.base.files import require_file
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Globals the restricted unpickler refuses. Whole modules first: nothing in them belongs in a checkpoint, and
 # each gives a pickle a way to run commands, touch files, open sockets or load more code.
 _DANGEROUS_MODULES = frozenset(
@@ -191,7 +192,7 @@ def dangerous_global(module: str, name: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 class StubbedGlobal:
     r"""Inert stand-in for a global the restricted unpickler would not import.
 

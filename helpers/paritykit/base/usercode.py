@@ -63,7 +63,8 @@ class Spec:
         return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()
 
     def input_fingerprint(self) -> dict[str, Any]:
-        r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name, and
+        r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name,
+        and
         one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their inputs.
         """
         import hashlib
@@ -114,7 +115,8 @@ def _user_frames(exc: BaseException, spec: Spec | None) -> str:
         ]
     else:
         mine = []
-    # With a spec, only its folder's frames are the user's (a SyntaxError has none: its own lines name the file).
+    # With a spec, only its folder's frames are the user's (a SyntaxError has none: its own lines name the
+    # file).
     kept = mine if spec is not None else frames[-3:]
     lines = ["Traceback (your code, most recent call last):\n", *traceback.format_list(kept)] if kept else []
     lines += traceback.format_exception_only(type(exc), exc)
@@ -122,7 +124,8 @@ def _user_frames(exc: BaseException, spec: Spec | None) -> str:
 
 
 def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> Any:
-    r"""Call user code; any exception becomes a :class:`paritykit.base.errors.UserCodeError` naming ``what`` and
+    r"""Call user code; any exception becomes a :class:`paritykit.base.errors.UserCodeError` naming ``what``
+    and
     carrying the traceback trimmed to the user's frames."""
     from paritykit.base.errors import UserCodeError
 

@@ -3,7 +3,8 @@ r"""The culprit search behind ``paritykit bisect``: capture → align → search
 ``align`` pairs the two models' modules; ``searcher`` tests aligned calls (replay, else error jump);
 ``strategy`` is the search's one interface, with ``FullSearch`` (everything captured) and ``zoom.ZoomSearch``
 (one level at a time) behind it and :func:`~paritykit.bisection.strategy.run_search` turning either into a
-report; ``findings`` explains a located call (``evidence``, ``remix``, ``module_fit``, ``ops``); ``results`` holds
+report; ``findings`` explains a located call (``evidence``, ``remix``, ``module_fit``, ``ops``); ``results``
+holds
 the report objects; ``search`` is the entry point (``bisect``, ``bisect_traces``, ``--all``); ``spec`` runs
 SPEC.py files; ``leaves`` pairs tensor leaves of calls. See docs/architecture.md.
 """

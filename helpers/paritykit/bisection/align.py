@@ -6,7 +6,8 @@ alignment is built in five passes, each working only on what the earlier ones le
 1. ``names``: identical dotted names (with the same class or the same output shape);
 2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.base.naming`);
 3. ``weights``: a module corresponds to another when their parameters map onto each other by value
-   (:func:`paritykit.forensics.conversion.matching.infer_conversion_map`); containers pair when the parameters under them do, and
+   (:func:`paritykit.forensics.conversion.matching.infer_conversion_map`); containers pair when the parameters
+   under them do, and
    a fused tensor split into several gives a 1:N correspondence (``group``). When several modules hold the
    same parameters (a wrapper around a layer), the deepest pair first: an embedding table pairs with the
    port's table, never with a block that holds the table and adds positions in its own forward;
@@ -36,7 +37,8 @@ from paritykit.forensics.conversion.fingerprints import informative
 HOW = ("names", "map", "weights", "order")
 
 
-# high: names or exact weights; medium: a conversion map's evidence; low: execution order and output shape only
+# high: names or exact weights; medium: a conversion map's evidence; low: execution order and output shape
+# only
 Confidence = Literal["high", "medium", "low"]
 
 
@@ -349,7 +351,8 @@ class _Builder:
             ports = port_by_set.get(image)
             if not ports:
                 continue
-            # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one set:
+            # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one
+            # set:
             # pair innermost first, each with the first compatible partner (same class or output shape), so a
             # layer never pairs with a block that holds it and does more (an embedding table and the
             # ``embeddings`` block that also adds positions): the block is left over.
@@ -391,7 +394,8 @@ class _Builder:
                         self.add(r, p, "weights", group=True)
 
     def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> str:
-        """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under ``ref``."""
+        """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under
+        ``ref``."""
         prefix = ref + "." if ref else ""
         sources = {e.target: e.sources for e in self.cmap.mapping}
         backed = [
@@ -517,7 +521,8 @@ class _Builder:
     def _by_stream(self, refs: list[str], ports: list[str]) -> list[tuple[str, str]]:
         r"""Pair parameterless modules of one class, each with the port module that reads the same stream: the
         one whose captured input is closest to its own (up to a dim permutation), ties broken by execution
-        order. A model of two streams (image and text tokens) may run them in either order, and its image-stream
+        order. A model of two streams (image and text tokens) may run them in either order, and its
+        image-stream
         norm must never meet the text stream's. Modules whose outputs cannot correspond stay unpaired."""
         import itertools
 
@@ -538,7 +543,8 @@ class _Builder:
         return [(refs[i], ports[j]) for i, j in enumerate(best) if math.isfinite(cost[i][j])]
 
     def _stream_distance(self, r: str, p: str, unknown: float = 0.0) -> float:
-        r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_input_distance`); ``inf`` when their output
+        r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_input_distance`); ``inf`` when their
+        output
         shapes are no permutation of each other."""
         rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
         if rs is not None and ps is not None and sorted(rs) != sorted(ps):
@@ -699,10 +705,12 @@ def align_modules(
     r"""Pair the modules of ``reference`` and ``port``.
 
     Args:
-        reference: the reference ``nn.Module`` (or ``None`` when only its trace is at hand; its weights are then
+        reference: the reference ``nn.Module`` (or ``None`` when only its trace is at hand; its weights are
+            then
             read from the trace folder when present).
         port: the port ``nn.Module`` (or ``None``).
-        ref_trace: a :class:`paritykit.tracing.trace.Trace` of the reference; only executed modules are aligned and
+        ref_trace: a :class:`paritykit.tracing.trace.Trace` of the reference; only executed modules are
+            aligned and
             execution order comes from it. Without traces every named module takes part, in definition order.
         port_trace: the same for the port.
         rules: ``[(regex, repl), …]`` renaming reference names into the port's naming (pass 2).

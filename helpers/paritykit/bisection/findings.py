@@ -170,7 +170,8 @@ def _with_inline(
     searcher: Searcher, call: Any, port_call: Any, children_passed: int, before: float | None, hints: list
 ) -> list:
     """At an inline culprit, the evidence of the first differing child input goes first
-    (:func:`paritykit.bisection.module_fit.inline_reference_hints`); a "forward code differs" hint then no longer
+    (:func:`paritykit.bisection.module_fit.inline_reference_hints`); a "forward code differs" hint then no
+    longer
     stands, since the difference was traced to a port module the reference has no counterpart for."""
     if children_passed == 0 or port_call is None:
         return hints
@@ -192,7 +193,8 @@ def _with_inline(
 
 
 def _untested_inside(alignment: Alignment, module: str) -> str:
-    """Name the correspondences under ``module`` that replay cannot check one-to-one (they may hide the bug)."""
+    """Name the correspondences under ``module`` that replay cannot check one-to-one (they may hide the
+    bug)."""
     prefix = module + "." if module else ""
     groups = sorted({p.reference for p in alignment.pairs if p.group and p.reference.startswith(prefix)})
     layouts = [p for p in alignment.pairs if p.layout and p.reference.startswith(prefix)]
@@ -206,7 +208,8 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
 
 
 def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
-    """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration, activation,
+    """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration,
+    activation,
     fitted constants, weight slices, each fix verified on a copy of the port), with the input-aware and
     tensor-level hints on its first differing output pair (its inputs and its children's outputs as mixing
     candidates)."""
@@ -248,7 +251,8 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
 def _culprit_context(
     searcher: Searcher, call: Any, port_call: Any, ref_leaves: list, leaf: tuple[int, int], replayed: bool
 ) -> Any:
-    """The culprit as :mod:`paritykit.bisection.evidence` sees it: modules, outputs, and ways to re-run either side."""
+    """The culprit as :mod:`paritykit.bisection.evidence` sees it: modules, outputs, and ways to re-run either
+    side."""
     from paritykit.bisection.evidence.culprit import Culprit
 
     i, j = leaf

@@ -1,4 +1,5 @@
-r"""Tensor leaves of module calls: flattening nested inputs and outputs, pairing two sides' leaves by path, order
+r"""Tensor leaves of module calls: flattening nested inputs and outputs, pairing two sides' leaves by path,
+order
 and shape, rebuilding a call from them, and the compared tensor of a model's final output."""
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def dim_orders(shape: tuple, target: tuple) -> list[tuple[int, ...]]:
 def pair_layouts(
     a: list[tuple[str, Any]], b: list[tuple[str, Any]]
 ) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]] | None:
-    r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf of
-    ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]`` read
+    r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf
+    of
+    ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
+    read
     as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
 
     Returns ``(pairs, b_leaves, orders)``: index pairs, ``b`` with the permuted leaves in place, and the dim
@@ -101,7 +104,8 @@ def pair_layouts(
 
 
 def in_layout(leaves: list[tuple[str, Any]], orders: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:
-    """``leaves`` with each leaf whose path ``orders`` names permuted by its dim order (as :func:`pair_layouts`
+    """``leaves`` with each leaf whose path ``orders`` names permuted by its dim order (as
+    :func:`pair_layouts`
     found it)."""
     return [(path, t.permute(orders[path]) if path in orders else t) for path, t in leaves]
 
@@ -162,7 +166,8 @@ def torch_equal(a: Any, b: Any) -> bool:
 
 
 def replace_leaves(value: Any, ref_leaves: list) -> Any:
-    """``value`` with its tensors replaced by the paired reference tensors (same dtype and device), or ``None``."""
+    """``value`` with its tensors replaced by the paired reference tensors (same dtype and device), or
+    ``None``."""
     port_leaves = flatten_tensors(value)
     pairs = pair_leaves(ref_leaves, port_leaves)
     if pairs is None:

@@ -240,7 +240,8 @@ class InlineInput:
 
 
 def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
-    """The first aligned child (execution order) of ``call`` whose captured inputs differ between the sides."""
+    """The first aligned child (execution order) of ``call`` whose captured inputs differ between the
+    sides."""
     from paritykit.bisection.leaves import pair_layouts
 
     untested = []
@@ -372,11 +373,12 @@ def _fit_producers(
         hints.append(
             Hint(
                 "module-fit",
-                f"port {record.module} ({fit.module_type}) built with {changes} reproduces the tensor the "
-                f"reference feeds {found.child.name} (max_abs {format_number(fit.before)} -> {format_number(fit.after)}, "
-                f"{fit.trials} constructor settings tried)"
+                f"port {record.module} ({fit.module_type}) built with {changes} reproduces the tensor the"
+                f" reference feeds {found.child.name} (max_abs {format_number(fit.before)} ->"
+                f" {format_number(fit.after)}, {fit.trials} constructor settings tried)"
                 + (
-                    f"; replaying the culprit with it: max_abs {format_number(before)} -> {format_number(after.max_abs)}"
+                    f"; replaying the culprit with it: max_abs {format_number(before)} ->"
+                    f" {format_number(after.max_abs)}"
                     if after is not None
                     else ""
                 ),
@@ -426,7 +428,8 @@ def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitt
     return searcher.compare_leaves(list(call.outputs.items()), out, call.name)
 
 
-# ------------------------------------------------------------------- port inputs the reference computes inside
+# ------------------------------------------------------------------- port inputs the reference computes
+# inside
 
 # bounded refinement of one numeric argument: a log grid of factors around the current value, then a search
 GRID = tuple(10 ** (k / 4) for k in range(-12, 13))
@@ -466,7 +469,8 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
                 f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name},"
                 f" which the reference computes inside {call.name}; built with {text} it makes"
                 f" {port_call.name} match the reference (replayed on the reference's inputs: max_abs"
-                f" {format_number(before)} -> {format_number(after.max_abs)}, {trials} constructor settings tried)",
+                f" {format_number(before)} -> {format_number(after.max_abs)}, {trials} constructor settings"
+                " tried)",
                 {
                     "module": record.module,
                     "module_type": record.type,

@@ -112,7 +112,8 @@ def op_divergence(
         return compare_tensors(a, b.to(a.dtype), atol=atol, rtol=rtol, diagnose=False).passed
 
     def swapped(a: Any, b: Any) -> bool:
-        """B is A with the halves of its last dim swapped: a converted shift/scale layout, not a difference."""
+        """B is A with the halves of its last dim swapped: a converted shift/scale layout, not a
+        difference."""
         if not (a.is_floating_point() and b.is_floating_point()) or a.dim() == 0 or a.shape[-1] % 2:
             return False
         first, second = a.chunk(2, dim=-1)

@@ -9,7 +9,8 @@ from typing import Any, Literal
 from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
 from paritykit.bisection.align import Alignment, Confidence
 
-# how one aligned call was tested: replayed on the reference's inputs, judged from both sides' captured inputs and
+# how one aligned call was tested: replayed on the reference's inputs, judged from both sides' captured inputs
+# and
 # outputs (an error jump), or from the final output alone
 TestKind = Literal["replay", "jump", "output"]
 Status = Literal["pass", "fail", "untestable"]
@@ -147,9 +148,11 @@ class BisectReport:
     # with all_culprits: the final output once every culprit is replaced by the reference's behaviour
     output_after: Any = None
     all_note: str = ""
-    # commands to run next when the culprit is a block the traces did not look inside (paritykit.bisection.zoom)
+    # commands to run next when the culprit is a block the traces did not look inside
+    # (paritykit.bisection.zoom)
     next_steps: list[str] = field(default_factory=list)
-    # settings that differ between aligned modules, over the whole models (paritykit.bisection.evidence.settings.config_differences)
+    # settings that differ between aligned modules, over the whole models
+    # (paritykit.bisection.evidence.settings.config_differences)
     config_differences: list[Any] = field(default_factory=list)
 
     @property

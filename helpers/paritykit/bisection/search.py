@@ -1,6 +1,7 @@
 r"""Name the module where a port parts from its reference, and say why.
 
-Both models run once under :func:`paritykit.tracing.trace.capture`; :func:`paritykit.bisection.align.align_modules` pairs their
+Both models run once under :func:`paritykit.tracing.trace.capture`;
+:func:`paritykit.bisection.align.align_modules` pairs their
 modules. Then, from the top level down, every aligned module is tested:
 
 * **replay** (primary): the reference module's captured inputs are fed to the aligned port module *and* to the
@@ -266,13 +267,16 @@ def bisect(
             ``culprits`` lists every independent one in execution order.
         repair: at each culprit, search the small edits of the port that make it match the reference and
             report the verified ones (``fix (verified)``); ``False`` is ``--no-repair``.
-        catalogue: run the catalogue's detectors at each culprit (``False`` only to measure the repair search).
+        catalogue: run the catalogue's detectors at each culprit (``False`` only to measure the repair
+            search).
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
-            (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or its
+            (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or
+            its
             weights are offloaded by accelerate.
 
     Returns:
-        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and ``culprits``),
+        A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and
+        ``culprits``),
         ``first_output_divergence``,
         the alignment, every module tested, ``exit_code``.
     """

@@ -97,9 +97,11 @@ class Searcher:
         self.why_not_replayed: dict[str, str] = {}
         # what the tests found out, written by replay() and jump() only
         self.replays: dict[str, Replayed] = {}
-        # replays that fed some port inputs from the port's own capture (no reference counterpart): their paths
+        # replays that fed some port inputs from the port's own capture (no reference counterpart): their
+        # paths
         self.own_inputs: dict[str, list[str]] = {}
-        # calls whose leaves are compared up to a dim permutation (the two sides lay a tensor out differently):
+        # calls whose leaves are compared up to a dim permutation (the two sides lay a tensor out
+        # differently):
         # the dim order applied to each port leaf, by path
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
@@ -152,7 +154,8 @@ class Searcher:
         return paired.worst if paired is not None else None
 
     def pair_call_inputs(self, ref_record: Record, port_record: Record) -> InputPairing | None:
-        """How the reference call's input leaves feed the port call's: by path, order or shape, then up to a dim
+        """How the reference call's input leaves feed the port call's: by path, order or shape, then up to a
+        dim
         permutation, then with port inputs the reference has no counterpart for (rotary cos/sin passed as
         ``image_rotary_emb``) kept from the port's own capture. ``None`` when they cannot be paired."""
         if not ref_record.replayable or not port_record.replayable:
@@ -182,7 +185,8 @@ class Searcher:
         device: Any = None,
         replace: dict[str, Any] | None = None,
     ) -> tuple[tuple, dict] | None:
-        """The port call's own arguments with the reference's tensors put in place of its tensors (copies, so an
+        """The port call's own arguments with the reference's tensors put in place of its tensors (copies, so
+        an
         in-place op in the port module cannot change the trace); the port's extra inputs stay its own, or
         ``replace[path]`` where given. ``None`` when the inputs cannot be paired."""
         from paritykit.tracing.trace import unpack_call
@@ -252,8 +256,11 @@ class Searcher:
         return ref_out, port_out
 
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
-        r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept, so
-        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be replayed."""
+        r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept,
+        so
+        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
+        replayed.
+        """
         kept = self.replays.get(ref_record.name)
         if kept is None and port_record is not None:
             outcome = self.run_replay(ref_record, port_record)
@@ -268,7 +275,8 @@ class Searcher:
 
     def replay(self, ref_record: Record, port_record: Record) -> ModuleTest | None:
         """Test a call by replaying the port module on the reference's inputs; records the layouts, the port's
-        own inputs and (for a failing call) the outputs; ``None`` (with the reason kept) when it cannot run."""
+        own inputs and (for a failing call) the outputs; ``None`` (with the reason kept) when it cannot run.
+        """
         pairing = self.pair_call_inputs(ref_record, port_record)
         own = [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
         if own and port_record.module in self.port_modules:
@@ -290,7 +298,8 @@ class Searcher:
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
             self.replays[ref_record.name] = (ref_out, in_layout(port_out, orders))
         own_note = (
-            f"port inputs the reference has no counterpart for taken from the port's own run: {', '.join(own)}"
+            "port inputs the reference has no counterpart for taken from the port's own run:"
+            f" {', '.join(own)}"
             if own
             else ""
         )
@@ -358,7 +367,10 @@ class Searcher:
         if in_pass:
             return "fail", "inputs agree within tolerance, outputs do not", errors
         if in_err == 0 or out_err / in_err > self.ratio:
-            why = f"output error {format_number(out_err)} > {self.ratio:g} x input error {format_number(in_err)}"
+            why = (
+                f"output error {format_number(out_err)} > {self.ratio:g} x input error"
+                f" {format_number(in_err)}"
+            )
             return "fail", why, errors
         return "pass", "error inherited from the inputs", errors
 
@@ -372,7 +384,8 @@ class Searcher:
 
     # search ----------------------------------------------------------------------------------------
     def descend(self, record: Record) -> tuple[Record, int]:
-        """Deepest failing call under a failing ``record``; returns (call, number of aligned children passed)."""
+        """Deepest failing call under a failing ``record``; returns (call, number of aligned children
+        passed)."""
         found, passed = self._failing_below(record)
         return found if found is not None else (record, passed)
 
@@ -400,7 +413,8 @@ class Searcher:
         return False
 
     def outputs_disagree(self, record: Record) -> bool:
-        """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two sides."""
+        """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two
+        sides."""
         port_record = self.port_record(record)
         if port_record is None:
             return False
@@ -424,7 +438,8 @@ class Searcher:
 
     def masked_call(self) -> tuple[Record, int] | None:
         """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
-        shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is a
+        shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is
+        a
         candidate, deepest first; the first that also fails on identical inputs is the culprit."""
         for record in self.differing_calls():
             if self.test(record).status == "fail":

@@ -1,14 +1,18 @@
-r"""The culprit search: two strategies behind one interface, and the one function that turns either into a report.
+r"""The culprit search: two strategies behind one interface, and the one function that turns either into a
+report.
 
-A strategy decides what is captured at a time and in which order aligned calls are tested; the tests themselves
-are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two strategies exist:
+A strategy decides what is captured at a time and in which order aligned calls are tested; the tests
+themselves
+are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two strategies
+exist:
 
 * :class:`FullSearch` (``--levels full``): every module captured at once on each side, one searcher;
 * :class:`paritykit.bisection.zoom.ZoomSearch` (``--levels zoom``): one level of blocks captured at a time, a
   searcher per level, a block entered (re-run alone from its captured inputs) only when the search needs to
   look inside it. Peak memory is one level's instead of every module's.
 
-:func:`run_search` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the verdict,
+:func:`run_search` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the
+verdict,
 the culprit finding and the first output divergence are one piece of code whichever strategy found them.
 """
 
@@ -82,7 +86,8 @@ class SearchStrategy(Protocol):
         ...
 
     def masked(self) -> Located | None:
-        """For a matching output: the first call failing on identical inputs among those whose captured outputs
+        """For a matching output: the first call failing on identical inputs among those whose captured
+        outputs
         differ (its error shrunk by what follows), or ``None``."""
         ...
 
@@ -105,7 +110,8 @@ class SearchStrategy(Protocol):
 
 
 class FullSearch:
-    r"""Both models captured whole: one :class:`~paritykit.bisection.searcher.Searcher` over the two traces."""
+    r"""Both models captured whole: one :class:`~paritykit.bisection.searcher.Searcher` over the two
+    traces."""
 
     def __init__(self, searcher: Searcher):
         self.searcher = searcher
@@ -173,7 +179,8 @@ def run_search(
     allow_masked: bool = False,
     repair: RepairOptions | None = None,
 ) -> BisectReport:
-    r"""Run ``strategy`` and report: ``diverge`` with the culprit when the final outputs differ, ``masked`` when
+    r"""Run ``strategy`` and report: ``diverge`` with the culprit when the final outputs differ, ``masked``
+    when
     they match but an aligned module fails on identical inputs, else ``match``.
 
     Args:

@@ -5,7 +5,8 @@ is tens of gigabytes. The zoom keeps one level at a time:
 
 1. both models run once, capturing only the top-level blocks (the children of the root; the items of a
    ``ModuleList``/``ModuleDict`` count as blocks themselves, since a list is never called);
-2. the usual tests (:class:`~paritykit.bisection.searcher.Searcher`: replay, else error jump) run on those blocks and the
+2. the usual tests (:class:`~paritykit.bisection.searcher.Searcher`: replay, else error jump) run on those
+   blocks and the
    first aligned block that fails is taken;
 3. that block alone is run again on each side from the inputs its level captured (the reference block on the
    reference's captured inputs, the port block on the port's own captured inputs, exactly what a full capture
@@ -13,7 +14,8 @@ is tens of gigabytes. The zoom keeps one level at a time:
 
 It stops at a block with no children, or at a block whose children all pass (``inline``). Peak memory is the
 outputs of one level plus the tensors of the one block being entered. The result is an ordinary
-:class:`~paritykit.bisection.results.BisectReport`; its ``first_output_divergence`` is looked for among the top-level
+:class:`~paritykit.bisection.results.BisectReport`; its ``first_output_divergence`` is looked for among the
+top-level
 blocks only, and ``tested`` lists what was tested on the way down.
 """
 
@@ -74,7 +76,8 @@ def level_children(model: Any, name: str = "") -> list[str]:
 
 
 def level_patterns(model: Any, name: str = "") -> list[str]:
-    r"""What :func:`paritykit.tracing.trace.capture` must hook to record block ``name`` and its level children (exact
+    r"""What :func:`paritykit.tracing.trace.capture` must hook to record block ``name`` and its level children
+    (exact
     names, with glob characters escaped)."""
     import glob
 
@@ -333,7 +336,8 @@ def zoom_bisect(
     repair: bool = True,
     catalogue: bool = True,
 ) -> Any:
-    r""":func:`paritykit.bisect` by levels: same tests, same :class:`~paritykit.bisection.results.BisectReport`,
+    r""":func:`paritykit.bisect` by levels: same tests, same
+    :class:`~paritykit.bisection.results.BisectReport`,
     peak memory of one level instead of every module.
 
     Args:
@@ -348,7 +352,8 @@ def zoom_bisect(
             ``MAX_MASKED_CHECKS`` calls tested), where a full capture checks every differing call.
 
     Returns:
-        A :class:`~paritykit.bisection.results.BisectReport`; its environment records ``levels: zoom`` and the blocks
+        A :class:`~paritykit.bisection.results.BisectReport`; its environment records ``levels: zoom`` and the
+        blocks
         entered.
     """
     ref_trace = capture_level(reference, *ref_inputs, run=run)
@@ -367,7 +372,8 @@ FINGERPRINTS_FILE = "weights.json"
 
 def trace_patterns(model: Any, levels: str = "full", inside: str | None = None) -> list[str] | None:
     r"""What ``paritykit trace`` hooks: everything (``full``), the top level and its blocks (``blocks``), or
-    with ``inside=BLOCK`` the top level, that block and one level inside it (the blocks' outputs only are kept,
+    with ``inside=BLOCK`` the top level, that block and one level inside it (the blocks' outputs only are
+    kept,
     whatever the model's size)."""
     if levels not in TRACE_LEVELS:
         raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(TRACE_LEVELS)}")
@@ -401,7 +407,8 @@ def trace_about(
 
 
 def write_fingerprints(model: Any, directory: Any) -> None:
-    """``weights.json``: shape, dtype and sums of every weight (:func:`paritykit.tracing.machines.weight_fingerprints`)."""
+    """``weights.json``: shape, dtype and sums of every weight
+    (:func:`paritykit.tracing.machines.weight_fingerprints`)."""
     import json
     from pathlib import Path
 

@@ -80,7 +80,8 @@ class LazyGroup(click.Group):
         except click.exceptions.Abort:
             _fail("aborted", as_json, 1)
         except _NO_ARGS_IS_HELP as exc:
-            # a group run without its sub-command (`paritykit`, `paritykit weights`): show its help, as click 8.1
+            # a group run without its sub-command (`paritykit`, `paritykit weights`): show its help, as click
+            # 8.1
             # and `paritykit new` do, instead of squeezing the whole help text into one error line
             click.echo(exc.ctx.get_help())
             sys.exit(0)

@@ -114,7 +114,8 @@ def component_test(name: str, out_dir: str, force: bool, **options) -> None:
 @out_option
 @force_option
 def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None, modular: bool) -> None:
-    """A DiffusionPipeline subclass with maybe_checkpoint at text_encoding, preloop, after_step_{i}, post_loop.
+    """A DiffusionPipeline subclass with maybe_checkpoint at text_encoding, preloop, after_step_{i},
+    post_loop.
 
     NAME is a CamelCase model name: the class is NAMEPipeline (NAME as is if it ends in Pipeline), the file
     pipeline_<name in snake_case>.py.

@@ -1,4 +1,5 @@
-"""`paritykit schedule`: compare two sampling schedules, or fit a diffusers scheduler config to a reference."""
+"""`paritykit schedule`: compare two sampling schedules, or fit a diffusers scheduler config to a
+reference."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def schedule(
 
 
 def _recordings(ref: str) -> str | dict[int, str]:
-    r"""``SIZE=PATH,SIZE=PATH`` (a reference recorded at several image sizes) as ``{size: path}``; any other REF,
+    r"""``SIZE=PATH,SIZE=PATH`` (a reference recorded at several image sizes) as ``{size: path}``; any other
+    REF,
     or an existing path that merely looks like one, as given."""
     from pathlib import Path
 

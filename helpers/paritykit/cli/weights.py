@@ -1,6 +1,7 @@
 """``paritykit weights diff|map``: checkpoint forensics.
 
-``diff`` lives here; ``map`` (conversion inference) lives in :mod:`paritykit.cli.weights_map`. Each sub-command is
+``diff`` lives here; ``map`` (conversion inference) lives in :mod:`paritykit.cli.weights_map`. Each
+sub-command is
 imported only when it runs, so ``weights diff --keys-only`` never pays for what ``map`` imports.
 """
 
@@ -76,13 +77,15 @@ def weights() -> None:
 @json_option
 @limit_option
 def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -> None:
-    """Diff checkpoints A and B: .safetensors, sharded index, model/pipeline folder, or a pickled .ckpt/.pt/.bin.
+    """Diff checkpoints A and B: .safetensors, sharded index, model/pipeline folder, or a pickled
+    .ckpt/.pt/.bin.
 
     \b
     Values stream one tensor pair at a time (raw bytes first, then distances in chunks), so memory stays
     near a few chunk buffers whatever the size. Exit 0 identical, 1 differ, 2 bad input.
     Example (a text encoder saved under another prefix):
-      paritykit weights diff a.ckpt b.safetensors --map '^cond_stage_model\\.transformer\\.(?!text_model)=cond_stage_model.transformer.text_model.'
+      paritykit weights diff a.ckpt b.safetensors --map
+      '^cond_stage_model\\.transformer\\.(?!text_model)=cond_stage_model.transformer.text_model.'
     """
     from paritykit.base.naming import parse_map_options
     from paritykit.forensics.weights import plot_weights_diff, weights_diff

@@ -1,8 +1,10 @@
 r"""Tensor comparison and its diagnoses: one pair, named sets and checkpoint folders, nested model outputs,
 per-step error curves, images, and gradients.
 
-Modules: ``tolerances`` (per-dtype defaults), ``tensors`` (one pair), ``diagnose`` (what a difference looks like:
-a cast, a transpose, a scale, …), ``sets`` (many tensors, ``assert_parity``), ``steps`` (error over a denoising
+Modules: ``tolerances`` (per-dtype defaults), ``tensors`` (one pair), ``diagnose`` (what a difference looks
+like:
+a cast, a transpose, a scale, …), ``sets`` (many tensors, ``assert_parity``), ``steps`` (error over a
+denoising
 loop), ``images`` (side by side with a heatmap), ``gradients`` (backward passes).
 """
 

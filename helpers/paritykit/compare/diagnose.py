@@ -7,11 +7,13 @@ to them, so rename nothing.
 Ids, roughly in rank order:
 
 - ``nonfinite``: NaN/Inf on one side only (first position reported).
-- ``transpose`` / ``permute``: B is A with two axes swapped / its axes reordered (also across differing shapes).
+- ``transpose`` / ``permute``: B is A with two axes swapped / its axes reordered (also across differing
+  shapes).
 - ``swapped-halves``: B is A with the halves (or k chunks) along one dim reordered (shift/scale order).
 - ``zeroed``: one side is all zeros (a branch disabled or scaled by 0).
 - ``timestep-rounding``: differences only where values have a fractional part, one side rounded there.
-- ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or only one side lies on its grid.
+- ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or only one side lies on its
+  grid.
 - ``sign-flip``: magnitudes agree, signs differ (everywhere or on part of the tensor).
 - ``constant-scale``: B ≈ k·A (a scale knob differs; one knob may stand for two concepts).
 - ``offset``: B ≈ A + c.
@@ -90,7 +92,8 @@ def _norm(x: torch.Tensor) -> float:
 
 
 def unravel_index(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
-    r"""The index of element ``flat_index`` of a row-major tensor of ``shape`` (a size-0 dim gives 0 there)."""
+    r"""The index of element ``flat_index`` of a row-major tensor of ``shape`` (a size-0 dim gives 0
+    there)."""
     index = []
     for size in reversed(shape):
         index.append(flat_index % size if size else 0)
@@ -118,7 +121,8 @@ def _as_real(t: Any) -> torch.Tensor:
 
 
 def _gather(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    r"""Elements at row-major ``positions``, without the full-size copy ``reshape(-1)`` makes of a strided view."""
+    r"""Elements at row-major ``positions``, without the full-size copy ``reshape(-1)`` makes of a strided
+    view."""
     import torch
 
     if t.is_contiguous():
@@ -154,7 +158,8 @@ def _sample(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _block(shape: tuple[int, ...], max_elements: int) -> tuple[slice, ...]:
-    r"""Slices of a leading block of ``shape`` with at most ``max_elements`` elements (largest dims shrink first)."""
+    r"""Slices of a leading block of ``shape`` with at most ``max_elements`` elements (largest dims shrink
+    first)."""
     sizes = list(shape)
     while math.prod(sizes) > max_elements:
         i = max(range(len(sizes)), key=lambda k: sizes[k])
@@ -176,7 +181,8 @@ def _rel_gap(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _structural_match(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
-    r"""Whether ``t`` (a view of A shaped like B) matches B, checked on a tiny leading block, then a large one.
+    r"""Whether ``t`` (a view of A shaped like B) matches B, checked on a tiny leading block, then a large
+    one.
 
     On equal shapes the match must also *explain* the difference: ``t`` much closer to B than A itself.
     """
@@ -227,8 +233,8 @@ def detect_nonfinite(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
         )
     return Hint(
         "nonfinite",
-        f"{where} (first at index {index}: A={_metric(va)}, B={_metric(vb)}); look for an overflow (fp16 range), "
-        "a division by zero or a log/sqrt of a non-positive value on that side.",
+        f"{where} (first at index {index}: A={_metric(va)}, B={_metric(vb)}); look for an overflow (fp16"
+        " range), a division by zero or a log/sqrt of a non-positive value on that side.",
         {
             "a_only": counts["a_only"],
             "b_only": counts["b_only"],
@@ -254,8 +260,8 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     peak = max(float(c.abs().nan_to_num(0.0).max()) for _, c in _chunks(t))
     return Hint(
         "zeroed",
-        f"{side} is all zeros while {other} is not (max |{other}| = {_metric(peak)}): a branch is disabled or "
-        f"scaled by 0 on {side}'s side (a zero-initialised layer, a scale or mask set to 0).",
+        f"{side} is all zeros while {other} is not (max |{other}| = {_metric(peak)}): a branch is disabled or"
+        f" scaled by 0 on {side}'s side (a zero-initialised layer, a scale or mask set to 0).",
         {"zero_side": side.lower(), f"max_abs_{other.lower()}": peak},
         score=0.95,
     )
@@ -264,7 +270,8 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
 def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     r"""B is A with its axes reordered: ``transpose`` for one swapped pair, ``permute`` otherwise.
 
-    Works across differing shapes (``(B, S, H, D)`` vs ``(B, H, S, D)``) and on equal shapes (square matrices).
+    Works across differing shapes (``(B, S, H, D)`` vs ``(B, H, S, D)``) and on equal shapes (square
+    matrices).
     """
     if a.ndim != b.ndim or a.ndim < 2 or a.ndim > 6 or a.numel() != b.numel() or a.numel() == 0:
         return None
@@ -288,9 +295,8 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             )
         return Hint(
             "permute",
-            f"B equals A.permute{perm} (evidence: relative residual {_metric(gap)} after permuting): the axis "
-            "order differs between the sides (channels-last vs "
-            "channels-first, head/sequence layout).",
+            f"B equals A.permute{perm} (evidence: relative residual {_metric(gap)} after permuting): the axis"
+            " order differs between the sides (channels-last vs channels-first, head/sequence layout).",
             {"dims": list(perm), "shape_a": list(a.shape), "shape_b": list(b.shape), "residual": gap},
             score=0.97,
         )
@@ -396,7 +402,8 @@ def detect_sign_flip(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
 
 
 def _power_form(k: float) -> str | None:
-    r"""Express ``k`` as ``r^n`` with a two-decimal ``r`` and n in 2..4 (0.857375 → "0.95^3"), if it is one."""
+    r"""Express ``k`` as ``r^n`` with a two-decimal ``r`` and n in 2..4 (0.857375 → "0.95^3"), if it is
+    one."""
     if k <= 0:
         return None
     for n in (2, 3, 4):
@@ -439,7 +446,8 @@ def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
 def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> Hint | None:
     r"""B ≈ A + c with one constant c: a bias or shift term differs (a missing or extra ``1 +``).
 
-    On a timestep or sigma list (``name`` says so, or the values are a non-negative monotone sequence) the hint
+    On a timestep or sigma list (``name`` says so, or the values are a non-negative monotone sequence) the
+    hint
     names the scheduler keys that shift a schedule, and ``paritykit schedule`` to confirm.
     """
     diff = y - x
@@ -571,7 +579,8 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
         if not bool((dst == torch.round(dst)).all()) or bool((src == torch.round(src)).any()):
             continue
         if bool((dst == 0).all()):
-            continue  # only small values sent to 0: a zeroed side explains it as well, so rounding is not claimed
+            # only small values sent to 0: a zeroed side explains it as well, so rounding is not claimed
+            continue
         for mode, fn in (
             ("round", torch.round),
             ("floor", torch.floor),
@@ -584,12 +593,12 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
                 other = "A" if side == "B" else "B"
                 return Hint(
                     "timestep-rounding",
-                    f"A and B differ only at the {_count(n, 'value')} with a fractional part, "
-                    f"where {side} = {mode}({other}) "
-                    f"(e.g. A={_metric(float(x[i]))}, B={_metric(float(y[i]))}): one side rounds or casts to int "
-                    "(timesteps as int64 vs float).",
+                    f"A and B differ only at the {_count(n, 'value')} with a fractional part, where {side} ="
+                    f" {mode}({other}) (e.g. A={_metric(float(x[i]))}, B={_metric(float(y[i]))}): one side"
+                    " rounds or casts to int (timesteps as int64 vs float).",
                     {"mode": mode, "rounded_side": side.lower(), "count": n, "share": share},
-                    score=0.945,  # above an exact cast: integer-valued B on a tiny tensor can also be a bf16 rounding
+                    # above an exact cast: integer-valued B on a tiny tensor can also be a bf16 rounding
+                    score=0.945,
                 )
     return None
 

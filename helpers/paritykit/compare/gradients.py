@@ -25,7 +25,8 @@ HINTED_FAILURES = 5
 
 #: ``alignment`` may be None (same names), a {reference name: port name} mapping, [(regex, repl), …] rules
 #: applied to reference names, a callable converting a reference state dict into the port's naming, or a
-#: ``paritykit.forensics.conversion.results.ConversionMap`` (a ``paritykit.bisection.align.Alignment`` is accepted too).
+#: ``paritykit.forensics.conversion.results.ConversionMap`` (a ``paritykit.bisection.align.Alignment`` is
+# accepted too).
 ParameterAlignment = (
     None | Mapping[str, str] | Sequence[tuple[str, str]] | Callable[[dict[str, Any]], dict[str, Any]]
 )
@@ -66,7 +67,8 @@ class GradientPair:
 class GradientComparison:
     r"""Gradients of one training step on the reference and on the port, per aligned parameter.
 
-    ``exit_code`` is 0 when the losses and every aligned gradient match, else 1. A parameter left unaligned counts
+    ``exit_code`` is 0 when the losses and every aligned gradient match, else 1. A parameter left unaligned
+    counts
     against the verdict only if it received a non-zero gradient (an unused parameter is harmless).
     """
 
@@ -306,10 +308,12 @@ def compare_gradients(
     r"""Run one forward + backward on each model and compare the parameter gradients per aligned parameter.
 
     Args:
-        reference: the reference ``torch.nn.Module`` (its train/eval mode is used as is: call ``.eval()`` to turn
+        reference: the reference ``torch.nn.Module`` (its train/eval mode is used as is: call ``.eval()`` to
+            turn
             dropout off, or rely on the shared seed when both sides draw the same random numbers).
         port: the port's module.
-        inputs: what both models are called with — a kwargs dict, ``(args, kwargs)``, a tuple/list of positional
+        inputs: what both models are called with — a kwargs dict, ``(args, kwargs)``, a tuple/list of
+            positional
             arguments, or a single positional value. Each side gets its own copy.
         loss_fn: ``loss_fn(output) -> scalar tensor``, e.g. ``lambda out: F.mse_loss(out.sample, target)``.
         alignment: how reference parameters correspond to port parameters:
@@ -320,16 +324,20 @@ def compare_gradients(
               spelling of :mod:`paritykit.base.naming`);
             * a callable ``convert(state_dict) -> state_dict`` — the weight conversion (e.g. the module
               ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients* — or the
-              :class:`paritykit.forensics.conversion.results.ConversionMap` that ``infer_conversion_map`` returned. Valid for
+              :class:`paritykit.forensics.conversion.results.ConversionMap` that ``infer_conversion_map``
+              returned. Valid for
               conversions that only rename, split, concatenate, transpose, permute, reshape or cast (all that
-              ``weights map`` infers); a conversion that scales values would need the inverse scale on gradients;
-            * a :class:`paritykit.bisection.align.Alignment` from ``align_modules(reference, port)`` — each one-to-one
+              ``weights map`` infers); a conversion that scales values would need the inverse scale on
+              gradients;
+            * a :class:`paritykit.bisection.align.Alignment` from ``align_modules(reference, port)`` — each
+              one-to-one
               module pair's own parameters are paired by local name (``weight`` ↔ ``weight``); parameters of
               fused ↔ split groups stay unaligned (use the ConversionMap form for those).
 
             Except with an explicit mapping, a parameter left without a partner fails the check when it
             received a non-zero gradient.
-        port_inputs: the port's own inputs when its signature differs: a value in any ``inputs`` form, or a callable
+        port_inputs: the port's own inputs when its signature differs: a value in any ``inputs`` form, or a
+            callable
             ``(args, kwargs) -> inputs`` adapting the reference's.
         port_loss_fn: the port's loss when its output differs in type (default: ``loss_fn``).
         atol, rtol: tolerance per gradient (default: from the dtypes, see :func:`paritykit.compare_tensors`).

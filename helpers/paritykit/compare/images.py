@@ -1,7 +1,8 @@
 r"""Side-by-side images and videos of two runs: an amplified difference heatmap, PSNR and the largest pixel
 difference per frame.
 
-numpy, Pillow and matplotlib are imported inside the functions that need them, so importing this module is cheap.
+numpy, Pillow and matplotlib are imported inside the functions that need them, so importing this module is
+cheap.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".t
 _CHANNELS = (1, 3, 4)
 
 
-# ================================================================================================================
+# ============================================================================================================
 # images and videos
-# ================================================================================================================
+# ============================================================================================================
 @dataclass
 class FrameStats:
     r"""PSNR and pixel differences of one image or video frame (pixels scaled to [0, 1])."""
@@ -53,7 +54,8 @@ class FrameStats:
 class ImageComparison:
     r"""Reference vs port images (or videos): PSNR, max pixel difference, and a side-by-side figure.
 
-    Pixels are compared in [0, 1] after each side's value range is detected (``range_a``/``range_b``). For videos
+    Pixels are compared in [0, 1] after each side's value range is detected (``range_a``/``range_b``). For
+    videos
     (and batches) every frame is measured; the verdict uses the *worst* frame. ``exit_code`` is 0 when every
     frame's PSNR is at least ``psnr_min`` dB, else 1 (also for different shapes).
     """
@@ -407,12 +409,14 @@ def compare_images(
 
     Args:
         a: the reference — a PIL image, a numpy array, a torch tensor, a list of frames, or a path to an image
-            file (``.png``, ``.jpg``, …; animated GIFs are videos) or a tensor file (``.pt``, ``.safetensors``,
+            file (``.png``, ``.jpg``, …; animated GIFs are videos) or a tensor file (``.pt``,
+            ``.safetensors``,
             ``.npy``, …). Arrays may be H×W, H×W×C, C×H×W (torch), F×H×W×C or F×C×H×W (videos, batches), or
             1×… with a leading batch of one.
         b: the port's image, in any of the same forms.
         psnr_min: the pass threshold in dB, applied to the worst frame.
-        out: if given, write reference | port | amplified diff heatmap there (PNG; for videos one row per chosen
+        out: if given, write reference | port | amplified diff heatmap there (PNG; for videos one row per
+            chosen
             frame: worst, first, last).
         value_range: ``"auto"`` (uint8 -> 0..255; floats: [-1, 1] when any value is negative, else [0, 1], or
             [0, 255] above 1.1; when one side reads as [-1, 1] and the other as [0, 1] but reading both as
@@ -420,7 +424,8 @@ def compare_images(
             ``range_note`` says so), or ``"0..1"``, ``"-1..1"``, ``"0..255"``; a pair sets each side.
 
     Returns:
-        An :class:`ImageComparison`; ``exit_code`` 0 at or above ``psnr_min``, 1 below it or on a shape mismatch.
+        An :class:`ImageComparison`; ``exit_code`` 0 at or above ``psnr_min``, 1 below it or on a shape
+        mismatch.
     """
     import numpy as np
 

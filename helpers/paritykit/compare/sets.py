@@ -1,4 +1,5 @@
-r"""Comparing many tensors at once: named sets, checkpoint folders, nested model outputs (``assert_parity``)."""
+r"""Comparing many tensors at once: named sets, checkpoint folders, nested model outputs
+(``assert_parity``)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ class SetComparison:
 
 
 class OutputComparison(SetComparison):
-    r"""Two nested outputs compared leaf by leaf; pair names are paths such as ``sample`` or ``[0].hidden[2]``."""
+    r"""Two nested outputs compared leaf by leaf; pair names are paths such as ``sample`` or
+    ``[0].hidden[2]``."""
 
 
 def _batch_alignment(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str] | None:
@@ -153,9 +155,11 @@ def compare_tensor_sets(
     r"""Compare two sets of named tensors: what ``paritykit compare`` prints.
 
     Args:
-        a, b: name -> tensor, in order (A's order orders the report; checkpoint folders load in execution order).
+        a, b: name -> tensor, in order (A's order orders the report; checkpoint folders load in execution
+        order).
         atol, rtol: tolerances for every pair (default: per dtype pair).
-        rules: ``(regex, replacement)`` renaming rules applied to A's names (see :mod:`paritykit.base.naming`).
+        rules: ``(regex, replacement)`` renaming rules applied to A's names (see
+            :mod:`paritykit.base.naming`).
         broadcast: align shapes that differ only by a repeated batch dimension by tiling the smaller side.
         only: a glob (``fnmatch``) on the (renamed) names; other tensors are left out.
         diagnose: attach hints to failing pairs.
@@ -295,7 +299,8 @@ def _join(path: str, key: str) -> str:
 
 
 def _flatten(value: Any, path: str, out: dict[str, Any]) -> None:
-    r"""Leaves of nested outputs by path: mappings (incl. diffusers ``BaseOutput``), dataclasses, sequences."""
+    r"""Leaves of nested outputs by path: mappings (incl. diffusers ``BaseOutput``), dataclasses,
+    sequences."""
     if _is_tensor_like(value):
         out[path] = value
     elif isinstance(value, Mapping):

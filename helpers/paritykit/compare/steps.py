@@ -4,12 +4,16 @@ A question a port meets after its components pass (the other, "does the output l
 :mod:`paritykit.compare.images`):
 
 * **How does the error evolve over the denoising loop?** :func:`step_curve` reads the ``after_step_{i}``
-  checkpoints that :func:`paritykit.save_checkpoints` wrote for each side, measures every step, and classifies the
-  growth as ``bounded``, ``polynomial`` (with its exponent) or ``exponential``. Given the scheduler's sigmas it also shows the
-  ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which turns a tiny early difference
+  checkpoints that :func:`paritykit.save_checkpoints` wrote for each side, measures every step, and classifies
+  the
+  growth as ``bounded``, ``polynomial`` (with its exponent) or ``exponential``. Given the scheduler's sigmas
+  it also shows the
+  ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which turns a tiny early
+  difference
   into a large late one.
 
-torch, numpy and matplotlib are imported inside the functions that need them, so importing this module is cheap.
+torch, numpy and matplotlib are imported inside the functions that need them, so importing this module is
+cheap.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.files import check_sides, refuse_overwriting_an_input, same_path_warning, save_figure
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
-# --- growth classification thresholds (quoted by `paritykit steps --help`) -------------------------------------
+# --- growth classification thresholds (quoted by `paritykit steps --help`)
+# -------------------------------------
 #: bounded when the fitted error grows less than this factor from the first to the last step ...
 BOUNDED_MAX_GROWTH = 2.0
 #: ... or when, over the last half of the steps, it grows less than this factor (the error has levelled off).
@@ -51,9 +56,9 @@ _STEP_NAME = re.compile(r"^(?:after_)?step_(\d+)$")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
 
 
-# ================================================================================================================
+# ============================================================================================================
 # growth classification
-# ================================================================================================================
+# ============================================================================================================
 @dataclass
 class GrowthFit:
     r"""How an error series grows with the step, from least-squares fits of ``log(error)``.
@@ -115,12 +120,15 @@ def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, f
 
 
 def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None = None) -> GrowthFit:
-    r"""Classify how a per-step error series grows: ``bounded``, ``polynomial`` (with its exponent) or ``exponential``.
+    r"""Classify how a per-step error series grows: ``bounded``, ``polynomial`` (with its exponent) or
+    ``exponential``.
 
-    Fits ``log(error)`` against the step (exponential model) and against ``log(step + 1)`` (power law), using the
+    Fits ``log(error)`` against the step (exponential model) and against ``log(step + 1)`` (power law), using
+    the
     steps whose error is finite and non-zero.
 
-    * ``bounded``: the exponential fit grows less than :data:`BOUNDED_MAX_GROWTH` (2×) from first to last step,
+    * ``bounded``: the exponential fit grows less than :data:`BOUNDED_MAX_GROWTH` (2×) from first to last
+      step,
       or less than :data:`BOUNDED_MAX_LATE_GROWTH` (1.25×) over the last half of the steps (it levelled off).
       A shrinking error is bounded; so is an all-zero series.
     * ``exponential``: per-step factor ≥ :data:`EXPONENTIAL_MIN_FACTOR` (1.1×), R² ≥
@@ -180,9 +188,9 @@ def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None 
     return fit
 
 
-# ================================================================================================================
+# ============================================================================================================
 # step curves
-# ================================================================================================================
+# ============================================================================================================
 @dataclass
 class StepPoint:
     r"""Error between the two runs after one denoising step."""
@@ -352,7 +360,8 @@ class StepCurve:
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> Path:
-        r"""Write the curve as a PNG (log y): max_abs and mean_abs per step, ``max_abs·σ`` and ``1/σ`` with sigmas."""
+        r"""Write the curve as a PNG (log y): max_abs and mean_abs per step, ``max_abs·σ`` and ``1/σ`` with
+        sigmas."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -463,7 +472,8 @@ def _load_step_tensor(path: Path, key: str):
 
 
 def load_sigmas(source: Any) -> list[float]:
-    r"""Read a sigma schedule: a list/array/tensor, or a file (``.json`` list or ``{"sigmas": [...]}``, ``.txt``/
+    r"""Read a sigma schedule: a list/array/tensor, or a file (``.json`` list or ``{"sigmas": [...]}``,
+    ``.txt``/
     ``.csv`` numbers, ``.npy``, or a tensor file holding one tensor or one named ``sigmas``)."""
     label = str(source)
     if isinstance(source, (str, Path)):
@@ -527,22 +537,29 @@ def step_curve(
 ) -> StepCurve:
     r"""Measure two denoising runs step by step from their ``after_step_{i}`` checkpoints.
 
-    Each folder is what :func:`paritykit.save_checkpoints` wrote (one ``after_step_{i}.safetensors`` per step); the
+    Each folder is what :func:`paritykit.save_checkpoints` wrote (one ``after_step_{i}.safetensors`` per
+    step); the
     tensor ``key`` is compared at every step present on both sides, one step in memory at a time.
 
     Args:
         a_dir: the reference run's checkpoint folder.
         b_dir: the port's checkpoint folder.
         key: which tensor of each checkpoint to compare (default ``latents``).
-        sigmas: the noise level of each step — a list/array/tensor or a ``.json``/``.txt``/``.npy``/tensor file;
-            step ``i`` uses ``sigmas[i]`` (the σ the model ran at in that step; a trailing extra entry, e.g. the
-            final 0 of ``scheduler.sigmas``, is ignored). Adds ``1/σ`` and ``max_abs·σ`` columns and the growth
-            of the σ-scaled error: if that is bounded, the growth is ``1/σ`` amplification of an early difference.
-        atol, rtol: tolerance for the per-step verdict (default: from the dtypes, as in ``paritykit compare``).
+        sigmas: the noise level of each step — a list/array/tensor or a ``.json``/``.txt``/``.npy``/tensor
+            file;
+            step ``i`` uses ``sigmas[i]`` (the σ the model ran at in that step; a trailing extra entry, e.g.
+            the
+            final 0 of ``scheduler.sigmas``, is ignored). Adds ``1/σ`` and ``max_abs·σ`` columns and the
+            growth
+            of the σ-scaled error: if that is bounded, the growth is ``1/σ`` amplification of an early
+            difference.
+        atol, rtol: tolerance for the per-step verdict (default: from the dtypes, as in ``paritykit
+        compare``).
         plot: if given, also write the PNG there.
 
     Returns:
-        A :class:`StepCurve`: ``exit_code`` 0 when the last step is within tolerance, else 1. The growth class and
+        A :class:`StepCurve`: ``exit_code`` 0 when the last step is within tolerance, else 1. The growth class
+        and
         its thresholds are described by :func:`classify_growth`.
     """
     check_sides(a_dir, b_dir)

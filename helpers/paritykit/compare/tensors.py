@@ -1,9 +1,11 @@
-r"""Tensor comparison of one pair, with its diagnoses (sets and nested outputs: :mod:`paritykit.compare.sets`).
+r"""Tensor comparison of one pair, with its diagnoses (sets and nested outputs:
+:mod:`paritykit.compare.sets`).
 
 A and B are always "reference" and "port": relative error is measured against B as in
 ``torch.testing.assert_close`` (``|a - b| <= atol + rtol * |b|``), and ``--map`` rules rename A's names.
 
-Every result is a dataclass with ``to_dict()`` (for ``--json``), ``render()`` (for a person) and ``exit_code``;
+Every result is a dataclass with ``to_dict()`` (for ``--json``), ``render()`` (for a person) and
+``exit_code``;
 both faces read the same fields, so they cannot disagree.
 
 Big tensors are walked in chunks of :data:`CHUNK` elements: arithmetic in float32 (float64 when an input is
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
 
 CHUNK = 1 << 18  # 1 MiB of float32: large enough to amortise dispatch, small enough to stay in cache
 HEAD = 5
-# The fp64-oracle rule of torch._dynamo.utils.same: RMSE(b, oracle) <= m * RMSE(a, oracle) + tol / 10, tol=1e-4.
+# The fp64-oracle rule of torch._dynamo.utils.same: RMSE(b, oracle) <= m * RMSE(a, oracle) + tol / 10,
+# tol=1e-4.
 ORACLE_SLACK = 1e-5
 
 
@@ -205,7 +208,8 @@ class TensorComparison:
         return out
 
     def table_row(self) -> list[str]:
-        r"""The one-line face used by set tables: name, status, max_abs, mean_abs, cosine, mismatch %, heads."""
+        r"""The one-line face used by set tables: name, status, max_abs, mean_abs, cosine, mismatch %,
+        heads."""
         status = {"pass": "pass", "fail": "FAIL", "shape_mismatch": "SHAPE"}[self.status]
         if self.passed_by_oracle:
             status = "pass*"
@@ -222,7 +226,8 @@ class TensorComparison:
         ]
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        r"""A multi-line report of this pair (what ``assert_parity`` raises and ``paritykit compare`` ends with)."""
+        r"""A multi-line report of this pair (what ``assert_parity`` raises and ``paritykit compare`` ends
+        with)."""
         label = {"pass": "PASS", "fail": "FAIL", "shape_mismatch": "SHAPE MISMATCH"}[self.status]
         title = self.name
         if self.name_a or self.name_b:
@@ -299,7 +304,8 @@ def as_tensor(value: Any, label: str) -> torch.Tensor:
 
 
 def _work_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    r"""float32 arithmetic unless float32 would lose information (float64, wide integers), complex if needed."""
+    r"""float32 arithmetic unless float32 would lose information (float64, wide integers), complex if
+    needed."""
     import torch
 
     def needs_64(dt: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""Convert the research checkpoint to the port's layout: renamed prefixes, a fused qkv split, shift/scale swap."""
+"""Convert the research checkpoint to the port's layout: renamed prefixes, a fused qkv split, shift/scale
+swap."""
 
 from __future__ import annotations
 

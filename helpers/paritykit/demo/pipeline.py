@@ -9,9 +9,11 @@ from paritykit.tracing.checkpoints import maybe_checkpoint, seeded_noise
 
 
 class TinyControlPipeline(DiffusionPipeline):
-    r"""Denoise from seeded noise under a control ``hint``; works with the reference or the port as ``denoiser``.
+    r"""Denoise from seeded noise under a control ``hint``; works with the reference or the port as
+    ``denoiser``.
 
-    Checkpoints: ``preloop`` (latents, hint, timesteps), ``after_step_{i}`` (latents), ``post_loop`` (latents).
+    Checkpoints: ``preloop`` (latents, hint, timesteps), ``after_step_{i}`` (latents), ``post_loop``
+    (latents).
     """
 
     def __init__(self, denoiser: torch.nn.Module, scheduler: FlowMatchEulerDiscreteScheduler):

@@ -70,7 +70,8 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
     Args:
         control_scale: strength of the connection from the control branch into the base branch.
         time_mixture: weight of the base branch's time embedding when mixing it with the control branch's.
-            As first ported the field did not exist and the mixer reused ``control_scale``; ``None`` keeps that
+            As first ported the field did not exist and the mixer reused ``control_scale``; ``None`` keeps
+            that
             behaviour, which is the bug ``paritykit demo`` hunts down.
     """
 

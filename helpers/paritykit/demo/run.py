@@ -13,7 +13,10 @@ from pathlib import Path
 
 import click
 
-SPEC_TEMPLATE = '''"""Bisect spec written by `paritykit demo` ({variant} port). Run: paritykit bisect {name}"""
+SPEC_TEMPLATE = '''"""Bisect spec written by `paritykit demo` ({variant} port).
+
+Run: paritykit bisect {name}
+"""
 
 from paritykit.demo.reference import build_reference  # noqa: F401
 from paritykit.demo.specs import build_port_model, make_inputs, select_output  # noqa: F401
@@ -100,7 +103,8 @@ def _record_written(out: Path, before: set[Path]) -> None:
 def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = click.echo) -> DemoResult:
     r"""Run the six steps, writing artefacts to ``out_dir``. Returns what was checked.
 
-    A folder from an earlier demo run is refreshed: the files that run wrote are replaced, anything a user added
+    A folder from an earlier demo run is refreshed: the files that run wrote are replaced, anything a user
+    added
     stays. Any other non-empty folder is refused.
     """
     out = Path(out_dir)

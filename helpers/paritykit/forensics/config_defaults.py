@@ -106,7 +106,8 @@ def config_class_names(config: Mapping[str, Any], override: str | None = None) -
 def flat_defaults(
     config: Mapping[str, Any], override: str | None = None, *, strict: bool = False
 ) -> dict[str, Any]:
-    r"""Class defaults for every part of ``config``, keyed by dotted path like :func:`paritykit.forensics.configs.flatten`.
+    r"""Class defaults for every part of ``config``, keyed by dotted path like
+    :func:`paritykit.forensics.configs.flatten`.
 
     Args:
         config: a loaded (nested) config.

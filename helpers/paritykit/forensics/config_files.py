@@ -25,9 +25,11 @@ def load_config(source: Any) -> dict[str, Any]:
     r"""Read a config from a path, a dict, or an object with a ``.config`` attribute.
 
     Args:
-        source: a JSON file, a YAML file (``.yaml``/``.yml``), a ``.safetensors`` file (its ``config`` metadata
+        source: a JSON file, a YAML file (``.yaml``/``.yml``), a ``.safetensors`` file (its ``config``
+            metadata
             entry when that holds a JSON object, else the whole metadata), a diffusers model folder
-            (``config.json``), a pipeline folder (``model_index.json``: each component becomes a nested dict), a
+            (``config.json``), a pipeline folder (``model_index.json``: each component becomes a nested dict),
+            a
             mapping, or a live model/pipeline whose ``.config`` is a mapping.
 
     Returns:

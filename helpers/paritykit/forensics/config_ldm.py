@@ -1,9 +1,12 @@
-r"""An original LDM-style YAML (``model.params.unet_config``, ``first_stage_config``) read as diffusers configs.
+r"""An original LDM-style YAML (``model.params.unet_config``, ``first_stage_config``) read as diffusers
+configs.
 
 The translation is diffusers' own: ``create_unet_diffusers_config_from_ldm`` and
 ``create_vae_diffusers_config_from_ldm`` from ``diffusers.loaders.single_file_utils``, the functions
-``from_single_file`` uses. paritykit adds only bookkeeping around them: which YAML keys they read (a key they never
-read has no diffusers counterpart and is reported as reference only, never compared) and a one-line error naming
+``from_single_file`` uses. paritykit adds only bookkeeping around them: which YAML keys they read (a key they
+never
+read has no diffusers counterpart and is reported as reference only, never compared) and a one-line error
+naming
 the key a helper needed and the YAML lacks.
 """
 
@@ -51,7 +54,8 @@ class LdmDerivation:
         read: dotted YAML paths the helpers (and the image size lookup) read.
         reference_only: YAML leaf keys nothing read: no diffusers counterpart, not compared.
         notes: what could not be derived, in words.
-        underived: the port's keys the YAML should decide but does not (``sample_size`` without an image size).
+        underived: the port's keys the YAML should decide but does not (``sample_size`` without an image
+            size).
         source: the YAML as loaded.
     """
 
@@ -64,7 +68,8 @@ class LdmDerivation:
     source: dict[str, Any] = field(default_factory=dict)
 
     def reference_only_summary(self, keys: list[str] | None = None) -> list[str]:
-        r"""``keys`` (default: all reference-only keys) with every wholly unread subtree folded into ``prefix.*``."""
+        r"""``keys`` (default: all reference-only keys) with every wholly unread subtree folded into
+        ``prefix.*``."""
         keys = self.reference_only if keys is None else keys
         summary: list[str] = []
         for key in keys:
@@ -109,7 +114,8 @@ def ldm_targets(
 
     A pipeline's components are matched by class (``UNet2DConditionModel``, ``AutoencoderKL``); a single model
     by ``class_name`` or its ``_class_name``, and without a class by its keys (``latent_channels`` without
-    ``cross_attention_dim`` is an autoencoder). Raises :class:`ParityKitError` when nothing fits: a wrong pairing
+    ``cross_attention_dim`` is an autoencoder). Raises :class:`ParityKitError` when nothing fits: a wrong
+    pairing
     would report every key as a difference.
     """
     components = {

@@ -1,8 +1,10 @@
 r"""Diff two model or pipeline configs key by key, whatever they are stored in.
 
-Sources: a ``config.json`` (or any JSON object file), a diffusers model folder, a pipeline folder (``model_index.json``
+Sources: a ``config.json`` (or any JSON object file), a diffusers model folder, a pipeline folder
+(``model_index.json``
 plus each component's config, compared component by component), the metadata of a ``.safetensors`` header, an
-original LDM-style YAML file, a plain dict, or a live model's ``.config``. Nested keys are flattened to dotted paths
+original LDM-style YAML file, a plain dict, or a live model's ``.config``. Nested keys are flattened to dotted
+paths
 and values compared type-aware: ``1 == 1.0`` and ``[1, 2] == (1, 2)``, but ``"1" != 1`` and ``True != 1``.
 """
 
@@ -235,13 +237,15 @@ def config_diff(
         rules: ``(regex, repl)`` renaming rules applied in order to A's dotted keys (see
             :func:`paritykit.base.naming.parse_map_options`).
         ldm: read A, an original LDM YAML, as the diffusers config(s) diffusers' single-file helpers derive
-            from it (:mod:`paritykit.forensics.config_ldm`). ``None`` (default): do so when A is such a YAML and B is not.
+            from it (:mod:`paritykit.forensics.config_ldm`). ``None`` (default): do so when A is such a YAML
+            and B is not.
         reference_keys: compare only keys A has (after ``rules``); B's other keys are listed, not compared.
         compare_defaults: count B-only keys that hold B's class default as differences (by default they are
             listed as "default, not compared": a port's untouched default is not a claim about the reference).
         with_defaults: fill in each side's class defaults for keys its file never wrote, marked as defaults.
         class_name: B's class (``DDIMScheduler``) when its config has no ``_class_name``, or to override it.
-        suggest: propose ``--map`` renames for the keys left unmatched (:mod:`paritykit.forensics.config_suggest`).
+        suggest: propose ``--map`` renames for the keys left unmatched
+            (:mod:`paritykit.forensics.config_suggest`).
 
     Returns:
         A :class:`ConfigDiff`; ``exit_code`` is 0 when every compared key matches.
@@ -337,7 +341,8 @@ def _one_sided(result: ConfigDiff, key: str, side: str, value: Any, reason: str 
 
 
 def _bookkeeping(key: str) -> bool:
-    # diffusers' own entries (_class_name, _diffusers_version, _name_or_path …) describe the file, not the model
+    # diffusers' own entries (_class_name, _diffusers_version, _name_or_path …) describe the file, not the
+    # model
     return key.rsplit(".", 1)[-1].startswith("_")
 
 

@@ -1,13 +1,17 @@
 r"""Diff two checkpoints tensor by tensor without loading either one whole.
 
-Safetensors inputs (single files, sharded ``*.index.json`` sets, diffusers model and pipeline folders) are read
+Safetensors inputs (single files, sharded ``*.index.json`` sets, diffusers model and pipeline folders) are
+read
 header first: keys, shapes and dtypes come from the JSON headers alone, so ``keys_only=True`` never touches a
-tensor and never imports torch or numpy. Values are then streamed one tensor pair at a time: the two byte ranges
-are compared raw first (most tensors of a fine-tune or a merge are untouched, and ``memcmp`` is far cheaper than
+tensor and never imports torch or numpy. Values are then streamed one tensor pair at a time: the two byte
+ranges
+are compared raw first (most tensors of a fine-tune or a merge are untouched, and ``memcmp`` is far cheaper
+than
 any float maths), and only pairs whose bytes differ are decoded in fixed-size chunks to accumulate L2, L1,
 cosine and max-abs. Peak anonymous memory is a few chunk buffers per worker, whatever the file size.
 
-Pickled checkpoints (``.ckpt``/``.pt``/``.bin`` …) go through :func:`paritykit.base.io.load_state_dict` (the safe
+Pickled checkpoints (``.ckpt``/``.pt``/``.bin`` …) go through :func:`paritykit.base.io.load_state_dict` (the
+safe
 loader), so they are in memory as a whole; the same chunked comparison then runs on the loaded tensors.
 """
 
@@ -37,7 +41,8 @@ KINDS = ("self-attention", "cross-attention", "feed-forward", "norm", "proj", "e
 # ----------------------------------------------------------------------------------------------- sources
 @dataclass
 class _Entry:
-    r"""One tensor of a checkpoint: either a byte range in a safetensors file or a tensor already in memory."""
+    r"""One tensor of a checkpoint: either a byte range in a safetensors file or a tensor already in
+    memory."""
 
     key: str
     dtype: str
@@ -192,7 +197,8 @@ def component_of(key: str) -> str:
     r"""Which part of a checkpoint a key belongs to: ``vae``, ``text_encoder``, ``diffusion_model``, ``ema`` …
 
     Recognises LDM/SD (``first_stage_model``, ``cond_stage_model``, ``model.diffusion_model``, ``model_ema``),
-    SDXL (``conditioner.embedders.N``), diffusers pipeline prefixes (``vae.``, ``unet.``, ``transformer.`` …) and
+    SDXL (``conditioner.embedders.N``), diffusers pipeline prefixes (``vae.``, ``unet.``, ``transformer.`` …)
+    and
     Flux-style single files. Anything else is ``model``.
     """
     if _LDM_SCHEDULE.match(key):
@@ -247,7 +253,8 @@ _GENERIC_PROJ = re.compile(r"^(proj|projection|linear|lin|dense)$", re.I)
 
 
 def kind_of(key: str, shape: Sequence[int] = ()) -> str:
-    r"""What a parameter is: self-attention, cross-attention, feed-forward, norm, proj, embedding, conv, other.
+    r"""What a parameter is: self-attention, cross-attention, feed-forward, norm, proj, embedding, conv,
+    other.
 
     Decided by the role of the module that holds it, read from the leaf upwards: the first name component
     with a role wins (``…attentions.0.transformer_blocks.0.ff.net.0.proj`` is feed-forward, ``…norm1`` is a
@@ -288,7 +295,8 @@ def _group_name(key: str, shape: Sequence[int], group_by: str) -> str:
 @dataclass
 class ChangedTensor:
     r"""One tensor whose values differ. ``dot``/``norm_a``/``norm_b``/``sq_diff`` are the raw sums behind the
-    metrics, kept so a group's distance is the metric of the concatenated group, not a sum of per-tensor values.
+    metrics, kept so a group's distance is the metric of the concatenated group, not a sum of per-tensor
+    values.
     """
 
     key: str
@@ -507,7 +515,8 @@ def weights_diff(
     r"""Diff two checkpoints tensor by tensor, streaming values one pair at a time.
 
     Args:
-        a: reference checkpoint: ``.safetensors``, sharded ``*.index.json``, diffusers model or pipeline folder,
+        a: reference checkpoint: ``.safetensors``, sharded ``*.index.json``, diffusers model or pipeline
+            folder,
             or a pickled ``.ckpt``/``.pt``/``.pth``/``.bin`` (read by the safe loader).
         b: checkpoint to compare against it.
         rules: ``(regex, repl)`` rules renaming A's keys into B's naming, applied in order.

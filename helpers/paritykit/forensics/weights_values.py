@@ -1,4 +1,5 @@
-r"""The values half of ``weights diff``: tensor pairs streamed in chunks from their files (or taken from memory),
+r"""The values half of ``weights diff``: tensor pairs streamed in chunks from their files (or taken from
+memory),
 their bytes compared first, and every statistic of a changed pair (L2, L1, cosine, max-abs) accumulated in one
 pass over cache-sized chunks, on one worker thread per core. Peak anonymous memory is a few chunk buffers per
 worker, whatever the file size."""
@@ -32,14 +33,17 @@ _WIDE_DTYPES = {"float64", "int64", "int32", "uint32", "uint64"}
 class _Worker:
     r"""One worker's read buffers and statistics buffers, reused for every tensor pair so memory stays flat.
 
-    Bytes are copied from the page cache with ``preadv`` into one chunk-sized buffer per side, which the decode
-    then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page past the
+    Bytes are copied from the page cache with ``preadv`` into one chunk-sized buffer per side, which the
+    decode
+    then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page past
+    the
     end of a file truncated under us would be a SIGBUS rather than an error.)"""
 
     def __init__(self, fds: dict[Path, int]):
         self.fds = fds
         self._raw = {side: bytearray(RAW_CHUNK_BYTES) for side in ("a", "b")}
-        # what each side's buffer holds now: a changed tensor's first differing chunk, read to compare its bytes,
+        # what each side's buffer holds now: a changed tensor's first differing chunk, read to compare its
+        # bytes,
         # is then decoded from the buffer instead of read again
         self._holds: dict[str, tuple[Path, int, int]] = {}
         self._work: dict[str, Any] = {}
@@ -73,7 +77,8 @@ class _Worker:
 
 
 def _first_difference(a: Any, b: Any, worker: _Worker) -> int | None:
-    r"""The element index of the first statistics chunk whose bytes differ, or ``None`` when every byte is equal.
+    r"""The element index of the first statistics chunk whose bytes differ, or ``None`` when every byte is
+    equal.
 
     Read in the statistics' own chunk size, so a changed tensor (whose first chunk usually differs) costs one
     chunk's re-read, not a second pass over the whole tensor. The bytes are compared by ``memcmp`` (a prefix
@@ -155,11 +160,13 @@ _HALF_KEEP = -0x70000001  # 0x8FFFFFFF as an int32
 
 
 def _half_to_float(half_bits: Any, out: Any) -> Any:
-    r"""float16 bits into float32 ``out`` in four passes, a widening copy and three in place (numpy's own cast is
+    r"""float16 bits into float32 ``out`` in four passes, a widening copy and three in place (numpy's own cast
+    is
     about seven times slower),
     bit-exact on every finite value. Sign-extending the 16 bits to int32 and shifting them left by 13 puts the
     exponent and mantissa in float32 position and the sign in bit 31; bits 28-30 then hold copies of the sign,
-    which the mask clears. The float32 so formed is the value times 2^-112 (denormals and zero included), so one
+    which the mask clears. The float32 so formed is the value times 2^-112 (denormals and zero included), so
+    one
     multiply rescales it. An infinity or NaN (exponent 31) comes out finite, at 65536 or more in magnitude:
     :func:`_decode_with_norm` catches that from the chunk's square norm, which the statistics need anyway."""
     import numpy as np
@@ -179,7 +186,8 @@ _HALF_SUSPECT_NORM = 2.0**31
 
 
 def _decode_with_norm(entry: Any, start: int, count: int, out: Any, worker: _Worker, side: str):
-    r""":func:`_decode` and the chunk's square norm; a float16 chunk whose norm could hide an infinity or a NaN
+    r""":func:`_decode` and the chunk's square norm; a float16 chunk whose norm could hide an infinity or a
+    NaN
     is decoded again by numpy's exact cast."""
     import numpy as np
 
@@ -212,11 +220,14 @@ def _distances(a: Any, b: Any, worker: _Worker, equal_before: int = 0) -> dict[s
             count = min(DISTANCE_CHUNK_ELEMENTS, total - start)
             xa, chunk_a = _decode_with_norm(a, start, count, buf_a, worker, "a")
             xb, chunk_b = _decode_with_norm(b, start, count, buf_b, worker, "b")
-            # B's values are not needed again: the difference overwrites them, and two chunk buffers stay in cache
+            # B's values are not needed again: the difference overwrites them, and two chunk buffers stay in
+            # cache
             d = np.subtract(xa, xb, out=xb)
             chunk_sq = float(np.dot(d, d))
-            # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b: the dot product from the three sums, one pass fewer. Its error is
-            # float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a float64 reference.
+            # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b: the dot product from the three sums, one pass fewer. Its
+            # error is
+            # float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a float64
+            # reference.
             dot += (chunk_a + chunk_b - chunk_sq) / 2
             norm_a += chunk_a
             norm_b += chunk_b

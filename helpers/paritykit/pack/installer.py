@@ -50,7 +50,8 @@ USER_FOLDERS: dict[str, str] = {
 }
 
 
-# The instruction file each agent reads at a repository root; linked to `.ai/AGENTS.md` only in paritykit's own
+# The instruction file each agent reads at a repository root; linked to `.ai/AGENTS.md` only in paritykit's
+# own
 # checkout, never in another repository.
 INSTRUCTION_FILES: dict[str, str] = {
     "claude": "CLAUDE.md",
@@ -183,7 +184,8 @@ def install(
         home: the user's home folder for ``user_scope`` (default: ``Path.home()``).
 
     Returns:
-        An ``InstallReport``. Raises ``ParityKitError`` (nothing written) on a conflict or a symlinked skills folder.
+        An ``InstallReport``. Raises ``ParityKitError`` (nothing written) on a conflict or a symlinked skills
+        folder.
     """
     if force and skip_existing:
         raise ParityKitError("--force and --skip-existing exclude each other; pick one")
@@ -249,9 +251,12 @@ def uninstall(
 ) -> InstallReport:
     r"""Remove what ``install`` made, and only that.
 
-    Entries listed in a manifest are removed while they are still as they were made (a link with the same target,
-    a copy with the same content hash); an edited copy is kept with a warning. Links into the pack that have no
-    manifest entry (made by an older ``make claude``) are removed too. A folder moved aside by ``--force`` is put
+    Entries listed in a manifest are removed while they are still as they were made (a link with the same
+    target,
+    a copy with the same content hash); an edited copy is kept with a warning. Links into the pack that have
+    no
+    manifest entry (made by an older ``make claude``) are removed too. A folder moved aside by ``--force`` is
+    put
     back. Empty folders the install created are removed. Arguments as for ``install``; default agents: all.
     """
     ctx = _Context.make(resolve_agents(agents, default=AGENTS), target, user_scope, pack, home)
@@ -589,7 +594,8 @@ def _classify(ctx: _Context, dest: Path, entry: Mapping[str, Any] | None, source
 def _creation(
     plan: _Plan, source: Path, dest: Path, name: str, link_target: str, copy: bool, backup: Path | None = None
 ):
-    r"""The (action, path, detail, run) of making one skill entry; the manifest entry is recorded by ``run``."""
+    r"""The (action, path, detail, run) of making one skill entry; the manifest entry is recorded by
+    ``run``."""
 
     def run() -> None:
         entry: dict[str, Any] = {"path": name}
@@ -733,7 +739,8 @@ def _plan_uninstall(ctx: _Context, folder: Path, agents_here: list[str]) -> _Pla
 
 
 def _plan_legacy_instruction_removal(plan: _Plan, agents_here: list[str]) -> None:
-    r"""Instruction links to `.ai/AGENTS.md` in paritykit's own checkout that no manifest lists (older Makefile)."""
+    r"""Instruction links to `.ai/AGENTS.md` in paritykit's own checkout that no manifest lists (older
+    Makefile)."""
     ctx = plan.ctx
     if not ctx.this_checkout:
         return

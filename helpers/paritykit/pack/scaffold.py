@@ -62,7 +62,8 @@ COMPONENTS = ("unet", "transformer", "scheduler", "vae", "text_encoder", "tokeni
 # --------------------------------------------------------------------------------------------------- values
 @dataclass(frozen=True)
 class Target:
-    r"""An importable object named ``module:attr``; templates write ``from {{ x.module }} import {{ x.attr }}``."""
+    r"""An importable object named ``module:attr``; templates write ``from {{ x.module }} import {{ x.attr
+    }}``."""
 
     module: str
     attr: str
@@ -367,7 +368,8 @@ def docstring_text(value: Any) -> str:
 
 
 def snake_case(value: str) -> str:
-    r"""``MyModel`` -> ``my_model``, ``HunyuanDiT`` -> ``hunyuan_dit``: a break before each capitalised word."""
+    r"""``MyModel`` -> ``my_model``, ``HunyuanDiT`` -> ``hunyuan_dit``: a break before each capitalised
+    word."""
     return re.sub(r"(?<=[A-Za-z0-9])(?=[A-Z][a-z])", "_", value).lower()
 
 

@@ -159,7 +159,8 @@ def check_skill(folder: str | os.PathLike) -> SkillCheck:
 
 
 def _strict_yaml_load(text: str) -> Any:
-    r"""``yaml.safe_load`` that refuses duplicate keys (PyYAML keeps the last; skills-ref's strictyaml refuses)."""
+    r"""``yaml.safe_load`` that refuses duplicate keys (PyYAML keeps the last; skills-ref's strictyaml
+    refuses)."""
     import yaml
 
     class _Loader(yaml.SafeLoader):

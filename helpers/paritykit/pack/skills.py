@@ -1,11 +1,13 @@
 r"""The skill pack: find it, validate it, and install it for coding agents without ever losing a user's file.
 
-Torch-free, and apart from ``validate`` (which needs PyYAML) it uses only the standard library, so the Makefile can
+Torch-free, and apart from ``validate`` (which needs PyYAML) it uses only the standard library, so the
+Makefile can
 run the installer from a bare checkout.
 
 Installing makes one symlink per skill folder (``.claude/skills/<skill> -> ../../skills/<skill>``) or, with
 ``copy=True`` or where a symlink cannot be made, a copy. Every entry made is recorded in a manifest
-(``.paritykit-manifest.json``) inside the agent's skills folder; uninstall removes only entries that are still as
+(``.paritykit-manifest.json``) inside the agent's skills folder; uninstall removes only entries that are still
+as
 they were made. Conflicts are checked before anything is written, so a refused install changes nothing.
 """
 
@@ -23,9 +25,9 @@ from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
 SKILL_FILE = "SKILL.md"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Discovery
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def pack_dir() -> Path:
@@ -36,7 +38,8 @@ def pack_dir() -> Path:
 
 
 def find_skills(root: str | os.PathLike | None = None) -> list[Path]:
-    r"""Skill folders directly under ``root`` (default: the pack): sub-folders holding a ``SKILL.md``, by name."""
+    r"""Skill folders directly under ``root`` (default: the pack): sub-folders holding a ``SKILL.md``, by
+    name."""
     root = pack_dir() if root is None else Path(root)
     if not root.is_dir():
         raise ParityKitError(f"{root}: not a folder of skills")
@@ -149,9 +152,9 @@ def show_skill(name: str, root: str | os.PathLike | None = None) -> str:
     return read_skill_file(folders[name])[1]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Validation (agentskills.io rules)
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 def is_within(path: str, root: str) -> bool:

@@ -1,11 +1,13 @@
-r"""Scheduler parity: compare two sampling schedules, and find the diffusers scheduler config that reproduces one.
+r"""Scheduler parity: compare two sampling schedules, and find the diffusers scheduler config that reproduces
+one.
 
 A research loop writes its own timestep list and sigma formula; a port picks a diffusers scheduler whose
 defaults differ (``timestep_spacing``, ``steps_offset``, Karras sigmas, a flow-match ``shift``, a final sigma
 0, the previous timestep a step reads). The UNet is identical on both sides, so ``bisect`` cannot see it.
 
 * :func:`compare_schedules` aligns two timestep / sigma lists and names what differs, with its evidence.
-* :func:`fit_scheduler` searches the config keys a scheduler class accepts (read from its ``__init__``) for the
+* :func:`fit_scheduler` searches the config keys a scheduler class accepts (read from its ``__init__``) for
+  the
   configs whose ``set_timesteps`` reproduces a reference at the requested step count *and* at other counts
   (a setting that matches at one count only is never proposed), and optionally checks one ``step()`` against
   the reference's own update.
@@ -29,9 +31,9 @@ from paritykit.schedule.load import (
 )
 
 
-# ================================================================================================================
+# ============================================================================================================
 # comparing two schedules
-# ================================================================================================================
+# ============================================================================================================
 @dataclass
 class ScheduleHint:
     r"""One explanation of a schedule difference: a stable ``id``, a sentence with its evidence, and the
@@ -72,7 +74,8 @@ class KindComparison:
 
 @dataclass
 class ScheduleComparison:
-    r"""What ``paritykit schedule REF PORT`` reports: per kind (timesteps, sigmas) the aligned lists, each side's
+    r"""What ``paritykit schedule REF PORT`` reports: per kind (timesteps, sigmas) the aligned lists, each
+    side's
     closed form where one fits, and hints. ``exit_code`` 0 when every kind both sides hold agrees, else 1."""
 
     a: str
@@ -275,7 +278,8 @@ def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:
 
 
 def _parameters_differ(fa: Family | None, fb: Family | None, k: KindComparison) -> ScheduleHint:
-    r"""Both sides fit the same closed form, the values still differ: name the parameters at full precision."""
+    r"""Both sides fit the same closed form, the values still differ: name the parameters at full
+    precision."""
     fam = fa or fb
     pa, pb = (fa.params if fa else {}), (fb.params if fb else {})
     diffs = [f"{p} {pa.get(p)!r} vs {pb.get(p)!r}" for p in sorted({*pa, *pb}) if pa.get(p) != pb.get(p)]

@@ -17,9 +17,9 @@ from paritykit.schedule.load import (
 )
 
 
-# ================================================================================================================
+# ============================================================================================================
 # closed-form families a list may follow
-# ================================================================================================================
+# ============================================================================================================
 def spacing_lists(n: int, train_steps: int) -> dict[str, list[float]]:
     r"""The timesteps diffusers' ``timestep_spacing`` values give for ``n`` steps (``steps_offset`` 0)."""
     import numpy as np
@@ -133,8 +133,10 @@ def _unshift(sigma: float, s: float) -> float:
 def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str, Callable[[int], float]]:
     r"""Where a shifted flow schedule's *unshifted* linear range ends, as a rule for every step count.
 
-    ``1/n``: ``linspace(1, 0, n + 1)`` without its final 0 (Flux's ``get_schedule``; diffusers' pipelines pass it
-    as ``sigmas=np.linspace(1, 1/n, n)``). ``shift(1/T)``: the smallest sigma of the shifted training table, which
+    ``1/n``: ``linspace(1, 0, n + 1)`` without its final 0 (Flux's ``get_schedule``; diffusers' pipelines pass
+    it
+    as ``sigmas=np.linspace(1, 1/n, n)``). ``shift(1/T)``: the smallest sigma of the shifted training table,
+    which
     is then shifted again (SD3's reference sampler reads its end from that table; diffusers'
     ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)`` with a static shift does the same). ``1/T``: the
     unshifted table's end. Else a fixed end."""

@@ -102,9 +102,11 @@ class FitResult:
     r"""What ``paritykit schedule REF --fit CLASS`` reports.
 
     ``fits`` hold the (config, call) pairs whose lists match at every count checked (and whose step matches,
-    when checked), plainest first; ``rejected`` the ones that matched at the requested count but not at another,
+    when checked), plainest first; ``rejected`` the ones that matched at the requested count but not at
+    another,
     or whose step differs. With no fit, ``nearest`` is the closest candidate, ``differences`` name what still
-    differs, and ``elsewhere`` the other scheduler classes that reproduce the reference. ``exit_code`` 0 when a
+    differs, and ``elsewhere`` the other scheduler classes that reproduce the reference. ``exit_code`` 0 when
+    a
     fit was found, else 1.
     """
 
@@ -229,7 +231,8 @@ def _change_text(c: Candidate) -> str:
     return text
 
 
-# --- the search space: known keys, each with its bounded set of values -----------------------------------------
+# --- the search space: known keys, each with its bounded set of values
+# -----------------------------------------
 _SIGMA_TYPE_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
 
 
@@ -332,7 +335,8 @@ def fit_scheduler(
     ``use_dynamic_shifting`` with ``mu`` fitted from the reference). Calls: ``set_timesteps(n)``; for flow
     classes ``sigmas=np.linspace(1, 1/n, n)`` (what diffusers' flow pipelines pass); as a last resort the
     reference's own lists (``sigmas=`` / ``timesteps=``). A candidate that matches at ``steps`` is checked at
-    three or more other counts (some not dividing ``num_train_timesteps``) and, for a size-dependent reference,
+    three or more other counts (some not dividing ``num_train_timesteps``) and, for a size-dependent
+    reference,
     at every size: the reference there comes from a SPEC's ``ref_schedule(n)`` / ``ref_schedule(n,
     image_seq_len)``, or from the closed form the reference's list follows. Every fit states its residual.
 
@@ -341,17 +345,21 @@ def fit_scheduler(
         reference: anything :func:`load_schedule` reads, or ``{image_seq_len: source}``: recordings at two or
             more image sizes (:func:`load_sized`).
         steps: the step count (default: the reference's).
-        base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it. A key
+        base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it. A
+            key
             no diffusers scheduler accepts, or a value ``cls`` refuses, raises :class:`ParityKitError`.
-        step_check: also verify ``step()``: a SPEC ``.py`` with ``ref_step(x, eps, t, t_prev)``, or a checkpoint
-            folder with the reference's per-step latents and model output (a ``record_loop`` folder checks every
+        step_check: also verify ``step()``: a SPEC ``.py`` with ``ref_step(x, eps, t, t_prev)``, or a
+            checkpoint
+            folder with the reference's per-step latents and model output (a ``record_loop`` folder checks
+            every
             step of a multistep or second-order sampler); ``True`` uses the reference SPEC.
         image_seq_len: the image sizes (latent tokens) a size-dependent SPEC is fitted at (two or more).
         explain: when nothing fits, name the nearest candidate's differences and try the sibling classes.
 
     Returns:
         A :class:`FitResult`; ``line`` is the ready fix, e.g.
-        ``DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")``, and ``call_line`` the
+        ``DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")``, and ``call_line``
+        the
         ``set_timesteps`` call when the fix needs one.
     """
     cls = resolve_scheduler(cls)
@@ -495,7 +503,8 @@ def _sizes(ref: Schedule, image_seq_len: Sequence[int] | None) -> list[int | Non
 def _validate(
     cand: Candidate, cls: type, base: dict, ref: Schedule, counts: list[int], sizes: list, variant: dict
 ) -> None:
-    r"""Check ``cand`` at every count and size besides the first, recording matches, failures and residuals."""
+    r"""Check ``cand`` at every count and size besides the first, recording matches, failures and
+    residuals."""
     config = {**base, **cand.changes}
     for size in sizes:
         mu = cand.mu.get(size)
@@ -522,7 +531,8 @@ def _mu_as_function_of_size(
     result: FitResult, cls: type, keys: dict, base: dict, ref: Schedule, counts: list[int]
 ) -> None:
     r"""``mu`` fitted per size, read as diffusers' line ``calculate_shift`` (``base_shift`` at
-    ``base_image_seq_len``, ``max_shift`` at ``max_image_seq_len``), and checked by building the scheduler from
+    ``base_image_seq_len``, ``max_shift`` at ``max_image_seq_len``), and checked by building the scheduler
+    from
     those config values at every size and count, and at a size between the ones given."""
     best = result.fits[0]
     (l1, m1), (l2, m2) = sorted(best.mu.items())[0], sorted(best.mu.items())[-1]
@@ -588,7 +598,8 @@ def _load_base(base_config: Any) -> dict[str, Any]:
 
 
 def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], source: Any) -> dict[str, Any]:
-    r"""The port's config reduced to the keys ``cls`` accepts. A key no diffusers scheduler accepts, or a value
+    r"""The port's config reduced to the keys ``cls`` accepts. A key no diffusers scheduler accepts, or a
+    value
     that ``cls`` refuses, is bad input (naming the key); keys of other scheduler classes are dropped."""
     what = "--config" + (f" {source}" if isinstance(source, (str, Path)) else "")
     unknown = [k for k in config if k not in keys and not k.startswith("_") and k not in all_scheduler_keys()]

@@ -39,9 +39,9 @@ KINDS = ("timesteps", "sigmas")
 OFFSET_KEYS = "timestep_spacing, steps_offset"
 
 
-# ================================================================================================================
+# ============================================================================================================
 # one side: a schedule
-# ================================================================================================================
+# ============================================================================================================
 @dataclass
 class Schedule:
     r"""One side's sampling schedule.
@@ -61,7 +61,8 @@ class Schedule:
     timesteps: list[float] | None = None
     sigmas: list[float] | None = None
     integer: bool = False
-    # recorded by record_loop: one value per denoiser call, so the final sigma (never a call's input) is absent
+    # recorded by record_loop: one value per denoiser call, so the final sigma (never a call's input) is
+    # absent
     per_call: bool = False
     # ``(n, image_seq_len=None) -> Schedule``
     generator: Callable[..., Schedule] | None = field(default=None, repr=False)
@@ -82,7 +83,8 @@ class Schedule:
 
 
 def dedupe(values: Sequence[float]) -> list[float]:
-    r"""Consecutive repeats dropped: a second-order scheduler (Heun) lists every timestep but the first twice."""
+    r"""Consecutive repeats dropped: a second-order scheduler (Heun) lists every timestep but the first
+    twice."""
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
@@ -209,9 +211,11 @@ def load_sized(recordings: Mapping[int, Any]) -> Schedule:
 
 
 def load_schedule(source: Any) -> Schedule:
-    r"""Read one side: a :class:`Schedule`, a list / tensor / array, a dict with ``timesteps`` and/or ``sigmas``,
+    r"""Read one side: a :class:`Schedule`, a list / tensor / array, a dict with ``timesteps`` and/or
+    ``sigmas``,
     or a path: a checkpoint folder (its ``preloop`` checkpoint), a tensor file (``.safetensors``, ``.pt``,
-    ``.npy``, …; keys named ``timesteps`` / ``sigmas``, or one bare tensor read as timesteps), a ``.json`` list
+    ``.npy``, …; keys named ``timesteps`` / ``sigmas``, or one bare tensor read as timesteps), a ``.json``
+    list
     or object, or a SPEC ``.py`` defining ``ref_schedule(n)`` (and ``ref_step`` for a step check)."""
     if isinstance(source, Schedule):
         return source

@@ -20,9 +20,9 @@ from paritykit.schedule.load import (
 )
 
 
-# ================================================================================================================
+# ============================================================================================================
 # fitting a scheduler config
-# ================================================================================================================
+# ============================================================================================================
 def resolve_scheduler(cls: Any) -> type:
     r"""A diffusers scheduler class from itself or its name (``"DDIMScheduler"``)."""
     if isinstance(cls, type):
@@ -98,7 +98,8 @@ def make_scheduler(cls: type, config: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def _quiet_diffusers():
-    r"""diffusers' own log warnings silenced: a search tries configs and calls diffusers warns about on purpose."""
+    r"""diffusers' own log warnings silenced: a search tries configs and calls diffusers warns about on
+    purpose."""
     import logging
 
     logger = logging.getLogger("diffusers")
@@ -124,7 +125,8 @@ class Call:
     rank: int
 
     def kwargs(self, n: int, ref: Schedule | None, mu: float | None) -> tuple[int | None, dict[str, Any]]:
-        r"""The step-count argument and keyword arguments of this call at ``n`` steps (``ref``: the reference at
+        r"""The step-count argument and keyword arguments of this call at ``n`` steps (``ref``: the reference
+        at
         ``n``, for the calls that pass its lists; ``mu``: passed when given)."""
         import numpy as np
 

@@ -45,7 +45,8 @@ class StepCheck:
         return dict(self.__dict__)
 
 
-# --- step check --------------------------------------------------------------------------------------------------
+# --- step check
+# --------------------------------------------------------------------------------------------------
 def _ddim_like(cls: type, keys: dict[str, Any]) -> bool:
     return "set_alpha_to_one" in keys
 
@@ -184,7 +185,8 @@ _STOCHASTIC = ("sde-dpmsolver", "sde-dpmsolver++")
 
 
 def _step_variants(cls: type, keys: dict[str, Any], base: dict[str, Any]) -> list[dict[str, Any]]:
-    r"""Partial configs over :data:`_STEP_AXES` that differ from ``base`` in at most two keys, fewest first."""
+    r"""Partial configs over :data:`_STEP_AXES` that differ from ``base`` in at most two keys, fewest
+    first."""
     now = {k: base.get(k, keys[k]) for k in _STEP_AXES if k in keys}
     singles = [{k: v} for k in now for v in _STEP_AXES[k][0] if v != now[k]]
     pairs = [{**a, **b} for a, b in itertools.combinations(singles, 2) if a.keys() != b.keys()]
@@ -201,7 +203,8 @@ class Recorded:
 
 
 def _recorded_calls(source: Any) -> Recorded | str | None:
-    r"""A ``record_loop`` folder's calls; ``None`` when ``source`` is not one, a sentence when its calls cannot
+    r"""A ``record_loop`` folder's calls; ``None`` when ``source`` is not one, a sentence when its calls
+    cannot
     drive the step (a guidance batch, a sigma-taking wrapper)."""
     if source is True or not isinstance(source, (str, Path)) or not Path(source).is_dir():
         return None
@@ -245,8 +248,10 @@ def _check_calls(
     ref: Schedule | None = None,
     mu: float | None = None,
 ) -> StepCheck:
-    r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is undone
-    to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call ``j``'s
+    r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is
+    undone
+    to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call
+    ``j``'s
     own model output, so a multistep solver's history is the reference's. The last update is checked against
     the loop's ``final`` result when the folder has it."""
     import torch

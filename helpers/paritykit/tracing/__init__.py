@@ -1,4 +1,5 @@
-r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline checkpoints
+r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline
+checkpoints
 saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser (``recording``).
 """
 

@@ -43,7 +43,8 @@ class Checkpoint:
     Args:
         save: store detached clones of the tensors passed at this point in ``data``.
         stop: raise :class:`PipelineStop` here (after saving, when ``save`` is set too).
-        load: replace the pipeline's tensors by the ones in ``data`` (cast to the pipeline's dtype and device).
+        load: replace the pipeline's tensors by the ones in ``data`` (cast to the pipeline's dtype and
+            device).
         data: the saved or to-be-injected values, by keyword name.
     """
 
@@ -58,7 +59,8 @@ class Checkpoint:
 
 
 class CheckpointNotReached(UserWarning):
-    r"""A checkpoint given to :func:`run_until_stop` that the pipeline never called ``maybe_checkpoint`` for."""
+    r"""A checkpoint given to :func:`run_until_stop` that the pipeline never called ``maybe_checkpoint``
+    for."""
 
 
 class PipelineStop(Exception):
@@ -195,7 +197,7 @@ def seeded_noise(
     return noise.to(device=device, dtype=dtype or torch.float32)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # On disk: one <name>.safetensors per checkpoint plus a paritykit.json manifest.
 
 
@@ -213,7 +215,8 @@ def save_checkpoints(
 
     Each checkpoint's tensors go to ``<name>.safetensors`` (on CPU, contiguous); ``paritykit.json`` records
     the order, every key (tensor or not) in its original order, the non-tensor values that JSON can hold
-    (non-finite floats under ``nonfinite``), the keys it could not (``skipped``), and the environment (paritykit, torch, diffusers versions). Existing files of the same
+    (non-finite floats under ``nonfinite``), the keys it could not (``skipped``), and the environment
+    (paritykit, torch, diffusers versions). Existing files of the same
     names are overwritten; other files are left alone.
 
     ``side`` (``"reference"`` or ``"port"``) is recorded in the manifest, so commands that pair two folders
@@ -293,7 +296,8 @@ def load_checkpoints(directory: str | Path) -> dict[str, Checkpoint]:
     r"""Read a folder written by :func:`save_checkpoints`.
 
     Returns:
-        ``{name: Checkpoint(data=...)}`` in execution order, with tensors and JSON values back under their keys
+        ``{name: Checkpoint(data=...)}`` in execution order, with tensors and JSON values back under their
+        keys
         in the order they were saved; ``save``, ``stop`` and ``load`` are all ``False`` (set ``load`` on the
         ones to inject).
     """

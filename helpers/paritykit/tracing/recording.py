@@ -47,7 +47,8 @@ def output_tensor(output: Any) -> Any:
 
 
 def named_inputs(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    r"""A call's arguments by parameter name (positional ones named from ``forward``'s signature, else ``arg{k}``)."""
+    r"""A call's arguments by parameter name (positional ones named from ``forward``'s signature, else
+    ``arg{k}``)."""
     try:
         bound = inspect.signature(forward).bind_partial(*args, **kwargs)
         named = dict(bound.arguments)
@@ -114,7 +115,8 @@ class Recording(dict):
 
 
 def kept(value: Any) -> Any:
-    r"""A copy of ``value`` safe from later in-place changes: tensors detached and cloned, containers rebuilt."""
+    r"""A copy of ``value`` safe from later in-place changes: tensors detached and cloned, containers
+    rebuilt."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -134,7 +136,8 @@ def kept(value: Any) -> Any:
 
 @dataclass
 class Call:
-    r"""One recorded call of a module: its arguments (``args``, ``kwargs``, and ``named`` by parameter name) and
+    r"""One recorded call of a module: its arguments (``args``, ``kwargs``, and ``named`` by parameter name)
+    and
     its output, all copies taken when the call happened."""
 
     args: tuple
@@ -183,7 +186,8 @@ def step_checkpoint(call: Call) -> Any:
 
 
 def loop_checkpoints(calls: list[Call], final: Any = None) -> dict[str, Any]:
-    r"""A recorded loop as :func:`paritykit.save_checkpoints` writes it (``preloop``, ``step_{i}``, ``final``)."""
+    r"""A recorded loop as :func:`paritykit.save_checkpoints` writes it (``preloop``, ``step_{i}``,
+    ``final``)."""
     import torch
 
     from paritykit.tracing.checkpoints import Checkpoint
@@ -217,7 +221,8 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
         side: ``"reference"`` or ``"port"``, recorded so that pairing two folders of one side is refused.
 
     Yields:
-        A dict for :class:`paritykit.Checkpoint` s, filled when the block ends; its ``final(latents)`` keeps the
+        A dict for :class:`paritykit.Checkpoint` s, filled when the block ends; its ``final(latents)`` keeps
+        the
         loop's result too.
 
     Example::

@@ -4,7 +4,8 @@ r"""Capture every module call of a model: inputs, outputs, call order, nesting.
 keyword inputs and the outputs of every call, in execution order. Repeated calls are named ``name``,
 ``name#1``, ``name#2`` …; nested outputs (tuples, dicts, ``BaseOutput``) are flattened by path
 (``output.0``, ``output.sample``, ``args.1``, ``kwargs.temb``). A trace keeps enough structure to *replay* a
-call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.bisection.search` needs to compare two different
+call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.bisection.search` needs to compare two
+different
 implementations module by module.
 
 ``to_dir=`` streams the tensors into safetensors shards next to a JSON manifest, so models larger than RAM can
@@ -44,7 +45,8 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class Opaque:
-    """A non-tensor value that could not be written to JSON; calls holding one cannot be replayed from disk."""
+    """A non-tensor value that could not be written to JSON; calls holding one cannot be replayed from
+    disk."""
 
     text: str
 
@@ -53,7 +55,8 @@ class Opaque:
 
 
 class OutputDict(dict):
-    """Stands in for a ``BaseOutput`` read from disk: ``out.sample``, ``out["sample"]`` and ``out[0]`` all work."""
+    """Stands in for a ``BaseOutput`` read from disk: ``out.sample``, ``out["sample"]`` and ``out[0]`` all
+    work."""
 
     def __getattr__(self, item: str) -> Any:
         try:
@@ -80,7 +83,8 @@ class ModuleInfo:
 
 
 def call_name(module: str, call: int) -> str:
-    r"""The name of call ``call`` (0-based) of ``module`` in a trace: the module's own name for its first call,
+    r"""The name of call ``call`` (0-based) of ``module`` in a trace: the module's own name for its first
+    call,
     ``module#k`` for the (k+1)-th; :func:`module_of` reads it back."""
     return module if call == 0 else f"{module}#{call}"
 
@@ -116,7 +120,8 @@ class Record:
     outputs_skeleton: Any = None
     input_keys: dict[str, str] = field(default_factory=dict)
     output_keys: dict[str, str] = field(default_factory=dict)
-    # the trace's tensors, not the trace: the trace lists its records, so a reference to it would be a cycle, and a
+    # the trace's tensors, not the trace: the trace lists its records, so a reference to it would be a cycle,
+    # and a
     # trace the caller drops would keep its copies until the cyclic collector ran
     _tensors: TraceTensors | None = field(default=None, repr=False, compare=False)
 
@@ -172,8 +177,10 @@ class Record:
 
 
 class TraceTensors:
-    r"""A trace's tensors by storage key: the copies :func:`capture` made, or the shards of a trace folder, read
-    lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors, and a trace
+    r"""A trace's tensors by storage key: the copies :func:`capture` made, or the shards of a trace folder,
+    read
+    lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors, and a
+    trace
     dropped with its records frees them at once (no reference cycle)."""
 
     def __init__(self, directory: Path | None = None):
@@ -211,7 +218,8 @@ class TraceTensors:
 
 
 class Trace:
-    r"""What :func:`capture` recorded: :class:`Record` objects in start order plus the model's module table."""
+    r"""What :func:`capture` recorded: :class:`Record` objects in start order plus the model's module
+    table."""
 
     def __init__(self, model_type: str = "", directory: Path | None = None):
         self.model_type = model_type
@@ -278,7 +286,8 @@ class Trace:
         return read_safetensors(self.directory / WEIGHTS_FILE)
 
     def graft(self, call: Record) -> None:
-        r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and depth,
+        r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and
+        depth,
         so its records join a trace of the level above (:mod:`paritykit.bisection.zoom`)."""
         if not self.records:
             raise ParityKitError("an empty trace cannot be grafted")
@@ -310,7 +319,8 @@ class Trace:
 
     @classmethod
     def load(cls, directory: str | Path) -> Trace:
-        r"""Read a trace folder written by ``capture(..., to_dir=)`` or :meth:`save`; tensors load on access."""
+        r"""Read a trace folder written by ``capture(..., to_dir=)`` or :meth:`save`; tensors load on
+        access."""
         directory = Path(directory)
         manifest_path = directory / MANIFEST
         if not manifest_path.is_file():
@@ -396,7 +406,8 @@ def module_table(model: Any) -> dict[str, ModuleInfo]:
     """Class name and own parameter shapes of every named module of ``model``."""
     table = {}
     for name, module in model.named_modules():
-        # a module's own parameters, as ``named_parameters(recurse=False)`` lists them, read without its generator
+        # a module's own parameters, as ``named_parameters(recurse=False)`` lists them, read without its
+        # generator
         params = {k: list(p.shape) for k, p in module._parameters.items() if p is not None}
         table[name] = ModuleInfo(name, type(module).__name__, params)
     return table
@@ -431,7 +442,8 @@ class _Recorder:
         self.started = 0
         self.finished = 0
         self.next_key = 0
-        # id(tensor) -> (weakref to the tensor, its version counter, its TensorRef): one copy per tensor value,
+        # id(tensor) -> (weakref to the tensor, its version counter, its TensorRef): one copy per tensor
+        # value,
         # even when the same tensor is a child's output, the next sibling's input and the parent's output.
         self.seen: dict[int, tuple[Any, int, TensorRef]] = {}
 
@@ -450,7 +462,8 @@ class _Recorder:
         ref = TensorRef(f"t{self.next_key}")  # immutable: every skeleton that holds this value shares it
         self.next_key += 1
         try:
-            # no callback to drop the entry when the tensor dies: a later tensor given the same id finds a dead
+            # no callback to drop the entry when the tensor dies: a later tensor given the same id finds a
+            # dead
             # reference and is stored anew, so a stale entry is harmless and needs no callback per tensor
             self.seen[ident] = (weakref.ref(value), version, ref)
         except TypeError:
@@ -476,7 +489,8 @@ class _Recorder:
         return obj
 
     def pack_items(self, items: Any, path: str, keys: dict[str, str]) -> dict[Any, Any]:
-        r"""``{name: packed value}`` of ``(name, value)`` pairs at ``path.name``; tensors and ``None`` inline."""
+        r"""``{name: packed value}`` of ``(name, value)`` pairs at ``path.name``; tensors and ``None``
+        inline."""
         packed = {}
         for name, value in items:
             if value is None:
@@ -560,7 +574,8 @@ def capture(
         about: JSON-safe facts written into the manifest (``Trace.about``), so a folder describes itself.
 
     Returns:
-        A :class:`Trace`, filled in while the block runs. Hooks are removed on exit, also when the block raises,
+        A :class:`Trace`, filled in while the block runs. Hooks are removed on exit, also when the block
+        raises,
         and they never change what the model computes.
     """
     if isinstance(modules, (str, type)):
@@ -654,7 +669,8 @@ def _write_manifest(directory: Path, trace: Trace, shard_of: dict[str, str]) -> 
 
 
 def _encode(node: Any) -> Any:
-    """Skeleton -> JSON. Tensors become ``{"tensor": key}``; values JSON cannot hold become ``{"opaque": repr}``."""
+    """Skeleton -> JSON. Tensors become ``{"tensor": key}``; values JSON cannot hold become ``{"opaque":
+    repr}``."""
     if isinstance(node, TensorRef):
         return {"tensor": node.key}
     if node is None or isinstance(node, (bool, int, str)):

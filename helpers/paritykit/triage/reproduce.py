@@ -1,4 +1,5 @@
-r"""What lets each triage finding be run again alone: the recordings in ``--out``, the commands that read them,
+r"""What lets each triage finding be run again alone: the recordings in ``--out``, the commands that read
+them,
 and the files those commands need.
 
 The order is fixed: :func:`write_recordings` before the walk (the schedule fit reads them), the commands built
@@ -27,7 +28,8 @@ Built = tuple[str | None, list[ReproduceFile]]
 
 
 def checked_out(out: Any) -> Path | None:
-    r"""``--out`` as a folder triage may write: absent, empty, or an earlier triage's (its marker file); never a
+    r"""``--out`` as a folder triage may write: absent, empty, or an earlier triage's (its marker file); never
+    a
     folder of the user's own files, whose names triage would overwrite."""
     if out is None:
         return None
@@ -85,7 +87,8 @@ def _write(file: ReproduceFile) -> None:
 
 
 class Commands:
-    r"""The ``paritykit …`` command that reproduces each kind of finding alone, and the files it reads; with no
+    r"""The ``paritykit …`` command that reproduces each kind of finding alone, and the files it reads; with
+    no
     ``--out`` every command is ``None``. Nothing here writes."""
 
     def __init__(self, spec_path: Any, tolerance: dict[str, float], folders: tuple[Path, Path] | None):
@@ -103,7 +106,8 @@ class Commands:
         return shlex.join(words), []
 
     def compare_tensors(self, what: str, reference: Any, port: Any) -> Built:
-        r"""Both sides' tensor at one place as ``{what}_reference.safetensors`` and ``{what}_port.safetensors``
+        r"""Both sides' tensor at one place as ``{what}_reference.safetensors`` and
+        ``{what}_port.safetensors``
         (key ``latents``), and the ``paritykit compare`` that diagnoses them."""
         if self.out_dir is None:
             return None, []
@@ -133,7 +137,8 @@ class Commands:
         return shlex.join(["paritykit", "steps", *map(str, self.folders), "--key", "output"]), []
 
     def bisect(self, what: str, call: int, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Built:
-        r"""A bisect SPEC that rebuilds both modules from the triage SPEC and feeds them this call's inputs, and
+        r"""A bisect SPEC that rebuilds both modules from the triage SPEC and feeds them this call's inputs,
+        and
         the command that runs it."""
         if self.out_dir is None:
             return None, []
@@ -152,7 +157,7 @@ class Commands:
         return shlex.join(["paritykit", "bisect", str(path)]), files
 
 
-BISECT_SPEC = '''"""Written by paritykit triage: the {what}'s call {call} on both sides, for `paritykit bisect`.
+BISECT_SPEC = '''"""Written by paritykit triage: the {what}'s call {call} on both sides, for paritykit bisect.
 
 Both modules come from the triage SPEC {spec}; the inputs are the ones recorded (or substituted) at that call.
 """

@@ -70,7 +70,8 @@ def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
 
 
 def result_tensor(value: Any, what: str, spec: Spec) -> Any:
-    r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first item
+    r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first
+    item
     of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
     import numpy as np
     import torch
@@ -87,5 +88,6 @@ def result_tensor(value: Any, what: str, spec: Spec) -> Any:
         return torch.as_tensor(value if isinstance(value, torch.Tensor) else np.array(value)).detach()
     except (TypeError, ValueError, RuntimeError):
         raise ParityKitError(
-            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of images"
+            f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of"
+            " images"
         ) from None

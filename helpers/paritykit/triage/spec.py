@@ -1,8 +1,10 @@
-r"""``paritykit triage SPEC.py``: both pipelines run end to end from one seed, every denoiser (and decoder) call
+r"""``paritykit triage SPEC.py``: both pipelines run end to end from one seed, every denoiser (and decoder)
+call
 recorded, then compared call by call, first difference first.
 
 The order: the SPEC loaded and both sides run (:mod:`~paritykit.triage.sides`), the recordings written
-(:func:`~paritykit.triage.reproduce.write_recordings`), the places walked (:class:`~paritykit.triage.walk.Triage`),
+(:func:`~paritykit.triage.reproduce.write_recordings`), the places walked
+(:class:`~paritykit.triage.walk.Triage`),
 then the files each finding's reproduce command reads (:func:`~paritykit.triage.reproduce.write_files`).
 """
 

@@ -3,7 +3,8 @@ place a sampling pipeline can part from its reference checked in the order the d
 schedule, conditioning, denoiser, update, decoder input, decoder, post-processing).
 
 A check that isolates a place feeds the port's module the reference's values at that point (replay, never a
-guess) or fits each side's own relation between recorded tensors (the update rule, the decoder's input scaling,
+guess) or fits each side's own relation between recorded tensors (the update rule, the decoder's input
+scaling,
 the post-processing), so it holds even when something upstream differs too. Nothing here writes a file: each
 finding carries the command that reproduces it and the files that command reads
 (:mod:`paritykit.triage.reproduce`).
@@ -295,7 +296,8 @@ class Triage:
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
-        r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else call
+        r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else
+        call
         0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
@@ -395,7 +397,8 @@ class Triage:
 
     def _check_step(self, finding: Finding) -> None:
         r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
-        over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces every
+        over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces
+        every
         update is verified."""
         if not self.spec.has("port_scheduler") or self.folders is None:
             return
@@ -538,7 +541,8 @@ class Triage:
         self.post_processing(ref_call, port_call)
 
     def post_processing(self, ref_call: Call, port_call: Call) -> None:
-        r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is not
+        r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is
+        not
         clamped; the two maps compared."""
         fr = _unclamped_affine(self.ref.result, output(ref_call))
         fp = _unclamped_affine(self.port.result, output(port_call))
@@ -654,7 +658,8 @@ def _unclamped_affine(result: Any, decoded: Any) -> Any:
 
 def module_differs(report: Any) -> bool:
     r"""Whether a module's bisect on one call's inputs puts the place's difference in that module: any verdict
-    but ``match`` and ``masked``. ``masked`` is the module's output within tolerance while a captured submodule
+    but ``match`` and ``masked``. ``masked`` is the module's output within tolerance while a captured
+    submodule
     inside is not; the module's output is what the pipeline reads, so the place agrees, and the rule-out line
     says what was masked (:func:`_masked_words`)."""
     return report.verdict not in ("match", "masked")

@@ -97,7 +97,8 @@ def activation(c: Culprit) -> list[Hint]:
 
 
 def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless: bool) -> list[tuple]:
-    r"""Run ``module`` through ``run`` with hooks on its leaf submodules: ``(name, input, output)`` per call with
+    r"""Run ``module`` through ``run`` with hooks on its leaf submodules: ``(name, input, output)`` per call
+    with
     one tensor in and one tensor out, in execution order."""
     calls: list[tuple] = []
     handles = []
@@ -129,7 +130,8 @@ def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless:
 
 
 def inner_activation(c: Culprit) -> list[Hint]:
-    r"""``activation`` inside a culprit with parameters (an MLP): a parameterless reference submodule computes a
+    r"""``activation`` inside a culprit with parameters (an MLP): a parameterless reference submodule computes
+    a
     known function ``f`` of its input ``x``; the port computes a different known function ``g`` of that same
     ``x`` in one of its submodules, and ``f(x)`` nowhere."""
     if c.reference is None or c.port is None or c.run_reference is None or c.run_port is None:

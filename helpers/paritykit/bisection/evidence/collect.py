@@ -1,4 +1,5 @@
-r"""All evidence at a culprit, ranked: the registry of detectors (``EVIDENCE``), :func:`culprit_evidence`, and the
+r"""All evidence at a culprit, ranked: the registry of detectors (``EVIDENCE``), :func:`culprit_evidence`, and
+the
 plain ``no-signature`` hint that lists what was ruled out when no detector finds anything."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint
 
     Args:
         c: the culprit.
-        tensor_hints: what the tensor-level detectors (:func:`paritykit.compare.diagnose.diagnose`, remix) found.
+        tensor_hints: what the tensor-level detectors (:func:`paritykit.compare.diagnose.diagnose`, remix)
+            found.
     Returns:
         Hints, verified fixes first.
     """

@@ -97,7 +97,8 @@ def norm_eps(c: Culprit) -> list[Hint]:
     hint = Hint(
         "norm-eps",
         f"the reference norm reproduces the port's output with {shown} (relative error {err:.1e}, "
-        f"{before:.1e} with its own eps={format_value(ref_eps)}) (evidence: eps fitted on the captured input)",
+        f"{before:.1e} with its own eps={format_value(ref_eps)}) (evidence: eps fitted on the captured"
+        " input)",
         {"fitted_eps": best, "fitting": fitting, "reference_eps": ref_eps, "fit_error": err, "error": before},
         score=0.88,
         fix=f"{c.port_path(attr=port_attr or 'eps')} = {ref_eps!r}",
@@ -162,9 +163,9 @@ def attention_scale(c: Culprit) -> list[Hint]:
         ):
             hint = Hint(
                 "attention-scale",
-                f"the port's attention reproduces the reference output with scale {format_value(best)} (relative"
-                f" error {err:.1e}); it uses {port_attr}={format_value(current)} (evidence: softmax scale fitted on"
-                " the captured input)",
+                f"the port's attention reproduces the reference output with scale {format_value(best)}"
+                f" (relative error {err:.1e}); it uses {port_attr}={format_value(current)} (evidence: softmax"
+                " scale fitted on the captured input)",
                 {"fitted_scale": best, "port_scale": current, "fit_error": err, "error": before},
                 score=0.9,
                 fix=f"{c.port_path(attr=port_attr)} = {best!r}",

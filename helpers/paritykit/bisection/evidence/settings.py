@@ -23,7 +23,8 @@ from paritykit.compare.diagnose import Hint
 
 
 def _plain(value: Any) -> Any:
-    r"""``value`` when it is a configuration value (number, string, bool, None, enum, short tuple of those)."""
+    r"""``value`` when it is a configuration value (number, string, bool, None, enum, short tuple of
+    those)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, enum.Enum):

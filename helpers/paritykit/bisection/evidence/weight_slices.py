@@ -42,7 +42,8 @@ def _state(module: Any) -> dict[str, Any]:
 def weights(c: Culprit) -> list[Hint]:
     r"""``weights``: port parameters built from another reference slice than their name implies.
 
-    The two modules' state dicts go through :func:`paritykit.forensics.conversion.matching.infer_conversion_map` (the value matching
+    The two modules' state dicts go through
+    :func:`paritykit.forensics.conversion.matching.infer_conversion_map` (the value matching
     of ``paritykit weights map``); a split parameter whose chunk index differs from the one its role word
     implies is a conversion bug. The fix loads each from its implied slice, through the same rule runtime.
     """
@@ -120,7 +121,8 @@ def _steps(entry: Any) -> list[dict[str, Any]]:
 
 
 def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
-    r"""The corrected rule and a sentence when a port parameter holds another role's tensor than its name says:
+    r"""The corrected rule and a sentence when a port parameter holds another role's tensor than its name
+    says:
     a chunk of a fused projection other than the one its role implies, or a whole tensor of another role
     (``to_k`` loaded from ``v_proj``)."""
     if len(entry.sources) != 1:
@@ -162,13 +164,15 @@ def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], st
 
 
 def _same_but_role(a: str, b: str) -> bool:
-    r"""Whether two names differ only in their role segment (``attn.k_proj.weight`` / ``attn.v_proj.weight``)."""
+    r"""Whether two names differ only in their role segment (``attn.k_proj.weight`` /
+    ``attn.v_proj.weight``)."""
     diff = [(x, y) for x, y in zip(a.split("."), b.split(".")) if x != y]
     return len(diff) == 1
 
 
 def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any]) -> dict[str, Any] | None:
-    r"""The rule for ``entry`` with its layout steps (transpose, row reorders) dropped, when the shapes allow."""
+    r"""The rule for ``entry`` with its layout steps (transpose, row reorders) dropped, when the shapes
+    allow."""
     if len(entry.sources) != 1:
         return None
     steps = _steps(entry)

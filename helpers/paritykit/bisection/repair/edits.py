@@ -1,4 +1,5 @@
-r"""What a repair is: one candidate edit of the port (``Edit``), the simple constants a fitted number is snapped
+r"""What a repair is: one candidate edit of the port (``Edit``), the simple constants a fitted number is
+snapped
 to, and the verified result as a hint (``RepairHint``) whose JSON carries the edit and its residual."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ COSTS: dict[tuple[Tier, str], int] = {
     ("settings", "setting"): 20,
 }
 
-# A fitted factor is checked against the same edit with the factor moved by this much either way: an edit whose
+# A fitted factor is checked against the same edit with the factor moved by this much either way: an edit
+# whose
 # controls verify too proves nothing (the module is nearly invariant to it: a norm to its input's scale).
 CONTROL_FACTOR = 1.5
 
@@ -83,11 +85,13 @@ class Edit:
         r"""Put the working copy back after a trial (edits that wrap it change nothing to undo)."""
 
     def on_outputs(self, leaves: list) -> list | None:
-        r"""For an edit of the outputs alone: the port's replayed output leaves, edited; ``None`` otherwise."""
+        r"""For an edit of the outputs alone: the port's replayed output leaves, edited; ``None``
+        otherwise."""
         return None
 
     def controls(self) -> list[Edit]:
-        r"""The same edit with its fitted factor moved by :data:`CONTROL_FACTOR` either way (none without one)."""
+        r"""The same edit with its fitted factor moved by :data:`CONTROL_FACTOR` either way (none without
+        one)."""
         if self.remake is None:
             return []
         factor = self.parameters["factor"]
@@ -122,7 +126,8 @@ class ParameterEdit(Edit):
 
 
 def set_parameters(work: Any, values: dict[str, Any]) -> dict[str, Any]:
-    r"""Put ``values`` (name -> tensor) into ``work``'s parameters, in their dtype and device; returns the data
+    r"""Put ``values`` (name -> tensor) into ``work``'s parameters, in their dtype and device; returns the
+    data
     they held, for putting back."""
     saved = {}
     for name, value in values.items():
@@ -176,7 +181,8 @@ class OutputEdit(Edit):
 
 @dataclass(kw_only=True)
 class ReplaceEdit(Edit):
-    r"""The submodule ``sub`` of the working copy (``""``: the whole module) replaced by ``build()``, a rebuild
+    r"""The submodule ``sub`` of the working copy (``""``: the whole module) replaced by ``build()``, a
+    rebuild
     with one setting changed; ``build`` returns ``None`` when the class rejects the setting."""
 
     sub: str
@@ -225,7 +231,8 @@ class AttributeEdit(Edit):
 
 
 def wrapped(inner: Any, before: Callable | None = None, after: Callable | None = None) -> Any:
-    r"""``inner`` seen through an input edit (``before(args, kwargs)``) and/or an output edit (``after(out)``)."""
+    r"""``inner`` seen through an input edit (``before(args, kwargs)``) and/or an output edit
+    (``after(out)``)."""
     from torch import nn
 
     class Edited(nn.Module):
@@ -325,7 +332,8 @@ MAX_CHUNKS = 8
 
 
 def chunk_orders(count: int) -> Iterator[tuple[int, ...]]:
-    r"""Reorderings of ``count`` equal chunks: every permutation up to 4 chunks, swaps of two beyond (never the
+    r"""Reorderings of ``count`` equal chunks: every permutation up to 4 chunks, swaps of two beyond (never
+    the
     identity)."""
     identity = tuple(range(count))
     if count <= 4:

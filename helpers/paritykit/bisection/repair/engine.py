@@ -256,7 +256,8 @@ def _search_tier(
 
 def _try(site: Site, work: Any, edit: Edit) -> tuple[list, float] | None:
     r"""The edited port's output leaves and the residual max_abs when they match the reference (verified),
-    else ``None``. The residual is the site's own, or, at a site with nothing to compare locally, the culprit's
+    else ``None``. The residual is the site's own, or, at a site with nothing to compare locally, the
+    culprit's
     replayed with the edit."""
     if site.verify is None:
         edited = edit.on_outputs(site.got)
@@ -268,7 +269,8 @@ def _try(site: Site, work: Any, edit: Edit) -> tuple[list, float] | None:
         leaves = call_leaves(module, site.inputs())
         if leaves is None:
             return None
-        # a site with nothing to compare locally (an extra input the reference never computes) relies on verify
+        # a site with nothing to compare locally (an extra input the reference never computes) relies on
+        # verify
         cmp = site.compare(site.wanted, leaves) if site.wanted else None
         if site.wanted and (cmp is None or not cmp.passed):
             return None

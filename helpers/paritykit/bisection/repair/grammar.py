@@ -75,8 +75,11 @@ def _swaps(site: Site, params: Tensors) -> Iterator[Edit]:
             kind="swap-parameters",
             target=f"{site.path(oa)} <-> {site.path(ob)}",
             parameters={"parameters": [list(p) for p in pairs]},
-            words=f"{site.path(oa)} and {site.path(ob)}: swap their weights{' and biases' if len(pairs) > 1 else ''}"
-            f" (each holds the other's: fix the conversion of {oa} and {ob})",
+            words=(
+                f"{site.path(oa)} and {site.path(ob)}: swap their"
+                f" weights{' and biases' if len(pairs) > 1 else ''} (each holds the other's: fix the"
+                f" conversion of {oa} and {ob})"
+            ),
             cost=cost_of("parameters", "swap-parameters"),
             values=_swapped(params, pairs),
         )
@@ -105,9 +108,9 @@ def _said(site: Site, tier: Tier, name: str, change: str, conversion: str) -> st
         return f"{site.path(name)}: {change} ({conversion})"
     source = site.held.get(name, "the aligned reference module's")
     return (
-        f"{site.path(name)} holds exactly the reference's values ({source}), yet the port matches only after this "
-        f"edit: {change}; its forward uses the parameter differently from the reference: fix that use, not the "
-        "weights"
+        f"{site.path(name)} holds exactly the reference's values ({source}), yet the port matches only after"
+        f" this edit: {change}; its forward uses the parameter differently from the reference: fix that use,"
+        " not the weights"
     )
 
 
@@ -332,7 +335,8 @@ def _input_edit(
 
 
 def _input_names(leaves: list[tuple[str, Any]]) -> dict[str, str]:
-    r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, ``input 0`` for a position."""
+    r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, ``input 0`` for a
+    position."""
     # paths are input.0.<position> for positional arguments, input.1.<keyword> for keywords
     return {path: "input " + ".".join(path.split(".")[2:]) for path, _ in leaves}
 
@@ -364,7 +368,8 @@ def input_edits(site: Site, work: Any) -> Iterator[Edit]:
                 "swap-inputs",
                 f"{names[pa]} <-> {names[pb]}",
                 _swap_inputs(pa, pb),
-                f"{site.path()}: its {names[pa]} and {names[pb]} are swapped (pass each where the other goes)",
+                f"{site.path()}: its {names[pa]} and {names[pb]} are swapped (pass each where the other"
+                " goes)",
                 inputs=[names[pa], names[pb]],
             )
     for path, t in leaves:
@@ -408,8 +413,8 @@ def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edi
             "rescale",
             name,
             _scaled_input(path, factor),
-            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply it "
-            f"by {label} (fix where it is computed, or the scale the reference applies)",
+            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply"
+            f" it by {label} (fix where it is computed, or the scale the reference applies)",
             remake=lambda f: scaled(f, ""),
             factor=factor,
         )
@@ -435,7 +440,8 @@ def _output_edit(
     remake: Callable[[float], Edit] | None = None,
     **parameters: Any,
 ) -> Edit:
-    r"""An edit of output leaf ``j``: ``change(tensor, inputs)`` gives the edited tensor (``inputs``: the site's
+    r"""An edit of output leaf ``j``: ``change(tensor, inputs)`` gives the edited tensor (``inputs``: the
+    site's
     input leaves by path, for the local check)."""
     return OutputEdit(
         tier="outputs",
@@ -489,7 +495,8 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
         for order in chunk_orders(count):
             halves = count == 2 and dim == got.ndim - 1
             words = (
-                f"{site.path()}: swap the two halves of its {path} along the last dim (e.g. cos/sin or sin/cos order)"
+                f"{site.path()}: swap the two halves of its {path} along the last dim (e.g. cos/sin or"
+                " sin/cos order)"
                 if halves
                 else f"{site.path()}: {order_words(count, order)} of its {path} along dim {dim}"
             )
@@ -537,7 +544,8 @@ def _scaled_output(site: Site, j: int, factor: float, label: str, seen: Tensors)
         "rescale",
         j,
         _output_scaled(factor),
-        f"{site.path()}: its {path} is the reference's multiplied by {inverse(label, factor)}: multiply it by {label}",
+        f"{site.path()}: its {path} is the reference's multiplied by {inverse(label, factor)}: multiply it by"
+        f" {label}",
         seen,
         remake=lambda f: _scaled_output(site, j, f, "", seen),
         factor=factor,
@@ -549,7 +557,8 @@ RESIDUAL_COEFFICIENTS = (1.0, -1.0, 2.0, -2.0, 0.5)
 
 
 def _affine_fits(w: Any, g: Any, x: Any, torch: Any) -> list[tuple[float, float, str]]:
-    r"""``(a, b)`` with ``w ≈ a * g + b * x`` (least squares), when both snap to small coefficients (``a`` never
+    r"""``(a, b)`` with ``w ≈ a * g + b * x`` (least squares), when both snap to small coefficients (``a``
+    never
     0: the port's own output must stay in the answer). A fitted free mixture is not offered: two free numbers
     re-mix almost any linear module into the reference."""
     design = torch.stack([g, x], dim=1)
@@ -579,6 +588,6 @@ def _residual_words(site: Site, path: str, input_name: str, a: float, b: float, 
     if abs(a - 1) < 1e-9 and abs(b - 1) < 1e-9:
         return f"{site.path()}: its residual is missing: the reference adds {input_name} to {path}"
     return (
-        f"{site.path()}: reference {path} = {format_value(a)} x port {path} + {format_value(b)} x {input_name} "
-        f"(fitted: {label})"
+        f"{site.path()}: reference {path} = {format_value(a)} x port {path} + {format_value(b)} x"
+        f" {input_name} (fitted: {label})"
     )

@@ -1,6 +1,7 @@
 r"""The settings tier of the repair search: every readable setting of the site's module and its submodules
 changed one at a time, cheapest first: a plain attribute the forward reads (:class:`AttributeEdit`), then a
-constructor argument or ``config`` key with the module rebuilt and its weights reloaded (:class:`ReplaceEdit`).
+constructor argument or ``config`` key with the module rebuilt and its weights reloaded
+(:class:`ReplaceEdit`).
 A module is varied only when a rebuild from the values read back reproduces it exactly."""
 
 from __future__ import annotations

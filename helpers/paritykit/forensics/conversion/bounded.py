@@ -1,6 +1,7 @@
 r"""Value matching of two models' weights that are read one tensor at a time (offloaded by accelerate).
 
-:func:`paritykit.forensics.conversion.matching.infer_conversion_map` holds every tensor of both sides while it matches them. For
+:func:`paritykit.forensics.conversion.matching.infer_conversion_map` holds every tensor of both sides while it
+matches them. For
 weights that live in an offload folder that is the whole model twice. Most tensors of a port loaded with the
 reference's weights are simply the same tensor under another name, and those need no value at all once that
 is known: :func:`compact_pair` fingerprints every tensor in one pass (each read, hashed and dropped), proves
@@ -111,7 +112,8 @@ def _stand_ins(pairs: dict[str, str], src_fp: dict, tgt_fp: dict) -> dict[str, A
 def compact_pair(
     source: Mapping, target: Mapping
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, int]]]:
-    r"""``source`` and ``target`` as plain dicts for :func:`paritykit.forensics.conversion.matching.infer_conversion_map`, with a
+    r"""``source`` and ``target`` as plain dicts for
+    :func:`paritykit.forensics.conversion.matching.infer_conversion_map`, with a
     stand-in for both members of every unique equal pair (see the module docstring).
 
     Returns:

@@ -20,7 +20,8 @@ _ROLE_WORDS = {"q": "q", "query": "q", "k": "k", "key": "k", "v": "v", "value": 
 
 
 def _role(name: str) -> str | None:
-    r"""``q``/``k``/``v`` when the module holding ``name`` is named for one (``to_q``, ``k_proj``, ``value``)."""
+    r"""``q``/``k``/``v`` when the module holding ``name`` is named for one (``to_q``, ``k_proj``,
+    ``value``)."""
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else parts[-1]
     roles = {_ROLE_WORDS[w] for w in re.split(r"[^a-z]+", module.lower()) if w in _ROLE_WORDS}

@@ -25,7 +25,8 @@ _MUL2 = -2073254261
 
 
 def informative(tensor: Any) -> bool:
-    r"""A tensor whose values can identify it: more than one element, not all equal (not all ones or zeros)."""
+    r"""A tensor whose values can identify it: more than one element, not all equal (not all ones or
+    zeros)."""
     if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
         return False
     flat = tensor.detach().reshape(-1)

@@ -29,7 +29,8 @@ def _map_safetensors(path: Path) -> dict[str, Any] | None:
 
     Pages are read when hashing reaches them and stay reclaimable file cache, so checkpoints larger than RAM
     stream through the fingerprint pass. The header is validated first (byte ranges against the file size);
-    anything unusual (an unaligned offset, an unknown dtype) falls back to :func:`paritykit.base.io.load_state_dict`.
+    anything unusual (an unaligned offset, an unknown dtype) falls back to
+    :func:`paritykit.base.io.load_state_dict`.
     """
     import torch
 

@@ -64,9 +64,9 @@ from paritykit.forensics.conversion.runtime import (
     apply_step,
 )
 
-# --------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # inference
-# --------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -125,7 +125,8 @@ class _Matcher:
         self._whole: set[str] = set()
         self._anc_cache: dict[str, set[str]] = {}
         self.by_module: dict[str, list[str]] = defaultdict(list)
-        # ``in_proj_weight`` / ``in_proj_bias`` are one module's parameters as much as ``qkv.weight`` / ``qkv.bias``
+        # ``in_proj_weight`` / ``in_proj_bias`` are one module's parameters as much as ``qkv.weight`` /
+        # ``qkv.bias``
         self.by_stem: dict[str, list[str]] = defaultdict(list)
         self._const_pieces: dict[tuple, list[_Found]] = {}
         for key in target:
@@ -201,7 +202,8 @@ class _Matcher:
     # -- phase 2b: values rounded through a lower precision ------------------------------------------------
     def match_rounded(self) -> None:
         r"""Targets whose values sit on a bf16/fp16 grid while their dtype is wider: a conversion that went
-        through the lower precision (saved in bf16, loaded as fp32). Matched against sources rounded the same way.
+        through the lower precision (saved in bf16, loaded as fp32). Matched against sources rounded the same
+        way.
         """
         import torch
 
@@ -389,7 +391,8 @@ class _Matcher:
         self._whole = {w.sources[0] for ways in all_ways.values() for w in ways if w.op != "chunk"}
         for tkey, ways in all_ways.items():
             live = _prefer_live(ways)
-            # a constant (zeros, ones) matched whole may still be a piece of a fused constant: structure decides
+            # a constant (zeros, ones) matched whole may still be a piece of a fused constant: structure
+            # decides
             if len({_way_sig(w) for w in live}) == 1 and not _constant(self.target[tkey]):
                 why = "values" if len(ways) == 1 else "values; live weights over EMA/shadow copies"
                 self.settle(tkey, live[0], why, learn=True)
@@ -417,7 +420,8 @@ class _Matcher:
 
     def sibling_ways(self, tkey: str) -> list[_Found]:
         r"""Ways built like a settled sibling of ``tkey`` (same target module, or same stem: ``in_proj_bias``
-        beside ``in_proj_weight``): the matching source of the same module or stem, same leading chunk (a fused
+        beside ``in_proj_weight``): the matching source of the same module or stem, same leading chunk (a
+        fused
         bias split like its fused weight), verified exactly."""
         module, leaf = tkey.rsplit(".", 1) if "." in tkey else ("", tkey)
         stem, stem_leaf = _param_stem(tkey)
@@ -568,7 +572,8 @@ class _Matcher:
             clear[tkey] = len(keys) < 2 or keys[0] > keys[1]
             groups[layer_key(tkey)].append(tkey)
         taken: set[str] = set()
-        # groups whose names point clearly (``norm_added_q`` ~ ``txt``) choose first; the rest take what is left
+        # groups whose names point clearly (``norm_added_q`` ~ ``txt``) choose first; the rest take what is
+        # left
         order = sorted(groups.values(), key=lambda m: -sum(clear[k] for k in m) / len(m))
         for members in order:
             fresh = {k: [w for w in ranked[k] if _way_sig(w) not in taken] or ranked[k] for k in members}

@@ -100,7 +100,8 @@ class NameScorer:
             for t_anc in sorted(self.partners, key=lambda a: -a.count(".")):
                 partners = self.partners[t_anc]
                 if not partners:
-                    continue  # every source key it met is top-level (``in_proj_weight``): no module to pair with
+                    # every source key it met is top-level (``in_proj_weight``): no module to pair with
+                    continue
                 top = max(partners.values())
                 best = max((s for s, n in partners.items() if n == top), key=lambda s: s.count("."))
                 kids = children.get(t_anc, [])

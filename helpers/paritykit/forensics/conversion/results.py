@@ -246,7 +246,8 @@ class ConversionMap:
 
 
 def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]:
-    r"""One row per group of ambiguous targets alike but for layer numbers (same names, same candidate count)."""
+    r"""One row per group of ambiguous targets alike but for layer numbers (same names, same candidate
+    count)."""
     groups: dict[tuple, list[AmbiguousTarget]] = defaultdict(list)
     for a in ambiguous:
         groups[(name_skeleton(a.target), name_skeleton(a.chosen), a.n_candidates)].append(a)
