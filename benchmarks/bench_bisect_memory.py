@@ -2,9 +2,9 @@
 
 The model is the shape issue 25 names: 64 residual MLP blocks (LayerNorm, Linear 256 -> 1024, tanh-GELU,
 Linear 1024 -> 256, plus the skip) over 4096 tokens of width 256, float32, batch 1: 128 MB of weights per
-side,
-and a full capture of every module call of one side is several GB. The port is a copy of the reference whose
-block 40 computes the exact GELU in place of the tanh form; the bisect must name ``blocks.40.act`` either way.
+side, and a full capture of every module call of one side is several GB. The port is a copy of the reference
+whose block 40 computes the exact GELU in place of the tanh form; the bisect must name ``blocks.40.act``
+either way.
 
 Each run is its own child process; its peak resident memory is ``ru_maxrss`` (the whole process: Python,
 torch, both models, the inputs and everything the bisect holds). The goal is a peak of at most 2 GiB with
@@ -87,7 +87,7 @@ def child(mode: str, blocks: int) -> dict:
         out["captured_bytes"] = trace.summary()["bytes_in_memory"]
         out["calls"] = len(trace)
     else:
-        from paritykit.bisection.search import bisect
+        from paritykit.bisection.entry import bisect
 
         report = bisect(reference, port, ((x,), {}), levels=mode)
         out["culprit"] = report.culprit.reference if report.culprit else None

@@ -5,8 +5,7 @@ Run: python benchmarks/bench_compare.py [--repeats 3] [--gib 1]   (writes benchm
 Each (method, case) runs in its own Python process, interleaved, so one method's allocations can never hide
 under another's peak. Inside the process:
   1. A (2**28 float32 = 1 GiB) is drawn in place, B = A.clone() is perturbed in place, so the process peak so
-     far
-     is exactly the two tensors plus the interpreter (checked: "headroom" = peak RSS - current RSS, ~0).
+     far is exactly the two tensors plus the interpreter (checked: "headroom" = peak RSS - current RSS, ~0).
   2. Both methods are warmed up on a 10-element pair (kernels, thread pool), then the measured call runs once.
   3. extra buffers = (peak RSS after - peak RSS before) / 1 GiB, from
      resource.getrusage(RUSAGE_SELF).ru_maxrss;

@@ -3,8 +3,7 @@
 Each family has a research-style REFERENCE (plain torch modules, its own names) and a PORT built from real
 diffusers modules with diffusers names; weights go across through an explicit conversion (renames, a fused
 QKV split, a shift/scale swap), so the two sides share no module name below the top level. ``bug=None`` gives
-a
-faithful port; every other ``bug`` plants one real-world mistake.
+a faithful port; every other ``bug`` plants one real-world mistake.
 """
 
 from __future__ import annotations
@@ -578,8 +577,7 @@ def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
 # the
 # [B, H, L, D] layout after splitting heads, as the original two-stream transformers' code does; the port is
 # diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output
-# thus
-# differs from its counterpart's by a dim permutation, by design.
+# thus differs from its counterpart's by a dim permutation, by design.
 
 JOINT_HEADS, JOINT_IMG, JOINT_TXT = 2, 6, 4
 JOINT_HEAD_DIM = DIM // JOINT_HEADS
@@ -687,8 +685,7 @@ def joint_pair(bug: str | None = None, seed: int = 0):
 # ------------------------------------------------------------------------------------- two-stream family
 # Parameterless norms of one class on two token streams of equal length, each followed by its own MLP. The
 # research block runs the text stream first, the port (named as diffusers' two-stream blocks name it) the
-# image
-# stream first: only what each norm reads tells the streams apart.
+# image stream first: only what each norm reads tells the streams apart.
 
 
 class ResearchTwoStream(nn.Module):

@@ -1,8 +1,7 @@
 """Independently written port pairs for the evidence tests: research-style code vs transformers / diffusers.
 
 Each builder returns ``(reference, port, inputs)``; ``bug`` plants one porting mistake, ``trained`` gives
-every
-parameter distinct random values (else both sides keep the reference's fresh initialisation).
+every parameter distinct random values (else both sides keep the reference's fresh initialisation).
 """
 
 from __future__ import annotations

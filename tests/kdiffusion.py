@@ -3,10 +3,9 @@
 The Makefile installs k-diffusion with --no-deps: it declares torchvision, clip and others, whose PyPI builds
 would replace the CPU torch. Its package ``__init__`` imports every submodule (``augmentation`` needs
 scikit-image, ``utils`` imports torchvision at the top), but ``sampling.py`` and ``external.py`` need only
-torch,
-scipy, torchsde, torchdiffeq, tqdm and one helper of ``utils`` (``append_dims``). So the two files are loaded
-as they are, as submodules of a package that skips ``__init__``, with a ``utils`` holding ``append_dims``
-compiled from k-diffusion's own ``utils.py`` source; the rest of that file is not loaded.
+torch, scipy, torchsde, torchdiffeq, tqdm and one helper of ``utils`` (``append_dims``). So the two files are
+loaded as they are, as submodules of a package that skips ``__init__``, with a ``utils`` holding
+``append_dims`` compiled from k-diffusion's own ``utils.py`` source; the rest of that file is not loaded.
 """
 
 from __future__ import annotations

@@ -2,14 +2,12 @@ r"""Child process of ``tests/test_offload.py::test_offloaded_alignment_memory_st
 
 ``prepare FOLDER``: build a reference (``blocks.N.0`` Linear + GELU) and a differently named port
 (``layers.N.proj``, same values, tanh GELU planted in one layer), run :func:`paritykit.bisect` on them in
-memory,
-write the culprit and aligned pairs to ``FOLDER/in_memory.json`` and each model's weights to an accelerate
-offload folder. ``measure FOLDER``: build both models on ``meta``, disk-offload them from those folders, warm
-up
-the code paths on a tiny pair, then run the same bisect on the offloaded models and print the culprit, the
-pairs,
-the weights' bytes and the peak RSS growth (VmHWM after minus VmRSS before; the peak is reset first).
-A process of its own, so the in-memory run's freed heap cannot hide the offloaded run's allocations.
+memory, write the culprit and aligned pairs to ``FOLDER/in_memory.json`` and each model's weights to an
+accelerate offload folder. ``measure FOLDER``: build both models on ``meta``, disk-offload them from those
+folders, warm up the code paths on a tiny pair, then run the same bisect on the offloaded models and print the
+culprit, the pairs, the weights' bytes and the peak RSS growth (VmHWM after minus VmRSS before; the peak is
+reset first). A process of its own, so the in-memory run's freed heap cannot hide the offloaded run's
+allocations.
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ def _time_shift(t: float, shift: float) -> float:
 def sd3_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> list[float]:
     """What Stability's SD3 reference sampler (sd3_infer.py, ``get_sigmas`` over sd3_impls.py's
     ``ModelSamplingDiscreteFlow``) computes: a table of the shifted sigmas of timesteps 1 … T; its smallest
-    and
-    largest entries, read back as timesteps (sigma · T), are spaced linearly over n steps and each is shifted
+    and largest entries, read back as timesteps (sigma · T), are spaced linearly over n steps and each is
+    shifted
     *again*, then a final 0. The low end is therefore shifted twice — the reference's own behaviour."""
     table_min = _time_shift(1 / train_steps, shift)  # sigma(timestep 1)
     table_max = _time_shift(1.0, shift)  # sigma(timestep T) = 1

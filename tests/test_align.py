@@ -265,7 +265,7 @@ def _mlp_pair(approximate: str = "none"):
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_an_activation_never_pairs_with_the_dropout_after_the_module_that_applies_it(approximate):
-    from paritykit.bisection.search import bisect
+    from paritykit.bisection.entry import bisect
 
     reference, port, inputs = _mlp_pair(approximate)
     al = aligned(reference, port, inputs)

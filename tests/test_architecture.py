@@ -1,7 +1,6 @@
 """The rooms of paritykit (docs/architecture.md) hold: the layering and no-cycle contracts pass under
-import-linter,
-no module imports another module's private names, no module outgrows a few hundred lines, and no public name
-of a
+import-linter, no module imports another module's private names, no module outgrows a few hundred lines, and
+no public name of a
 room is shadowed by one of its submodules."""
 
 import ast
@@ -34,8 +33,7 @@ def room_of(module: str) -> str:
 
 def private_imports(root: Path) -> list[str]:
     r"""Every ``from <another module> import _name`` (at any depth of the file) under package folder ``root``:
-    a
-    helper two modules share is public in the module that owns it. A private *module* (``_moved``) may be
+    a helper two modules share is public in the module that owns it. A private *module* (``_moved``) may be
     imported by name."""
     found = []
     for path in sorted(root.rglob("*.py")):
@@ -94,7 +92,7 @@ def test_no_module_outgrows_its_room(path):
 
 
 def test_no_public_name_of_a_room_is_shadowed_by_a_submodule():
-    """Importing ``paritykit.bisection.search`` sets the attribute ``search`` on ``paritykit.bisection``: a
+    """Importing ``paritykit.bisection.entry`` sets the attribute ``search`` on ``paritykit.bisection``: a
     public
     name spelled like a submodule would then be that module (the old ``paritykit.bisect`` bug)."""
     names = [

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 from paritykit.base.report import to_json
+from paritykit.bisection.entry import bisect, bisect_traces
 from paritykit.bisection.findings import first_divergence
-from paritykit.bisection.remix import remix_hint
-from paritykit.bisection.search import bisect, bisect_traces
+from paritykit.bisection.mix_fits import remix_hint
 from paritykit.tracing.trace import Trace, capture
 
 from tests.bisect_pairs import conv_pair, dit_pair, time_pair

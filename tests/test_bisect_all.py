@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from paritykit.base.report import to_json
-from paritykit.bisection.search import bisect
+from paritykit.bisection.entry import bisect
 from paritykit.cli import cli
 from torch import nn
 

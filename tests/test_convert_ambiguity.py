@@ -430,8 +430,7 @@ def test_mha_zero_biases_without_their_weights_are_ambiguous_with_the_fused_chun
 
 def test_root_level_weight_bias_pair_by_stem_and_no_pair_across_stems():
     # a top-level Linear (keys ``weight`` / ``bias``) cut from chunk 1 of ``qkv_weight``: its zero bias is
-    # chunk 1
-    # of ``qkv_bias``, not the zero ``proj_bias`` beside it
+    # chunk 1 of ``qkv_bias``, not the zero ``proj_bias`` beside it
     g = torch.Generator().manual_seed(7)
     src = {
         "qkv_weight": torch.randn(12, 4, generator=g),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from paritykit.base.report import to_json
 from paritykit.bisection import evidence as E
-from paritykit.bisection.search import bisect
+from paritykit.bisection.entry import bisect
 from torch import nn
 
 from tests.evidence_pairs import mha_pair, rope_pair, vit_pair
@@ -67,8 +67,7 @@ def test_planted_bug_gets_its_true_verified_fix(
         assert culprit.port == port_name
     else:
         # fresh init: both LayerNorms hold ones, so the weights cannot tell them apart (a low-confidence
-        # pair);
-        # the port module it names has the same planted setting, so the fix is still true there
+        # pair); the port module it names has the same planted setting, so the fix is still true there
         assert bug == "eps" and not trained and culprit.port in ("layernorm_before", "layernorm_after")
         fix = fix.replace("layernorm_before", culprit.port)
     hint = culprit.hints[0]

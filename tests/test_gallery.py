@@ -2,9 +2,8 @@ r"""The real-ports gallery (tests/gallery): every catalogue case, both weight va
 paritykit.bisect.
 
 Asserted: the culprit (or a plain ``match`` for clean ports), no hint the ground truth contradicts, every
-culprit
-of the multi-bug cases with ``--all``, and that ``weights map`` exposes each planted conversion slip. The
-benchmark's percentages (benchmarks/diagnosis.py) are not asserted here.
+culprit of the multi-bug cases with ``--all``, and that ``weights map`` exposes each planted conversion slip.
+The benchmark's percentages (benchmarks/diagnosis.py) are not asserted here.
 
 The pairs import their PyPI packages at module level on purpose: a missing package is an install bug and must
 fail, never skip. Cases paritykit gets wrong today are strict xfails naming the missing capability, so a fix

@@ -4,8 +4,8 @@ read from every captured aligned pair."""
 from __future__ import annotations
 
 import torch
+from paritykit.bisection.entry import bisect
 from paritykit.bisection.leaves import dim_orders, pair_layouts
-from paritykit.bisection.search import bisect
 
 from tests.bisect_pairs import joint_pair, two_stream_pair
 from tests.test_align import aligned

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from diffusers.models.embeddings import Timesteps
+from paritykit.bisection.entry import bisect
 from paritykit.bisection.module_fit import constructor_values, fit_module
-from paritykit.bisection.search import bisect
 from torch import nn
 
 from tests.bisect_pairs import inline_time_pair

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from paritykit.bisection.search import bisect
+from paritykit.bisection.entry import bisect
 from paritykit.bisection.zoom import use_zoom
-from paritykit.tracing.machines import ModelWeights
+from paritykit.tracing.split_traces import ModelWeights
 from paritykit.tracing.trace import capture
 
 from tests.bisect_pairs import dit_pair
@@ -169,8 +169,7 @@ def test_offloaded_alignment_memory_stays_below_the_weights(tmp_path):
     r"""Memory limit of this test: capturing, aligning by weights and zooming two disk-offloaded models (12
     Linear 2048x2048 each, ~403 MB of float32 weights in all, differently named) raises the child process's
     peak RSS by less than 50% of the weights' bytes; it measured ~50 MB. The bisect must not change because
-    the
-    weights are offloaded: same culprit and the same aligned pairs as the zoom on the in-memory models.
+    the weights are offloaded: same culprit and the same aligned pairs as the zoom on the in-memory models.
 
     glibc's mmap threshold is fixed at 1 MiB in the child (``MALLOC_MMAP_THRESHOLD_``) so that RSS measures
     what is held, not what glibc keeps after it was freed: with its default dynamic threshold, freed 16 MiB
@@ -231,7 +230,7 @@ def test_a_stand_in_hiding_a_concatenation_is_restored():
 
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_trace_weights_file_is_written_one_tensor_at_a_time_and_loads_back(tmp_path, offloaded):
-    from paritykit.tracing.machines import write_weights
+    from paritykit.tracing.split_traces import write_weights
     from safetensors.torch import load_file
 
     reference, _, _ = dit_pair(None)

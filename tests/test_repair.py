@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paritykit.bisection.entry import bisect
 from paritykit.bisection.repair.edits import chunk_orders, inverse, snapped
 from paritykit.bisection.repair.engine import Budget, repair_site
 from paritykit.bisection.repair.site import Site, held_parameters
-from paritykit.bisection.search import bisect
 from torch import nn
 
 from tests.bisect_pairs import time_pair

@@ -2,10 +2,10 @@
 
 k-diffusion's own ``sampling.py`` and ``external.py`` (loaded by tests/kdiffusion.py, installed --no-deps) run
 on a tiny UNet; a diffusers pipeline loop runs the same UNet with the scheduler, config and ``set_timesteps``
-call
-the parity-testing skill's table names. Every row of that table is checked here at two step counts; a row that
-is not exact names its causes, and replaying k-diffusion with exactly those causes removed must then match.
-The step check (``schedule --fit --step-check`` on a ``record_loop`` folder) is tested on the same recordings.
+call the parity-testing skill's table names. Every row of that table is checked here at two step counts; a row
+that is not exact names its causes, and replaying k-diffusion with exactly those causes removed must then
+match. The step check (``schedule --fit --step-check`` on a ``record_loop`` folder) is tested on the same
+recordings.
 """
 
 from __future__ import annotations
@@ -234,8 +234,7 @@ def test_each_row_against_kdiffusion(kd, unet, row, n):
         return
     assert rel(ported, reference) > EXACT  # the row says "not exact": it must not be
     # replay: k-diffusion fed diffusers' timesteps and started where diffusers starts reproduces the port;
-    # with
-    # either cause left in, it does not, so both named causes are real and together they are all of it
+    # with either cause left in, it does not, so both named causes are real and together they are all of it
     timesteps = {float(s): float(t) for s, t in zip(scheduler.sigmas, scheduler.timesteps)}
     start = math.sqrt(1 + float(scheduler.sigmas[0]) ** 2)
     both = run_kdiffusion(kd, unet, row, n, noise, cond, timesteps=timesteps, start_scale=start)

@@ -1,11 +1,9 @@
 """Flow-matching schedules from the research code people compare against: Flux's size-dependent schedule
 (black-forest-labs/flux, shifted once) and SD3's sampler (Stability's sd3_infer.py, low end shifted twice),
-both
-written in tests/reference_loops.py from that code, never from diffusers.
+both written in tests/reference_loops.py from that code, never from diffusers.
 
 The fit must find the set_timesteps call (sigmas=np.linspace(1, 1/n, n), mu= with dynamic shifting) and read
-mu
-as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on
+mu as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on
 look-alikes.
 """
 

@@ -117,8 +117,7 @@ def test_same_tensor_is_stored_once():
 
 def test_a_dropped_trace_frees_its_tensors_at_once_and_a_kept_record_still_reads_them():
     # a trace and its records must not form a reference cycle: repeated captures (bisect, a loop of them)
-    # would
-    # otherwise hold every dropped trace's copies until Python's cyclic collector happened to run
+    # would otherwise hold every dropped trace's copies until Python's cyclic collector happened to run
     import gc
     import weakref
 
@@ -369,7 +368,7 @@ def test_zoom_request_must_match_the_folders(tmp_path, monkeypatch):
 
 
 def test_comparing_loaded_traces_keeps_no_tensor_in_memory(tmp_path):
-    from paritykit.bisection.search import bisect_traces
+    from paritykit.bisection.entry import bisect_traces
 
     reference, port, (args, kwargs) = dit_pair("gelu")
     with torch.no_grad(), capture(reference, to_dir=tmp_path / "r"):

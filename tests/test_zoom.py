@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paritykit.base.errors import ParityKitError
-from paritykit.bisection.search import bisect
+from paritykit.bisection.entry import bisect
 from paritykit.bisection.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
 from paritykit.tracing.trace import capture
 from torch import nn

@@ -1,12 +1,9 @@
 """paritykit: agent skills and executable helpers for porting diffusion models with proven parity.
 
 The public API is imported lazily (PEP 562) so that ``import paritykit`` and the CLI's ``--help`` stay fast
-and
-never import torch until a tensor helper is used. The code lives in rooms named after what they hold
-(``base``,
-``tracing``, ``compare``, ``forensics``, ``bisection``, ``schedule``, ``pack``, ``cli``, ``demo``); how they
-fit
-together is docs/architecture.md.
+and never import torch until a tensor helper is used. The code lives in rooms named after what they hold
+(``base``, ``tracing``, ``compare``, ``forensics``, ``bisection``, ``schedule``, ``pack``, ``cli``, ``demo``);
+how they fit together is docs/architecture.md.
 """
 
 from __future__ import annotations

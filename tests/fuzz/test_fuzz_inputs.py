@@ -53,8 +53,7 @@ def build_port():
 @dataclass(frozen=True)
 class Case:
     r"""One command: its argv with ``{A}``/``{B}`` for the two inputs, the input pairs to try, the outputs it
-    may
-    write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace
+    may write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace
     folders,
     and run folders that record their side)."""
 

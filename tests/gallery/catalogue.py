@@ -35,8 +35,7 @@ class Case:
     # matching none of them is a false hint): written from the planted bug, not from what the search says
     repairs: tuple[str, ...] = ()
     # "named": a bug class an issue described (a catalogue detector may know it); "held-out": planted after
-    # the
-    # repair search was written, a class no detector in the code knows
+    # the repair search was written, a class no detector in the code knows
     split: str = "named"
 
     @property

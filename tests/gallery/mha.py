@@ -112,8 +112,8 @@ def inputs() -> tuple[tuple, dict]:
 def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``eps``, ``gelu-tanh``, ``swap-qk``,
     ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the
-    attention
-    out-projection by 1.01: no setting or weight explains it), ``bias-twice`` (its bias added a second time).
+    attention out-projection by 1.01: no setting or weight explains it), ``bias-twice`` (its bias added a
+    second time).
     """
     bugs = set(bug.split("+")) if bug else set()
     reference = with_weights(seeded(TorchBlock), variant)

@@ -1,7 +1,6 @@
 r"""Pair 2: the latent-diffusion autoencoder as the original Stable Diffusion VAE ran it - ``Encoder`` /
-``Decoder``
-from ``taming.modules.diffusionmodules.model`` (PyPI ``taming-transformers-rom1504``) - <-> diffusers
-``AutoencoderKL``, its weights converted by diffusers' own ``convert_ldm_vae_checkpoint``.
+``Decoder`` from ``taming.modules.diffusionmodules.model`` (PyPI ``taming-transformers-rom1504``) - <->
+diffusers ``AutoencoderKL``, its weights converted by diffusers' own ``convert_ldm_vae_checkpoint``.
 
 The taming package's ``__init__`` files import nothing heavy, but the package declares torchvision and
 pytorch-lightning; the Makefile installs it with ``--no-deps`` and this module imports only the model file,

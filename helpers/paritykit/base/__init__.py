@@ -3,6 +3,5 @@ a call's inputs, and a user's SPEC.py loaded with every call into it guarded.
 
 Modules: ``errors``, ``files``, ``naming``, ``report``, ``data`` (the shipped skills and templates), ``io``
 (tensor and state-dict files, never unpickling code), ``calls``, ``usercode``, ``lazy`` (lazy re-exports).
-Nothing
-here imports torch at import time, and nothing here imports another room.
+Nothing here imports torch at import time, and nothing here imports another room.
 """

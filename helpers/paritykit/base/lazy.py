@@ -2,9 +2,8 @@ r"""Lazy re-exports for a package's ``__init__`` (PEP 562), so importing a room 
 used.
 
 Every room re-exports its public names from the modules that define them; importing the room's package must
-not
-import those modules (and torch with them) before a name is asked for, or ``paritykit --help`` would pay for
-all.
+not import those modules (and torch with them) before a name is asked for, or ``paritykit --help`` would pay
+for all.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ def lazy_exports(
 
     Returns:
         ``(__getattr__, __dir__, __all__)``, to be assigned in the package's ``__init__``. A name is imported
-        on
-        first access and cached in the package's namespace.
+        on first access and cached in the package's namespace.
     """
     names = sorted(exports)
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from paritykit.base.calls import split_inputs, to_device
 from paritykit.base.errors import ParityKitError
+from paritykit.base.inputs import split_inputs, to_device
 
 SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
 
@@ -64,8 +64,8 @@ class Spec:
 
     def input_fingerprint(self) -> dict[str, Any]:
         r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name,
-        and
-        one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their inputs.
+        and one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their
+        inputs.
         """
         import hashlib
 

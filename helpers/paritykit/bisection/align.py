@@ -7,10 +7,9 @@ alignment is built in five passes, each working only on what the earlier ones le
 2. ``map``: ``--map``/``NAME_MAP`` rules applied to reference names (:mod:`paritykit.base.naming`);
 3. ``weights``: a module corresponds to another when their parameters map onto each other by value
    (:func:`paritykit.forensics.conversion.matching.infer_conversion_map`); containers pair when the parameters
-   under them do, and
-   a fused tensor split into several gives a 1:N correspondence (``group``). When several modules hold the
-   same parameters (a wrapper around a layer), the deepest pair first: an embedding table pairs with the
-   port's table, never with a block that holds the table and adds positions in its own forward;
+   under them do, and a fused tensor split into several gives a 1:N correspondence (``group``). When several
+   modules hold the same parameters (a wrapper around a layer), the deepest pair first: an embedding table
+   pairs with the port's table, never with a block that holds the table and adds positions in its own forward;
 4. ``order``: parameterless modules (activations, dropout, pooling, positional tables) between two aligned
    neighbours, by execution order and class, so a GELU variant or a rotary table is named itself
    (``confidence="medium"``);
@@ -227,7 +226,7 @@ def _side(model: Any, trace: Any) -> _Side:
         out_shapes, first_calls = {name: None for name in order}, {}
     state_dict = None
     if model is not None:
-        from paritykit.tracing.machines import ModelWeights
+        from paritykit.tracing.split_traces import ModelWeights
 
         weights = ModelWeights(model)
         # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
@@ -706,12 +705,11 @@ def align_modules(
 
     Args:
         reference: the reference ``nn.Module`` (or ``None`` when only its trace is at hand; its weights are
-            then
-            read from the trace folder when present).
+            then read from the trace folder when present).
         port: the port ``nn.Module`` (or ``None``).
         ref_trace: a :class:`paritykit.tracing.trace.Trace` of the reference; only executed modules are
-            aligned and
-            execution order comes from it. Without traces every named module takes part, in definition order.
+            aligned and execution order comes from it. Without traces every named module takes part, in
+            definition order.
         port_trace: the same for the port.
         rules: ``[(regex, repl), …]`` renaming reference names into the port's naming (pass 2).
         use_weights: run pass 3 (value matching of parameters).

@@ -7,12 +7,12 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paritykit.base.calls import is_tensor
+from paritykit.base.inputs import is_tensor
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layouts
+from paritykit.bisection.mix_fits import culprit_hints
 from paritykit.bisection.ops import op_divergence
-from paritykit.bisection.remix import culprit_hints
-from paritykit.bisection.repair.at_culprit import RepairOptions, repair_hints
+from paritykit.bisection.repair.culprit_sites import RepairOptions, repair_hints
 from paritykit.bisection.results import ModuleFinding, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import call_name
@@ -209,9 +209,9 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
 
 def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
     """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration,
-    activation,
-    fitted constants, weight slices, each fix verified on a copy of the port), with the input-aware and
-    tensor-level hints on its first differing output pair (its inputs and its children's outputs as mixing
+    activation, fitted constants, weight slices, each fix verified on a copy of the port), with the
+    input-aware and tensor-level hints on its first differing output pair (its inputs and its children's
+    outputs as mixing
     candidates)."""
     from paritykit.bisection.evidence.collect import culprit_evidence
     from paritykit.compare.diagnose import diagnose

@@ -8,8 +8,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from paritykit.base.calls import is_tensor
 from paritykit.base.errors import ParityKitError
+from paritykit.base.inputs import is_tensor
 from paritykit.compare.tensors import relative_error
 
 
@@ -73,8 +73,7 @@ def pair_layouts(
     r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf
     of
     ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
-    read
-    as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
+    read as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
 
     Returns ``(pairs, b_leaves, orders)``: index pairs, ``b`` with the permuted leaves in place, and the dim
     order applied to each permuted leaf by its path; ``None`` when no consistent pairing exists.

@@ -10,8 +10,7 @@ from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
 from paritykit.bisection.align import Alignment, Confidence
 
 # how one aligned call was tested: replayed on the reference's inputs, judged from both sides' captured inputs
-# and
-# outputs (an error jump), or from the final output alone
+# and outputs (an error jump), or from the final output alone
 TestKind = Literal["replay", "jump", "output"]
 Status = Literal["pass", "fail", "untestable"]
 # match: the output agrees and nothing inside fails; masked: it agrees, an aligned module inside fails on

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paritykit.base.calls import is_tensor
 from paritykit.base.errors import first_line
+from paritykit.base.inputs import is_tensor
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.leaves import (
@@ -155,8 +155,7 @@ class Searcher:
 
     def pair_call_inputs(self, ref_record: Record, port_record: Record) -> InputPairing | None:
         """How the reference call's input leaves feed the port call's: by path, order or shape, then up to a
-        dim
-        permutation, then with port inputs the reference has no counterpart for (rotary cos/sin passed as
+        dim permutation, then with port inputs the reference has no counterpart for (rotary cos/sin passed as
         ``image_rotary_emb``) kept from the port's own capture. ``None`` when they cannot be paired."""
         if not ref_record.replayable or not port_record.replayable:
             return None
@@ -186,8 +185,7 @@ class Searcher:
         replace: dict[str, Any] | None = None,
     ) -> tuple[tuple, dict] | None:
         """The port call's own arguments with the reference's tensors put in place of its tensors (copies, so
-        an
-        in-place op in the port module cannot change the trace); the port's extra inputs stay its own, or
+        an in-place op in the port module cannot change the trace); the port's extra inputs stay its own, or
         ``replace[path]`` where given. ``None`` when the inputs cannot be paired."""
         from paritykit.tracing.trace import unpack_call
 
@@ -257,8 +255,7 @@ class Searcher:
 
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept,
-        so
-        they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
+        so they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
         replayed.
         """
         kept = self.replays.get(ref_record.name)

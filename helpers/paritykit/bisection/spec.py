@@ -3,7 +3,7 @@ r"""``SPEC.py`` files: what ``paritykit bisect SPEC.py`` and ``paritykit trace S
 A spec builds both sides (``build_reference``, ``build_port``), makes their inputs (``make_inputs``, optional
 ``port_inputs``) and may pick the compared output (``select_output``), rename modules (``NAME_MAP``) and set
 ``TOLERANCE``. Every call into it is guarded by :func:`call_user`, so a user's exception is one line plus the
-user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.bisection.search`.
+user's own frames, never paritykit's. The search itself lives in :mod:`paritykit.bisection.entry`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp
 from paritykit.base.usercode import Spec, call_user, load_spec
+from paritykit.bisection.entry import bisect_traces, capture_and_bisect
 from paritykit.bisection.results import BisectReport
-from paritykit.bisection.search import bisect_traces, run_and_search
 
 
 def _side_of(model: Any, reference: Any) -> str:
@@ -69,7 +69,7 @@ def bisect_spec(
     with torch.no_grad():
         if traces is not None:
             ref_trace, port_trace = Trace.load(traces[0]), Trace.load(traces[1])
-            from paritykit.tracing.machines import check_pair, check_request
+            from paritykit.tracing.split_traces import check_pair, check_request
 
             inputs = spec.input_fingerprint() if spec is not None and spec.has("make_inputs") else None
             check_pair(ref_trace, port_trace, inputs)
@@ -85,7 +85,7 @@ def bisect_spec(
             reference, port = spec.build("reference", device), spec.build("port", device)
             ref_args, ref_kwargs = spec.inputs("reference", device)
             port_args, port_kwargs = spec.inputs("port", device)
-            return run_and_search(
+            return capture_and_bisect(
                 reference,
                 port,
                 (ref_args, ref_kwargs),
@@ -221,7 +221,7 @@ def trace_spec(
     with torch.no_grad():
         with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
-    from paritykit.tracing.machines import write_weights
+    from paritykit.tracing.split_traces import write_weights
 
     # one tensor at a time; offloaded weights are read from their offload, not their meta placeholders
     n_weights = write_weights(model, out / WEIGHTS_FILE)

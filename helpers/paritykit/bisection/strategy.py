@@ -2,8 +2,8 @@ r"""The culprit search: two strategies behind one interface, and the one functio
 report.
 
 A strategy decides what is captured at a time and in which order aligned calls are tested; the tests
-themselves
-are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two strategies
+themselves are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two
+strategies
 exist:
 
 * :class:`FullSearch` (``--levels full``): every module captured at once on each side, one searcher;
@@ -11,9 +11,9 @@ exist:
   searcher per level, a block entered (re-run alone from its captured inputs) only when the search needs to
   look inside it. Peak memory is one level's instead of every module's.
 
-:func:`run_search` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the
-verdict,
-the culprit finding and the first output divergence are one piece of code whichever strategy found them.
+:func:`run_strategy` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the
+verdict, the culprit finding and the first output divergence are one piece of code whichever strategy found
+them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
 from paritykit.bisection.leaves import final_output
-from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
+from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import module_of
@@ -168,7 +168,7 @@ def differing_in(searcher: Searcher) -> Located | None:
     return Located(searcher, first, 0, through_inputs=True, upstream=upstream)
 
 
-def run_search(
+def run_strategy(
     strategy: SearchStrategy,
     *,
     select_output: Callable[[str, Any], Any] | None = None,
@@ -180,8 +180,7 @@ def run_search(
     repair: RepairOptions | None = None,
 ) -> BisectReport:
     r"""Run ``strategy`` and report: ``diverge`` with the culprit when the final outputs differ, ``masked``
-    when
-    they match but an aligned module fails on identical inputs, else ``match``.
+    when they match but an aligned module fails on identical inputs, else ``match``.
 
     Args:
         strategy: a :class:`SearchStrategy` over the two sides.
@@ -191,8 +190,9 @@ def run_search(
         ops: name the first differing op inside a replayed culprit.
         environment: the report's environment stamp (default: this process's).
         allow_masked: accept the ``masked`` verdict (exit 0).
-        repair: how the culprit is explained (:class:`~paritykit.bisection.repair.at_culprit.RepairOptions`);
-            its time budget, when not given, is about the time this search took (at least a few seconds).
+        repair: how the culprit is explained
+            (:class:`~paritykit.bisection.repair.culprit_sites.RepairOptions`); its time budget, when not
+            given, is about the time this search took (at least a few seconds).
     """
     import time
 

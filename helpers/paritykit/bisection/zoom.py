@@ -6,8 +6,7 @@ is tens of gigabytes. The zoom keeps one level at a time:
 1. both models run once, capturing only the top-level blocks (the children of the root; the items of a
    ``ModuleList``/``ModuleDict`` count as blocks themselves, since a list is never called);
 2. the usual tests (:class:`~paritykit.bisection.searcher.Searcher`: replay, else error jump) run on those
-   blocks and the
-   first aligned block that fails is taken;
+   blocks and the first aligned block that fails is taken;
 3. that block alone is run again on each side from the inputs its level captured (the reference block on the
    reference's captured inputs, the port block on the port's own captured inputs, exactly what a full capture
    would have recorded), capturing its own children only; then step 2 again, one level down.
@@ -15,8 +14,7 @@ is tens of gigabytes. The zoom keeps one level at a time:
 It stops at a block with no children, or at a block whose children all pass (``inline``). Peak memory is the
 outputs of one level plus the tensors of the one block being entered. The result is an ordinary
 :class:`~paritykit.bisection.results.BisectReport`; its ``first_output_divergence`` is looked for among the
-top-level
-blocks only, and ``tested`` lists what was tested on the way down.
+top-level blocks only, and ``tested`` lists what was tested on the way down.
 """
 
 from __future__ import annotations
@@ -25,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from paritykit.base.calls import to_device
 from paritykit.base.errors import ParityKitError
+from paritykit.base.inputs import to_device
 from paritykit.bisection.align import AlignedPair, Alignment, align_modules
 from paritykit.bisection.leaves import module_device, pair_leaves
-from paritykit.bisection.repair.at_culprit import RepairOptions
+from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import ModuleTest
 from paritykit.bisection.searcher import MAX_MASKED_CHECKS, Searcher
-from paritykit.bisection.strategy import Located, differing_in, run_search
+from paritykit.bisection.strategy import Located, differing_in, run_strategy
 
 # ``levels="auto"``: zoom when the reference has more modules than this; below it a full capture is small.
 ZOOM_MODULES = 300
@@ -272,9 +270,9 @@ def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
 
 def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
     """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
-    tensor per access (:class:`paritykit.tracing.machines.ModelWeights`), in place of its ``meta`` state dict.
-    """
-    from paritykit.tracing.machines import ModelWeights
+    tensor per access (:class:`paritykit.tracing.split_traces.ModelWeights`), in place of its ``meta`` state
+    dict."""
+    from paritykit.tracing.split_traces import ModelWeights
 
     models = []
     for model, trace in ((zoom.reference, ref_trace), (zoom.port, port_trace)):
@@ -353,15 +351,14 @@ def zoom_bisect(
 
     Returns:
         A :class:`~paritykit.bisection.results.BisectReport`; its environment records ``levels: zoom`` and the
-        blocks
-        entered.
+        blocks entered.
     """
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     explain = RepairOptions(enabled=repair, catalogue=catalogue)
-    return run_search(zoom, select_output=select_output, repair=explain, **options)
+    return run_strategy(zoom, select_output=select_output, repair=explain, **options)
 
 
 # ------------------------------------------------------------------------------------ two machines
@@ -408,12 +405,12 @@ def trace_about(
 
 def write_fingerprints(model: Any, directory: Any) -> None:
     """``weights.json``: shape, dtype and sums of every weight
-    (:func:`paritykit.tracing.machines.weight_fingerprints`)."""
+    (:func:`paritykit.tracing.split_traces.weight_fingerprints`)."""
     import json
     from pathlib import Path
 
     from paritykit.base.files import atomic_write_text
-    from paritykit.tracing.machines import weight_fingerprints
+    from paritykit.tracing.split_traces import weight_fingerprints
 
     atomic_write_text(Path(directory) / FINGERPRINTS_FILE, json.dumps(weight_fingerprints(model), indent=1))
 

@@ -81,8 +81,7 @@ class LazyGroup(click.Group):
             _fail("aborted", as_json, 1)
         except _NO_ARGS_IS_HELP as exc:
             # a group run without its sub-command (`paritykit`, `paritykit weights`): show its help, as click
-            # 8.1
-            # and `paritykit new` do, instead of squeezing the whole help text into one error line
+            # 8.1 and `paritykit new` do, instead of squeezing the whole help text into one error line
             click.echo(exc.ctx.get_help())
             sys.exit(0)
         except click.ClickException as exc:

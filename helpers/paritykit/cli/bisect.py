@@ -1,4 +1,4 @@
-"""`paritykit bisect` and `paritykit trace`: thin shells over :mod:`paritykit.bisection.search`."""
+"""`paritykit bisect` and `paritykit trace`: thin shells over :mod:`paritykit.bisection.entry`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """``paritykit weights diff|map``: checkpoint forensics.
 
 ``diff`` lives here; ``map`` (conversion inference) lives in :mod:`paritykit.cli.weights_map`. Each
-sub-command is
-imported only when it runs, so ``weights diff --keys-only`` never pays for what ``map`` imports.
+sub-command is imported only when it runs, so ``weights diff --keys-only`` never pays for what ``map``
+imports.
 """
 
 from __future__ import annotations

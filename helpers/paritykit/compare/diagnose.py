@@ -447,8 +447,7 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> 
     r"""B ≈ A + c with one constant c: a bias or shift term differs (a missing or extra ``1 +``).
 
     On a timestep or sigma list (``name`` says so, or the values are a non-negative monotone sequence) the
-    hint
-    names the scheduler keys that shift a schedule, and ``paritykit schedule`` to confirm.
+    hint names the scheduler keys that shift a schedule, and ``paritykit schedule`` to confirm.
     """
     diff = y - x
     base = _norm(diff)

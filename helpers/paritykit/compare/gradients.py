@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.base.calls import split_inputs
 from paritykit.base.errors import ParityKitError, UserCodeError
+from paritykit.base.inputs import split_inputs
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 
 #: diagnoses run on the first this-many failing gradients (one bug usually fails many parameters alike)
@@ -68,8 +68,7 @@ class GradientComparison:
     r"""Gradients of one training step on the reference and on the port, per aligned parameter.
 
     ``exit_code`` is 0 when the losses and every aligned gradient match, else 1. A parameter left unaligned
-    counts
-    against the verdict only if it received a non-zero gradient (an unused parameter is harmless).
+    counts against the verdict only if it received a non-zero gradient (an unused parameter is harmless).
     """
 
     pairs: list[GradientPair]
@@ -309,12 +308,10 @@ def compare_gradients(
 
     Args:
         reference: the reference ``torch.nn.Module`` (its train/eval mode is used as is: call ``.eval()`` to
-            turn
-            dropout off, or rely on the shared seed when both sides draw the same random numbers).
+            turn dropout off, or rely on the shared seed when both sides draw the same random numbers).
         port: the port's module.
         inputs: what both models are called with — a kwargs dict, ``(args, kwargs)``, a tuple/list of
-            positional
-            arguments, or a single positional value. Each side gets its own copy.
+            positional arguments, or a single positional value. Each side gets its own copy.
         loss_fn: ``loss_fn(output) -> scalar tensor``, e.g. ``lambda out: F.mse_loss(out.sample, target)``.
         alignment: how reference parameters correspond to port parameters:
 
@@ -325,14 +322,12 @@ def compare_gradients(
             * a callable ``convert(state_dict) -> state_dict`` — the weight conversion (e.g. the module
               ``paritykit weights map --emit-rules`` writes) applied to the reference *gradients* — or the
               :class:`paritykit.forensics.conversion.results.ConversionMap` that ``infer_conversion_map``
-              returned. Valid for
-              conversions that only rename, split, concatenate, transpose, permute, reshape or cast (all that
-              ``weights map`` infers); a conversion that scales values would need the inverse scale on
-              gradients;
+              returned. Valid for conversions that only rename, split, concatenate, transpose, permute,
+              reshape or cast (all that ``weights map`` infers); a conversion that scales values would need
+              the inverse scale on gradients;
             * a :class:`paritykit.bisection.align.Alignment` from ``align_modules(reference, port)`` — each
-              one-to-one
-              module pair's own parameters are paired by local name (``weight`` ↔ ``weight``); parameters of
-              fused ↔ split groups stay unaligned (use the ConversionMap form for those).
+              one-to-one module pair's own parameters are paired by local name (``weight`` ↔ ``weight``);
+              parameters of fused ↔ split groups stay unaligned (use the ConversionMap form for those).
 
             Except with an explicit mapping, a parameter left without a partner fails the check when it
             received a non-zero gradient.

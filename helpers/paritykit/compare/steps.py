@@ -5,12 +5,9 @@ A question a port meets after its components pass (the other, "does the output l
 
 * **How does the error evolve over the denoising loop?** :func:`step_curve` reads the ``after_step_{i}``
   checkpoints that :func:`paritykit.save_checkpoints` wrote for each side, measures every step, and classifies
-  the
-  growth as ``bounded``, ``polynomial`` (with its exponent) or ``exponential``. Given the scheduler's sigmas
-  it also shows the
-  ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which turns a tiny early
-  difference
-  into a large late one.
+  the growth as ``bounded``, ``polynomial`` (with its exponent) or ``exponential``. Given the scheduler's
+  sigmas it also shows the ``1/σ`` amplification of Euler / flow-matching steps (``v = (x - x0) / σ``), which
+  turns a tiny early difference into a large late one.
 
 torch, numpy and matplotlib are imported inside the functions that need them, so importing this module is
 cheap.
@@ -124,13 +121,11 @@ def classify_growth(errors: Sequence[float | None], steps: Sequence[int] | None 
     ``exponential``.
 
     Fits ``log(error)`` against the step (exponential model) and against ``log(step + 1)`` (power law), using
-    the
-    steps whose error is finite and non-zero.
+    the steps whose error is finite and non-zero.
 
     * ``bounded``: the exponential fit grows less than :data:`BOUNDED_MAX_GROWTH` (2×) from first to last
-      step,
-      or less than :data:`BOUNDED_MAX_LATE_GROWTH` (1.25×) over the last half of the steps (it levelled off).
-      A shrinking error is bounded; so is an all-zero series.
+      step, or less than :data:`BOUNDED_MAX_LATE_GROWTH` (1.25×) over the last half of the steps (it levelled
+      off). A shrinking error is bounded; so is an all-zero series.
     * ``exponential``: per-step factor ≥ :data:`EXPONENTIAL_MIN_FACTOR` (1.1×), R² ≥
       :data:`EXPONENTIAL_MIN_R2` (0.9), and the exponential fit is at least as good as the power law.
     * ``polynomial``: anything else that grows — error ~ step^p, ``power_exponent`` is the fitted p (so a
@@ -538,29 +533,24 @@ def step_curve(
     r"""Measure two denoising runs step by step from their ``after_step_{i}`` checkpoints.
 
     Each folder is what :func:`paritykit.save_checkpoints` wrote (one ``after_step_{i}.safetensors`` per
-    step); the
-    tensor ``key`` is compared at every step present on both sides, one step in memory at a time.
+    step); the tensor ``key`` is compared at every step present on both sides, one step in memory at a time.
 
     Args:
         a_dir: the reference run's checkpoint folder.
         b_dir: the port's checkpoint folder.
         key: which tensor of each checkpoint to compare (default ``latents``).
         sigmas: the noise level of each step — a list/array/tensor or a ``.json``/``.txt``/``.npy``/tensor
-            file;
-            step ``i`` uses ``sigmas[i]`` (the σ the model ran at in that step; a trailing extra entry, e.g.
-            the
-            final 0 of ``scheduler.sigmas``, is ignored). Adds ``1/σ`` and ``max_abs·σ`` columns and the
-            growth
-            of the σ-scaled error: if that is bounded, the growth is ``1/σ`` amplification of an early
-            difference.
+            file; step ``i`` uses ``sigmas[i]`` (the σ the model ran at in that step; a trailing extra entry,
+            e.g. the final 0 of ``scheduler.sigmas``, is ignored). Adds ``1/σ`` and ``max_abs·σ`` columns and
+            the growth of the σ-scaled error: if that is bounded, the growth is ``1/σ`` amplification of an
+            early difference.
         atol, rtol: tolerance for the per-step verdict (default: from the dtypes, as in ``paritykit
         compare``).
         plot: if given, also write the PNG there.
 
     Returns:
         A :class:`StepCurve`: ``exit_code`` 0 when the last step is within tolerance, else 1. The growth class
-        and
-        its thresholds are described by :func:`classify_growth`.
+        and its thresholds are described by :func:`classify_growth`.
     """
     check_sides(a_dir, b_dir)
     from paritykit.compare.tensors import compare_tensors

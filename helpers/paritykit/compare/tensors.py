@@ -5,8 +5,7 @@ A and B are always "reference" and "port": relative error is measured against B 
 ``torch.testing.assert_close`` (``|a - b| <= atol + rtol * |b|``), and ``--map`` rules rename A's names.
 
 Every result is a dataclass with ``to_dict()`` (for ``--json``), ``render()`` (for a person) and
-``exit_code``;
-both faces read the same fields, so they cannot disagree.
+``exit_code``; both faces read the same fields, so they cannot disagree.
 
 Big tensors are walked in chunks of :data:`CHUNK` elements: arithmetic in float32 (float64 when an input is
 float64 or a wide integer), sums accumulated in float64 across chunks. The only full-size copies ever made are

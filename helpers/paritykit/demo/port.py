@@ -71,8 +71,7 @@ class TinyControlDenoiserModel(ModelMixin, ConfigMixin):
         control_scale: strength of the connection from the control branch into the base branch.
         time_mixture: weight of the base branch's time embedding when mixing it with the control branch's.
             As first ported the field did not exist and the mixer reused ``control_scale``; ``None`` keeps
-            that
-            behaviour, which is the bug ``paritykit demo`` hunts down.
+            that behaviour, which is the bug ``paritykit demo`` hunts down.
     """
 
     @register_to_config

@@ -96,9 +96,8 @@ def build_reference(seed: int = 0) -> ResearchDenoiser:
     torch.manual_seed(seed)
     model = ResearchDenoiser().eval()
     # Stand in for trained weights: distinct values everywhere, the large time-embedding and modulation
-    # weights
-    # trained models have (which is what makes a mixing error visible), and a head whose residual over the
-    # control image is small.
+    # weights trained models have (which is what makes a mixing error visible), and a head whose residual over
+    # the control image is small.
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.add_(0.05 * torch.randn_like(param))

@@ -104,8 +104,7 @@ def run_demo(out_dir: str | Path = "demo-output", echo: Callable[[str], None] = 
     r"""Run the six steps, writing artefacts to ``out_dir``. Returns what was checked.
 
     A folder from an earlier demo run is refreshed: the files that run wrote are replaced, anything a user
-    added
-    stays. Any other non-empty folder is refused.
+    added stays. Any other non-empty folder is refused.
     """
     out = Path(out_dir)
     before = _prepare_output(out)
@@ -120,7 +119,7 @@ def _run_steps(out: Path, echo: Callable[[str], None]) -> DemoResult:
     import yaml
     from safetensors.torch import save_file
 
-    from paritykit.bisection.search import bisect
+    from paritykit.bisection.entry import bisect
     from paritykit.compare.images import compare_images
     from paritykit.compare.sets import compare_paths
     from paritykit.compare.steps import step_curve

@@ -26,11 +26,9 @@ def load_config(source: Any) -> dict[str, Any]:
 
     Args:
         source: a JSON file, a YAML file (``.yaml``/``.yml``), a ``.safetensors`` file (its ``config``
-            metadata
-            entry when that holds a JSON object, else the whole metadata), a diffusers model folder
+            metadata entry when that holds a JSON object, else the whole metadata), a diffusers model folder
             (``config.json``), a pipeline folder (``model_index.json``: each component becomes a nested dict),
-            a
-            mapping, or a live model/pipeline whose ``.config`` is a mapping.
+            a mapping, or a live model/pipeline whose ``.config`` is a mapping.
 
     Returns:
         A plain (nested) dict.

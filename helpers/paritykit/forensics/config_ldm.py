@@ -4,10 +4,8 @@ configs.
 The translation is diffusers' own: ``create_unet_diffusers_config_from_ldm`` and
 ``create_vae_diffusers_config_from_ldm`` from ``diffusers.loaders.single_file_utils``, the functions
 ``from_single_file`` uses. paritykit adds only bookkeeping around them: which YAML keys they read (a key they
-never
-read has no diffusers counterpart and is reported as reference only, never compared) and a one-line error
-naming
-the key a helper needed and the YAML lacks.
+never read has no diffusers counterpart and is reported as reference only, never compared) and a one-line
+error naming the key a helper needed and the YAML lacks.
 """
 
 from __future__ import annotations
@@ -115,8 +113,7 @@ def ldm_targets(
     A pipeline's components are matched by class (``UNet2DConditionModel``, ``AutoencoderKL``); a single model
     by ``class_name`` or its ``_class_name``, and without a class by its keys (``latent_channels`` without
     ``cross_attention_dim`` is an autoencoder). Raises :class:`ParityKitError` when nothing fits: a wrong
-    pairing
-    would report every key as a difference.
+    pairing would report every key as a difference.
     """
     components = {
         name: value.get("_class") or value.get("_class_name")

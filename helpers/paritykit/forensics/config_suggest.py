@@ -3,9 +3,8 @@ similar names.
 
 Only pairs the evidence singles out are proposed: a prefix whose removal lines up at least two keys, a value
 that occurs once on each side under names that are not unrelated, or an equal value under clearly similar
-names. Anything tied is left out rather
-than guessed. Each proposal is a ready ``--map 'REGEX=REPL'`` argument, meant to be appended after the user's
-own.
+names. Anything tied is left out rather than guessed. Each proposal is a ready ``--map 'REGEX=REPL'``
+argument, meant to be appended after the user's own.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 r"""Diff two model or pipeline configs key by key, whatever they are stored in.
 
 Sources: a ``config.json`` (or any JSON object file), a diffusers model folder, a pipeline folder
-(``model_index.json``
-plus each component's config, compared component by component), the metadata of a ``.safetensors`` header, an
-original LDM-style YAML file, a plain dict, or a live model's ``.config``. Nested keys are flattened to dotted
-paths
-and values compared type-aware: ``1 == 1.0`` and ``[1, 2] == (1, 2)``, but ``"1" != 1`` and ``True != 1``.
+(``model_index.json`` plus each component's config, compared component by component), the metadata of a
+``.safetensors`` header, an original LDM-style YAML file, a plain dict, or a live model's ``.config``. Nested
+keys are flattened to dotted paths and values compared type-aware: ``1 == 1.0`` and ``[1, 2] == (1, 2)``, but
+``"1" != 1`` and ``True != 1``.
 """
 
 from __future__ import annotations

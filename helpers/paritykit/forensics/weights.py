@@ -1,18 +1,15 @@
 r"""Diff two checkpoints tensor by tensor without loading either one whole.
 
 Safetensors inputs (single files, sharded ``*.index.json`` sets, diffusers model and pipeline folders) are
-read
-header first: keys, shapes and dtypes come from the JSON headers alone, so ``keys_only=True`` never touches a
-tensor and never imports torch or numpy. Values are then streamed one tensor pair at a time: the two byte
-ranges
-are compared raw first (most tensors of a fine-tune or a merge are untouched, and ``memcmp`` is far cheaper
-than
-any float maths), and only pairs whose bytes differ are decoded in fixed-size chunks to accumulate L2, L1,
-cosine and max-abs. Peak anonymous memory is a few chunk buffers per worker, whatever the file size.
+read header first: keys, shapes and dtypes come from the JSON headers alone, so ``keys_only=True`` never
+touches a tensor and never imports torch or numpy. Values are then streamed one tensor pair at a time: the two
+byte ranges are compared raw first (most tensors of a fine-tune or a merge are untouched, and ``memcmp`` is
+far cheaper than any float maths), and only pairs whose bytes differ are decoded in fixed-size chunks to
+accumulate L2, L1, cosine and max-abs. Peak anonymous memory is a few chunk buffers per worker, whatever the
+file size.
 
 Pickled checkpoints (``.ckpt``/``.pt``/``.bin`` …) go through :func:`paritykit.base.io.load_state_dict` (the
-safe
-loader), so they are in memory as a whole; the same chunked comparison then runs on the loaded tensors.
+safe loader), so they are in memory as a whole; the same chunked comparison then runs on the loaded tensors.
 """
 
 from __future__ import annotations
@@ -516,8 +513,7 @@ def weights_diff(
 
     Args:
         a: reference checkpoint: ``.safetensors``, sharded ``*.index.json``, diffusers model or pipeline
-            folder,
-            or a pickled ``.ckpt``/``.pt``/``.pth``/``.bin`` (read by the safe loader).
+            folder, or a pickled ``.ckpt``/``.pt``/``.pth``/``.bin`` (read by the safe loader).
         b: checkpoint to compare against it.
         rules: ``(regex, repl)`` rules renaming A's keys into B's naming, applied in order.
         metric: ``l2``, ``l1``, ``cosine`` or ``max_abs``: the one summed per group, sorted by and plotted.

@@ -1,7 +1,7 @@
 r"""The values half of ``weights diff``: tensor pairs streamed in chunks from their files (or taken from
-memory),
-their bytes compared first, and every statistic of a changed pair (L2, L1, cosine, max-abs) accumulated in one
-pass over cache-sized chunks, on one worker thread per core. Peak anonymous memory is a few chunk buffers per
+memory), their bytes compared first, and every statistic of a changed pair (L2, L1, cosine, max-abs)
+accumulated in one pass over cache-sized chunks, on one worker thread per core. Peak anonymous memory is a few
+chunk buffers per
 worker, whatever the file size."""
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ class _Worker:
     r"""One worker's read buffers and statistics buffers, reused for every tensor pair so memory stays flat.
 
     Bytes are copied from the page cache with ``preadv`` into one chunk-sized buffer per side, which the
-    decode
-    then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page past
-    the
+    decode then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page
+    past the
     end of a file truncated under us would be a SIGBUS rather than an error.)"""
 
     def __init__(self, fds: dict[Path, int]):
         self.fds = fds
         self._raw = {side: bytearray(RAW_CHUNK_BYTES) for side in ("a", "b")}
         # what each side's buffer holds now: a changed tensor's first differing chunk, read to compare its
-        # bytes,
-        # is then decoded from the buffer instead of read again
+        # bytes, is then decoded from the buffer instead of read again
         self._holds: dict[str, tuple[Path, int, int]] = {}
         self._work: dict[str, Any] = {}
 
@@ -161,13 +159,11 @@ _HALF_KEEP = -0x70000001  # 0x8FFFFFFF as an int32
 
 def _half_to_float(half_bits: Any, out: Any) -> Any:
     r"""float16 bits into float32 ``out`` in four passes, a widening copy and three in place (numpy's own cast
-    is
-    about seven times slower),
-    bit-exact on every finite value. Sign-extending the 16 bits to int32 and shifting them left by 13 puts the
-    exponent and mantissa in float32 position and the sign in bit 31; bits 28-30 then hold copies of the sign,
-    which the mask clears. The float32 so formed is the value times 2^-112 (denormals and zero included), so
-    one
-    multiply rescales it. An infinity or NaN (exponent 31) comes out finite, at 65536 or more in magnitude:
+    is about seven times slower), bit-exact on every finite value. Sign-extending the 16 bits to int32 and
+    shifting them left by 13 puts the exponent and mantissa in float32 position and the sign in bit 31; bits
+    28-30 then hold copies of the sign, which the mask clears. The float32 so formed is the value times 2^-112
+    (denormals and zero included), so one multiply rescales it. An infinity or NaN (exponent 31) comes out
+    finite, at 65536 or more in magnitude:
     :func:`_decode_with_norm` catches that from the chunk's square norm, which the statistics need anyway."""
     import numpy as np
 
@@ -225,9 +221,8 @@ def _distances(a: Any, b: Any, worker: _Worker, equal_before: int = 0) -> dict[s
             d = np.subtract(xa, xb, out=xb)
             chunk_sq = float(np.dot(d, d))
             # |a - b|^2 = |a|^2 + |b|^2 - 2 a.b: the dot product from the three sums, one pass fewer. Its
-            # error is
-            # float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a float64
-            # reference.
+            # error is float32's relative to |a|^2 + |b|^2, as a BLAS dot's own is; cosine is held to a
+            # float64 reference.
             dot += (chunk_a + chunk_b - chunk_sq) / 2
             norm_a += chunk_a
             norm_b += chunk_b

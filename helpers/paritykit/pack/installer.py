@@ -51,8 +51,7 @@ USER_FOLDERS: dict[str, str] = {
 
 
 # The instruction file each agent reads at a repository root; linked to `.ai/AGENTS.md` only in paritykit's
-# own
-# checkout, never in another repository.
+# own checkout, never in another repository.
 INSTRUCTION_FILES: dict[str, str] = {
     "claude": "CLAUDE.md",
     "codex": "AGENTS.md",
@@ -252,12 +251,10 @@ def uninstall(
     r"""Remove what ``install`` made, and only that.
 
     Entries listed in a manifest are removed while they are still as they were made (a link with the same
-    target,
-    a copy with the same content hash); an edited copy is kept with a warning. Links into the pack that have
-    no
-    manifest entry (made by an older ``make claude``) are removed too. A folder moved aside by ``--force`` is
-    put
-    back. Empty folders the install created are removed. Arguments as for ``install``; default agents: all.
+    target, a copy with the same content hash); an edited copy is kept with a warning. Links into the pack
+    that have no manifest entry (made by an older ``make claude``) are removed too. A folder moved aside by
+    ``--force`` is put back. Empty folders the install created are removed. Arguments as for ``install``;
+    default agents: all.
     """
     ctx = _Context.make(resolve_agents(agents, default=AGENTS), target, user_scope, pack, home)
     report = ctx.report("uninstall", dry_run)

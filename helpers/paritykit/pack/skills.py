@@ -1,14 +1,12 @@
 r"""The skill pack: find it, validate it, and install it for coding agents without ever losing a user's file.
 
 Torch-free, and apart from ``validate`` (which needs PyYAML) it uses only the standard library, so the
-Makefile can
-run the installer from a bare checkout.
+Makefile can run the installer from a bare checkout.
 
 Installing makes one symlink per skill folder (``.claude/skills/<skill> -> ../../skills/<skill>``) or, with
 ``copy=True`` or where a symlink cannot be made, a copy. Every entry made is recorded in a manifest
 (``.paritykit-manifest.json``) inside the agent's skills folder; uninstall removes only entries that are still
-as
-they were made. Conflicts are checked before anything is written, so a refused install changes nothing.
+as they were made. Conflicts are checked before anything is written, so a refused install changes nothing.
 """
 
 from __future__ import annotations

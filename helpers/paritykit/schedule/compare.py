@@ -7,8 +7,7 @@ defaults differ (``timestep_spacing``, ``steps_offset``, Karras sigmas, a flow-m
 
 * :func:`compare_schedules` aligns two timestep / sigma lists and names what differs, with its evidence.
 * :func:`fit_scheduler` searches the config keys a scheduler class accepts (read from its ``__init__``) for
-  the
-  configs whose ``set_timesteps`` reproduces a reference at the requested step count *and* at other counts
+  the configs whose ``set_timesteps`` reproduces a reference at the requested step count *and* at other counts
   (a setting that matches at one count only is never proposed), and optionally checks one ``step()`` against
   the reference's own update.
 """

@@ -134,10 +134,8 @@ def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str,
     r"""Where a shifted flow schedule's *unshifted* linear range ends, as a rule for every step count.
 
     ``1/n``: ``linspace(1, 0, n + 1)`` without its final 0 (Flux's ``get_schedule``; diffusers' pipelines pass
-    it
-    as ``sigmas=np.linspace(1, 1/n, n)``). ``shift(1/T)``: the smallest sigma of the shifted training table,
-    which
-    is then shifted again (SD3's reference sampler reads its end from that table; diffusers'
+    it as ``sigmas=np.linspace(1, 1/n, n)``). ``shift(1/T)``: the smallest sigma of the shifted training
+    table, which is then shifted again (SD3's reference sampler reads its end from that table; diffusers'
     ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)`` with a static shift does the same). ``1/T``: the
     unshifted table's end. Else a fixed end."""
     rules = (

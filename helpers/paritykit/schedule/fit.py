@@ -103,11 +103,9 @@ class FitResult:
 
     ``fits`` hold the (config, call) pairs whose lists match at every count checked (and whose step matches,
     when checked), plainest first; ``rejected`` the ones that matched at the requested count but not at
-    another,
-    or whose step differs. With no fit, ``nearest`` is the closest candidate, ``differences`` name what still
-    differs, and ``elsewhere`` the other scheduler classes that reproduce the reference. ``exit_code`` 0 when
-    a
-    fit was found, else 1.
+    another, or whose step differs. With no fit, ``nearest`` is the closest candidate, ``differences`` name
+    what still differs, and ``elsewhere`` the other scheduler classes that reproduce the reference.
+    ``exit_code`` 0 when a fit was found, else 1.
     """
 
     scheduler: str
@@ -336,8 +334,7 @@ def fit_scheduler(
     classes ``sigmas=np.linspace(1, 1/n, n)`` (what diffusers' flow pipelines pass); as a last resort the
     reference's own lists (``sigmas=`` / ``timesteps=``). A candidate that matches at ``steps`` is checked at
     three or more other counts (some not dividing ``num_train_timesteps``) and, for a size-dependent
-    reference,
-    at every size: the reference there comes from a SPEC's ``ref_schedule(n)`` / ``ref_schedule(n,
+    reference, at every size: the reference there comes from a SPEC's ``ref_schedule(n)`` / ``ref_schedule(n,
     image_seq_len)``, or from the closed form the reference's list follows. Every fit states its residual.
 
     Args:
@@ -346,13 +343,10 @@ def fit_scheduler(
             more image sizes (:func:`load_sized`).
         steps: the step count (default: the reference's).
         base_config: the port's scheduler config (dict or JSON file); changes are reported relative to it. A
-            key
-            no diffusers scheduler accepts, or a value ``cls`` refuses, raises :class:`ParityKitError`.
+            key no diffusers scheduler accepts, or a value ``cls`` refuses, raises :class:`ParityKitError`.
         step_check: also verify ``step()``: a SPEC ``.py`` with ``ref_step(x, eps, t, t_prev)``, or a
-            checkpoint
-            folder with the reference's per-step latents and model output (a ``record_loop`` folder checks
-            every
-            step of a multistep or second-order sampler); ``True`` uses the reference SPEC.
+            checkpoint folder with the reference's per-step latents and model output (a ``record_loop`` folder
+            checks every step of a multistep or second-order sampler); ``True`` uses the reference SPEC.
         image_seq_len: the image sizes (latent tokens) a size-dependent SPEC is fitted at (two or more).
         explain: when nothing fits, name the nearest candidate's differences and try the sibling classes.
 

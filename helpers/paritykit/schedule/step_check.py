@@ -249,10 +249,9 @@ def _check_calls(
     mu: float | None = None,
 ) -> StepCheck:
     r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is
-    undone
-    to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call
-    ``j``'s
-    own model output, so a multistep solver's history is the reference's. The last update is checked against
+    undone to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call
+    ``j``'s own model output, so a multistep solver's history is the reference's. The last update is checked
+    against
     the loop's ``final`` result when the folder has it."""
     import torch
 

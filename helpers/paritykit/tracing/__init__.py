@@ -1,6 +1,6 @@
 r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline
-checkpoints
-saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser (``recording``).
+checkpoints saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser
+(``recording``).
 """
 
 from paritykit.base.lazy import lazy_exports
@@ -8,7 +8,7 @@ from paritykit.base.lazy import lazy_exports
 # public name -> the module that defines it
 EXPORTS = {
     "Trace": "paritykit.tracing.trace",
-    "ModelWeights": "paritykit.tracing.machines",
+    "ModelWeights": "paritykit.tracing.split_traces",
     "capture": "paritykit.tracing.trace",
     "Checkpoint": "paritykit.tracing.checkpoints",
     "PipelineStop": "paritykit.tracing.checkpoints",

@@ -216,8 +216,8 @@ def save_checkpoints(
     Each checkpoint's tensors go to ``<name>.safetensors`` (on CPU, contiguous); ``paritykit.json`` records
     the order, every key (tensor or not) in its original order, the non-tensor values that JSON can hold
     (non-finite floats under ``nonfinite``), the keys it could not (``skipped``), and the environment
-    (paritykit, torch, diffusers versions). Existing files of the same
-    names are overwritten; other files are left alone.
+    (paritykit, torch, diffusers versions). Existing files of the same names are overwritten; other files are
+    left alone.
 
     ``side`` (``"reference"`` or ``"port"``) is recorded in the manifest, so commands that pair two folders
     refuse two runs of one side, or the two given in the wrong order.
@@ -297,9 +297,8 @@ def load_checkpoints(directory: str | Path) -> dict[str, Checkpoint]:
 
     Returns:
         ``{name: Checkpoint(data=...)}`` in execution order, with tensors and JSON values back under their
-        keys
-        in the order they were saved; ``save``, ``stop`` and ``load`` are all ``False`` (set ``load`` on the
-        ones to inject).
+        keys in the order they were saved; ``save``, ``stop`` and ``load`` are all ``False`` (set ``load`` on
+        the ones to inject).
     """
     from paritykit.base.io import read_safetensors
 

@@ -222,8 +222,7 @@ def record_loop(denoiser: Any, out: str | Path, *, side: str | None = None) -> I
 
     Yields:
         A dict for :class:`paritykit.Checkpoint` s, filled when the block ends; its ``final(latents)`` keeps
-        the
-        loop's result too.
+        the loop's result too.
 
     Example::
 

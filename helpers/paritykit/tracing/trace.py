@@ -4,9 +4,8 @@ r"""Capture every module call of a model: inputs, outputs, call order, nesting.
 keyword inputs and the outputs of every call, in execution order. Repeated calls are named ``name``,
 ``name#1``, ``name#2`` …; nested outputs (tuples, dicts, ``BaseOutput``) are flattened by path
 (``output.0``, ``output.sample``, ``args.1``, ``kwargs.temb``). A trace keeps enough structure to *replay* a
-call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.bisection.search` needs to compare two
-different
-implementations module by module.
+call (rebuild its ``args``/``kwargs``), which is what :mod:`paritykit.bisection.entry` needs to compare two
+different implementations module by module.
 
 ``to_dir=`` streams the tensors into safetensors shards next to a JSON manifest, so models larger than RAM can
 be traced; :meth:`Trace.load` reads such a folder back lazily.
@@ -121,8 +120,7 @@ class Record:
     input_keys: dict[str, str] = field(default_factory=dict)
     output_keys: dict[str, str] = field(default_factory=dict)
     # the trace's tensors, not the trace: the trace lists its records, so a reference to it would be a cycle,
-    # and a
-    # trace the caller drops would keep its copies until the cyclic collector ran
+    # and a trace the caller drops would keep its copies until the cyclic collector ran
     _tensors: TraceTensors | None = field(default=None, repr=False, compare=False)
 
     # tensors ----------------------------------------------------------------------------------------
@@ -178,9 +176,8 @@ class Record:
 
 class TraceTensors:
     r"""A trace's tensors by storage key: the copies :func:`capture` made, or the shards of a trace folder,
-    read
-    lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors, and a
-    trace
+    read lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors,
+    and a trace
     dropped with its records frees them at once (no reference cycle)."""
 
     def __init__(self, directory: Path | None = None):
@@ -443,8 +440,8 @@ class _Recorder:
         self.finished = 0
         self.next_key = 0
         # id(tensor) -> (weakref to the tensor, its version counter, its TensorRef): one copy per tensor
-        # value,
-        # even when the same tensor is a child's output, the next sibling's input and the parent's output.
+        # value, even when the same tensor is a child's output, the next sibling's input and the parent's
+        # output.
         self.seen: dict[int, tuple[Any, int, TensorRef]] = {}
 
     def store(self, value: Any) -> TensorRef:
@@ -463,8 +460,7 @@ class _Recorder:
         self.next_key += 1
         try:
             # no callback to drop the entry when the tensor dies: a later tensor given the same id finds a
-            # dead
-            # reference and is stored anew, so a stale entry is harmless and needs no callback per tensor
+            # dead reference and is stored anew, so a stale entry is harmless and needs no callback per tensor
             self.seen[ident] = (weakref.ref(value), version, ref)
         except TypeError:
             pass
@@ -575,8 +571,7 @@ def capture(
 
     Returns:
         A :class:`Trace`, filled in while the block runs. Hooks are removed on exit, also when the block
-        raises,
-        and they never change what the model computes.
+        raises, and they never change what the model computes.
     """
     if isinstance(modules, (str, type)):
         modules = [modules]

@@ -9,7 +9,7 @@ from typing import Any
 
 from paritykit.base.report import format_number
 from paritykit.tracing.recording import Call
-from paritykit.triage.calls import Roles, latents, output, pair_conditioning, timestep
+from paritykit.triage.roles import Roles, latents, output, pair_conditioning, timestep
 
 
 @dataclass

@@ -123,8 +123,8 @@ class CallError:
 @dataclass
 class TriageReport:
     r"""``verdict`` is ``match`` (every call, the decoder and the result agree) or ``differ``; ``findings``
-    list
-    the causes, first difference first (every independent one with ``all_causes``); ``ruled_out`` the places
+    list the causes, first difference first (every independent one with ``all_causes``); ``ruled_out`` the
+    places
     checked and found to agree; ``not_checked`` what could not be, with why."""
 
     spec: str

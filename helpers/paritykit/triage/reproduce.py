@@ -1,6 +1,5 @@
 r"""What lets each triage finding be run again alone: the recordings in ``--out``, the commands that read
-them,
-and the files those commands need.
+them, and the files those commands need.
 
 The order is fixed: :func:`write_recordings` before the walk (the schedule fit reads them), the commands built
 during the walk by :class:`Commands` (pure: a command and the :class:`~paritykit.triage.report.ReproduceFile`

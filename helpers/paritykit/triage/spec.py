@@ -1,6 +1,5 @@
 r"""``paritykit triage SPEC.py``: both pipelines run end to end from one seed, every denoiser (and decoder)
-call
-recorded, then compared call by call, first difference first.
+call recorded, then compared call by call, first difference first.
 
 The order: the SPEC loaded and both sides run (:mod:`~paritykit.triage.sides`), the recordings written
 (:func:`~paritykit.triage.reproduce.write_recordings`), the places walked

@@ -4,9 +4,8 @@ schedule, conditioning, denoiser, update, decoder input, decoder, post-processin
 
 A check that isolates a place feeds the port's module the reference's values at that point (replay, never a
 guess) or fits each side's own relation between recorded tensors (the update rule, the decoder's input
-scaling,
-the post-processing), so it holds even when something upstream differs too. Nothing here writes a file: each
-finding carries the command that reproduces it and the files that command reads
+scaling, the post-processing), so it holds even when something upstream differs too. Nothing here writes a
+file: each finding carries the command that reproduces it and the files that command reads
 (:mod:`paritykit.triage.reproduce`).
 """
 
@@ -20,7 +19,11 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call
-from paritykit.triage.calls import (
+from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
+from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel
+from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
+from paritykit.triage.reproduce import Built, Commands
+from paritykit.triage.roles import (
     Roles,
     latents,
     output,
@@ -29,10 +32,6 @@ from paritykit.triage.calls import (
     with_reference_values,
     with_values,
 )
-from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
-from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel
-from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
-from paritykit.triage.reproduce import Built, Commands
 from paritykit.triage.sides import SideRun
 
 THE_REFERENCES = "the reference's"
@@ -659,8 +658,8 @@ def _unclamped_affine(result: Any, decoded: Any) -> Any:
 def module_differs(report: Any) -> bool:
     r"""Whether a module's bisect on one call's inputs puts the place's difference in that module: any verdict
     but ``match`` and ``masked``. ``masked`` is the module's output within tolerance while a captured
-    submodule
-    inside is not; the module's output is what the pipeline reads, so the place agrees, and the rule-out line
+    submodule inside is not; the module's output is what the pipeline reads, so the place agrees, and the
+    rule-out line
     says what was masked (:func:`_masked_words`)."""
     return report.verdict not in ("match", "masked")
 

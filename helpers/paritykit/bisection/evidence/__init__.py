@@ -1,10 +1,9 @@
 r"""Evidence at a culprit: why two aligned modules differ, each cause checked and, where possible, verified.
 
-The search (:mod:`paritykit.bisection.search`) finds *where* a port parts from its reference; this package
+The search (:mod:`paritykit.bisection.entry`) finds *where* a port parts from its reference; this package
 says
 *why*, from the two module objects and the inputs and outputs captured at that call. One small function per
-kind
-of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Culprit` and returning
+kind of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Culprit` and returning
 :class:`~paritykit.compare.diagnose.Hint` s that state their evidence:
 
 - ``settings``: :func:`module_config` (``module-config``): public scalar / tuple / string attributes,
@@ -12,13 +11,11 @@ of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Culprit
 - ``activations``: :func:`activation` (``activation``): which known elementwise function each side computes on
   the captured input (exact GELU, tanh-GELU, quick-GELU, SiLU, ReLU, …);
 - ``constants``: :func:`norm_eps` (``norm-eps``) and :func:`attention_scale` (``attention-scale``): the
-  constant
-  that makes the reference reproduce the port's output;
+  constant that makes the reference reproduce the port's output;
 - ``weight_slices``: :func:`weights` (``weights``): port parameters that hold a different reference slice than
   their name implies (``to_q`` = chunk 1 of a fused qkv), found by conversion inference;
 - ``casts``: :func:`reduced_precision` (``bf16-cast`` / ``fp16-cast``): the reference re-run on inputs rounded
-  to
-  that dtype, or under autocast in it, reproduces the port's output.
+  to that dtype, or under autocast in it, reproduces the port's output.
 
 Every candidate fix is tried on a deep copy of the port module (``Culprit.check``): ``verified=True`` with the
 before/after error when the copy then matches the reference. ``collect``: :func:`culprit_evidence` runs them

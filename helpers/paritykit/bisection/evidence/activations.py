@@ -131,8 +131,7 @@ def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless:
 
 def inner_activation(c: Culprit) -> list[Hint]:
     r"""``activation`` inside a culprit with parameters (an MLP): a parameterless reference submodule computes
-    a
-    known function ``f`` of its input ``x``; the port computes a different known function ``g`` of that same
+    a known function ``f`` of its input ``x``; the port computes a different known function ``g`` of that same
     ``x`` in one of its submodules, and ``f(x)`` nowhere."""
     if c.reference is None or c.port is None or c.run_reference is None or c.run_port is None:
         return []

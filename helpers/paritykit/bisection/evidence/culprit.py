@@ -19,8 +19,7 @@ FIT_GAIN = 0.01
 
 
 # a module's attributes that are not settings of its computation: torch's bookkeeping, and switches that
-# change
-# memory or speed, never the numbers (the one list for the settings evidence and the repair search)
+# change memory or speed, never the numbers (the one list for the settings evidence and the repair search)
 NOT_SETTINGS = frozenset({"training", "inplace", "dump_patches", "call_super_init", "gradient_checkpointing"})
 
 
@@ -58,8 +57,7 @@ class Culprit:
             and returns the output leaf that corresponds to ``reference_output``.
         run_port: the same for the port's call (the reference's tensors in the port's signature).
         check: ``check(fn) -> (matches, max_abs)``: ``fn`` run on the port's inputs, every output leaf
-            compared
-            with the reference's within the bisect tolerances.
+            compared with the reference's within the bisect tolerances.
         subpairs: aligned ``(reference, port)`` module names inside the culprit, relative to it.
         reference_inputs: the reference call's captured ``(args, kwargs)``.
     """
@@ -88,8 +86,8 @@ class Culprit:
 
 def verify_hint(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
     r"""Build the fixed port (``make()``, e.g. a patched deep copy), run it on the port's inputs and record
-    the
-    before/after error: ``verified`` is True when it then matches the reference, False when it does not, and
+    the before/after error: ``verified`` is True when it then matches the reference, False when it does not,
+    and
     stays None when it could not be tried (no replay, or the copy or the call raised)."""
     if c.check is None:
         return hint

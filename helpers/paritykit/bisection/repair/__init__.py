@@ -14,9 +14,9 @@ EXPORTS = {
     "Budget": "paritykit.bisection.repair.engine",
     "RepairOutcome": "paritykit.bisection.repair.engine",
     "repair_site": "paritykit.bisection.repair.engine",
-    "RepairOptions": "paritykit.bisection.repair.at_culprit",
-    "culprit_site": "paritykit.bisection.repair.at_culprit",
-    "repair_hints": "paritykit.bisection.repair.at_culprit",
+    "RepairOptions": "paritykit.bisection.repair.culprit_sites",
+    "culprit_site": "paritykit.bisection.repair.culprit_sites",
+    "repair_hints": "paritykit.bisection.repair.culprit_sites",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -44,8 +44,8 @@ COSTS: dict[tuple[Tier, str], int] = {
 }
 
 # A fitted factor is checked against the same edit with the factor moved by this much either way: an edit
-# whose
-# controls verify too proves nothing (the module is nearly invariant to it: a norm to its input's scale).
+# whose controls verify too proves nothing (the module is nearly invariant to it: a norm to its input's
+# scale).
 CONTROL_FACTOR = 1.5
 
 

@@ -1,6 +1,5 @@
 r"""Conversion inference (``paritykit weights map``): which source tensor, through which layout op, becomes
-each
-target tensor, collapsed into rules and emitted as code.
+each target tensor, collapsed into rules and emitted as code.
 
 The flow, one module per stage: ``loading`` (both sides as state dicts, memory-mapped) → ``fingerprints``
 (value hashes that survive layout ops; exact confirmation of the op) → ``matching`` (the matcher: every target

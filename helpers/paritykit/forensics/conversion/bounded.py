@@ -1,14 +1,13 @@
 r"""Value matching of two models' weights that are read one tensor at a time (offloaded by accelerate).
 
 :func:`paritykit.forensics.conversion.matching.infer_conversion_map` holds every tensor of both sides while it
-matches them. For
-weights that live in an offload folder that is the whole model twice. Most tensors of a port loaded with the
-reference's weights are simply the same tensor under another name, and those need no value at all once that
-is known: :func:`compact_pair` fingerprints every tensor in one pass (each read, hashed and dropped), proves
-each pair that is unique and equal (the two tensors read side by side), and stands a tiny distinct tensor in
-for both members. Only what needs a closer look (constant tensors, values several tensors share, transposed,
-fused or cast tensors) is loaded. :func:`restore_for` puts the real values back where a stand-in may hide a
-match the matcher would otherwise find (a target left unexplained).
+matches them. For weights that live in an offload folder that is the whole model twice. Most tensors of a port
+loaded with the reference's weights are simply the same tensor under another name, and those need no value at
+all once that is known: :func:`compact_pair` fingerprints every tensor in one pass (each read, hashed and
+dropped), proves each pair that is unique and equal (the two tensors read side by side), and stands a tiny
+distinct tensor in for both members. Only what needs a closer look (constant tensors, values several tensors
+share, transposed, fused or cast tensors) is loaded. :func:`restore_for` puts the real values back where a
+stand-in may hide a match the matcher would otherwise find (a target left unexplained).
 """
 
 from __future__ import annotations

@@ -204,9 +204,8 @@ def repair_hints(
     A catalogue hint already verified explains the culprit and the search is skipped. Otherwise the culprit
     is searched, then (inline) the producers of its first differing input, the producers of the inputs its
     replay took from the port's own run, and its aligned children left untestable. A verified edit leads; a
-    catalogue
-    hint naming the same fix is marked verified instead of repeating it; the plain "unknown" hint goes, or,
-    when nothing verifies, says what the search covered.
+    catalogue hint naming the same fix is marked verified instead of repeating it; the plain "unknown" hint
+    goes, or, when nothing verifies, says what the search covered.
     """
     if not options.enabled or any(h.verified for h in hints):
         return list(hints)

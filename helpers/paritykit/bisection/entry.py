@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paritykit.base.calls import split_inputs, to_device
 from paritykit.base.errors import ParityKitError
+from paritykit.base.inputs import split_inputs, to_device
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment, align_modules
 from paritykit.bisection.findings import culprit_finding
@@ -39,10 +39,10 @@ from paritykit.bisection.leaves import (
     replace_leaves,
     torch_equal,
 )
-from paritykit.bisection.repair.at_culprit import RepairOptions, with_budget
+from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, shown_name
 from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
-from paritykit.bisection.strategy import FullSearch, run_search
+from paritykit.bisection.strategy import FullSearch, run_strategy
 from paritykit.tracing.trace import module_of
 
 
@@ -89,7 +89,7 @@ def bisect_traces(
     started = time.perf_counter()
     explain = RepairOptions(enabled=repair, catalogue=catalogue)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
-    report = run_search(FullSearch(searcher), select_output=select_output, repair=explain, **options)
+    report = run_strategy(FullSearch(searcher), select_output=select_output, repair=explain, **options)
     if reference is not None and port is not None:
         from paritykit.bisection.evidence.settings import config_differences
 
@@ -271,8 +271,7 @@ def bisect(
             search).
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
             (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or
-            its
-            weights are offloaded by accelerate.
+            its weights are offloaded by accelerate.
 
     Returns:
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and
@@ -291,7 +290,7 @@ def bisect(
         port_args, port_kwargs = split_inputs(adapted)
     else:
         port_args, port_kwargs = args, kwargs
-    return run_and_search(
+    return capture_and_bisect(
         reference,
         port,
         (args, kwargs),
@@ -311,7 +310,7 @@ def bisect(
     )
 
 
-def run_and_search(
+def capture_and_bisect(
     reference: Any,
     port: Any,
     ref_call: tuple[tuple, dict],

@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from paritykit.base.calls import is_tensor
+from paritykit.base.inputs import is_tensor
 
 # a least-squares fit "explains" an output when its relative residual is below this
 FIT_RESIDUAL = 1e-3
@@ -39,8 +39,7 @@ def _fit(columns: Any, target: Any) -> tuple[list[float], float]:
 
 def remix_hint(ref_out: Any, port_out: Any, candidates: Sequence[tuple[str, Any]]) -> Any:
     r"""Fit each side's output as a linear combination of candidate tensors (the module's tensor inputs and
-    its
-    children's outputs, broadcast to the output's shape); a ``remix`` hint when both fit and the mixtures
+    its children's outputs, broadcast to the output's shape); a ``remix`` hint when both fit and the mixtures
     differ.
 
     One candidate that fits both sides with different factors gives an input-aware ``constant-scale`` hint.
