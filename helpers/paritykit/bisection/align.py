@@ -27,11 +27,14 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from paritykit.base.naming import apply_rules, compile_rules
 from paritykit.base.report import DEFAULT_LIMIT, render_table
 from paritykit.forensics.conversion.fingerprints import informative
+
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Record, Trace
 
 HOW = ("names", "map", "weights", "order")
 
@@ -209,7 +212,7 @@ class _Side:
         self._keys = keys
 
 
-def _side(model: Any, trace: Any) -> _Side:
+def _side(model: Any, trace: Trace | None) -> _Side:
     from paritykit.tracing.trace import module_table
 
     table = trace.modules if trace is not None and trace.modules else (module_table(model) if model else {})
@@ -241,7 +244,7 @@ def _side(model: Any, trace: Any) -> _Side:
     return _Side(order, types, params, out_shapes, state_dict, first_calls)
 
 
-def _first_output_shape(record: Any) -> tuple | None:
+def _first_output_shape(record: Record) -> tuple | None:
     keys = record.output_keys
     if not keys:
         return None
@@ -595,7 +598,7 @@ STREAM_ERROR = 0.1
 MAX_STREAM_CANDIDATES = 4096
 
 
-def _input_distance(ref_call: Any, port_call: Any, unknown: float = 0.0) -> float:
+def _input_distance(ref_call: Record | None, port_call: Record | None, unknown: float = 0.0) -> float:
     r"""Relative error between two calls' first floating-point inputs (up to a dim permutation): ``unknown``
     when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond.
     """
@@ -695,8 +698,8 @@ def _ancestors(name: str) -> list[str]:
 def align_modules(
     reference: Any,
     port: Any,
-    ref_trace: Any = None,
-    port_trace: Any = None,
+    ref_trace: Trace | None = None,
+    port_trace: Trace | None = None,
     *,
     rules: Sequence[tuple[str, str]] = (),
     use_weights: bool = True,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.inputs import split_inputs, to_device
@@ -45,10 +45,13 @@ from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
 from paritykit.bisection.strategy import FullSearch, run_strategy
 from paritykit.tracing.trace import module_of
 
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Trace
+
 
 def bisect_traces(
-    ref_trace: Any,
-    port_trace: Any,
+    ref_trace: Trace,
+    port_trace: Trace,
     alignment: Alignment | None = None,
     *,
     reference: Any = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paritykit.base.inputs import is_tensor
 from paritykit.bisection.align import Alignment
@@ -17,10 +17,13 @@ from paritykit.bisection.results import ModuleFinding, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import call_name
 
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Record, Trace
+
 
 def first_divergence(
-    ref_trace: Any,
-    port_trace: Any,
+    ref_trace: Trace,
+    port_trace: Trace,
     alignment: Alignment,
     *,
     atol: float | None = None,
@@ -66,7 +69,7 @@ def first_divergence(
 
 def culprit_finding(
     searcher: Searcher,
-    call: Any,
+    call: Record,
     children_passed: int,
     output: Any,
     ops: bool = False,
@@ -132,8 +135,8 @@ def culprit_finding(
 
 def _catalogue_hints(
     searcher: Searcher,
-    call: Any,
-    port_call: Any,
+    call: Record,
+    port_call: Record | None,
     children_passed: int,
     result: ModuleTest | None,
     output: Any,
@@ -148,7 +151,7 @@ def _catalogue_hints(
 
 
 def _with_extra_inputs(
-    searcher: Searcher, call: Any, port_call: Any, before: float | None, hints: list
+    searcher: Searcher, call: Record, port_call: Record | None, before: float | None, hints: list
 ) -> list:
     """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
     inside the module), the port modules producing them and a verified constructor fit of those
@@ -167,7 +170,12 @@ def _with_extra_inputs(
 
 
 def _with_inline(
-    searcher: Searcher, call: Any, port_call: Any, children_passed: int, before: float | None, hints: list
+    searcher: Searcher,
+    call: Record,
+    port_call: Record | None,
+    children_passed: int,
+    before: float | None,
+    hints: list,
 ) -> list:
     """At an inline culprit, the evidence of the first differing child input goes first
     (:func:`paritykit.bisection.module_fit.inline_reference_hints`); a "forward code differs" hint then no
@@ -207,7 +215,9 @@ def _untested_inside(alignment: Alignment, module: str) -> str:
     return "; ".join(notes)
 
 
-def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest | None, output: Any) -> list:
+def _hints_at(
+    searcher: Searcher, call: Record, port_call: Record | None, result: ModuleTest | None, output: Any
+) -> list:
     """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration,
     activation, fitted constants, weight slices, each fix verified on a copy of the port), with the
     input-aware and tensor-level hints on its first differing output pair (its inputs and its children's
@@ -249,7 +259,12 @@ def _hints_at(searcher: Searcher, call: Any, port_call: Any, result: ModuleTest 
 
 
 def _culprit_context(
-    searcher: Searcher, call: Any, port_call: Any, ref_leaves: list, leaf: tuple[int, int], replayed: bool
+    searcher: Searcher,
+    call: Record,
+    port_call: Record | None,
+    ref_leaves: list,
+    leaf: tuple[int, int],
+    replayed: bool,
 ) -> Any:
     """The culprit as :mod:`paritykit.bisection.evidence` sees it: modules, outputs, and ways to re-run either
     side."""

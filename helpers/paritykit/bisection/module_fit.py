@@ -18,9 +18,13 @@ import inspect
 import itertools
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paritykit.base.report import format_number
+
+if TYPE_CHECKING:
+    from paritykit.bisection.searcher import Searcher
+    from paritykit.tracing.trace import Record
 
 # a bounded search: at most this many candidate settings are built and run
 MAX_TRIALS = 64
@@ -239,7 +243,7 @@ class InlineInput:
     untested: list[str] = field(default_factory=list)
 
 
-def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
+def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | None:
     """The first aligned child (execution order) of ``call`` whose captured inputs differ between the
     sides."""
     from paritykit.bisection.leaves import pair_layouts
@@ -261,7 +265,7 @@ def first_differing_input(searcher: Any, call: Any) -> InlineInput | None:
     return None
 
 
-def _producers(searcher: Any, call: Any, tensor: Any) -> list[Any]:
+def _producers(searcher: Searcher, call: Record, tensor: Any) -> list[Any]:
     """Unaligned port calls inside the culprit whose output is exactly ``tensor`` (nearest producer last)."""
     import torch
 
@@ -282,7 +286,9 @@ def _producers(searcher: Any, call: Any, tensor: Any) -> list[Any]:
     return out
 
 
-def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+def inline_reference_hints(
+    searcher: Searcher, call: Record, port_call: Record | None, before: float | None
+) -> list[Any]:
     r"""Evidence for an inline culprit (a parent whose aligned children all pass on replay): the tensor
     diagnoses of the first differing child input, the unaligned port modules that produced it, and a module
     fit of those modules, verified by replaying the culprit with the fitted module in a copy of the port.
@@ -353,7 +359,7 @@ def inline_reference_hints(searcher: Any, call: Any, port_call: Any, before: flo
 
 
 def _fit_producers(
-    searcher: Any, call: Any, port_call: Any, found: InlineInput, before: float | None
+    searcher: Searcher, call: Record, port_call: Record | None, found: InlineInput, before: float | None
 ) -> list:
     from paritykit.compare.diagnose import Hint
 
@@ -397,7 +403,9 @@ def _fit_producers(
     return hints
 
 
-def replay_with_module(searcher: Any, call: Any, port_call: Any, path: str, fitted: Any) -> Any:
+def replay_with_module(
+    searcher: Searcher, call: Record, port_call: Record | None, path: str, fitted: Any
+) -> Any:
     """Replay the culprit on a copy of its port module with ``fitted`` in place of the module at ``path``;
     the comparison against the reference's captured outputs, or ``None`` when it cannot be run."""
     import copy
@@ -436,7 +444,9 @@ GRID = tuple(10 ** (k / 4) for k in range(-12, 13))
 REFINE_STEPS = 24
 
 
-def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | None) -> list[Any]:
+def extra_input_hints(
+    searcher: Searcher, call: Record, port_call: Record | None, before: float | None
+) -> list[Any]:
     r"""Evidence for a culprit whose replay fed the port some inputs from the port's own run, because the
     reference computes them inside the module (rotary cos/sin a port passes as ``image_rotary_emb``).
 
@@ -507,7 +517,7 @@ def extra_input_hints(searcher: Any, call: Any, port_call: Any, before: float | 
     return hints
 
 
-def extra_inputs(searcher: Any, call: Any, port_call: Any) -> dict[str, Any]:
+def extra_inputs(searcher: Searcher, call: Record, port_call: Record | None) -> dict[str, Any]:
     """The port inputs a culprit's replay took from the port's own run (path -> captured tensor); empty when
     there are none or the port module is not at hand."""
     paths = searcher.own_inputs.get(call.name)
@@ -517,7 +527,7 @@ def extra_inputs(searcher: Any, call: Any, port_call: Any) -> dict[str, Any]:
     return {p: captured[p] for p in paths if p in captured}
 
 
-def extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
+def extra_producers(searcher: Searcher, extras: dict[str, Any]) -> list[tuple[Any, dict[str, str]]]:
     """Unaligned port calls with an output exactly equal to an extra input: (record, {output path: input})."""
     import torch
 
@@ -537,7 +547,12 @@ def extra_producers(searcher: Any, extras: dict[str, Any]) -> list[tuple[Any, di
 
 
 def _fit_by_replay(
-    searcher: Any, call: Any, port_call: Any, module: Any, record: Any, feeds: dict[str, str]
+    searcher: Searcher,
+    call: Record,
+    port_call: Record | None,
+    module: Any,
+    record: Record,
+    feeds: dict[str, str],
 ) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
     """The fewest constructor changes of ``module`` that make the culprit's replay match, or ``None``."""
     from paritykit.bisection.leaves import flatten_tensors
@@ -583,7 +598,12 @@ def _fit_by_replay(
 
 
 def _fit_coupled_flag(
-    searcher: Any, port_call: Any, values: dict[str, Any], readable: list[str], attempt: Any, trials: int
+    searcher: Searcher,
+    port_call: Record | None,
+    values: dict[str, Any],
+    readable: list[str],
+    attempt: Any,
+    trials: int,
 ) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
     """A flag the producer and its consumer both hold under one name (``interleaved`` on a rotary module and
     on the attention processor that unpacks its output): a layout is set on both sides or the pair breaks, so
@@ -642,9 +662,9 @@ def _rounded(value: float | None) -> list[float]:
 
 
 def replay_with_extras(
-    searcher: Any,
-    call: Any,
-    port_call: Any,
+    searcher: Searcher,
+    call: Record,
+    port_call: Record | None,
     candidate: Any,
     inputs: tuple[tuple, dict],
     feeds: dict[str, str],

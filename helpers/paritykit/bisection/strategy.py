@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
@@ -32,6 +32,9 @@ from paritykit.bisection.results import BisectReport, ModuleTest
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import module_of
 
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Record
+
 
 @dataclass
 class Located:
@@ -39,7 +42,7 @@ class Located:
     aligned children passed (a call whose children all pass differs in its own ``forward``)."""
 
     searcher: Searcher
-    call: Any
+    call: Record
     children_passed: int
     # a call whose captured outputs differ although nothing fails on identical inputs (a masked verdict)
     through_inputs: bool = False

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.inputs import to_device
@@ -31,6 +31,10 @@ from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import ModuleTest
 from paritykit.bisection.searcher import MAX_MASKED_CHECKS, Searcher
 from paritykit.bisection.strategy import Located, differing_in, run_strategy
+
+if TYPE_CHECKING:
+    from paritykit.bisection.searcher import Searcher
+    from paritykit.tracing.trace import Record, Trace
 
 # ``levels="auto"``: zoom when the reference has more modules than this; below it a full capture is small.
 ZOOM_MODULES = 300
@@ -107,8 +111,8 @@ class ZoomSearch:
         self,
         reference: Any,
         port: Any,
-        ref_trace: Any,
-        port_trace: Any,
+        ref_trace: Trace,
+        port_trace: Trace,
         *,
         rules: Sequence[tuple[str, str]],
         atol: float | None,
@@ -182,7 +186,7 @@ class ZoomSearch:
             names += [n for n in new if n not in names]
         return self.alignment
 
-    def level(self, ref_trace: Any, port_trace: Any, root: Any) -> _Level:
+    def level(self, ref_trace: Trace, port_trace: Trace, root: Any) -> _Level:
         found = align_modules(*_weights_for_alignment(self, ref_trace, port_trace), rules=self.rules)
         searcher = Searcher(
             ref_trace, port_trace, self.merge(found), reference=self.reference, port=self.port, **self.options
@@ -192,7 +196,7 @@ class ZoomSearch:
         return level
 
     # entering a block ------------------------------------------------------------------------------
-    def can_enter(self, level: _Level, call: Any) -> bool:
+    def can_enter(self, level: _Level, call: Record) -> bool:
         port_call = level.searcher.port_record(call)
         return (
             port_call is not None
@@ -202,7 +206,7 @@ class ZoomSearch:
             and port_call.replayable
         )
 
-    def enter(self, level: _Level, call: Any) -> _Level:
+    def enter(self, level: _Level, call: Record) -> _Level:
         """Run block ``call`` alone on each side from its captured inputs, capturing one level inside it."""
         port_call = level.searcher.port_record(call)
         ref_trace = _rerun(self.reference, call)
@@ -213,14 +217,14 @@ class ZoomSearch:
         return inner
 
     # search (Searcher.descend, one level at a time) ------------------------------------------------
-    def descend(self, level: _Level, call: Any) -> tuple[_Level, Any, int]:
+    def descend(self, level: _Level, call: Record) -> tuple[_Level, Any, int]:
         if not self.can_enter(level, call):
             return level, call, 0
         inner = self.enter(level, call)
         found, passed = self.failing_below(inner, inner.root)
         return found if found is not None else (inner, inner.root, passed)
 
-    def failing_below(self, level: _Level, record: Any) -> tuple[tuple[_Level, Any, int] | None, int]:
+    def failing_below(self, level: _Level, record: Record) -> tuple[tuple[_Level, Any, int] | None, int]:
         passed = 0
         for child in level.searcher.frontier(record):
             result = level.searcher.test(child)
@@ -237,7 +241,9 @@ class ZoomSearch:
                 passed += 1
         return None, passed
 
-    def masked_below(self, level: _Level, record: Any, budget: list[int]) -> tuple[_Level, Any, int] | None:
+    def masked_below(
+        self, level: _Level, record: Record, budget: list[int]
+    ) -> tuple[_Level, Any, int] | None:
         """With a matching output: the first call failing on identical inputs below ``record``, looking only
         into calls whose captured outputs are not bit-identical (at most ``budget[0]`` of them tested)."""
         for child in level.searcher.frontier(record):
@@ -257,7 +263,7 @@ class ZoomSearch:
         return None
 
 
-def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
+def _not_bit_identical(searcher: Searcher, call: Record) -> bool:
     import torch
 
     port_call = searcher.port_record(call)
@@ -268,7 +274,9 @@ def _not_bit_identical(searcher: Searcher, call: Any) -> bool:
     return pairs is None or any(not torch.equal(a[i][1], b[j][1].to(a[i][1].dtype)) for i, j in pairs)
 
 
-def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) -> tuple[Any, Any, Any, Any]:
+def _weights_for_alignment(
+    zoom: ZoomSearch, ref_trace: Trace, port_trace: Trace
+) -> tuple[Any, Any, Any, Any]:
     """``align_modules`` arguments; an offloaded model's weights are read through its accelerate hooks, one
     tensor per access (:class:`paritykit.tracing.split_traces.ModelWeights`), in place of its ``meta`` state
     dict."""
@@ -284,7 +292,7 @@ def _weights_for_alignment(zoom: ZoomSearch, ref_trace: Any, port_trace: Any) ->
     return models[0], models[1], ref_trace, port_trace
 
 
-def _rerun(model: Any, call: Any) -> Any:
+def _rerun(model: Any, call: Record) -> Any:
     """Capture block ``call`` of ``model`` and its level children, run alone on the call's captured inputs;
     the block's record is renamed to ``call``'s name and place so the levels join up."""
     import torch
@@ -429,7 +437,7 @@ def _children_in_table(modules: dict[str, Any], name: str) -> list[str]:
     return out
 
 
-def next_trace_commands(report: Any, ref_trace: Any, port_trace: Any) -> list[str]:
+def next_trace_commands(report: Any, ref_trace: Trace, port_trace: Trace) -> list[str]:
     r"""When two traces hold a failing block's outputs but nothing inside it: the ``paritykit trace … --inside
     BLOCK`` command for each side (from what each folder says about itself) and the ``bisect`` to run next."""
     import shlex

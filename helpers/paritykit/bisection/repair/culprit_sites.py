@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paritykit.bisection.leaves import module_device
 from paritykit.bisection.module_fit import (
@@ -18,6 +18,10 @@ from paritykit.bisection.module_fit import (
 from paritykit.bisection.repair.engine import Budget, RepairOutcome, progress_bar, repair_site
 from paritykit.bisection.repair.site import Site, faithful_parameters, held_parameters
 from paritykit.compare.diagnose import Hint
+
+if TYPE_CHECKING:
+    from paritykit.bisection.searcher import Searcher
+    from paritykit.tracing.trace import Record
 
 
 @dataclass
@@ -46,7 +50,7 @@ def with_budget(options: RepairOptions | None, bisect_seconds: float) -> RepairO
     return dataclasses.replace(options, budget=Budget.like(bisect_seconds))
 
 
-def culprit_site(searcher: Any, call: Any, port_call: Any) -> Site | None:
+def culprit_site(searcher: Searcher, call: Record, port_call: Record | None) -> Site | None:
     r"""The culprit as a repair site: its port module replayed on the reference's inputs (``None`` when the
     culprit was not replayed, so there is nothing to verify an edit against)."""
     if port_call is None:
@@ -85,7 +89,7 @@ def culprit_site(searcher: Any, call: Any, port_call: Any) -> Site | None:
     )
 
 
-def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+def producer_sites(searcher: Searcher, call: Record, port_call: Record | None) -> list[Site]:
     r"""The unaligned port modules inside an inline culprit whose output is exactly the first differing input
     of an aligned child (:func:`paritykit.bisection.module_fit.first_differing_input`): each must produce the
     reference's tensor, and an edit there is verified by replaying the culprit with the edited module."""
@@ -136,7 +140,7 @@ def producer_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
     return sites
 
 
-def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+def extra_input_sites(searcher: Searcher, call: Record, port_call: Record | None) -> list[Site]:
     r"""The unaligned port modules that compute inputs the culprit's replay took from the port's own run
     (the reference computes them inside the culprit: rotary cos/sin): nothing to compare them with, so an
     edit there is verified only by replaying the culprit with the edited module's outputs."""
@@ -157,7 +161,7 @@ def extra_input_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
 
 
 def _verified_by_culprit(
-    call: Any, record: Any, module: Any, verify: Callable[[Any], Any], role: str
+    call: Record, record: Record, module: Any, verify: Callable[[Any], Any], role: str
 ) -> Site:
     r"""A site with no output of its own to compare: port module ``module`` (its call ``record``), every edit
     checked by ``verify`` alone (the culprit ``call`` replayed with the edited module)."""
@@ -174,7 +178,7 @@ def _verified_by_culprit(
     )
 
 
-def untestable_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
+def untestable_sites(searcher: Searcher, call: Record, port_call: Record | None) -> list[Site]:
     r"""The culprit's aligned children left untestable (their outputs pair with the reference's in no order or
     layout, so no test saw them): each is edited in place and verified by replaying the culprit with it."""
     if port_call is None:
@@ -197,7 +201,12 @@ def untestable_sites(searcher: Any, call: Any, port_call: Any) -> list[Site]:
 
 
 def repair_hints(
-    searcher: Any, call: Any, port_call: Any, hints: Sequence[Hint], options: RepairOptions, inline: bool
+    searcher: Searcher,
+    call: Record,
+    port_call: Record | None,
+    hints: Sequence[Hint],
+    options: RepairOptions,
+    inline: bool,
 ) -> list[Hint]:
     r"""``hints`` with the repair search's verified edits joined in.
 
