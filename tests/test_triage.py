@@ -221,3 +221,51 @@ def test_run_results_are_read_as_pipelines_return_them():
     assert result_tensor(np.zeros((2, 2)), "run_port()", Spec).dtype == torch.float64
     with pytest.raises(ParityKitError, match="run_port\\(\\) returned object, which is not a tensor"):
         result_tensor(object(), "run_port()", Spec)
+
+
+# ------------------------------------------------------------------------------------- reproduce files
+
+
+def test_command_builders_write_nothing_the_files_come_after_the_walk(tmp_path):
+    from diffusers import DDIMScheduler
+    from paritykit.triage.report import Finding
+    from paritykit.triage.reproduce import Commands, write_files
+
+    folders = (tmp_path / "reference_calls", tmp_path / "port_calls")
+    commands = Commands(tmp_path / "spec.py", {}, folders)
+    command, files = commands.schedule(DDIMScheduler())
+    assert "--fit DDIMScheduler" in command and [f.path.name for f in files] == ["port_scheduler.json"]
+    assert list(tmp_path.iterdir()) == []  # building the command wrote nothing
+    finding = Finding("schedule", 0, "the timesteps differ", command=command, files=files)
+    write_files([finding])
+    assert json.loads((tmp_path / "port_scheduler.json").read_text())["num_train_timesteps"] == 1000
+    assert finding.command == command and finding.files == []
+    # without --out there is no command and nothing to write
+    assert Commands(tmp_path / "spec.py", {}, None).steps() == (None, [])
+
+
+def test_a_file_that_cannot_be_written_leaves_its_finding_without_a_command(tmp_path):
+    from paritykit.triage.report import Finding, ReproduceFile
+    from paritykit.triage.reproduce import write_files
+
+    unsaveable = ReproduceFile(tmp_path / "denoiser_call0.pt", "torch", {"port": lambda x: x})
+    spec = ReproduceFile(tmp_path / "bisect_denoiser.py", "text", "")
+    finding = Finding("denoiser", 0, "differs", command="paritykit bisect x.py", files=[unsaveable, spec])
+    write_files([finding])
+    assert finding.command is None
+    assert any("denoiser_call0.pt not written" in line for line in finding.evidence)
+    assert not (tmp_path / "bisect_denoiser.py").exists()  # no SPEC pointing at inputs that are not there
+    assert finding.to_dict()["command"] is None
+
+
+def test_a_masked_module_agrees_at_its_place():
+    from paritykit.bisection import bisect
+    from paritykit.triage.walk import module_differs
+
+    from tests.test_bisect_all import masked_vit, vit_output
+
+    reference, port, inputs = masked_vit("gelu")
+    masked = bisect(reference, port, inputs, select_output=vit_output, atol=1e-4, rtol=0)
+    assert masked.verdict == "masked" and not module_differs(masked)
+    diverged = bisect(reference, port, inputs, select_output=vit_output, atol=1e-7, rtol=0)
+    assert diverged.verdict == "diverge" and module_differs(diverged)
