@@ -14,24 +14,11 @@ from paritykit.bisection.repair.site import Site, held_parameters
 from torch import nn
 
 from tests.bisect_pairs import time_pair
+from tests.repair_sites import site_of
 
 
 def _linear_site(port: nn.Module, reference: nn.Module, x: torch.Tensor, **extra) -> Site:
-    from paritykit.compare.tensors import compare_tensors
-
-    def compare(a, b):
-        if b is None or len(a) != len(b):
-            return None
-        worst = None
-        for (_, ta), (_, tb) in zip(a, b):
-            cmp = compare_tensors(ta, tb, diagnose=False)
-            if worst is None or not cmp.passed:
-                worst = cmp
-        return worst
-
-    with torch.no_grad():
-        wanted, got = [("output", reference(x))], [("output", port(x))]
-    return Site("block", "block", port, lambda: ((x.clone(),), {}), wanted, got, compare, **extra)
+    return site_of(port, reference, (x,), **extra)
 
 
 def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor]:

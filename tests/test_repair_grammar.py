@@ -13,29 +13,9 @@ import pytest
 import torch
 from paritykit.bisection.repair.edits import CONTROL_FACTOR, COSTS, TIERS, cost_of
 from paritykit.bisection.repair.engine import GENERATORS, Budget, repair_site
-from paritykit.bisection.repair.site import Site
-from paritykit.compare.tensors import compare_tensors
 from torch import nn
 
-
-def _compare(a, b):
-    if b is None or len(a) != len(b):
-        return None
-    worst = None
-    for (_, ta), (_, tb) in zip(a, b):
-        cmp = compare_tensors(ta, tb, diagnose=False)
-        if worst is None or not cmp.passed:
-            worst = cmp
-    return worst
-
-
-def site_of(port: nn.Module, reference, inputs: tuple, **extra) -> Site:
-    """The port module as a repair site, the reference's outputs on the same inputs wanted."""
-    with torch.no_grad():
-        wanted, got = [("output", reference(*inputs))], [("output", port(*inputs))]
-    return Site(
-        "block", "block", port, lambda: (tuple(t.clone() for t in inputs), {}), wanted, got, _compare, **extra
-    )
+from tests.repair_sites import site_of
 
 
 class KV(nn.Module):
