@@ -100,6 +100,13 @@ def _py_literal(value: Any) -> str:
     return repr(value)
 
 
+def _rule_comment(text: str) -> str:
+    r"""A rule's description as comment lines of at most 110 columns (the emitted module keeps the project's
+    line length)."""
+    lines = textwrap.wrap(text, 104, break_long_words=False, break_on_hyphens=False) or [""]
+    return "".join(f"    # {'' if i == 0 else '  '}{line}\n" for i, line in enumerate(lines))
+
+
 def _format_rule(rule: dict[str, Any]) -> str:
     lines = ["    {"]
     lines += [
@@ -133,7 +140,7 @@ def render_rules_module(conversion_map: ConversionMap, module_name: str = "conve
         version=__version__,
         module=module_name,
         rules="\n".join(
-            _guess_comment(r, conversion_map) + f"    # {r.text}\n" + _format_rule(d)
+            _guess_comment(r, conversion_map) + _rule_comment(r.text) + _format_rule(d)
             for r, d in zip(conversion_map.rules, rules)
         ),
     )
