@@ -13,8 +13,7 @@ Run: python benchmarks/bench_weights_diff.py   (writes benchmarks/results/weight
 2. Bounded memory. A second pair, larger than an address-space limit imposed with `prlimit --as`, is diffed
    under that limit; anonymous memory (RssAnon from /proc/PID/status, which excludes page-cache and mapped
    file pages) is sampled every 5 ms. The notebook's method is run under the same limit for contrast.
-The scratch files are deleted at the end.
-"""
+The scratch files are deleted at the end."""
 
 from __future__ import annotations
 

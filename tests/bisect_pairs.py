@@ -574,9 +574,8 @@ def mha_pair(bug: str | None = None, seed: int = 0, trained: bool = True):
 
 # ------------------------------------------------------------------------------------ joint-attention family
 # Two token streams (image, text) attended jointly, q/k RMS-normed per head. The research side normalises in
-# the
-# [B, H, L, D] layout after splitting heads, as the original two-stream transformers' code does; the port is
-# diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output
+# the [B, H, L, D] layout after splitting heads, as the original two-stream transformers' code does; the port
+# is diffusers' FluxAttention, which normalises in [B, L, H, D] before it transposes. Every q/k norm's output
 # thus differs from its counterpart's by a dim permutation, by design.
 
 JOINT_HEADS, JOINT_IMG, JOINT_TXT = 2, 6, 4

@@ -7,8 +7,7 @@ accelerate offload folder. ``measure FOLDER``: build both models on ``meta``, di
 folders, warm up the code paths on a tiny pair, then run the same bisect on the offloaded models and print the
 culprit, the pairs, the weights' bytes and the peak RSS growth (VmHWM after minus VmRSS before; the peak is
 reset first). A process of its own, so the in-memory run's freed heap cannot hide the offloaded run's
-allocations.
-"""
+allocations."""
 
 from __future__ import annotations
 

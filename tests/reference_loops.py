@@ -6,12 +6,10 @@
   k-diffusion convention (epsilon model called with c_in = 1/sqrt(sigma^2 + 1) and the timestep whose sigma it
   is).
 * Flow-matching Euler over SD3's schedule (Stability's sd3_infer.py: its low end shifted twice) and over
-  Flux's
-  (black-forest-labs/flux: linspace(1, 0, n + 1) shifted once, by a mu that grows with the image size).
+  Flux's (black-forest-labs/flux: linspace(1, 0, n + 1) shifted once, by a mu that grows with the image size).
 
 Every loop takes a ``denoiser(sample, timestep, encoder_hidden_states)`` returning a tensor, so the same tiny
-UNet runs both the reference and the port.
-"""
+UNet runs both the reference and the port."""
 
 from __future__ import annotations
 
@@ -105,8 +103,8 @@ def sd3_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> li
     """What Stability's SD3 reference sampler (sd3_infer.py, ``get_sigmas`` over sd3_impls.py's
     ``ModelSamplingDiscreteFlow``) computes: a table of the shifted sigmas of timesteps 1 … T; its smallest
     and largest entries, read back as timesteps (sigma · T), are spaced linearly over n steps and each is
-    shifted
-    *again*, then a final 0. The low end is therefore shifted twice — the reference's own behaviour."""
+    shifted *again*, then a final 0. The low end is therefore shifted twice — the reference's own
+    behaviour."""
     table_min = _time_shift(1 / train_steps, shift)  # sigma(timestep 1)
     table_max = _time_shift(1.0, shift)  # sigma(timestep T) = 1
     start, end = table_max * train_steps, table_min * train_steps

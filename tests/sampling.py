@@ -1,6 +1,5 @@
 """Shared pieces of the sampler tests: the one-thread fixture, one tiny conditional UNet, its inputs, the
-diffusers-style port loop, and
-recording a loop with paritykit.record_loop."""
+diffusers-style port loop, and recording a loop with paritykit.record_loop."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The rooms of paritykit (docs/architecture.md) hold: the layering and no-cycle contracts pass under
 import-linter, no module imports another module's private names, no module outgrows a few hundred lines, and
-no public name of a
-room is shadowed by one of its submodules."""
+no public name of a room is shadowed by one of its submodules."""
 
 import ast
 import importlib

@@ -295,7 +295,7 @@ def test_cli_exit_codes_and_json_in_a_real_process(tmp_path, cli):
     assert result.returncode == 2
     assert "build_port() in BROKEN.py raised RuntimeError: cannot build the port" in result.stderr
     assert "BROKEN.py" in result.stderr and "helper" in result.stderr
-    assert "paritykit/search.py" not in result.stderr
+    assert "paritykit/bisection" not in result.stderr  # the user's frames only
 
 
 def test_cli_match_and_bad_specs(tmp_path):
@@ -318,6 +318,18 @@ def test_cli_match_and_bad_specs(tmp_path):
     result = run("bisect", syntax)
     assert result.exit_code == 2 and "SyntaxError" in result.stderr and "SYNTAX.py" in result.stderr
     assert "<frozen" not in result.stderr and "Traceback" not in result.stderr
+
+    no_return = write_spec(
+        tmp_path,
+        None,
+        name="NORETURN.py",
+        extra="""
+        def make_inputs():
+            time_pair(None)
+    """,
+    )
+    result = run("bisect", no_return)
+    assert result.exit_code == 2 and "NORETURN.py: make_inputs() returned None" in result.stderr
 
     assert run("bisect", tmp_path / "nope.py").exit_code == 2
     assert run("bisect").exit_code == 2

@@ -10,8 +10,7 @@
 Real files throughout. Commands run in-process through ``paritykit.cli.cli.main`` (the very entry point
 ``python -m paritykit`` calls, with its error handling) so torch is imported once; an uncaught exception
 is reported the way a whole process would show it, as a traceback with exit 1. Import checks and the demo
-run as separate processes.
-"""
+run as separate processes."""
 
 from __future__ import annotations
 

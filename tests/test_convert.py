@@ -551,8 +551,7 @@ def _ldm_name(key: str, n_blocks: int = 3) -> str:
     r"""The original latent-diffusion name of a diffusers AutoencoderKL key (test helper).
 
     Note the decoder: diffusers' ``up_blocks.0`` is LDM's ``up.2`` (reversed), so layer numbers do not carry
-    over.
-    """
+    over."""
     name = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", key)
     name = re.sub(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", name)
     name = re.sub(r"^decoder\.up_blocks\.(\d+)\.", lambda m: f"decoder.up.{n_blocks - 1 - int(m[1])}.", name)

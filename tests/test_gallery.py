@@ -7,8 +7,7 @@ The benchmark's percentages (benchmarks/diagnosis.py) are not asserted here.
 
 The pairs import their PyPI packages at module level on purpose: a missing package is an install bug and must
 fail, never skip. Cases paritykit gets wrong today are strict xfails naming the missing capability, so a fix
-that lands turns them into failures to flip.
-"""
+that lands turns them into failures to flip."""
 
 from __future__ import annotations
 

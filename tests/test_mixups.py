@@ -1,7 +1,6 @@
 """Mixed-up folders are refused, never matched: two trace folders must be one reference and one port of the
 same spec (by content) and the same inputs, in that order, written in a format this paritykit reads; a damaged
-shard
-is named in one line; `compare` of a path with itself says so."""
+shard is named in one line; `compare` of a path with itself says so."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """paritykit.bisection.module_fit: a configurable port module's constructor setting is found from the tensor
-the reference
-computes inline, and bisect reports it as a verified fix at an inline culprit."""
+the reference computes inline, and bisect reports it as a verified fix at an inline culprit."""
 
 from __future__ import annotations
 

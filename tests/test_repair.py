@@ -1,7 +1,6 @@
 """The repair search (paritykit.bisection.repair): verified edits only, none on faithful ports, ambiguity
-shown,
---no-repair honoured. References are independent torch.nn / research-style modules, not diffusers' own code.
-"""
+shown, --no-repair honoured. References are independent torch.nn / research-style modules, not diffusers' own
+code."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ on a tiny UNet; a diffusers pipeline loop runs the same UNet with the scheduler,
 call the parity-testing skill's table names. Every row of that table is checked here at two step counts; a row
 that is not exact names its causes, and replaying k-diffusion with exactly those causes removed must then
 match. The step check (``schedule --fit --step-check`` on a ``record_loop`` folder) is tested on the same
-recordings.
-"""
+recordings."""
 
 from __future__ import annotations
 

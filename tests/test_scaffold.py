@@ -3,8 +3,7 @@
 The execution tests render every template into one temp folder, then pay torch's import twice: once for a
 driver that exercises the pipeline stubs with tiny real components (and saves the models the generated tests
 load), once for a single pytest run over every generated test file, whose per-test outcomes the tests below
-read from a JUnit report.
-"""
+read from a JUnit report."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ both written in tests/reference_loops.py from that code, never from diffusers.
 
 The fit must find the set_timesteps call (sigmas=np.linspace(1, 1/n, n), mu= with dynamic shifting) and read
 mu as a function of the image size; `schedule A B` must name a shift applied twice and stay silent on
-look-alikes.
-"""
+look-alikes."""
 
 from __future__ import annotations
 

@@ -258,7 +258,7 @@ def test_a_file_that_cannot_be_written_leaves_its_finding_without_a_command(tmp_
     assert finding.to_dict()["command"] is None
 
 
-def test_a_masked_module_agrees_at_its_place():
+def test_a_masked_module_is_the_cause_only_where_the_run_saw_its_output_differ():
     from paritykit.bisection import bisect
     from paritykit.triage.walk import module_differs
 
@@ -266,6 +266,10 @@ def test_a_masked_module_agrees_at_its_place():
 
     reference, port, inputs = masked_vit("gelu")
     masked = bisect(reference, port, inputs, select_output=vit_output, atol=1e-4, rtol=0)
-    assert masked.verdict == "masked" and not module_differs(masked)
+    assert masked.verdict == "masked"
+    assert module_differs(masked, seen_differing=True) and not module_differs(masked, seen_differing=False)
     diverged = bisect(reference, port, inputs, select_output=vit_output, atol=1e-7, rtol=0)
-    assert diverged.verdict == "diverge" and module_differs(diverged)
+    assert diverged.verdict == "diverge" and module_differs(diverged, seen_differing=False)
+    reference, port, inputs = masked_vit(None)  # the same port without the bug
+    clean = bisect(reference, port, inputs, select_output=vit_output, atol=1e-4, rtol=0)
+    assert clean.verdict == "match" and not module_differs(clean, seen_differing=True)

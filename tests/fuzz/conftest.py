@@ -2,10 +2,8 @@
 
 Every command meets every kind of damage (a test per pair). ``bounded`` (the default, part of ``make test``):
 two inputs per pair, under half a minute in all. ``long`` (``PARITYKIT_FUZZ=long``, ``make fuzz``): 60 per
-pair.
-With ``PARITYKIT_FUZZ_STATS=FILE`` the session writes, per command and per kind of damage, the inputs tried,
-how they ended (exit 0 / 1 / 2) and the failures.
-"""
+pair. With ``PARITYKIT_FUZZ_STATS=FILE`` the session writes, per command and per kind of damage, the inputs
+tried, how they ended (exit 0 / 1 / 2) and the failures."""
 
 from __future__ import annotations
 

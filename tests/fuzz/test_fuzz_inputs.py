@@ -54,8 +54,7 @@ def build_port():
 class Case:
     r"""One command: its argv with ``{A}``/``{B}`` for the two inputs, the input pairs to try, the outputs it
     may write (relative to the working folder), and the pairs whose swap is a mix-up it must refuse (trace
-    folders,
-    and run folders that record their side)."""
+    folders, and run folders that record their side)."""
 
     argv: tuple[str, ...]
     pairs: tuple[tuple[str, str], ...]

@@ -352,10 +352,9 @@ def _held_out(
     hints: tuple[str, ...] = (),
 ) -> Case:
     r"""A held-out case: its true hint is a verified repair whose edit is one of ``repairs`` (or one of
-    ``hints``:
-    the weights map does know row reorders, so its verified layout slip is true too); the catalogue's other
-    observations at the culprit (a constant scale, unmatched weights) are true but not counted as the cause.
-    """
+    ``hints``: the weights map does know row reorders, so its verified layout slip is true too); the
+    catalogue's other observations at the culprit (a constant scale, unmatched weights) are true but not
+    counted as the cause."""
     return Case(
         id,
         pair,

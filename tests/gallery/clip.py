@@ -2,8 +2,7 @@ r"""Pair 4: a transformers ``CLIPEncoderLayer`` (eager attention, separate q/k/v
 ``BasicTransformerBlock``, converted by renaming.
 
 transformers is a separate code base (its own attention, norms and MLP); it installs from PyPI without
-torchvision.
-"""
+torchvision."""
 
 from __future__ import annotations
 

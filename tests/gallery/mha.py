@@ -1,12 +1,10 @@
 r"""Pair 1: a pre-norm transformer block built from ``torch.nn`` parts (``nn.MultiheadAttention`` with its
-fused
-``in_proj_weight``) <-> diffusers ``BasicTransformerBlock`` (``Attention`` with ``to_q/to_k/to_v``,
+fused ``in_proj_weight``) <-> diffusers ``BasicTransformerBlock`` (``Attention`` with ``to_q/to_k/to_v``,
 ``to_out.0``).
 
 The weights go across twice, independently: a hand-written conversion (:func:`hand_convert`) and the rules
 ``paritykit weights map --emit-rules`` infers from values (:func:`rules_convert`); the gallery checks they
-agree.
-"""
+agree."""
 
 from __future__ import annotations
 
@@ -113,8 +111,7 @@ def build(variant: str, bug: str | None = None) -> BuiltPair:
     r"""The pair with ``bug`` planted: None, ``math-attention``, ``eps``, ``gelu-tanh``, ``swap-qk``,
     ``attention-scale``, ``bf16-norm``, ``eps+gelu-tanh``, ``out-scale`` (forward code multiplies the
     attention out-projection by 1.01: no setting or weight explains it), ``bias-twice`` (its bias added a
-    second time).
-    """
+    second time)."""
     bugs = set(bug.split("+")) if bug else set()
     reference = with_weights(seeded(TorchBlock), variant)
     sd = {k: t.detach().clone() for k, t in reference.state_dict().items()}

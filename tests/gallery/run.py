@@ -43,8 +43,7 @@ class Outcome:
     @property
     def false_alarm(self) -> bool:
         r"""A clean case that did not come out as a plain match, or an invisible one that came out otherwise
-        than
-        a match or a masked verdict claiming no cause (see :func:`run_case`)."""
+        than a match or a masked verdict claiming no cause (see :func:`run_case`)."""
         return not self.expected and (not self.culprit_ok or bool(self.false_hints))
 
 

@@ -4,8 +4,7 @@ diffusers ``AutoencoderKL``, its weights converted by diffusers' own ``convert_l
 
 The taming package's ``__init__`` files import nothing heavy, but the package declares torchvision and
 pytorch-lightning; the Makefile installs it with ``--no-deps`` and this module imports only the model file,
-which needs torch and numpy.
-"""
+which needs torch and numpy."""
 
 from __future__ import annotations
 

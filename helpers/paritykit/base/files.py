@@ -46,8 +46,7 @@ def save_figure(figure: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> 
     r"""Save a matplotlib figure a user asked for (``--plot``, ``--out``), creating its folder.
 
     An unwritable path or a format matplotlib cannot write becomes one line naming the file (exit 2 from the
-    CLI), never a traceback.
-    """
+    CLI), never a traceback."""
 
     path = Path(path)
     try:

@@ -3,8 +3,7 @@ used.
 
 Every room re-exports its public names from the modules that define them; importing the room's package must
 not import those modules (and torch with them) before a name is asked for, or ``paritykit --help`` would pay
-for all.
-"""
+for all."""
 
 from __future__ import annotations
 

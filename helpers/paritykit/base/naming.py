@@ -14,8 +14,7 @@ def parse_map_options(options: Iterable[str], *, option: str = "--map") -> list[
     r"""Turn repeated ``REGEX=REPL`` strings into ``[(regex, repl), …]``.
 
     The split is at the last ``=`` (replacement strings rarely contain one). Invalid regexes raise
-    :class:`ParityKitError` naming the option.
-    """
+    :class:`ParityKitError` naming the option."""
     rules: list[Rule] = []
     for text in options:
         if "=" not in text:

@@ -1,8 +1,7 @@
 r"""Reading a pickled checkpoint without running code from it (:func:`safe_torch_load`): torch's
 ``weights_only`` loader first; when it refuses a pickle because of globals it does not know (Lightning and
 OmegaConf training checkpoints are the usual case) a restricted unpickler retries, turning every unknown
-global into an inert
-placeholder it reports, and refusing outright the globals that only an attack needs."""
+global into an inert placeholder it reports, and refusing outright the globals that only an attack needs."""
 
 from __future__ import annotations
 

@@ -69,8 +69,7 @@ def to_json(payload: dict[str, Any], *, indent: int | None = 2) -> str:
 
     Adds ``"schema_version": 1`` when missing. Non-finite floats become ``null`` and are listed in a top-level
     ``"nonfinite"`` object mapping their dotted path to ``"nan"``, ``"inf"`` or ``"-inf"``, so no ``NaN``
-    ever reaches a JSON parser.
-    """
+    ever reaches a JSON parser."""
     flags: dict[str, str] = {}
     body = _finite_copy(dict(payload), "", flags)
     out = {"schema_version": SCHEMA_VERSION}
@@ -145,8 +144,7 @@ def render_table(
     r"""A plain-text table bounded to ``limit`` rows, so an agent's context is never flooded.
 
     Rows past the limit are replaced by one ``… N more`` line; ``summary`` (if given) ends the table.
-    ``limit=None`` or ``0`` shows every row.
-    """
+    ``limit=None`` or ``0`` shows every row."""
     rows = [[format_number(c) if not isinstance(c, str) else c for c in row] for row in rows]
     shown = rows if not limit else rows[:limit]
     widths = [len(h) for h in headers]

@@ -47,12 +47,23 @@ class Spec:
         return {k: float(v) for k, v in tol.items()}
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
-        args, kwargs = split_inputs(self.call("make_inputs"))
+        args, kwargs = self._inputs_from("make_inputs")
         if side == "port" and self.has("port_inputs"):
-            args, kwargs = split_inputs(self.call("port_inputs", args, kwargs))
+            args, kwargs = self._inputs_from("port_inputs", args, kwargs)
         if device is not None:
             args, kwargs = to_device((args, kwargs), device)
         return args, kwargs
+
+    def _inputs_from(self, name: str, *args: Any) -> tuple[tuple, dict]:
+        r"""What ``name(*args)`` returns as a call's inputs (:func:`~paritykit.base.inputs.split_inputs`); a
+        function that returns nothing (a missing ``return``) is one line naming it."""
+        value = self.call(name, *args)
+        if value is None:
+            raise ParityKitError(
+                f"{self.path}: {name}() returned None; return (args, kwargs), a kwargs dict, a list of "
+                "arguments or one tensor"
+            )
+        return split_inputs(value)
 
     @property
     def sha256(self) -> str:
@@ -65,13 +76,12 @@ class Spec:
     def input_fingerprint(self) -> dict[str, Any]:
         r"""What ``make_inputs()`` returns (both sides start from it): each tensor's shape by position/name,
         and one hash over every tensor's dtype, shape and bytes, so two traces can be told to share their
-        inputs.
-        """
+        inputs."""
         import hashlib
 
         import torch
 
-        args, kwargs = split_inputs(self.call("make_inputs"))
+        args, kwargs = self._inputs_from("make_inputs")
         named = {**{f"arg{i}": v for i, v in enumerate(args)}, **kwargs}
         tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         digest = hashlib.sha256()

@@ -1,11 +1,12 @@
 r"""The culprit search behind ``paritykit bisect``: capture → align → search → explain → report.
 
-``align`` pairs the two models' modules; ``searcher`` tests aligned calls (replay, else error jump);
-``strategy`` is the search's one interface, with ``FullSearch`` (everything captured) and ``zoom.ZoomSearch``
-(one level at a time) behind it and :func:`~paritykit.bisection.strategy.run_strategy` turning either into a
-report; ``findings`` explains a located call (``evidence``, ``remix``, ``module_fit``, ``ops``); ``results``
-holds the report objects; ``search`` is the entry point (``bisect``, ``bisect_traces``, ``--all``); ``spec``
-runs SPEC.py files; ``leaves`` pairs tensor leaves of calls. See docs/architecture.md.
+``entry`` holds the entry points (``bisect``, ``bisect_traces``, ``capture_and_bisect``, ``--all``); ``spec``
+runs SPEC.py files. ``align`` pairs the two models' modules; ``searcher`` tests aligned calls (replay, else an
+error jump) and is the one thing the strategies call; ``strategy`` is the search's interface, with
+``FullSearch`` (everything captured) and ``zoom.ZoomSearch`` (one level at a time) behind it and
+:func:`~paritykit.bisection.strategy.run_strategy` turning either into a report; ``findings`` explains a
+located call (``evidence``, ``mix_fits``, ``module_fit``, ``ops``, then ``repair``); ``results`` holds the
+report objects; ``leaves`` pairs tensor leaves of calls. See docs/architecture.md.
 """
 
 from paritykit.base.lazy import lazy_exports

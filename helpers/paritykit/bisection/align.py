@@ -354,9 +354,8 @@ class _Builder:
             if not ports:
                 continue
             # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one
-            # set:
-            # pair innermost first, each with the first compatible partner (same class or output shape), so a
-            # layer never pairs with a block that holds it and does more (an embedding table and the
+            # set: pair innermost first, each with the first compatible partner (same class or output shape),
+            # so a layer never pairs with a block that holds it and does more (an embedding table and the
             # ``embeddings`` block that also adds positions): the block is left over.
             ports = sorted(ports, key=_depth, reverse=True)
             confidence = "high" if image & identifying else "low"
@@ -395,7 +394,7 @@ class _Builder:
                     if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
 
-    def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> str:
+    def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> Confidence:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under
         ``ref``."""
         prefix = ref + "." if ref else ""
@@ -424,7 +423,7 @@ class _Builder:
                 if not informative(tensor):
                     continue
                 sources += [
-                    k for k in by_shape.get(tuple(tensor.shape), []) if equal_values(ref_sd[k], tensor)
+                    k for k in by_shape.get(tuple(tensor.shape), []) if _same_tensor(ref_sd[k], tensor)
                 ]
             owners = {k.rsplit(".", 1)[0] if "." in k else "" for k in sources}
             if len(owners) != 1:
@@ -524,8 +523,8 @@ class _Builder:
         r"""Pair parameterless modules of one class, each with the port module that reads the same stream: the
         one whose captured input is closest to its own (up to a dim permutation), ties broken by execution
         order. A model of two streams (image and text tokens) may run them in either order, and its
-        image-stream
-        norm must never meet the text stream's. Modules whose outputs cannot correspond stay unpaired."""
+        image-stream norm must never meet the text stream's. Modules whose outputs cannot correspond stay
+        unpaired."""
         import itertools
 
         if len(refs) == 1:
@@ -629,7 +628,7 @@ def sources_of_all(cmap: Any) -> set[str]:
     return {e.target for e in cmap.mapping}
 
 
-def equal_values(a: Any, b: Any) -> bool:
+def _same_tensor(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.device == b.device and bool((a == b).all())
 
 

@@ -278,9 +278,7 @@ def bisect(
 
     Returns:
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and
-        ``culprits``),
-        ``first_output_divergence``,
-        the alignment, every module tested, ``exit_code``.
+        ``culprits``), ``first_output_divergence``, the alignment, every module tested, ``exit_code``.
     """
     args, kwargs = split_inputs(inputs)
     if port_inputs is not None:

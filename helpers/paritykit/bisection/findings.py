@@ -156,7 +156,7 @@ def _with_extra_inputs(
     """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
     inside the module), the port modules producing them and a verified constructor fit of those
     (:func:`paritykit.bisection.module_fit.extra_input_hints`); a verified fix goes first."""
-    if call.name not in searcher.own_inputs or any(h.verified for h in hints):
+    if not searcher.own_input_paths(call, port_call) or any(h.verified for h in hints):
         return hints
     from paritykit.bisection.module_fit import extra_input_hints
 
@@ -179,8 +179,7 @@ def _with_inline(
 ) -> list:
     """At an inline culprit, the evidence of the first differing child input goes first
     (:func:`paritykit.bisection.module_fit.inline_reference_hints`); a "forward code differs" hint then no
-    longer
-    stands, since the difference was traced to a port module the reference has no counterpart for."""
+    longer stands, since the difference was traced to a port module the reference has no counterpart for."""
     if children_passed == 0 or port_call is None:
         return hints
     if any(h.verified for h in hints):
@@ -221,8 +220,7 @@ def _hints_at(
     """Evidence at the culprit (:func:`paritykit.bisection.evidence.collect.culprit_evidence`: configuration,
     activation, fitted constants, weight slices, each fix verified on a copy of the port), with the
     input-aware and tensor-level hints on its first differing output pair (its inputs and its children's
-    outputs as mixing
-    candidates)."""
+    outputs as mixing candidates)."""
     from paritykit.bisection.evidence.collect import culprit_evidence
     from paritykit.compare.diagnose import diagnose
 

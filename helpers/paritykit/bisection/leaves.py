@@ -1,6 +1,5 @@
 r"""Tensor leaves of module calls: flattening nested inputs and outputs, pairing two sides' leaves by path,
-order
-and shape, rebuilding a call from them, and the compared tensor of a model's final output."""
+order and shape, rebuilding a call from them, and the compared tensor of a model's final output."""
 
 from __future__ import annotations
 

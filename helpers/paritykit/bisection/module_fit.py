@@ -520,8 +520,8 @@ def extra_input_hints(
 def extra_inputs(searcher: Searcher, call: Record, port_call: Record | None) -> dict[str, Any]:
     """The port inputs a culprit's replay took from the port's own run (path -> captured tensor); empty when
     there are none or the port module is not at hand."""
-    paths = searcher.own_inputs.get(call.name)
-    if not paths or port_call is None or searcher.port_modules.get(port_call.module) is None:
+    paths = searcher.own_input_paths(call, port_call)
+    if not paths:
         return {}
     captured = dict(port_call.inputs.items())
     return {p: captured[p] for p in paths if p in captured}

@@ -95,14 +95,12 @@ class Searcher:
         self.ratio = ratio
         self.results: dict[str, ModuleTest] = {}
         self.why_not_replayed: dict[str, str] = {}
-        # what the tests found out, written by replay() and jump() only
+        # What the tests found out, by call name: written by the tests (replay, jump, and replayed_outputs
+        # for a culprit whose passing replay was not kept) and by inherit, never by a comparison.
+        # A failing replay's outputs, the port's in the reference's layout:
         self.replays: dict[str, Replayed] = {}
-        # replays that fed some port inputs from the port's own capture (no reference counterpart): their
-        # paths
-        self.own_inputs: dict[str, list[str]] = {}
-        # calls whose leaves are compared up to a dim permutation (the two sides lay a tensor out
-        # differently):
-        # the dim order applied to each port leaf, by path
+        # the dim order applied to each port leaf, by path, for calls whose leaves were compared up to a dim
+        # permutation (the two sides lay a tensor out differently):
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
         for record in ref_trace.records:
@@ -183,13 +181,15 @@ class Searcher:
         port_record: Record,
         device: Any = None,
         replace: dict[str, Any] | None = None,
+        pairing: InputPairing | None = None,
     ) -> tuple[tuple, dict] | None:
         """The port call's own arguments with the reference's tensors put in place of its tensors (copies, so
         an in-place op in the port module cannot change the trace); the port's extra inputs stay its own, or
-        ``replace[path]`` where given. ``None`` when the inputs cannot be paired."""
+        ``replace[path]`` where given; ``pairing``, when given, is :meth:`pair_call_inputs`'s answer for these
+        two calls. ``None`` when the inputs cannot be paired."""
         from paritykit.tracing.trace import unpack_call
 
-        pairing = self.pair_call_inputs(ref_record, port_record)
+        pairing = pairing or self.pair_call_inputs(ref_record, port_record)
         if pairing is None:
             return None
         port_keys = list(port_record.input_keys.values())
@@ -209,7 +209,15 @@ class Searcher:
         args, kwargs = unpack_call(port_record.inputs_skeleton, lambda key: swap[key])
         return tuple(args), dict(kwargs)
 
-    # tests: the only methods that record ------------------------------------------------------------
+    def own_input_paths(self, ref_record: Record, port_record: Record | None) -> list[str]:
+        """The port call's input paths a replay takes from the port's own capture (the reference has no
+        counterpart for them); empty when there are none or the port module is not at hand."""
+        if port_record is None or port_record.module not in self.port_modules:
+            return []
+        pairing = self.pair_call_inputs(ref_record, port_record)
+        return [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
+
+    # tests: what records ------------------------------------------------------------------------------
     def test(self, ref_record: Record) -> ModuleTest:
         if ref_record.name in self.results:
             return self.results[ref_record.name]
@@ -220,14 +228,16 @@ class Searcher:
         self.results[ref_record.name] = result
         return result
 
-    def run_replay(self, ref_record: Record, port_record: Record) -> Replayed | str:
+    def run_replay(
+        self, ref_record: Record, port_record: Record, pairing: InputPairing | None = None
+    ) -> Replayed | str:
         """Outputs of both modules on the reference's captured inputs, or the reason replay is impossible."""
         port_module = self.port_modules.get(port_record.module)
         if port_module is None:
             return "no port model to replay on"
         if not ref_record.replayable:
             return "reference inputs not replayable"
-        adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module))
+        adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module), pairing=pairing)
         if adapted is None:
             return "signatures differ (inputs cannot be paired by path, order or shape)"
         ref_module = self.ref_modules.get(ref_record.module)
@@ -256,8 +266,7 @@ class Searcher:
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept,
         so they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
-        replayed.
-        """
+        replayed."""
         kept = self.replays.get(ref_record.name)
         if kept is None and port_record is not None:
             outcome = self.run_replay(ref_record, port_record)
@@ -271,14 +280,11 @@ class Searcher:
         return kept
 
     def replay(self, ref_record: Record, port_record: Record) -> ModuleTest | None:
-        """Test a call by replaying the port module on the reference's inputs; records the layouts, the port's
-        own inputs and (for a failing call) the outputs; ``None`` (with the reason kept) when it cannot run.
-        """
+        """Test a call by replaying the port module on the reference's inputs; records the layouts and (for a
+        failing call) the outputs; ``None`` (with the reason kept) when it cannot run."""
         pairing = self.pair_call_inputs(ref_record, port_record)
         own = [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
-        if own and port_record.module in self.port_modules:
-            self.own_inputs[ref_record.name] = own
-        outcome = self.run_replay(ref_record, port_record)
+        outcome = self.run_replay(ref_record, port_record, pairing)
         if isinstance(outcome, str):
             self.why_not_replayed[ref_record.name] = outcome
             return None
@@ -372,9 +378,10 @@ class Searcher:
         return "pass", "error inherited from the inputs", errors
 
     def inherit(self, upper: Searcher, name: str) -> None:
-        """Carry over the verdict (and replayed outputs) of call ``name``, tested already by ``upper``, the
-        searcher one level up (a zoom enters a block it has tested from the level above)."""
-        for table in ("results", "replays", "why_not_replayed"):
+        """Carry over what ``upper``, the searcher one level up, found testing call ``name`` (a zoom enters a
+        block it has tested from the level above): its verdict, kept outputs, layouts and why it was not
+        replayed."""
+        for table in ("results", "replays", "layouts", "why_not_replayed"):
             source = getattr(upper, table)
             if name in source:
                 getattr(self, table)[name] = source[name]
@@ -436,8 +443,7 @@ class Searcher:
     def masked_call(self) -> tuple[Record, int] | None:
         """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
         shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is
-        a
-        candidate, deepest first; the first that also fails on identical inputs is the culprit."""
+        a candidate, deepest first; the first that also fails on identical inputs is the culprit."""
         for record in self.differing_calls():
             if self.test(record).status == "fail":
                 return self.descend(record)

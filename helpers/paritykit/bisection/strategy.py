@@ -3,8 +3,7 @@ report.
 
 A strategy decides what is captured at a time and in which order aligned calls are tested; the tests
 themselves are always a :class:`~paritykit.bisection.searcher.Searcher`'s (replay, else error jump). Two
-strategies
-exist:
+strategies exist:
 
 * :class:`FullSearch` (``--levels full``): every module captured at once on each side, one searcher;
 * :class:`paritykit.bisection.zoom.ZoomSearch` (``--levels zoom``): one level of blocks captured at a time, a
@@ -13,8 +12,7 @@ exist:
 
 :func:`run_strategy` runs a strategy and builds the :class:`~paritykit.bisection.results.BisectReport`, so the
 verdict, the culprit finding and the first output divergence are one piece of code whichever strategy found
-them.
-"""
+them."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
 from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
-from paritykit.bisection.results import BisectReport, ModuleTest
+from paritykit.bisection.results import BisectReport, ModuleTest, Verdict
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import module_of
 
@@ -215,7 +213,7 @@ def run_strategy(
         top.ref_trace, top.port_trace, top.alignment, atol=atol, rtol=rtol, confidence=trusted
     )
     culprit = None
-    verdict = "match" if output.passed else "diverge"
+    verdict: Verdict = "match" if output.passed else "diverge"
     with torch.no_grad():
         located = strategy.locate()
         if output.passed:

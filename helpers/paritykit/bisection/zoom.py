@@ -79,8 +79,7 @@ def level_children(model: Any, name: str = "") -> list[str]:
 
 def level_patterns(model: Any, name: str = "") -> list[str]:
     r"""What :func:`paritykit.tracing.trace.capture` must hook to record block ``name`` and its level children
-    (exact
-    names, with glob characters escaped)."""
+    (exact names, with glob characters escaped)."""
     import glob
 
     return [glob.escape(n) if n else n for n in (name, *level_children(model, name))]
@@ -378,8 +377,7 @@ FINGERPRINTS_FILE = "weights.json"
 def trace_patterns(model: Any, levels: str = "full", inside: str | None = None) -> list[str] | None:
     r"""What ``paritykit trace`` hooks: everything (``full``), the top level and its blocks (``blocks``), or
     with ``inside=BLOCK`` the top level, that block and one level inside it (the blocks' outputs only are
-    kept,
-    whatever the model's size)."""
+    kept, whatever the model's size)."""
     if levels not in TRACE_LEVELS:
         raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(TRACE_LEVELS)}")
     if inside is not None:

@@ -41,8 +41,7 @@ def emit(report: Report, *, as_json: bool, limit: int | None = DEFAULT_LIMIT) ->
     """Print a report as a table or JSON, then exit with its code (0 same, 1 differ).
 
     Every JSON report carries ``verdict`` and ``passed`` (from the exit code), added here so that no command,
-    old or new, can leave them out.
-    """
+    old or new, can leave them out."""
     if as_json:
         click.echo(to_json(with_verdict(report.to_dict(), report.exit_code)))
     else:

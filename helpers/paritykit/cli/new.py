@@ -118,8 +118,7 @@ def pipeline_stub(name: str, out_dir: str, force: bool, components: str | None, 
     post_loop.
 
     NAME is a CamelCase model name: the class is NAMEPipeline (NAME as is if it ends in Pipeline), the file
-    pipeline_<name in snake_case>.py.
-    """
+    pipeline_<name in snake_case>.py."""
     kind = "pipeline-stub-modular" if modular else "pipeline-stub"
     _generate(kind, name, out_dir, force, components=components)
 

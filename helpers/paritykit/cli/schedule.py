@@ -105,8 +105,7 @@ def schedule(
 
 def _recordings(ref: str) -> str | dict[int, str]:
     r"""``SIZE=PATH,SIZE=PATH`` (a reference recorded at several image sizes) as ``{size: path}``; any other
-    REF,
-    or an existing path that merely looks like one, as given."""
+    REF, or an existing path that merely looks like one, as given."""
     from pathlib import Path
 
     if Path(ref).exists() or not re.fullmatch(r"\d+=[^,]+(,\d+=[^,]+)*", ref):

@@ -130,8 +130,7 @@ def install_command(
     Without --agent: the agent named by the environment (Claude Code, Codex), else claude and codex.
     Everything is checked before anything is written: a same-name skill that is not paritykit's, or a skills
     folder that is itself a symlink, stops the install with exit 2 and nothing changed (with --dry-run: the
-    plan is shown with its conflicts, exit 1).
-    """
+    plan is shown with its conflicts, exit 1)."""
     from paritykit.pack.installer import install
 
     report = install(

@@ -2,8 +2,7 @@
 
 ``diff`` lives here; ``map`` (conversion inference) lives in :mod:`paritykit.cli.weights_map`. Each
 sub-command is imported only when it runs, so ``weights diff --keys-only`` never pays for what ``map``
-imports.
-"""
+imports."""
 
 from __future__ import annotations
 

@@ -2,10 +2,8 @@ r"""Tensor comparison and its diagnoses: one pair, named sets and checkpoint fol
 per-step error curves, images, and gradients.
 
 Modules: ``tolerances`` (per-dtype defaults), ``tensors`` (one pair), ``diagnose`` (what a difference looks
-like:
-a cast, a transpose, a scale, …), ``sets`` (many tensors, ``assert_parity``), ``steps`` (error over a
-denoising loop), ``images`` (side by side with a heatmap), ``gradients`` (backward passes).
-"""
+like: a cast, a transpose, a scale, …), ``sets`` (many tensors, ``assert_parity``), ``steps`` (error over a
+denoising loop), ``images`` (side by side with a heatmap), ``gradients`` (backward passes)."""
 
 from paritykit.base.lazy import lazy_exports
 

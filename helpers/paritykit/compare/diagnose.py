@@ -271,8 +271,7 @@ def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     r"""B is A with its axes reordered: ``transpose`` for one swapped pair, ``permute`` otherwise.
 
     Works across differing shapes (``(B, S, H, D)`` vs ``(B, H, S, D)``) and on equal shapes (square
-    matrices).
-    """
+    matrices)."""
     if a.ndim != b.ndim or a.ndim < 2 or a.ndim > 6 or a.numel() != b.numel() or a.numel() == 0:
         return None
     identity = tuple(range(a.ndim))

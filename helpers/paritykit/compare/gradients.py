@@ -6,8 +6,7 @@ runs one training step's forward and backward on each side from the same inputs 
 compares every aligned parameter's gradient with :func:`paritykit.compare_tensors`.
 
 Both models are left as they were: their existing ``.grad`` values are restored and the global RNG state is
-untouched afterwards.
-"""
+untouched afterwards."""
 
 from __future__ import annotations
 
@@ -332,8 +331,7 @@ def compare_gradients(
             Except with an explicit mapping, a parameter left without a partner fails the check when it
             received a non-zero gradient.
         port_inputs: the port's own inputs when its signature differs: a value in any ``inputs`` form, or a
-            callable
-            ``(args, kwargs) -> inputs`` adapting the reference's.
+            callable ``(args, kwargs) -> inputs`` adapting the reference's.
         port_loss_fn: the port's loss when its output differs in type (default: ``loss_fn``).
         atol, rtol: tolerance per gradient (default: from the dtypes, see :func:`paritykit.compare_tensors`).
         seed: the RNG seed set (inside a forked RNG state) before each side's forward.

@@ -2,8 +2,7 @@ r"""Side-by-side images and videos of two runs: an amplified difference heatmap,
 difference per frame.
 
 numpy, Pillow and matplotlib are imported inside the functions that need them, so importing this module is
-cheap.
-"""
+cheap."""
 
 from __future__ import annotations
 
@@ -55,10 +54,8 @@ class ImageComparison:
     r"""Reference vs port images (or videos): PSNR, max pixel difference, and a side-by-side figure.
 
     Pixels are compared in [0, 1] after each side's value range is detected (``range_a``/``range_b``). For
-    videos
-    (and batches) every frame is measured; the verdict uses the *worst* frame. ``exit_code`` is 0 when every
-    frame's PSNR is at least ``psnr_min`` dB, else 1 (also for different shapes).
-    """
+    videos (and batches) every frame is measured; the verdict uses the *worst* frame. ``exit_code`` is 0 when
+    every frame's PSNR is at least ``psnr_min`` dB, else 1 (also for different shapes)."""
 
     a: str
     b: str

@@ -156,8 +156,7 @@ def compare_tensor_sets(
 
     Args:
         a, b: name -> tensor, in order (A's order orders the report; checkpoint folders load in execution
-        order).
-        atol, rtol: tolerances for every pair (default: per dtype pair).
+        order). atol, rtol: tolerances for every pair (default: per dtype pair).
         rules: ``(regex, replacement)`` renaming rules applied to A's names (see
             :mod:`paritykit.base.naming`).
         broadcast: align shapes that differ only by a repeated batch dimension by tiling the smaller side.

@@ -10,8 +10,7 @@ A question a port meets after its components pass (the other, "does the output l
   turns a tiny early difference into a large late one.
 
 torch, numpy and matplotlib are imported inside the functions that need them, so importing this module is
-cheap.
-"""
+cheap."""
 
 from __future__ import annotations
 

@@ -130,8 +130,7 @@ class TensorComparison:
 
     Metrics cover the positions where both sides are finite; NaN/Inf are counted in ``nonfinite`` and a
     NaN or Inf on one side only is a mismatch. ``max_rel`` is over elements where B is non-zero.
-    A dtype difference alone is not a failure.
-    """
+    A dtype difference alone is not a failure."""
 
     name: str
     status: str

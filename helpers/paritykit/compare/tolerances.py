@@ -29,8 +29,7 @@ def walk_threads(threads: int | None = None) -> Iterator[None]:
     A chunked walk issues thousands of small ops; with several intra-op threads each op ends at a barrier,
     and on a busy machine one descheduled thread stalls every op for a whole time slice (a 20-30x slowdown
     measured on 2 shared cores). The walk is memory-bound, so one thread loses little when the machine is
-    idle.
-    """
+    idle."""
     import torch
 
     threads = WALK_THREADS if threads is None else threads

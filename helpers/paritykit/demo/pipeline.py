@@ -13,8 +13,7 @@ class TinyControlPipeline(DiffusionPipeline):
     ``denoiser``.
 
     Checkpoints: ``preloop`` (latents, hint, timesteps), ``after_step_{i}`` (latents), ``post_loop``
-    (latents).
-    """
+    (latents)."""
 
     def __init__(self, denoiser: torch.nn.Module, scheduler: FlowMatchEulerDiscreteScheduler):
         super().__init__()

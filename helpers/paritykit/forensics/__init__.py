@@ -1,8 +1,7 @@
 r"""Static forensics, no forward pass needed: weights diffed tensor by tensor (``weights``), the conversion
 between two checkpoints inferred from values (``conversion``), configs diffed key by key (``configs``, with
 ``config_files``, ``config_ldm``, ``config_defaults``, ``config_suggest``), and safetensors headers read
-without
-loading a tensor (``safetensors_header``)."""
+without loading a tensor (``safetensors_header``)."""
 
 from paritykit.base.lazy import lazy_exports
 

@@ -87,8 +87,7 @@ def config_class_names(config: Mapping[str, Any], override: str | None = None) -
     The top level (prefix ``""``) is ``override`` or the config's ``_class_name``; in a pipeline config each
     diffusers component (``["diffusers", "DDIMScheduler"]`` in ``model_index.json``, read as ``_library`` and
     ``_class``) gets its own prefix. Components from other libraries are left out: their configs are not
-    ``__init__`` arguments.
-    """
+    ``__init__`` arguments."""
     classes: dict[str, str] = {}
     top = override or config.get("_class_name")
     if isinstance(top, str) and top:

@@ -4,8 +4,7 @@ Sources: a ``config.json`` (or any JSON object file), a diffusers model folder, 
 (``model_index.json`` plus each component's config, compared component by component), the metadata of a
 ``.safetensors`` header, an original LDM-style YAML file, a plain dict, or a live model's ``.config``. Nested
 keys are flattened to dotted paths and values compared type-aware: ``1 == 1.0`` and ``[1, 2] == (1, 2)``, but
-``"1" != 1`` and ``True != 1``.
-"""
+``"1" != 1`` and ``True != 1``."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ class ConfigDiff:
 
     Keys are dotted paths in B's naming (``--map`` rules rename A's keys before matching). Only
     ``differences``, ``only_a`` and ``only_b`` make the exit code 1; ``not_compared`` lists every key left out
-    and why.
-    """
+    and why."""
 
     a: str
     b: str

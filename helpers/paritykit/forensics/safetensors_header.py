@@ -4,8 +4,7 @@ A safetensors file starts with an 8-byte little-endian header length ``N``, then
 each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the
 header), plus an optional ``"__metadata__"`` object of string values. Key, shape and dtype differences between
 two multi-gigabyte checkpoints therefore cost two small reads; values can later be streamed from the byte
-ranges.
-"""
+ranges."""
 
 from __future__ import annotations
 

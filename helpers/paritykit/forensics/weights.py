@@ -195,9 +195,7 @@ def component_of(key: str) -> str:
 
     Recognises LDM/SD (``first_stage_model``, ``cond_stage_model``, ``model.diffusion_model``, ``model_ema``),
     SDXL (``conditioner.embedders.N``), diffusers pipeline prefixes (``vae.``, ``unet.``, ``transformer.`` …)
-    and
-    Flux-style single files. Anything else is ``model``.
-    """
+    and Flux-style single files. Anything else is ``model``."""
     if _LDM_SCHEDULE.match(key):
         return "schedule"
     head = key.split(".", 1)[0]
@@ -258,8 +256,7 @@ def kind_of(key: str, shape: Sequence[int] = ()) -> str:
     norm, ``proj_in``/``proj_out`` are proj, ``to_q`` under ``attn2`` is cross-attention), so research and
     diffusers names of one tensor get one kind. Components that name nothing (``proj``, ``net``, ``0``)
     defer to their parent; LDM ResBlock positions (``in_layers.0``) are read as the layers they are; an
-    otherwise unnamed 4-D weight is a conv.
-    """
+    otherwise unnamed 4-D weight is a conv."""
     for kind, pattern in _LDM_POSITIONS:
         if pattern.search(key):
             return kind
@@ -624,8 +621,7 @@ def plot_weights_diff(report: WeightsDiff, path: str | os.PathLike) -> Path:
 
     Distances span many orders of magnitude, so positive values are binned on a log10 axis; the count axis
     is linear unless counts are large, so a group with one small change still shows its bar. Sets
-    ``report.plot`` to the path written.
-    """
+    ``report.plot`` to the path written."""
     from matplotlib import pyplot as plt
 
     path = Path(path)

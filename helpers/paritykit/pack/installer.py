@@ -254,8 +254,7 @@ def uninstall(
     target, a copy with the same content hash); an edited copy is kept with a warning. Links into the pack
     that have no manifest entry (made by an older ``make claude``) are removed too. A folder moved aside by
     ``--force`` is put back. Empty folders the install created are removed. Arguments as for ``install``;
-    default agents: all.
-    """
+    default agents: all."""
     ctx = _Context.make(resolve_agents(agents, default=AGENTS), target, user_scope, pack, home)
     report = ctx.report("uninstall", dry_run)
     for folder, agents_here in ctx.folders.items():

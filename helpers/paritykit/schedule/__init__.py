@@ -1,8 +1,7 @@
 r"""Sampling schedules (``paritykit schedule``): ``load`` reads a schedule from anything a port records,
 ``families`` names the closed form it follows, ``compare`` diagnoses two schedules, ``schedulers`` builds
 diffusers schedulers by name, ``fit`` searches a scheduler's config for the reference, ``step_check`` checks
-one
-``step()`` against the reference loop's update."""
+one ``step()`` against the reference loop's update."""
 
 from paritykit.base.lazy import lazy_exports
 

@@ -74,8 +74,8 @@ class KindComparison:
 @dataclass
 class ScheduleComparison:
     r"""What ``paritykit schedule REF PORT`` reports: per kind (timesteps, sigmas) the aligned lists, each
-    side's
-    closed form where one fits, and hints. ``exit_code`` 0 when every kind both sides hold agrees, else 1."""
+    side's closed form where one fits, and hints. ``exit_code`` 0 when every kind both sides hold agrees, else
+    1."""
 
     a: str
     b: str

@@ -353,8 +353,7 @@ def fit_scheduler(
     Returns:
         A :class:`FitResult`; ``line`` is the ready fix, e.g.
         ``DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="trailing")``, and ``call_line``
-        the
-        ``set_timesteps`` call when the fix needs one.
+        the ``set_timesteps`` call when the fix needs one.
     """
     cls = resolve_scheduler(cls)
     keys = accepted_keys(cls)
@@ -526,8 +525,7 @@ def _mu_as_function_of_size(
 ) -> None:
     r"""``mu`` fitted per size, read as diffusers' line ``calculate_shift`` (``base_shift`` at
     ``base_image_seq_len``, ``max_shift`` at ``max_image_seq_len``), and checked by building the scheduler
-    from
-    those config values at every size and count, and at a size between the ones given."""
+    from those config values at every size and count, and at a size between the ones given."""
     best = result.fits[0]
     (l1, m1), (l2, m2) = sorted(best.mu.items())[0], sorted(best.mu.items())[-1]
     slope = (m2 - m1) / (l2 - l1)

@@ -214,8 +214,8 @@ def load_schedule(source: Any) -> Schedule:
     r"""Read one side: a :class:`Schedule`, a list / tensor / array, a dict with ``timesteps`` and/or
     ``sigmas``, or a path: a checkpoint folder (its ``preloop`` checkpoint), a tensor file (``.safetensors``,
     ``.pt``, ``.npy``, …; keys named ``timesteps`` / ``sigmas``, or one bare tensor read as timesteps), a
-    ``.json`` list
-    or object, or a SPEC ``.py`` defining ``ref_schedule(n)`` (and ``ref_step`` for a step check)."""
+    ``.json`` list or object, or a SPEC ``.py`` defining ``ref_schedule(n)`` (and ``ref_step`` for a step
+    check)."""
     if isinstance(source, Schedule):
         return source
     if isinstance(source, dict):

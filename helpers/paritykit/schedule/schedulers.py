@@ -126,8 +126,7 @@ class Call:
 
     def kwargs(self, n: int, ref: Schedule | None, mu: float | None) -> tuple[int | None, dict[str, Any]]:
         r"""The step-count argument and keyword arguments of this call at ``n`` steps (``ref``: the reference
-        at
-        ``n``, for the calls that pass its lists; ``mu``: passed when given)."""
+        at ``n``, for the calls that pass its lists; ``mu``: passed when given)."""
         import numpy as np
 
         kwargs: dict[str, Any] = {} if mu is None else {"mu": float(mu)}

@@ -204,8 +204,7 @@ class Recorded:
 
 def _recorded_calls(source: Any) -> Recorded | str | None:
     r"""A ``record_loop`` folder's calls; ``None`` when ``source`` is not one, a sentence when its calls
-    cannot
-    drive the step (a guidance batch, a sigma-taking wrapper)."""
+    cannot drive the step (a guidance batch, a sigma-taking wrapper)."""
     if source is True or not isinstance(source, (str, Path)) or not Path(source).is_dir():
         return None
     from paritykit.tracing.checkpoints import load_checkpoints
@@ -251,8 +250,7 @@ def _check_calls(
     r"""Step ``cls`` in lockstep with a recorded loop: before call ``j`` the scheduler's input scaling is
     undone to read the loop's state, the previous ``step()`` must have produced it, and ``step()`` is fed call
     ``j``'s own model output, so a multistep solver's history is the reference's. The last update is checked
-    against
-    the loop's ``final`` result when the folder has it."""
+    against the loop's ``final`` result when the folder has it."""
     import torch
 
     calls = recorded.calls

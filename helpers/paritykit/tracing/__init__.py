@@ -1,7 +1,6 @@
 r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline
 checkpoints saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser
-(``recording``).
-"""
+(``recording``)."""
 
 from paritykit.base.lazy import lazy_exports
 

@@ -137,8 +137,7 @@ def kept(value: Any) -> Any:
 @dataclass
 class Call:
     r"""One recorded call of a module: its arguments (``args``, ``kwargs``, and ``named`` by parameter name)
-    and
-    its output, all copies taken when the call happened."""
+    and its output, all copies taken when the call happened."""
 
     args: tuple
     kwargs: dict

@@ -1,8 +1,6 @@
 r"""What two machines exchange when each side is traced on its own: a model's weights read one tensor at a
-time
-(also when accelerate offloaded them), written to one safetensors file or summed into fingerprints, and the
-checks
-that two trace folders are one reference and one port fed the same inputs."""
+time (also when accelerate offloaded them), written to one safetensors file or summed into fingerprints, and
+the checks that two trace folders are one reference and one port fed the same inputs."""
 
 from __future__ import annotations
 

@@ -83,8 +83,7 @@ class ModuleInfo:
 
 def call_name(module: str, call: int) -> str:
     r"""The name of call ``call`` (0-based) of ``module`` in a trace: the module's own name for its first
-    call,
-    ``module#k`` for the (k+1)-th; :func:`module_of` reads it back."""
+    call, ``module#k`` for the (k+1)-th; :func:`module_of` reads it back."""
     return module if call == 0 else f"{module}#{call}"
 
 
@@ -177,8 +176,7 @@ class Record:
 class TraceTensors:
     r"""A trace's tensors by storage key: the copies :func:`capture` made, or the shards of a trace folder,
     read lazily. Records hold this rather than their trace, so a record kept alone still reads its tensors,
-    and a trace
-    dropped with its records frees them at once (no reference cycle)."""
+    and a trace dropped with its records frees them at once (no reference cycle)."""
 
     def __init__(self, directory: Path | None = None):
         self.directory = directory

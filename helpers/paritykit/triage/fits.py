@@ -60,8 +60,7 @@ def fit_linear(target: Any, regressors: dict[str, Any]) -> LinearFit | None:
 def fit_affine(target: Any, source: Any, per_channel: bool = False) -> LinearFit | None:
     r"""``target ≈ a · source + b``: how one side's tensor became the other's. With ``per_channel`` and a
     tensor of three or more dims, when one shift does not fit exactly, a shift per channel (dim 1) is tried: a
-    scale
-    applied before a 1×1 convolution with a bias (``post_quant_conv``) reaches its output that way."""
+    scale applied before a 1×1 convolution with a bias (``post_quant_conv``) reaches its output that way."""
     import torch
 
     if source is None or target is None or tuple(source.shape) != tuple(target.shape):

@@ -124,8 +124,7 @@ class CallError:
 class TriageReport:
     r"""``verdict`` is ``match`` (every call, the decoder and the result agree) or ``differ``; ``findings``
     list the causes, first difference first (every independent one with ``all_causes``); ``ruled_out`` the
-    places
-    checked and found to agree; ``not_checked`` what could not be, with why."""
+    places checked and found to agree; ``not_checked`` what could not be, with why."""
 
     spec: str
     findings: list[Finding]
@@ -154,8 +153,13 @@ class TriageReport:
             "calls": {"reference": self.calls[0], "port": self.calls[1]},
             "result": self.result,
             "findings": [f.to_dict() for f in self.findings],
-            "ruled_out": [n.to_dict() for n in self.ruled_out],
-            "not_checked": [n.to_dict() for n in self.not_checked],
+            # the lines as a person reads them (as in every earlier schema_version 1 report), and by place
+            "ruled_out": [n.render() for n in self.ruled_out],
+            "not_checked": [n.render() for n in self.not_checked],
+            "notes": {
+                "ruled_out": [n.to_dict() for n in self.ruled_out],
+                "not_checked": [n.to_dict() for n in self.not_checked],
+            },
             "curve": [row.to_dict() for row in self.curve],
             "out_dir": self.out_dir,
             "environment": self.environment,

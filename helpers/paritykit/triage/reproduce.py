@@ -28,8 +28,7 @@ Built = tuple[str | None, list[ReproduceFile]]
 
 def checked_out(out: Any) -> Path | None:
     r"""``--out`` as a folder triage may write: absent, empty, or an earlier triage's (its marker file); never
-    a
-    folder of the user's own files, whose names triage would overwrite."""
+    a folder of the user's own files, whose names triage would overwrite."""
     if out is None:
         return None
     out = Path(out)
@@ -61,9 +60,8 @@ def write_files(findings: Iterable[Finding]) -> None:
         for file in finding.files:
             try:
                 _write(file)
-            except (
-                Exception
-            ) as exc:  # an argument torch cannot save: the finding stands, its command does not
+            # an argument torch cannot save: the finding stands, its command does not
+            except Exception as exc:
                 finding.command = None
                 finding.evidence.append(
                     f"no reproduce command: {file.path.name} not written ({first_line(exc)})"

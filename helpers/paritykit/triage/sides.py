@@ -71,8 +71,7 @@ def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
 
 def result_tensor(value: Any, what: str, spec: Spec) -> Any:
     r"""A run's result as one tensor: a pipeline output's ``images`` / ``sample`` / ``latents``, the first
-    item
-    of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
+    item of a ``return_dict=False`` tuple, a list of images or tensors stacked, a numpy array as is."""
     import numpy as np
     import torch
 

@@ -37,7 +37,7 @@ from paritykit.triage.sides import SideRun
 THE_REFERENCES = "the reference's"
 
 
-def reproduce(built: Built) -> dict[str, Any]:
+def command_and_files(built: Built) -> dict[str, Any]:
     r"""A built command as a finding's ``command`` and ``files`` keywords."""
     command, files = built
     return {"command": command, "files": files}
@@ -188,7 +188,9 @@ class Triage:
                 0,
                 summary,
                 evidence=evidence,
-                **reproduce(self.commands.compare(0, self.ref_roles[0].latents, self.port_roles[0].latents)),
+                **command_and_files(
+                    self.commands.compare(0, self.ref_roles[0].latents, self.port_roles[0].latents)
+                ),
             )
         )
 
@@ -235,7 +237,7 @@ class Triage:
             f"the timesteps differ from call {first} "
             f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)",
             evidence=evidence,
-            **reproduce(
+            **command_and_files(
                 self.commands.schedule(self.port_scheduler if self.spec.has("port_scheduler") else None)
             ),
             details=comparison.to_dict(),
@@ -289,21 +291,20 @@ class Triage:
                 f"the denoiser's conditioning input {r} (port: {p}) differs before any "
                 "denoiser computation: the text encoder, the prompt's embedding or its packing",
                 evidence=comparison_evidence(c),
-                **reproduce(self.commands.compare(0, r, p)),
+                **command_and_files(self.commands.compare(0, r, p)),
             )
         )
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
         r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else
-        call
-        0): a difference there is the module's own, whatever differs upstream."""
+        call 0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
         ref_call, port_call = self.ref.calls[call], self.port.calls[call]
         mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, self.port_roles[call])
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
-        if not module_differs(report):
+        if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
                 f"the port's module matches the reference's on call {call}'s inputs" + _masked_words(report),
@@ -362,7 +363,7 @@ class Triage:
                                 else "the step's timesteps agree on both sides"
                             ),
                         ],
-                        **reproduce(self.commands.steps()),
+                        **command_and_files(self.commands.steps()),
                     )
                 )
                 self._check_step(self.findings[-1])
@@ -381,7 +382,7 @@ class Triage:
                     f"the latents after step {step} differ while that step's inputs and output "
                     f"agree: the sampler's update (cause unknown: {why})",
                     evidence=comparison_evidence(self._next_latents_comparison(step)),
-                    **reproduce(self.commands.steps()),
+                    **command_and_files(self.commands.steps()),
                 )
             )
             self._check_step(self.findings[-1])
@@ -397,8 +398,7 @@ class Triage:
     def _check_step(self, finding: Finding) -> None:
         r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
         over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces
-        every
-        update is verified."""
+        every update is verified."""
         if not self.spec.has("port_scheduler") or self.folders is None:
             return
         from paritykit.schedule import fit_scheduler
@@ -499,7 +499,7 @@ class Triage:
                             "fitted over every element of the decoder's input (relative error "
                             f"{format_number(rel(zr, zp))} before the fit)"
                         ],
-                        **reproduce(self.commands.compare_tensors("decoder_input", zr, zp)),
+                        **command_and_files(self.commands.compare_tensors("decoder_input", zr, zp)),
                     )
                 )
                 if not independent:
@@ -514,7 +514,7 @@ class Triage:
                         " (after the last call) or the latents' preparation for the decoder; no scale and"
                         f" shift relates the two ({residual})",
                         evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
-                        **reproduce(self.commands.compare_tensors("decoder_input", zr, zp)),
+                        **command_and_files(self.commands.compare_tensors("decoder_input", zr, zp)),
                     )
                 )
                 return
@@ -523,7 +523,7 @@ class Triage:
             self.skip("decoder", "the two decoders' inputs cannot be paired (shapes differ)")
             return
         report = self._bisect(self.ref.vae, self.port.vae, ref_call, mapped)
-        if module_differs(report):
+        if module_differs(report, same_input and not self._same_output(ref_call, port_call)):
             finding = _bisect_finding("decoder", None, report)
             if not same_input:
                 finding.evidence.insert(0, "the port's decoder was fed the reference's decoder input")
@@ -538,6 +538,15 @@ class Triage:
             "decoder", "the port's module matches on the reference's decoder input" + _masked_words(report)
         )
         self.post_processing(ref_call, port_call)
+
+    def _same_output(self, ref_call: Call, port_call: Call) -> bool:
+        a, b = output(ref_call), output(port_call)
+        return (
+            a is not None
+            and b is not None
+            and a.shape == b.shape
+            and compare(a, b, self.tol, "decoded").passed
+        )
 
     def post_processing(self, ref_call: Call, port_call: Call) -> None:
         r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is
@@ -655,13 +664,22 @@ def _unclamped_affine(result: Any, decoded: Any) -> Any:
     return fit_linear(r[inside], {"decoder output": values, "offset": torch.ones_like(values)})
 
 
-def module_differs(report: Any) -> bool:
-    r"""Whether a module's bisect on one call's inputs puts the place's difference in that module: any verdict
-    but ``match`` and ``masked``. ``masked`` is the module's output within tolerance while a captured
-    submodule inside is not; the module's output is what the pipeline reads, so the place agrees, and the
-    rule-out line
-    says what was masked (:func:`_masked_words`)."""
-    return report.verdict not in ("match", "masked")
+def module_differs(report: Any, seen_differing: bool) -> bool:
+    r"""Whether a module's bisect on one call's inputs puts the place's difference in that module, for every
+    place that bisects a module (the denoiser, the decoder).
+
+    Args:
+        report: the module's :class:`~paritykit.bisection.results.BisectReport`.
+        seen_differing: whether the recorded run saw this module's output differ while its inputs agreed.
+
+    Returns:
+        ``diverge``: yes; ``match``: no; ``masked`` (the output within bisect's tolerance while a submodule
+        inside fails on identical inputs): yes when the run saw the output differ (the submodule explains
+        it), no otherwise, and the rule-out line says what was masked (:func:`_masked_words`).
+    """
+    if report.verdict == "masked":
+        return seen_differing
+    return report.verdict != "match"
 
 
 def _masked_words(report: Any) -> str:
@@ -677,7 +695,7 @@ def _identity(fit: Any) -> bool:
     return abs(scale - 1) < 1e-6 and all(abs(s) < 1e-6 for s in shifts)
 
 
-def _bisect_finding(place: str, call: int | None, report: Any) -> Finding:
+def _bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
     culprit = report.culprit or report.first_output_divergence
     if culprit is None:
         return Finding(

@@ -1,9 +1,8 @@
 r"""Evidence at a culprit: why two aligned modules differ, each cause checked and, where possible, verified.
 
 The search (:mod:`paritykit.bisection.entry`) finds *where* a port parts from its reference; this package
-says
-*why*, from the two module objects and the inputs and outputs captured at that call. One small function per
-kind of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Culprit` and returning
+says *why*, from the two module objects and the inputs and outputs captured at that call. One small function
+per kind of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Culprit` and returning
 :class:`~paritykit.compare.diagnose.Hint` s that state their evidence:
 
 - ``settings``: :func:`module_config` (``module-config``): public scalar / tuple / string attributes,
@@ -19,10 +18,8 @@ kind of evidence, each taking a :class:`~paritykit.bisection.evidence.culprit.Cu
 
 Every candidate fix is tried on a deep copy of the port module (``Culprit.check``): ``verified=True`` with the
 before/after error when the copy then matches the reference. ``collect``: :func:`culprit_evidence` runs them
-all
-(the registry ``EVIDENCE``); when none finds anything it says so plainly (``no-signature``), listing what was
-ruled out. A new detector is one function in one of these modules, registered in ``collect.EVIDENCE``.
-"""
+all (the registry ``EVIDENCE``); when none finds anything it says so plainly (``no-signature``), listing what
+was ruled out. A new detector is one function in one of these modules, registered in ``collect.EVIDENCE``."""
 
 from paritykit.base.lazy import lazy_exports
 

@@ -98,8 +98,7 @@ def activation(c: Culprit) -> list[Hint]:
 
 def _leaf_calls(module: Any, run: Callable[[Callable], Any], only_parameterless: bool) -> list[tuple]:
     r"""Run ``module`` through ``run`` with hooks on its leaf submodules: ``(name, input, output)`` per call
-    with
-    one tensor in and one tensor out, in execution order."""
+    with one tensor in and one tensor out, in execution order."""
     calls: list[tuple] = []
     handles = []
 

@@ -1,6 +1,5 @@
 r"""All evidence at a culprit, ranked: the registry of detectors (``EVIDENCE``), :func:`culprit_evidence`, and
-the
-plain ``no-signature`` hint that lists what was ruled out when no detector finds anything."""
+the plain ``no-signature`` hint that lists what was ruled out when no detector finds anything."""
 
 from __future__ import annotations
 

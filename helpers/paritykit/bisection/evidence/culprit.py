@@ -87,8 +87,7 @@ class Culprit:
 def verify_hint(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
     r"""Build the fixed port (``make()``, e.g. a patched deep copy), run it on the port's inputs and record
     the before/after error: ``verified`` is True when it then matches the reference, False when it does not,
-    and
-    stays None when it could not be tried (no replay, or the copy or the call raised)."""
+    and stays None when it could not be tried (no replay, or the copy or the call raised)."""
     if c.check is None:
         return hint
     try:

@@ -122,8 +122,7 @@ def _steps(entry: Any) -> list[dict[str, Any]]:
 
 def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
     r"""The corrected rule and a sentence when a port parameter holds another role's tensor than its name
-    says:
-    a chunk of a fused projection other than the one its role implies, or a whole tensor of another role
+    says: a chunk of a fused projection other than the one its role implies, or a whole tensor of another role
     (``to_k`` loaded from ``v_proj``)."""
     if len(entry.sources) != 1:
         return None

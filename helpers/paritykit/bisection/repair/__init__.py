@@ -1,8 +1,10 @@
 r"""The repair search: at a culprit, try the small edits that could turn the port's computation into the
 reference's (a grammar over parameters, inputs, outputs and settings, cheapest first), replay each on the
-captured inputs, and keep only those that make the numbers agree. ``edits`` defines an edit and the constants
-fitted numbers snap to; ``grammar`` generates the candidates; ``site`` says where the search runs;
-``engine`` runs it within a time budget; ``at_culprit`` joins its verified edits to the catalogue's hints."""
+captured inputs, and keep only those that make the numbers agree. ``edits`` defines the edit classes, their
+cost table and the constants fitted numbers snap to; ``grammar`` generates the candidates of the parameter,
+input, output and use tiers, ``settings`` those of the settings tier; ``site`` says where the search runs;
+``engine`` runs it within a time budget; ``culprit_sites`` builds the sites at a culprit and joins the
+verified edits to the catalogue's hints."""
 
 from paritykit.base.lazy import lazy_exports
 

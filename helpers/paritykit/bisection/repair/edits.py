@@ -1,6 +1,6 @@
 r"""What a repair is: one candidate edit of the port (``Edit``), the simple constants a fitted number is
-snapped
-to, and the verified result as a hint (``RepairHint``) whose JSON carries the edit and its residual."""
+snapped to, and the verified result as a hint (``RepairHint``) whose JSON carries the edit and its
+residual."""
 
 from __future__ import annotations
 
@@ -127,8 +127,7 @@ class ParameterEdit(Edit):
 
 def set_parameters(work: Any, values: dict[str, Any]) -> dict[str, Any]:
     r"""Put ``values`` (name -> tensor) into ``work``'s parameters, in their dtype and device; returns the
-    data
-    they held, for putting back."""
+    data they held, for putting back."""
     saved = {}
     for name, value in values.items():
         param = work.get_parameter(name)

@@ -441,8 +441,7 @@ def _output_edit(
     **parameters: Any,
 ) -> Edit:
     r"""An edit of output leaf ``j``: ``change(tensor, inputs)`` gives the edited tensor (``inputs``: the
-    site's
-    input leaves by path, for the local check)."""
+    site's input leaves by path, for the local check)."""
     return OutputEdit(
         tier="outputs",
         kind=kind,

@@ -1,7 +1,6 @@
 r"""Where the repair search runs (``Site``): a port module, the inputs it is replayed on, the outputs it
 should give, and how a candidate is checked — at a culprit, or at an unaligned port module that produces a
-differing
-input of an inline culprit (checked there, then verified by replaying the culprit)."""
+differing input of an inline culprit (checked there, then verified by replaying the culprit)."""
 
 from __future__ import annotations
 

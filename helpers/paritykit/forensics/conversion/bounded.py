@@ -117,8 +117,8 @@ def compact_pair(
 
     Returns:
         ``(source_dict, target_dict, stood_in)``; ``stood_in`` maps each replaced source key to its target key
-        and its number of elements.
-        Peak memory: the tensors that need their values, plus two tensors while a pair is proved equal.
+        and its number of elements. Peak memory: the tensors that need their values, plus two tensors while a
+        pair is proved equal.
     """
     tgt_fp = _fingerprints(target, None)
     dtypes = sorted({fp["dtype"] for fp in tgt_fp.values()}, key=str)

@@ -203,8 +203,7 @@ class _Matcher:
     def match_rounded(self) -> None:
         r"""Targets whose values sit on a bf16/fp16 grid while their dtype is wider: a conversion that went
         through the lower precision (saved in bf16, loaded as fp32). Matched against sources rounded the same
-        way.
-        """
+        way."""
         import torch
 
         lows = (torch.bfloat16, torch.float16)
@@ -421,8 +420,7 @@ class _Matcher:
     def sibling_ways(self, tkey: str) -> list[_Found]:
         r"""Ways built like a settled sibling of ``tkey`` (same target module, or same stem: ``in_proj_bias``
         beside ``in_proj_weight``): the matching source of the same module or stem, same leading chunk (a
-        fused
-        bias split like its fused weight), verified exactly."""
+        fused bias split like its fused weight), verified exactly."""
         module, leaf = tkey.rsplit(".", 1) if "." in tkey else ("", tkey)
         stem, stem_leaf = _param_stem(tkey)
         t = self.target[tkey]

@@ -59,8 +59,7 @@ class NameScorer:
     In order: the (source, target) naming pattern was already proven by a value-unique match; the candidate
     sits in a source module that value-unique matches tie to the target's parent modules (their context);
     the layer indices agree; shared words (prefixes and synonyms count: ``q`` ~ ``query``, ``added`` ~
-    ``txt``); not yet used; similar tails.
-    """
+    ``txt``); not yet used; similar tails."""
 
     def __init__(self) -> None:
         self.pairs: set[tuple[str, str]] = set()

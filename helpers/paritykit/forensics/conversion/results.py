@@ -83,8 +83,7 @@ class AmbiguousTarget:
     r"""A target several sources explain equally well and structure cannot settle.
 
     ``candidates`` lists every source that builds it exactly (never cut); ``chosen`` is the one the mapping
-    uses, a guess by names.
-    """
+    uses, a guess by names."""
 
     target: str
     candidates: list[str]

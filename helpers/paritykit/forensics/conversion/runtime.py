@@ -1,8 +1,7 @@
 r"""The rule runtime: the layout ops a conversion rule applies (chunk, cat, transpose, …).
 
 These functions are copied verbatim into emitted modules (:mod:`paritykit.forensics.conversion.emit`), so they
-may use only ``re`` and ``torch``.
-"""
+may use only ``re`` and ``torch``."""
 
 from __future__ import annotations
 
