@@ -121,8 +121,7 @@ def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15
 def flux_sigmas(n: int, image_seq_len: int) -> list[float]:
     """Flux's ``get_schedule`` (black-forest-labs/flux, src/flux/sampling.py): n + 1 times evenly from 1 to 0,
     each moved by ``time_shift(mu, 1, t) = e^mu / (e^mu + (1/t - 1))`` with mu from the image size; t = 0
-    stays 0.
-    The shift is applied once."""
+    stays 0. The shift is applied once."""
     mu = flux_mu(image_seq_len)
     times = [1 - i / n for i in range(n + 1)]
     return [math.exp(mu) / (math.exp(mu) + (1 / t - 1)) if t > 0 else 0.0 for t in times]

@@ -139,8 +139,7 @@ class Eps(torch.nn.Module):
 
 class Flow(torch.nn.Module):
     r"""A velocity model as a k-diffusion denoiser (rectified flow, Esser et al. 2024: x_σ = (1 − σ) x0 + σ ε
-    and
-    v = ε − x0, so x0 = x_σ − σ v), called at t = 1000 σ as SD3's sampler calls its model."""
+    and v = ε − x0, so x0 = x_σ − σ v), called at t = 1000 σ as SD3's sampler calls its model."""
 
     def __init__(self, inner):
         super().__init__()
@@ -152,8 +151,7 @@ class Flow(torch.nn.Module):
 
 def eps_denoiser(kd, unet, timesteps=None):
     r"""k-diffusion's DiscreteEpsDDPMDenoiser over SD's training schedule; ``timesteps``, ``{sigma: t}``,
-    replaces
-    its sigma → t lookup (the replay that feeds the model diffusers' timesteps)."""
+    replaces its sigma → t lookup (the replay that feeds the model diffusers' timesteps)."""
     _, external = kd
     den = external.DiscreteEpsDDPMDenoiser(Eps(unet), R.alphas_cumprod().float(), quantize=False)
     if timesteps is not None:

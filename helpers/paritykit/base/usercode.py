@@ -135,8 +135,7 @@ def _user_frames(exc: BaseException, spec: Spec | None) -> str:
 
 def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> Any:
     r"""Call user code; any exception becomes a :class:`paritykit.base.errors.UserCodeError` naming ``what``
-    and
-    carrying the traceback trimmed to the user's frames."""
+    and carrying the traceback trimmed to the user's frames."""
     from paritykit.base.errors import UserCodeError
 
     try:

@@ -323,8 +323,8 @@ class _Builder:
         identifying = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
 
-        # Containers and leaves alike: a module pairs with another when the value-unique parameters under
-        # them map onto each other exactly.
+        # Containers and leaves alike: a module pairs with another when the value-unique parameters under them
+        # map onto each other exactly.
         ref_keys = list(ref_sd)
         port_keys = list(port_sd)
         ref_sig: dict[frozenset, list[str]] = defaultdict(list)
@@ -545,8 +545,7 @@ class _Builder:
 
     def _stream_distance(self, r: str, p: str, unknown: float = 0.0) -> float:
         r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_input_distance`); ``inf`` when their
-        output
-        shapes are no permutation of each other."""
+        output shapes are no permutation of each other."""
         rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
         if rs is not None and ps is not None and sorted(rs) != sorted(ps):
             return math.inf

@@ -70,8 +70,7 @@ def pair_layouts(
     a: list[tuple[str, Any]], b: list[tuple[str, Any]]
 ) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]] | None:
     r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf
-    of
-    ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
+    of ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
     read as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
 
     Returns ``(pairs, b_leaves, orders)``: index pairs, ``b`` with the permuted leaves in place, and the dim

@@ -88,8 +88,7 @@ class SearchStrategy(Protocol):
 
     def masked(self) -> Located | None:
         """For a matching output: the first call failing on identical inputs among those whose captured
-        outputs
-        differ (its error shrunk by what follows), or ``None``."""
+        outputs differ (its error shrunk by what follows), or ``None``."""
         ...
 
     def differing(self) -> Located | None:

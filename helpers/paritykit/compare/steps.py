@@ -467,8 +467,7 @@ def _load_step_tensor(path: Path, key: str):
 
 def load_sigmas(source: Any) -> list[float]:
     r"""Read a sigma schedule: a list/array/tensor, or a file (``.json`` list or ``{"sigmas": [...]}``,
-    ``.txt``/
-    ``.csv`` numbers, ``.npy``, or a tensor file holding one tensor or one named ``sigmas``)."""
+    ``.txt``/ ``.csv`` numbers, ``.npy``, or a tensor file holding one tensor or one named ``sigmas``)."""
     label = str(source)
     if isinstance(source, (str, Path)):
         path = Path(source)

@@ -290,8 +290,7 @@ def _group_name(key: str, shape: Sequence[int], group_by: str) -> str:
 class ChangedTensor:
     r"""One tensor whose values differ. ``dot``/``norm_a``/``norm_b``/``sq_diff`` are the raw sums behind the
     metrics, kept so a group's distance is the metric of the concatenated group, not a sum of per-tensor
-    values.
-    """
+    values."""
 
     key: str
     group: str

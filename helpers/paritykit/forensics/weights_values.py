@@ -1,8 +1,7 @@
 r"""The values half of ``weights diff``: tensor pairs streamed in chunks from their files (or taken from
 memory), their bytes compared first, and every statistic of a changed pair (L2, L1, cosine, max-abs)
-accumulated in one pass over cache-sized chunks, on one worker thread per core. Peak anonymous memory is a few
-chunk buffers per
-worker, whatever the file size."""
+accumulated in one pass over cache-sized chunks, on one worker thread per core. Peak anonymous memory is a
+few chunk buffers per worker, whatever the file size."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class _Worker:
 
     Bytes are copied from the page cache with ``preadv`` into one chunk-sized buffer per side, which the
     decode then reads from cache. (Memory-mapping the files instead measured no faster here, and a mapped page
-    past the
-    end of a file truncated under us would be a SIGBUS rather than an error.)"""
+    past the end of a file truncated under us would be a SIGBUS rather than an error.)"""
 
     def __init__(self, fds: dict[Path, int]):
         self.fds = fds
@@ -183,8 +181,7 @@ _HALF_SUSPECT_NORM = 2.0**31
 
 def _decode_with_norm(entry: Any, start: int, count: int, out: Any, worker: _Worker, side: str):
     r""":func:`_decode` and the chunk's square norm; a float16 chunk whose norm could hide an infinity or a
-    NaN
-    is decoded again by numpy's exact cast."""
+    NaN is decoded again by numpy's exact cast."""
     import numpy as np
 
     values = _decode(entry, start, count, out, worker, side)

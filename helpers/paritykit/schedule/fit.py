@@ -591,8 +591,7 @@ def _load_base(base_config: Any) -> dict[str, Any]:
 
 def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], source: Any) -> dict[str, Any]:
     r"""The port's config reduced to the keys ``cls`` accepts. A key no diffusers scheduler accepts, or a
-    value
-    that ``cls`` refuses, is bad input (naming the key); keys of other scheduler classes are dropped."""
+    value that ``cls`` refuses, is bad input (naming the key); keys of other scheduler classes are dropped."""
     what = "--config" + (f" {source}" if isinstance(source, (str, Path)) else "")
     unknown = [k for k in config if k not in keys and not k.startswith("_") and k not in all_scheduler_keys()]
     if unknown:

@@ -282,8 +282,7 @@ class Trace:
 
     def graft(self, call: Record) -> None:
         r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and
-        depth,
-        so its records join a trace of the level above (:mod:`paritykit.bisection.zoom`)."""
+        depth, so its records join a trace of the level above (:mod:`paritykit.bisection.zoom`)."""
         if not self.records:
             raise ParityKitError("an empty trace cannot be grafted")
         top = self.records[0]

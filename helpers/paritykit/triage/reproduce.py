@@ -85,8 +85,7 @@ def _write(file: ReproduceFile) -> None:
 
 class Commands:
     r"""The ``paritykit …`` command that reproduces each kind of finding alone, and the files it reads; with
-    no
-    ``--out`` every command is ``None``. Nothing here writes."""
+    no ``--out`` every command is ``None``. Nothing here writes."""
 
     def __init__(self, spec_path: Any, tolerance: dict[str, float], folders: tuple[Path, Path] | None):
         self.spec_path, self.tolerance, self.folders = spec_path, tolerance, folders
@@ -135,8 +134,7 @@ class Commands:
 
     def bisect(self, what: str, call: int, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Built:
         r"""A bisect SPEC that rebuilds both modules from the triage SPEC and feeds them this call's inputs,
-        and
-        the command that runs it."""
+        and the command that runs it."""
         if self.out_dir is None:
             return None, []
         inputs = self.out_dir / f"{what}_call{call}.pt"

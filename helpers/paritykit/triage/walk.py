@@ -550,8 +550,7 @@ class Triage:
 
     def post_processing(self, ref_call: Call, port_call: Call) -> None:
         r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is
-        not
-        clamped; the two maps compared."""
+        not clamped; the two maps compared."""
         fr = _unclamped_affine(self.ref.result, output(ref_call))
         fp = _unclamped_affine(self.port.result, output(port_call))
         if fr is None or fp is None:

@@ -181,8 +181,7 @@ class OutputEdit(Edit):
 @dataclass(kw_only=True)
 class ReplaceEdit(Edit):
     r"""The submodule ``sub`` of the working copy (``""``: the whole module) replaced by ``build()``, a
-    rebuild
-    with one setting changed; ``build`` returns ``None`` when the class rejects the setting."""
+    rebuild with one setting changed; ``build`` returns ``None`` when the class rejects the setting."""
 
     sub: str
     build: Callable[[], Any] = field(repr=False)
@@ -332,8 +331,7 @@ MAX_CHUNKS = 8
 
 def chunk_orders(count: int) -> Iterator[tuple[int, ...]]:
     r"""Reorderings of ``count`` equal chunks: every permutation up to 4 chunks, swaps of two beyond (never
-    the
-    identity)."""
+    the identity)."""
     identity = tuple(range(count))
     if count <= 4:
         for order in itertools.permutations(identity):
