@@ -56,6 +56,11 @@ class InputPairing:
     pairs: list[tuple[int, int]]
     extra: list[int]
 
+    @property
+    def own_paths(self) -> list[str]:
+        r"""The paths of the port inputs with no reference counterpart."""
+        return [self.port_leaves[j][0] for j in self.extra]
+
 
 class Searcher:
     r"""Tests the aligned calls of one pair of traces (each at most once) and walks down to the culprit.
@@ -215,7 +220,7 @@ class Searcher:
         if port_record is None or port_record.module not in self.port_modules:
             return []
         pairing = self.pair_call_inputs(ref_record, port_record)
-        return [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
+        return pairing.own_paths if pairing is not None else []
 
     # tests: what records ------------------------------------------------------------------------------
     def test(self, ref_record: Record) -> ModuleTest:
@@ -283,7 +288,7 @@ class Searcher:
         """Test a call by replaying the port module on the reference's inputs; records the layouts and (for a
         failing call) the outputs; ``None`` (with the reason kept) when it cannot run."""
         pairing = self.pair_call_inputs(ref_record, port_record)
-        own = [pairing.port_leaves[j][0] for j in pairing.extra] if pairing is not None else []
+        own = pairing.own_paths if pairing is not None else []
         outcome = self.run_replay(ref_record, port_record, pairing)
         if isinstance(outcome, str):
             self.why_not_replayed[ref_record.name] = outcome

@@ -58,7 +58,7 @@ def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:
     for attr, value in list(vars(module).items()):
         if attr.startswith("_") or attr in NOT_SETTINGS or not isinstance(value, (bool, int, float, str)):
             continue
-        for new in values_for(module, attr, value):
+        for new in _values_for(module, attr, value):
             target = site.path(f"{sub}.{attr}" if sub else attr)
             yield AttributeEdit(
                 tier="settings",
@@ -113,7 +113,7 @@ def _string_options(module: Any, name: str, value: str) -> list[str]:
     return [o for o in options if o != value]
 
 
-def values_for(module: Any, name: str, value: Any) -> list[Any]:
+def _values_for(module: Any, name: str, value: Any) -> list[Any]:
     r"""The other values tried for setting ``name`` of ``module``: a boolean flipped, a string's known
     alternatives, a number scaled by :data:`FACTORS` (and every power of ten for an epsilon-like float), a
     short tuple's other orders."""
@@ -153,7 +153,7 @@ def _variants(module: Any) -> Iterator[Variant]:
         return
     yield {}, identity, "identity"
     for name in readable:
-        for value in values_for(module, name, values[name]):
+        for value in _values_for(module, name, values[name]):
             yield (
                 {name: value},
                 functools.partial(rebuild, module, {**values, name: value}),
@@ -177,7 +177,7 @@ def _config_variants(module: Any, config: dict, words: str) -> Iterator[Variant]
     for key, value in config.items():
         if key.startswith("_"):
             continue
-        for new in values_for(module, key, value):
+        for new in _values_for(module, key, value):
             yield {key: new}, functools.partial(_from_config, module, {**config, key: new}), words
 
 
@@ -200,7 +200,7 @@ def _hf_variants(module: Any, config: Any) -> Iterator[Variant]:
     for key, value in sorted(config.to_dict().items()):
         if key.startswith("_") or key in HF_NOT_SETTINGS:
             continue
-        for new in values_for(module, key, value):
+        for new in _values_for(module, key, value):
             yield (
                 {key: new},
                 functools.partial(_from_hf_config, module, config, {key: new}),
