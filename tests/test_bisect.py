@@ -11,6 +11,7 @@ from paritykit.base.report import to_json
 from paritykit.bisection.entry import bisect, bisect_traces
 from paritykit.bisection.findings import first_divergence
 from paritykit.bisection.mix_fits import remix_hint
+from paritykit.bisection.spec import bisect_spec
 from paritykit.tracing.trace import Trace, capture
 
 from tests.bisect_pairs import conv_pair, dit_pair, time_pair
@@ -396,3 +397,40 @@ def test_culprit_names_what_replay_could_not_check_inside_it():
     assert "final_norm.emb (swap_halves)" in note
     reference, port, inputs = dit_pair("inline")
     assert "blocks.1.attn.qkv" in bisect(reference, port, inputs).culprit.note
+
+
+def test_one_make_inputs_call_feeds_both_sides(tmp_path):
+    # make_inputs draws unseeded noise: called once per side, two identical models would "diverge".
+    # The reference also edits its input in place: the port must still get the values make_inputs returned.
+    spec = tmp_path / "UNSEEDED.py"
+    spec.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class Block(torch.nn.Module):
+                def __init__(self, in_place):
+                    super().__init__()
+                    torch.manual_seed(0)
+                    self.proj = torch.nn.Linear(8, 8)
+                    self.in_place = in_place
+
+                def forward(self, x):
+                    y = self.proj(x)
+                    if self.in_place:
+                        x.mul_(0)
+                    return y
+
+            def build_reference():
+                return Block(in_place=True)
+
+            def build_port():
+                return Block(in_place=False)
+
+            def make_inputs():
+                return [torch.randn(2, 8)]
+            """
+        )
+    )
+    report = bisect_spec(spec)
+    assert report.verdict == "match", report.render()

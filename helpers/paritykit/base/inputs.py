@@ -23,6 +23,18 @@ def to_device(value: Any, device: Any) -> Any:
     return value
 
 
+def copy_inputs(value: Any) -> Any:
+    r"""``value`` with every tensor at any depth (lists, tuples, dicts) cloned, so one side's in-place edit of
+    its inputs never reaches the other's; everything else is shared."""
+    if is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: copy_inputs(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(copy_inputs(v) for v in value)
+    return value
+
+
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:
     r"""A call's inputs as ``(args, kwargs)``, from any of the forms a user writes.
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.inputs import split_inputs, to_device
+from paritykit.base.inputs import copy_inputs, split_inputs, to_device
 
 SPEC_FUNCTIONS = ("build_reference", "build_port", "make_inputs", "port_inputs", "select_output")
 
@@ -47,12 +47,22 @@ class Spec:
         return {k: float(v) for k, v in tol.items()}
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
-        args, kwargs = self._inputs_from("make_inputs")
-        if side == "port" and self.has("port_inputs"):
-            args, kwargs = self._inputs_from("port_inputs", args, kwargs)
+        r"""One side's inputs (a run that traces one side per process)."""
+        ref, port = self.input_pair(device)
+        return port if side == "port" else ref
+
+    def input_pair(self, device: Any = None) -> tuple[tuple[tuple, dict], tuple[tuple, dict]]:
+        r"""Both sides' inputs from one ``make_inputs()`` call: the reference gets a copy of every tensor, the
+        port a copy mapped by ``port_inputs`` when the SPEC has it. An unseeded ``torch.randn`` in
+        ``make_inputs`` thus feeds both sides the same values."""
+        made = self._inputs_from("make_inputs")
         if device is not None:
-            args, kwargs = to_device((args, kwargs), device)
-        return args, kwargs
+            made = to_device(made, device)
+        ref = copy_inputs(made)
+        port = copy_inputs(made)
+        if self.has("port_inputs"):
+            port = self._inputs_from("port_inputs", *port)
+        return ref, port
 
     def _inputs_from(self, name: str, *args: Any) -> tuple[tuple, dict]:
         r"""What ``name(*args)`` returns as a call's inputs (:func:`~paritykit.base.inputs.split_inputs`); a

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.inputs import split_inputs, to_device
+from paritykit.base.inputs import copy_inputs, split_inputs, to_device
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment, align_modules
 from paritykit.bisection.findings import culprit_finding
@@ -280,17 +280,18 @@ def bisect(
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and
         ``culprits``), ``first_output_divergence``, the alignment, every module tested, ``exit_code``.
     """
-    args, kwargs = split_inputs(inputs)
+    made = split_inputs(inputs)
+    args, kwargs = copy_inputs(made)
     if port_inputs is not None:
         from paritykit.base.errors import UserCodeError
 
         try:
-            adapted = port_inputs(args, kwargs)
+            adapted = port_inputs(*copy_inputs(made))
         except Exception as exc:
             raise UserCodeError(f"port_inputs raised {type(exc).__name__}: {exc}") from exc
         port_args, port_kwargs = split_inputs(adapted)
     else:
-        port_args, port_kwargs = args, kwargs
+        port_args, port_kwargs = copy_inputs(made)
     return capture_and_bisect(
         reference,
         port,

@@ -83,13 +83,12 @@ def bisect_spec(
             if spec is None:
                 raise ParityKitError("give SPEC.py, or --traces REF_DIR PORT_DIR")
             reference, port = spec.build("reference", device), spec.build("port", device)
-            ref_args, ref_kwargs = spec.inputs("reference", device)
-            port_args, port_kwargs = spec.inputs("port", device)
+            ref_call, port_call = spec.input_pair(device)
             return capture_and_bisect(
                 reference,
                 port,
-                (ref_args, ref_kwargs),
-                (port_args, port_kwargs),
+                ref_call,
+                port_call,
                 run=lambda m, a, k: _run_forward(spec, m, _side_of(m, reference), a, k),
                 levels=levels,
                 all_culprits=all_culprits,
