@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 # (k_diffusion/sampling.py, external.py; see tests/kdiffusion.py) need only torch, scipy, torchsde, torchdiffeq
 # and tqdm, which the dev extras carry. Hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps "k-diffusion==0.1.1.post1"
+# Real port pairs take their reference from DiffSynth-Studio's copy of the Wan research models (tests/research.py).
+# diffsynth declares torchvision, modelscope and pinned transformers, which would replace the CPU torch; the
+# files the tests load need only torch, einops and tqdm. Hence --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps "diffsynth==2.1.12"
 	@touch $(STAMP)
 
 test: install

@@ -29,11 +29,14 @@ def first_divergence(
     atol: float | None = None,
     rtol: float | None = None,
     confidence: Sequence[str] = ("high", "medium", "low"),
+    port_record: Callable[[Record], Record | None] | None = None,
 ) -> ModuleFinding | None:
     r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
 
     This is where the error first becomes visible, not necessarily where it is made (it may come in with the
     inputs); :func:`bisect` finds the latter. Only pairs aligned with one of ``confidence`` take part.
+    ``port_record`` pairs a reference call with its port call (a searcher's, by input value); default: the
+    aligned module's call in the same place of the order.
     """
     from paritykit.compare.tensors import compare_tensors
 
@@ -41,11 +44,14 @@ def first_divergence(
         pair = alignment.pair_of(record.module)
         if pair is None or pair.layout or pair.confidence not in confidence:
             continue
-        port_name = pair.port
-        port_call = call_name(port_name, record.call)
-        if port_call not in port_trace:
+        if port_record is not None:
+            other = port_record(record)
+        else:
+            name = call_name(pair.port, record.call)
+            other = port_trace[name] if name in port_trace else None
+        if other is None:
             continue
-        other = port_trace[port_call]
+        port_call = other.name
         a = list(record.outputs.items())
         found = pair_layouts(a, list(other.outputs.items()))
         if found is None:

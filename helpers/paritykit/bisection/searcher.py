@@ -21,7 +21,7 @@ from paritykit.bisection.leaves import (
 )
 from paritykit.bisection.results import ModuleTest, Status
 from paritykit.compare.tensors import relative_error
-from paritykit.tracing.trace import Record, Trace, call_name, module_of
+from paritykit.tracing.trace import Record, Trace, module_of
 
 if TYPE_CHECKING:
     from paritykit.compare.tensors import TensorComparison
@@ -34,6 +34,9 @@ Replayed = tuple[Leaves, Leaves]
 JUMP_RATIO = 10.0
 # calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
 MAX_MASKED_CHECKS = 32
+# a call whose inputs differ from those of the port call in its place of the order is paired by value with one
+# of this many port calls nearest in order
+MAX_CALL_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
@@ -108,16 +111,62 @@ class Searcher:
         # permutation (the two sides lay a tensor out differently):
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
+        # reference call name -> the port call paired with it (:meth:`port_record`), and each port module's
+        # calls in order
+        self._call_pairs: dict[str, Record | None] = {}
+        self._port_calls: dict[str, list[Record]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
 
     # pairing ---------------------------------------------------------------------------------------
     def port_record(self, ref_record: Record) -> Record | None:
+        r"""The port call paired with a reference call: of the aligned port module's calls, the one in the
+        same place of the order when its inputs agree; else the nearest in order whose inputs agree (a shared
+        module called twice where the reference has two, frame chunks processed with a cache, one guidance
+        batch split in two); else the one in the same place. ``None`` when the module is unaligned."""
+        if ref_record.name in self._call_pairs:
+            return self._call_pairs[ref_record.name]
         pair = self.alignment.pair_of(ref_record.module)
-        if pair is None or pair.layout:
-            return None
-        name = call_name(pair.port, ref_record.call)
-        return self.port_trace[name] if name in self.port_trace else None
+        found = None if pair is None or pair.layout else self._pair_call(ref_record, pair.port)
+        self._call_pairs[ref_record.name] = found
+        return found
+
+    def paired_by_value(self) -> dict[str, str]:
+        r"""The reference calls paired with a port call out of order, by input value: {reference: port}."""
+        return {
+            ref: port.name
+            for ref, port in self._call_pairs.items()
+            if port is not None and port.call != self.ref_trace[ref].call
+        }
+
+    def _pair_call(self, ref_record: Record, port_module: str) -> Record | None:
+        calls = self._port_calls.get(port_module)
+        if calls is None:
+            calls = self._port_calls[port_module] = self.port_trace.calls(port_module)
+        by_order = calls[ref_record.call] if ref_record.call < len(calls) else None
+        repeated = len(calls) > 1 or ref_record.call > 0 or f"{ref_record.module}#1" in self.ref_trace
+        if not repeated or (by_order is not None and self._inputs_agree(ref_record, by_order)):
+            return by_order
+        nearest = sorted(calls, key=lambda c: abs(c.call - ref_record.call))[:MAX_CALL_CANDIDATES]
+        for candidate in nearest:
+            if candidate is not by_order and self._inputs_agree(ref_record, candidate):
+                return candidate
+        return by_order
+
+    def _inputs_agree(self, ref_record: Record, port_record: Record) -> bool:
+        r"""Whether every reference input paired with a port input agrees with it within tolerance (at least
+        one pair)."""
+        try:
+            pairing = self.pair_call_inputs(ref_record, port_record)
+        except Exception:  # a trace folder with a missing shard: no value to pair by
+            return False
+        if pairing is None or not pairing.pairs:
+            return False
+        for i, j in pairing.pairs:
+            a, b = pairing.ref_leaves[i][1], pairing.port_leaves[j][1]
+            if a.shape != b.shape or not self.compare(a, b.to(a.dtype), "input").passed:
+                return False
+        return True
 
     def frontier(self, record: Record) -> list[Record]:
         """The nearest aligned calls below ``record`` (unaligned calls in between are looked through)."""

@@ -209,7 +209,13 @@ def run_strategy(
     # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
     trusted = ("high", "medium", "low") if not output.passed else ("high",)
     first = first_divergence(
-        top.ref_trace, top.port_trace, top.alignment, atol=atol, rtol=rtol, confidence=trusted
+        top.ref_trace,
+        top.port_trace,
+        top.alignment,
+        atol=atol,
+        rtol=rtol,
+        confidence=trusted,
+        port_record=top.port_record,
     )
     culprit = None
     verdict: Verdict = "match" if output.passed else "diverge"
