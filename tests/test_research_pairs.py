@@ -1,5 +1,5 @@
-"""Real port pairs: published research code (tests/research.py) against diffusers' own classes, weights moved by
-diffusers' own converters. Nothing on the reference side copies diffusers."""
+"""Real port pairs: published research code (tests/research.py) against diffusers' own classes, weights moved
+by diffusers' own converters. Nothing on the reference side copies diffusers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from paritykit.bisection.entry import bisect
 
-from tests.research import wan_vae
+from tests.research import WanResearchForward, wan_dit, wan_vae
 
 LATENT = (1, 4, 3, 2, 2)  # three latent frames, each decoded as one chunk through the causal cache
 
@@ -59,3 +59,100 @@ def test_wan_vae_port_with_a_wrong_activation_is_found_in_its_block(wan_pair):
     assert report.verdict == "diverge", report.render()
     assert report.culprit.port == "vae.decoder.mid_block.resnets.1.nonlinearity", report.render()
     assert any(h.verified and "nn.SiLU()" in (h.fix or "") for h in report.culprit.hints), report.render()
+
+
+class Denoise(torch.nn.Module):
+    """One side's denoiser call as a module: the research blocks driven as DiffSynth's pipeline drives them,
+    or diffusers' ``WanTransformer3DModel`` returning its sample."""
+
+    def __init__(self, dit: torch.nn.Module, research: bool):
+        super().__init__()
+        self.dit, self.research = dit, research
+
+    def forward(self, x, timestep, context):
+        if self.research:
+            return WanResearchForward.run(self.dit, x, timestep, context)
+        return self.dit(x, timestep, context, return_dict=False)[0]
+
+
+@pytest.fixture(scope="module")
+def wan_dit_pair():
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    torch.manual_seed(0)
+    # head dim 24: the research rotary table splits it 8/8/8 over frames, rows and columns as diffusers does
+    shape = dict(ffn_dim=64, freq_dim=256, num_layers=2, patch_size=(1, 2, 2))
+    research = (
+        wan_dit()
+        .WanModel(
+            dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **shape
+        )
+        .eval()
+    )
+    port = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **shape
+    ).eval()
+    missing, unexpected = port.load_state_dict(convert_wan_transformer_to_diffusers(research.state_dict()))
+    assert not missing and not unexpected
+    inputs = [torch.randn(1, 4, 2, 4, 4), torch.tensor([999.0]), torch.randn(1, 5, 16)]
+    return research, port, inputs
+
+
+def _bisect_wan(pair, mutate=None):
+    import copy
+
+    research, port, inputs = pair
+    port = copy.deepcopy(port)
+    if mutate is not None:
+        mutate(port)
+    return bisect(Denoise(research, True), Denoise(port, False), inputs)
+
+
+def test_research_blocks_with_another_signature_are_replayed_with_arguments_paired_by_value(wan_dit_pair):
+    # research DiTBlock(x, context, t_mod, freqs: complex) vs diffusers' block(hidden_states,
+    # encoder_hidden_states, temb, rotary_emb: (cos, sin)): every block is replayed, the rotary pair computed
+    # from the research's complex table
+    report = _bisect_wan(wan_dit_pair)
+    assert report.verdict == "match", report.render()
+    blocks = {t.reference: t for t in report.tested if t.reference in ("dit.blocks.0", "dit.blocks.1")}
+    assert len(blocks) == 2 and all(t.test == "replay" for t in blocks.values()), report.render()
+    note = blocks["dit.blocks.0"].note
+    assert "cos (pairs interleaved) of args.3 (complex)" in note and "sin (pairs interleaved)" in note
+
+
+def test_bug_inside_a_research_block_is_named_in_it(wan_dit_pair):
+    def exact_gelu(port):
+        port.blocks[1].ffn.net[0].approximate = "none"
+
+    report = _bisect_wan(wan_dit_pair, exact_gelu)
+    assert (report.culprit.reference, report.culprit.port) == ("dit.blocks.1.ffn", "dit.blocks.1.ffn")
+    assert any(h.verified and "approximate = 'tanh'" in (h.fix or "") for h in report.culprit.hints)
+
+    def modulation_order(port):
+        table = port.blocks[1].scale_shift_table
+        with torch.no_grad():
+            table.copy_(table[:, [1, 0, 2, 3, 4, 5]].clone())
+
+    report = _bisect_wan(wan_dit_pair, modulation_order)
+    assert report.culprit.port == "dit.blocks.1", report.render()
+    assert any(h.verified and "scale_shift_table" in (h.fix or "") for h in report.culprit.hints)
+
+
+def test_an_input_that_differs_is_never_taken_for_the_ports_own(wan_dit_pair):
+    # the port's rotary table built with another theta: its (cos, sin) equal nothing the reference passes.
+    # Taking them as "the port's own" would replay attention on them and blame its forward code, which is
+    # correct.
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    def theta(port):
+        port.rope = WanRotaryPosEmbed(24, (1, 2, 2), 1024, theta=500.0)
+
+    report = _bisect_wan(wan_dit_pair, theta)
+    assert report.verdict == "diverge"
+    assert not report.culprit.port.startswith("dit.blocks"), report.render()
+    attention = next(t for t in report.tested if t.port == "dit.blocks.0.attn1")
+    assert (
+        attention.status == "untestable"
+        and "args.3.0, args.3.1 equal no reference argument" in attention.note
+    )

@@ -3,7 +3,7 @@ and walk down to the deepest failing call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import first_line
@@ -19,6 +19,7 @@ from paritykit.bisection.leaves import (
     pair_layouts,
     pair_with_extras,
 )
+from paritykit.bisection.relations import Relation, pair_by_value, unexplained
 from paritykit.bisection.results import ModuleTest, Status
 from paritykit.compare.tensors import relative_error
 from paritykit.tracing.trace import Record, Trace, module_of
@@ -58,11 +59,29 @@ class InputPairing:
     port_leaves: Leaves
     pairs: list[tuple[int, int]]
     extra: list[int]
+    # port leaves paired by value across signatures (:mod:`paritykit.bisection.relations`), by port index:
+    # how each is computed from reference leaves
+    relations: dict[int, Relation] = field(default_factory=dict)
 
     @property
     def own_paths(self) -> list[str]:
         r"""The paths of the port inputs with no reference counterpart."""
         return [self.port_leaves[j][0] for j in self.extra]
+
+    def reference_value(self, i: int, j: int) -> Any:
+        r"""The reference's value for port leaf ``j`` (paired with reference leaf ``i``), in the port's
+        form."""
+        relation = self.relations.get(j)
+        return relation(self.ref_leaves) if relation is not None else self.ref_leaves[i][1]
+
+    def describe(self) -> str:
+        r"""How the arguments were paired by value, for a test's note (empty when paired by path, order or
+        shape)."""
+        if not self.relations:
+            return ""
+        said = [f"{self.port_leaves[j][0]} = {r.words}" for j, r in sorted(self.relations.items())]
+        own = [f"{path}: the port's own, no reference counterpart" for path in self.own_paths]
+        return "arguments paired by value: " + "; ".join(said + own)
 
 
 class Searcher:
@@ -163,7 +182,7 @@ class Searcher:
         if pairing is None or not pairing.pairs:
             return False
         for i, j in pairing.pairs:
-            a, b = pairing.ref_leaves[i][1], pairing.port_leaves[j][1]
+            a, b = pairing.reference_value(i, j), pairing.port_leaves[j][1]
             if a.shape != b.shape or not self.compare(a, b.to(a.dtype), "input").passed:
                 return False
         return True
@@ -225,9 +244,42 @@ class Searcher:
                 pairs = [(i, j) for j, i in found[0]]
         if pairs is None:
             pairs, extra = pair_with_extras(ref_leaves, port_leaves)
-            if pairs is None:
-                return None
+        if pairs is None:
+            return self.pair_inputs_by_value(ref_record, port_record)
         return InputPairing(ref_leaves, port_leaves, pairs, extra)
+
+    def pair_inputs_by_value(self, ref_record: Record, port_record: Record) -> InputPairing | None:
+        r"""The two calls' inputs paired by captured value across signatures
+        (:func:`~paritykit.bisection.relations.pair_by_value`); ``None`` unless at least one floating-point
+        port input is reached."""
+        ref_leaves = list(ref_record.inputs.items())
+        port_leaves = list(port_record.inputs.items())
+        relations = pair_by_value(ref_leaves, port_leaves, lambda a, b: self.compare(a, b, "input").passed)
+        if not any(port_leaves[j][1].is_floating_point() for j in relations):
+            return None
+        if unexplained(ref_leaves, port_leaves, relations)[0]:
+            return None  # an input differs: the port's value is no "own" input (see inputs_differ)
+        pairs = [(r.sources[0], j) for j, r in relations.items()]
+        extra = [j for j in range(len(port_leaves)) if j not in relations]
+        return InputPairing(ref_leaves, port_leaves, pairs, extra, relations)
+
+    def inputs_differ(self, ref_record: Record, port_record: Record) -> str:
+        r"""Why two calls' inputs cannot be paired by value, naming the port inputs no reference argument
+        gives and the reference arguments left over; empty when that is not the reason."""
+        if not ref_record.replayable or not port_record.replayable:
+            return ""
+        ref_leaves = list(ref_record.inputs.items())
+        port_leaves = list(port_record.inputs.items())
+        relations = pair_by_value(ref_leaves, port_leaves, lambda a, b: self.compare(a, b, "input").passed)
+        port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
+        if not port_left:
+            return ""
+        port_names = ", ".join(port_leaves[j][0] for j in port_left)
+        ref_names = ", ".join(ref_leaves[i][0] for i in ref_left)
+        return (
+            f"inputs differ: port {port_names} equal no reference argument by value (reference {ref_names}"
+            " left unpaired)"
+        )
 
     def adapt_inputs(
         self,
@@ -253,7 +305,7 @@ class Searcher:
             tensor = (replace or {}).get(path, tensor)
             swap[port_keys[j]] = tensor.to(device, copy=True) if device is not None else tensor.clone()
         for i, j in pairing.pairs:
-            tensor = pairing.ref_leaves[i][1]
+            tensor = pairing.reference_value(i, j)
             own = pairing.port_leaves[j][1]
             if tensor.is_floating_point() and own.is_floating_point():
                 tensor = tensor.to(own.dtype)
@@ -293,7 +345,9 @@ class Searcher:
             return "reference inputs not replayable"
         adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module), pairing=pairing)
         if adapted is None:
-            return "signatures differ (inputs cannot be paired by path, order or shape)"
+            return self.inputs_differ(ref_record, port_record) or (
+                "signatures differ (inputs cannot be paired by path, order, shape or value)"
+            )
         ref_module = self.ref_modules.get(ref_record.module)
         if ref_module is not None:
             args, kwargs = ref_record.call_inputs()
@@ -355,10 +409,14 @@ class Searcher:
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
             self.replays[ref_record.name] = (ref_out, in_layout(port_out, orders))
         own_note = (
-            "port inputs the reference has no counterpart for taken from the port's own run:"
-            f" {', '.join(own)}"
-            if own
-            else ""
+            pairing.describe()
+            if pairing is not None and pairing.relations
+            else (
+                "port inputs the reference has no counterpart for taken from the port's own run:"
+                f" {', '.join(own)}"
+                if own
+                else ""
+            )
         )
         return ModuleTest(
             ref_record.name,

@@ -1,0 +1,252 @@
+r"""Arguments of two calls paired by their captured values, across signatures.
+
+A research block takes ``(x, e, seq_lens, grid_sizes, freqs, context, context_lens)``, the diffusers block
+``(hidden_states, encoder_hidden_states, temb, rotary_emb)``: names, order and shapes say little, the values
+say which is which. Each port argument is paired with the reference argument that, carried through one
+:class:`Relation`, gives the port's captured value: the same tensor; another dtype; a dim permutation; the
+same values in another shape (flatten/unflatten); one value per sample spread over tokens (broadcast); a
+constant factor (timesteps in [0, 1] against [0, 1000]); per-sample tensors of a list stacked into a batch,
+padded to a common length; the cos or sin of a complex rotary table (pairs interleaved or halves). A replay
+carries the reference's value through the same relation into the port's signature. A port argument no relation
+reaches is the port's own (kept from the port's capture, and named).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paritykit.bisection.leaves import dim_orders
+
+Leaves = list[tuple[str, Any]]
+# constants a factor between two arguments snaps to, with their names
+ROUND_FACTORS = (
+    (1000.0, "1000"),
+    (0.001, "1/1000"),
+    (2 * math.pi, "2π"),
+    (1 / (2 * math.pi), "1/(2π)"),
+    (math.pi, "π"),
+    (0.5, "1/2"),
+    (2.0, "2"),
+    (-1.0, "-1"),
+)
+
+
+@dataclass(frozen=True)
+class Relation:
+    r"""How one port argument is computed from reference arguments: ``sources`` are indices of reference
+    leaves, ``words`` says how (``"= x"``, ``"= t × 1000"``, ``"cos of freqs (complex, pairs interleaved)"``),
+    ``kind`` names the relation for tables (``exact``, ``dtype``, ``layout``, ``reshape``, ``broadcast``,
+    ``scale``, ``stack``, ``rotary``), and ``convert`` maps the sources' tensors to the port's form."""
+
+    sources: tuple[int, ...]
+    kind: str
+    words: str
+    convert: Callable[..., Any]
+
+    def __call__(self, leaves: Leaves) -> Any:
+        return self.convert(*(leaves[i][1] for i in self.sources))
+
+
+def _shapes_to(tensor: Any, shape: tuple) -> list[tuple[str, str, Callable[[Any], Any]]]:
+    r"""Ways to give ``tensor`` the shape ``shape``: (kind, words, function), the plainest first."""
+    out: list[tuple[str, str, Callable[[Any], Any]]] = []
+    have = tuple(tensor.shape)
+    if have == shape:
+        out.append(("exact", "", lambda t: t))
+    for order in dim_orders(have, shape):
+        out.append(("layout", f"dims permuted {order}", lambda t, o=order: t.permute(o)))
+    numel = math.prod(shape)
+    if tensor.numel() == numel and have != shape:
+        out.append(("reshape", f"reshaped {list(have)} -> {list(shape)}", lambda t: t.reshape(shape)))
+    elif tensor.numel() and numel % tensor.numel() == 0 and numel != tensor.numel():
+        # one value per sample spread over more positions: left-aligned (``[B]`` -> ``[B, L]``) or
+        # right-aligned (numpy's rule)
+        for aligned, view in (
+            ("per sample", have + (1,) * (len(shape) - len(have))),
+            ("broadcast", (1,) * (len(shape) - len(have)) + have),
+        ):
+            if len(view) == len(shape) and all(v in (1, s) for v, s in zip(view, shape)):
+                out.append(
+                    (
+                        "broadcast",
+                        f"{aligned}: {list(have)} -> {list(shape)}",
+                        lambda t, v=view: t.reshape(v).expand(shape),
+                    )
+                )
+    return out
+
+
+def _rotary_parts(tensor: Any) -> list[tuple[str, Callable[[Any], Any]]]:
+    r"""A complex rotary table's real-valued forms a port may take: cos or sin, each of its frequencies
+    repeated for the pair it rotates (interleaved) or the table written twice (halves)."""
+    import torch
+
+    parts = []
+    for name, part in (("cos", torch.real), ("sin", torch.imag)):
+        parts.append((f"{name} (pairs interleaved)", lambda t, p=part: p(t).repeat_interleave(2, dim=-1)))
+        parts.append((f"{name} (halves)", lambda t, p=part: torch.cat([p(t), p(t)], dim=-1)))
+    return parts
+
+
+def _factor(value: Any, reference: Any) -> tuple[float, str] | None:
+    r"""The round constant ``c`` with ``value ≈ c · reference``, if any (least squares, then snapped)."""
+    import torch
+
+    r = reference.detach().to("cpu", torch.float64).reshape(-1)
+    v = value.detach().to("cpu", torch.float64).reshape(-1)
+    den = float(r @ r)
+    if den == 0:
+        return None
+    fitted = float(v @ r) / den
+    for constant, words in ROUND_FACTORS:
+        if abs(fitted - constant) <= 1e-3 * abs(constant):
+            return constant, words
+    return None
+
+
+def pair_by_value(
+    ref: Leaves,
+    port: Leaves,
+    close: Callable[[Any, Any], bool],
+) -> dict[int, Relation]:
+    r"""Each port leaf whose captured value some reference leaf gives through a :class:`Relation`, by its
+    index; the plainest relation wins (the same tensor before a permutation, a permutation before a factor).
+    ``close(a, b)`` says whether two same-shape tensors agree (the comparison's tolerance). Port leaves
+    left out are the port's own."""
+    found: dict[int, Relation] = {}
+    for j, (_, target) in enumerate(port):
+        if target.is_complex():
+            continue
+        shape = tuple(target.shape)
+        best: Relation | None = None
+        for i, (path, source) in enumerate(ref):
+            relation = _relate(i, path, source, target, shape, close)
+            if relation is not None and (best is None or _rank(relation) < _rank(best)):
+                best = relation
+        if best is None:
+            best = _stacked(ref, target, shape, close)
+        if best is not None:
+            found[j] = best
+    return found
+
+
+_RANK = ("exact", "dtype", "layout", "reshape", "broadcast", "stack", "rotary", "scale")
+
+
+def _rank(relation: Relation) -> int:
+    return _RANK.index(relation.kind)
+
+
+def _relate(
+    i: int, path: str, source: Any, target: Any, shape: tuple, close: Callable[[Any, Any], bool]
+) -> Relation | None:
+    import torch
+
+    forms: list[tuple[str, str, Callable[[Any], Any]]] = []
+    if source.is_complex():
+        forms = [("rotary", f"{words} of {path} (complex)", fn) for words, fn in _rotary_parts(source)]
+    else:
+        forms = [("exact", path, lambda t: t)]
+    for kind, words, fn in forms:
+        try:
+            value = fn(source)
+        except RuntimeError:
+            continue
+        for shape_kind, shape_words, reshape in _shapes_to(value, shape):
+            moved = reshape(value)
+            cast = moved.to(target.dtype) if target.dtype != moved.dtype else moved
+            described = ", ".join(w for w in (words, shape_words) if w)
+            chosen = kind if kind == "rotary" else shape_kind
+            if not target.is_floating_point() or not cast.is_floating_point():
+                # integers and masks pair only with their own dtype (a length of 16 cast to bool is True)
+                if moved.dtype == target.dtype and torch.equal(moved, target):
+                    return _make(i, chosen, described, fn, reshape, target.dtype)
+                continue
+            if close(cast, target):
+                if chosen == "exact" and moved.dtype != target.dtype:
+                    chosen, described = "dtype", f"{described} ({_dtype(moved)} -> {_dtype(target)})"
+                return _make(i, chosen, described, fn, reshape, target.dtype)
+            if kind == "rotary":
+                continue
+            factor = _factor(target, cast)
+            if factor is not None and close(cast * factor[0], target):
+                return _make(i, "scale", f"{described} × {factor[1]}", fn, reshape, target.dtype, factor[0])
+    return None
+
+
+def _dtype(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _make(
+    i: int,
+    kind: str,
+    words: str,
+    form: Callable[[Any], Any],
+    reshape: Callable[[Any], Any],
+    dtype: Any,
+    factor: float = 1.0,
+) -> Relation:
+    def convert(t: Any) -> Any:
+        value = reshape(form(t))
+        value = value * factor if factor != 1.0 else value
+        return value.to(dtype).contiguous()
+
+    return Relation((i,), kind, words, convert)
+
+
+def _stacked(ref: Leaves, target: Any, shape: tuple, close: Callable[[Any, Any], bool]) -> Relation | None:
+    r"""A port batch ``[B, …]`` that is the reference's list of B per-sample tensors stacked (each padded
+    with zeros to the longest along its first dim when their lengths differ)."""
+    import torch
+
+    if len(shape) < 2:
+        return None
+    groups: dict[str, list[int]] = {}
+    for i, (path, tensor) in enumerate(ref):
+        head, _, last = path.rpartition(".")
+        if head and last.isdigit() and not tensor.is_complex():
+            groups.setdefault(head, []).append(i)
+    for head, members in groups.items():
+        if len(members) != shape[0]:
+            continue
+        tensors = [ref[i][1] for i in members]
+        if any(t.dim() != len(shape) - 1 or tuple(t.shape[1:]) != shape[2:] for t in tensors):
+            continue
+        if any(t.shape[0] > shape[1] for t in tensors):
+            continue
+
+        def convert(*parts: Any, length: int = shape[1], dtype: Any = target.dtype) -> Any:
+            padded = [
+                torch.nn.functional.pad(p, (0, 0) * (p.dim() - 1) + (0, length - p.shape[0])) for p in parts
+            ]
+            return torch.stack(padded).to(dtype).contiguous()
+
+        value = convert(*tensors)
+        if close(value, target):
+            lengths = sorted({t.shape[0] for t in tensors})
+            pad = f", padded to {shape[1]}" if lengths != [shape[1]] else ""
+            return Relation(tuple(members), "stack", f"the list {head} stacked{pad}", convert)
+    return None
+
+
+def unexplained(ref: Leaves, port: Leaves, relations: dict[int, Relation]) -> tuple[list[int], list[int]]:
+    r"""The floating-point port leaves no relation reaches that an unused floating-point (or complex)
+    reference leaf could stand for (its shape can be given theirs): when there are any, the two calls'
+    inputs differ, so neither may be taken for the port's own. Returns (port indices, reference indices)."""
+    used = {i for r in relations.values() for i in r.sources}
+    spare = [i for i, (_, t) in enumerate(ref) if i not in used and (t.is_floating_point() or t.is_complex())]
+    port_left, ref_left = [], set()
+    for j, (_, target) in enumerate(port):
+        if j in relations or not target.is_floating_point():
+            continue
+        for i in spare:
+            source = ref[i][1]
+            forms = [fn(source) for _, fn in _rotary_parts(source)] if source.is_complex() else [source]
+            if any(_shapes_to(form, tuple(target.shape)) for form in forms):
+                port_left.append(j)
+                ref_left.add(i)
+    return port_left, sorted(ref_left)
