@@ -156,3 +156,31 @@ def test_an_input_that_differs_is_never_taken_for_the_ports_own(wan_dit_pair):
         attention.status == "untestable"
         and "args.3.0, args.3.1 equal no reference argument" in attention.note
     )
+
+
+def test_research_float64_sinusoid_is_float_noise_not_a_divergence(wan_dit_pair):
+    # the research embeds t = 999 through a float64 sinusoid, diffusers in float32: with a strict tolerance
+    # the correct port differs at the output. Each side's own float32 error is the floor: a match, and one
+    # line on where the two differ in precision.
+    research, port, inputs = wan_dit_pair
+    strict = dict(atol=1e-7, rtol=0.0)
+    report = bisect(Denoise(research, True), Denoise(port, False), inputs, **strict)
+    assert report.verdict == "match" and report.exit_code == 0, report.render()
+    assert report.precision.startswith("float noise: the output differs by"), report.render()
+    assert "first difference: dit.time_embedding" in report.precision
+    assert report.culprit is None and report.first_output_divergence is None
+    without = bisect(Denoise(research, True), Denoise(port, False), inputs, float_floor=False, **strict)
+    assert without.verdict == "diverge" and not without.precision
+
+
+def test_the_float_floor_does_not_hide_a_rounded_timestep(wan_dit_pair):
+    research, port, inputs = wan_dit_pair
+
+    class Rounded(Denoise):
+        def forward(self, x, timestep, context):
+            return super().forward(x, timestep.round(), context)
+
+    x, _, context = inputs
+    at = [x, torch.tensor([999.4]), context]
+    report = bisect(Denoise(research, True), Rounded(port, False), at, atol=1e-7, rtol=0.0)
+    assert report.verdict == "diverge" and not report.precision, report.render()

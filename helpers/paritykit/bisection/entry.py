@@ -31,6 +31,8 @@ from paritykit.base.inputs import copy_inputs, split_inputs, to_device
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment, align_modules
 from paritykit.bisection.findings import culprit_finding
+from paritykit.bisection.floor import FloatFloor
+from paritykit.bisection.floor import measure as measure_floor
 from paritykit.bisection.leaves import (
     final_output,
     flatten_tensors,
@@ -67,6 +69,7 @@ def bisect_traces(
     all_culprits: bool = False,
     repair: bool = True,
     catalogue: bool = True,
+    float_floor: FloatFloor | None = None,
 ) -> BisectReport:
     r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
 
@@ -80,6 +83,8 @@ def bisect_traces(
     searches again, until the port's output matches or no further culprit is found (:func:`every_culprit`).
     ``repair=False`` skips the repair search at culprits (:mod:`paritykit.bisection.repair`);
     ``catalogue=False`` skips the catalogue's detectors (to measure the repair search alone).
+    ``float_floor`` (:mod:`paritykit.bisection.floor`) makes differences at float-noise level no difference:
+    failing replays are measured in float64, and with its float64 traces every captured call and the output.
     """
     if alignment is None:
         alignment = align_modules(reference, port, ref_trace, port_trace, rules=rules)
@@ -89,6 +94,7 @@ def bisect_traces(
     searcher = Searcher(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
+    searcher.float_floor = float_floor
     started = time.perf_counter()
     explain = RepairOptions(enabled=repair, catalogue=catalogue)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
@@ -251,6 +257,7 @@ def bisect(
     all_culprits: bool = False,
     repair: bool = True,
     catalogue: bool = True,
+    float_floor: bool = True,
 ) -> BisectReport:
     r"""Run both models on the same inputs and name the module where the port parts from the reference.
 
@@ -272,6 +279,9 @@ def bisect(
             report the verified ones (``fix (verified)``); ``False`` is ``--no-repair``.
         catalogue: run the catalogue's detectors at each culprit (``False`` only to measure the repair
             search).
+        float_floor: run both sides once more in float64 when float64 copies fit in memory, so a
+            difference within a small multiple of the larger side's float32 error is float noise, not a
+            divergence (:mod:`paritykit.bisection.floor`); ``False`` is ``--no-float-floor``.
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
             (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or
             its weights are offloaded by accelerate.
@@ -309,6 +319,7 @@ def bisect(
         all_culprits=all_culprits,
         repair=repair,
         catalogue=catalogue,
+        float_floor=float_floor,
     )
 
 
@@ -321,6 +332,7 @@ def capture_and_bisect(
     run: Callable[[Any, tuple, dict], Any] | None = None,
     levels: str = "auto",
     all_culprits: bool = False,
+    float_floor: bool = True,
     **search: Any,
 ) -> BisectReport:
     r"""Run both sides on their inputs under capture and search the two traces (by levels when ``levels``
@@ -333,13 +345,20 @@ def capture_and_bisect(
 
     # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
     if not all_culprits and use_zoom(levels, reference):
-        return zoom_bisect(reference, port, ref_call, port_call, run=run, **search)
+        return zoom_bisect(reference, port, ref_call, port_call, run=run, float_floor=float_floor, **search)
     call = run or (lambda model, args, kwargs: model(*args, **kwargs))
     with torch.no_grad():
         with capture(reference) as ref_trace:
             call(reference, *ref_call)
         with capture(port) as port_trace:
             call(port, *port_call)
+    floor = measure_floor(reference, port, ref_call, port_call, run=run) if float_floor else None
     return bisect_traces(
-        ref_trace, port_trace, reference=reference, port=port, all_culprits=all_culprits, **search
+        ref_trace,
+        port_trace,
+        reference=reference,
+        port=port,
+        all_culprits=all_culprits,
+        float_floor=floor,
+        **search,
     )

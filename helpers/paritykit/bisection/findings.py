@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from paritykit.base.inputs import is_tensor
 from paritykit.bisection.align import Alignment
+from paritykit.bisection.floor import FloatFloor, within
 from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layouts
 from paritykit.bisection.mix_fits import culprit_hints
 from paritykit.bisection.ops import op_divergence
@@ -30,13 +31,15 @@ def first_divergence(
     rtol: float | None = None,
     confidence: Sequence[str] = ("high", "medium", "low"),
     port_record: Callable[[Record], Record | None] | None = None,
+    floor: FloatFloor | None = None,
 ) -> ModuleFinding | None:
     r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
 
     This is where the error first becomes visible, not necessarily where it is made (it may come in with the
     inputs); :func:`bisect` finds the latter. Only pairs aligned with one of ``confidence`` take part.
     ``port_record`` pairs a reference call with its port call (a searcher's, by input value); default: the
-    aligned module's call in the same place of the order.
+    aligned module's call in the same place of the order. With a measured ``floor``, a call whose outputs
+    differ by float noise only is passed over.
     """
     from paritykit.compare.tensors import compare_tensors
 
@@ -59,6 +62,8 @@ def first_divergence(
         pairs, b, _ = found
         for i, j in pairs:
             cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
+            if not cmp.passed and floor is not None and within(cmp.max_abs, floor.of(record, other)):
+                continue
             if not cmp.passed:
                 return ModuleFinding(
                     record.name,

@@ -32,6 +32,8 @@ class ModuleTest:
     output_error: float | None = None
     note: str = ""
     comparison: Any = field(default=None, repr=False)
+    # the larger side's float32 error on the replayed inputs (paritykit.bisection.floor), when measured
+    floor: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -45,6 +47,8 @@ class ModuleTest:
         if self.test == "jump":
             out["input_error"] = self.input_error
             out["output_error"] = self.output_error
+        if self.floor is not None:
+            out["floor"] = self.floor
         if self.note:
             out["note"] = self.note
         return out
@@ -153,6 +157,10 @@ class BisectReport:
     # settings that differ between aligned modules, over the whole models
     # (paritykit.bisection.evidence.settings.config_differences)
     config_differences: list[Any] = field(default_factory=list)
+    # the output differs by float noise only: where the two sides differ most in precision
+    # (paritykit.bisection.floor); float_floor says whether the float64 runs were measured, or why not
+    precision: str = ""
+    float_floor: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -172,6 +180,8 @@ class BisectReport:
             "unaligned_reference": al["unaligned_reference"],
             "unaligned_port": al["unaligned_port"],
             "output": _comparison_summary(self.output),
+            "precision": self.precision,
+            "float_floor": self.float_floor,
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
             "tested": [t.to_dict() for t in self.tested],
             "culprits": [c.to_dict() for c in self.culprits],
@@ -191,6 +201,8 @@ class BisectReport:
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
             f"cosine {format_number(out.get('cosine'), 6)})"
         ]
+        if self.precision:
+            lines.append(self.precision)
         if out.get("status") == "shape_mismatch":
             lines.append(
                 f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"

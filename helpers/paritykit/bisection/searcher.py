@@ -10,6 +10,7 @@ from paritykit.base.errors import first_line
 from paritykit.base.inputs import is_tensor
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
+from paritykit.bisection.floor import FloatFloor, far_above, module_floor, within
 from paritykit.bisection.leaves import (
     flatten_tensors,
     in_layout,
@@ -38,6 +39,8 @@ MAX_MASKED_CHECKS = 32
 # a call whose inputs differ from those of the port call in its place of the order is paired by value with one
 # of this many port calls nearest in order
 MAX_CALL_CANDIDATES = 64
+# two arguments this close in relative error are taken for one quantity when pairing by value
+IDENTIFY = 1e-4
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class Searcher:
         # permutation (the two sides lay a tensor out differently):
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
+        # the float floor (paritykit.bisection.floor): None leaves it off; a FloatFloor measures failing
+        # replays in float64 and, when its float64 traces are at hand, every captured call
+        self.float_floor: FloatFloor | None = None
         # reference call name -> the port call paired with it (:meth:`port_record`), and each port module's
         # calls in order
         self._call_pairs: dict[str, Record | None] = {}
@@ -248,13 +254,19 @@ class Searcher:
             return self.pair_inputs_by_value(ref_record, port_record)
         return InputPairing(ref_leaves, port_leaves, pairs, extra)
 
+    def _same_quantity(self, a: Any, b: Any) -> bool:
+        r"""Whether two same-shape tensors hold one quantity: equal within tolerance, or apart by at most
+        :data:`IDENTIFY` relative error (float noise upstream; a replay feeds the reference's value
+        anyway)."""
+        return self.compare(a, b, "input").passed or relative_error(b, a) <= IDENTIFY
+
     def pair_inputs_by_value(self, ref_record: Record, port_record: Record) -> InputPairing | None:
         r"""The two calls' inputs paired by captured value across signatures
         (:func:`~paritykit.bisection.relations.pair_by_value`); ``None`` unless at least one floating-point
         port input is reached."""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
-        relations = pair_by_value(ref_leaves, port_leaves, lambda a, b: self.compare(a, b, "input").passed)
+        relations = pair_by_value(ref_leaves, port_leaves, self._same_quantity)
         if not any(port_leaves[j][1].is_floating_point() for j in relations):
             return None
         if unexplained(ref_leaves, port_leaves, relations)[0]:
@@ -270,7 +282,7 @@ class Searcher:
             return ""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
-        relations = pair_by_value(ref_leaves, port_leaves, lambda a, b: self.compare(a, b, "input").passed)
+        relations = pair_by_value(ref_leaves, port_leaves, self._same_quantity)
         port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
         if not port_left:
             return ""
@@ -404,7 +416,13 @@ class Searcher:
         cmp, orders = paired.worst, paired.orders
         if orders:
             self.layouts[ref_record.name] = orders
-        if not cmp.passed:
+        floor, noise = None, ""
+        if not cmp.passed and self.float_floor is not None:
+            floor, noise = self._replay_floor(
+                ref_record, port_record, pairing, ref_out, port_out, cmp.max_abs
+            )
+        passed = cmp.passed or bool(noise)
+        if not passed:
             # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
             self.replays[ref_record.name] = (ref_out, in_layout(port_out, orders))
@@ -422,11 +440,40 @@ class Searcher:
             ref_record.name,
             port_record.name,
             "replay",
-            "pass" if cmp.passed else "fail",
+            "pass" if passed else "fail",
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(own_note, layout_note(orders)),
+            note=join_notes(noise, own_note, layout_note(orders)),
+            floor=floor,
+        )
+
+    def _replay_floor(
+        self,
+        ref_record: Record,
+        port_record: Record,
+        pairing: InputPairing | None,
+        ref_out: Leaves,
+        port_out: Leaves,
+        difference: float | None,
+    ) -> tuple[float | None, str]:
+        r"""Both modules' float32 error on the replayed inputs, and the note saying the difference is float
+        noise when it is within :data:`~paritykit.bisection.floor.NOISE` times the larger."""
+        ref_module = self.ref_modules.get(ref_record.module)
+        port_module = self.port_modules.get(port_record.module)
+        adapted = self.adapt_inputs(ref_record, port_record, pairing=pairing)
+        if ref_module is None or port_module is None or adapted is None:
+            return None, ""
+        ref_error = module_floor(ref_module, *ref_record.call_inputs(), ref_out)
+        port_error = module_floor(port_module, *adapted, port_out)
+        if ref_error is None or port_error is None:
+            return None, ""
+        floor = max(ref_error, port_error)
+        if not within(difference, floor):
+            return floor, ""
+        return floor, (
+            f"float noise: differs by {format_number(difference)}, float32 error there {format_number(floor)}"
+            f" (reference {format_number(ref_error)}, port {format_number(port_error)})"
         )
 
     def jump(self, ref_record: Record, port_record: Record) -> ModuleTest:
@@ -521,34 +568,54 @@ class Searcher:
         return None, passed
 
     def masking(self) -> bool:
-        """Whether a failing test sits on a pair aligned with medium or high confidence."""
+        """Whether a failing test sits on a pair aligned with medium or high confidence, or differs far above
+        its float floor whatever the confidence."""
         for test in self.results.values():
             pair = self.alignment.pair_of(module_of(test.reference))
-            if test.status == "fail" and pair is not None and pair.confidence != "low":
+            if test.status != "fail" or pair is None:
+                continue
+            if pair.confidence != "low" or far_above(test.max_abs, test.floor):
                 return True
         return False
 
-    def outputs_disagree(self, record: Record) -> bool:
-        """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two
-        sides."""
+    def captured_difference(self, record: Record) -> tuple[float | None, float | None] | None:
+        r"""The captured outputs of aligned call ``record`` against its port call's: ``(max_abs, floor)``
+        when they differ beyond tolerance and not by float noise (the floor is ``None`` when not measured);
+        ``None`` when they agree or cannot be compared."""
         port_record = self.port_record(record)
         if port_record is None:
-            return False
+            return None
         paired = self.compare_paired(
             list(record.outputs.items()), list(port_record.outputs.items()), record.name
         )
-        return paired is not None and not paired.worst.passed
+        if paired is None or paired.worst.passed:
+            return None
+        floor = None
+        if self.float_floor is not None and self.float_floor.measured:
+            floor = self.float_floor.of(record, port_record)
+            if within(paired.worst.max_abs, floor):
+                return None
+        return paired.worst.max_abs, floor
+
+    def outputs_disagree(self, record: Record) -> bool:
+        """Whether the captured outputs of aligned call ``record`` differ beyond tolerance on the two sides,
+        and not by float noise where the floor was measured."""
+        return self.captured_difference(record) is not None
 
     def differing_calls(self) -> list[Record]:
-        r"""Every aligned call (medium or high confidence, below the top level) whose captured outputs differ
-        beyond tolerance, in completion order: a comparison of what capture holds each, no run. A pair aligned
-        on order and output shape alone (low confidence) is no evidence when the final output matches."""
+        r"""Every aligned call (below the top level) whose captured outputs differ beyond tolerance, in
+        completion order: a comparison of what capture holds each, no run. A pair aligned on order and output
+        shape alone (low confidence) is no evidence when the final output matches, unless its difference is
+        far above its measured float floor."""
         out = []
         for record in self.ref_trace.completion_order():
             pair = self.alignment.pair_of(record.module)
-            if record.parent is None or pair is None or pair.confidence == "low":
+            if record.parent is None or pair is None:
                 continue
-            if self.outputs_disagree(record):
+            found = self.captured_difference(record)
+            if found is None:
+                continue
+            if pair.confidence != "low" or far_above(*found):
                 out.append(record)
         return out
 

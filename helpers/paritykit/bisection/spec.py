@@ -16,6 +16,7 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp
 from paritykit.base.usercode import Spec, call_user, load_spec
 from paritykit.bisection.entry import bisect_traces, capture_and_bisect
+from paritykit.bisection.floor import FloatFloor
 from paritykit.bisection.results import BisectReport
 
 
@@ -41,10 +42,12 @@ def bisect_spec(
     allow_masked: bool = False,
     all_culprits: bool = False,
     repair: bool = True,
+    float_floor: bool = True,
 ) -> BisectReport:
     r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
-    spec whose builders make replay possible). ``levels`` and ``repair`` as in :func:`bisect`; ``zoom`` names
-    the reference block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
+    spec whose builders make replay possible). ``levels``, ``repair`` and ``float_floor`` as in
+    :func:`bisect` (two traces get no float64 run: their failing replays are measured); ``zoom`` names the
+    reference block two trace folders were taken inside (``paritykit trace --inside BLOCK``)."""
     import torch
 
     from paritykit.tracing.trace import Trace
@@ -92,6 +95,7 @@ def bisect_spec(
                 run=lambda m, a, k: _run_forward(spec, m, _side_of(m, reference), a, k),
                 levels=levels,
                 all_culprits=all_culprits,
+                float_floor=float_floor,
                 **search,
             )
         report = bisect_traces(
@@ -100,6 +104,7 @@ def bisect_spec(
             reference=reference,
             port=port,
             all_culprits=all_culprits,
+            float_floor=FloatFloor(reason="two traces: no float64 run") if float_floor else None,
             **search,
         )
     from paritykit.bisection.zoom import next_trace_commands

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
+from paritykit.bisection.floor import FloatFloor, max_difference, precision_line, within
 from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
 from paritykit.bisection.results import BisectReport, ModuleTest, Verdict
@@ -206,8 +207,13 @@ def run_strategy(
     ref_final = final_output("reference", top.ref_trace.root.output_value(), select_output)
     port_final = final_output("port", top.port_trace.root.output_value(), select_output)
     output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
+    floor = top.float_floor if top.float_floor is not None and top.float_floor.measured else None
+    precision = ""
+    if not output.passed and floor is not None:
+        precision = output_noise(top, floor, output, (ref_final, port_final), select_output)
+    agrees = output.passed or bool(precision)
     # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
-    trusted = ("high", "medium", "low") if not output.passed else ("high",)
+    trusted = ("high", "medium", "low") if not agrees else ("high",)
     first = first_divergence(
         top.ref_trace,
         top.port_trace,
@@ -216,12 +222,13 @@ def run_strategy(
         rtol=rtol,
         confidence=trusted,
         port_record=top.port_record,
+        floor=floor,
     )
     culprit = None
-    verdict: Verdict = "match" if output.passed else "diverge"
+    verdict: Verdict = "match" if agrees else "diverge"
     with torch.no_grad():
         located = strategy.locate()
-        if output.passed:
+        if agrees:
             # the output matches, yet a module may fail on identical inputs, its error masked downstream
             below_top = located.call is not top.ref_trace.root
             located = located if below_top and strategy.masking() else strategy.masked()
@@ -248,4 +255,62 @@ def run_strategy(
         environment=strategy.describe(stamp),
         culprits=[culprit] if culprit is not None else [],
         allow_masked=allow_masked,
+        precision=precision,
+        float_floor=_floor_state(top.float_floor),
     )
+
+
+def _floor_state(floor: FloatFloor | None) -> str:
+    if floor is None:
+        return "off"
+    if floor.measured:
+        return "measured: both sides run again in float64"
+    return f"replays only: {floor.reason}" if floor.reason else "replays only"
+
+
+def floor_of_final(
+    run64: Any, moved: Any, final: Any, side: str, select_output: Callable | None
+) -> float | None:
+    r"""One side's float32 error at its compared output: the larger distance from the float64 run's and from
+    the rounded-inputs run's."""
+    errors = [
+        max_difference(final, final_output(side, trace.root.output_value(), select_output))
+        for trace in (run64, moved)
+        if trace is not None
+    ]
+    errors = [e for e in errors if e is not None]
+    return max(errors) if errors else None
+
+
+def output_noise(
+    top: Searcher,
+    floor: FloatFloor,
+    output: Any,
+    finals: tuple[Any, Any],
+    select_output: Callable | None,
+) -> str:
+    r"""When the final outputs differ by float noise only: the lines saying so, naming the first aligned
+    call whose captured outputs differ and both sides' float32 error there; else empty."""
+    errors = (
+        floor_of_final(floor.ref64, floor.ref_moved, finals[0], "reference", select_output),
+        floor_of_final(floor.port64, floor.port_moved, finals[1], "port", select_output),
+    )
+    if errors[0] is None or errors[1] is None or not within(output.max_abs, max(errors)):
+        return ""
+    lines = [precision_line(output.max_abs, max(errors), "the output", errors)]
+    for record in top.ref_trace.completion_order():
+        port_record = top.port_record(record)
+        if record.parent is None or port_record is None:
+            continue
+        paired = top.compare_paired(
+            list(record.outputs.items()), list(port_record.outputs.items()), record.name
+        )
+        if paired is not None and not paired.worst.passed:
+            at = floor.of(record, port_record)
+            if at is not None:
+                where = f"{record.name} <-> {port_record.name}"
+                errors = floor.errors(record, port_record)
+                line = precision_line(paired.worst.max_abs, at, where, errors)
+                lines.append("  first difference: " + line.removeprefix("float noise: "))
+            break
+    return "\n".join(lines)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.inputs import to_device
 from paritykit.bisection.align import AlignedPair, Alignment, align_modules
+from paritykit.bisection.floor import FloatFloor
 from paritykit.bisection.leaves import module_device, pair_leaves
 from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import ModuleTest
@@ -118,6 +119,7 @@ class ZoomSearch:
         rtol: float | None,
         ratio: float,
     ):
+        self.float_floor: FloatFloor | None = None
         self.reference = reference
         self.port = port
         self.rules = rules
@@ -190,6 +192,7 @@ class ZoomSearch:
         searcher = Searcher(
             ref_trace, port_trace, self.merge(found), reference=self.reference, port=self.port, **self.options
         )
+        searcher.float_floor = self.float_floor
         level = _Level(searcher, root)
         self.levels.append(level)
         return level
@@ -340,6 +343,7 @@ def zoom_bisect(
     allow_masked: bool = False,
     repair: bool = True,
     catalogue: bool = True,
+    float_floor: bool = True,
 ) -> Any:
     r""":func:`paritykit.bisect` by levels: same tests, same
     :class:`~paritykit.bisection.results.BisectReport`,
@@ -351,6 +355,8 @@ def zoom_bisect(
         rules, select_output, atol, rtol, ratio, ops, environment, repair, catalogue: as in
             :func:`paritykit.bisect`.
         run: ``run(model, args, kwargs)`` in place of the plain top-level call.
+        float_floor: measure failing replays in float64 (:mod:`paritykit.bisection.floor`); a zoom runs no
+            whole float64 copy of the models (it is for models too large to capture whole).
         allow_masked: accept the ``masked`` verdict (a block failing on identical inputs while the final
             output matches). The zoom looks for it on the way down from the top-level blocks, then inside
             blocks whose captured outputs are not bit-identical (entered one level at a time, at most
@@ -363,6 +369,8 @@ def zoom_bisect(
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
+    if float_floor:
+        zoom.float_floor = FloatFloor(reason="levels zoom: no whole float64 run")
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     explain = RepairOptions(enabled=repair, catalogue=catalogue)
     return run_strategy(zoom, select_output=select_output, repair=explain, **options)

@@ -108,6 +108,16 @@ your files).
         "then matches the reference)."
     ),
 )
+@click.option(
+    "--float-floor/--no-float-floor",
+    default=True,
+    show_default=True,
+    help=(
+        "Run both sides once more in float64 (when the copies fit in memory) and on inputs moved by one "
+        "rounding step: a difference within a few times the larger side's float32 error is float noise, "
+        "not a divergence; one far above it is real even when hidden at the output."
+    ),
+)
 @json_option
 @limit_option
 def bisect(
@@ -123,6 +133,7 @@ def bisect(
     all_culprits,
     allow_masked,
     no_repair,
+    float_floor,
     as_json,
     limit,
 ):
@@ -145,6 +156,7 @@ def bisect(
         all_culprits=all_culprits,
         allow_masked=allow_masked,
         repair=not no_repair,
+        float_floor=float_floor,
     )
     emit(report, as_json=as_json, limit=limit)
 

@@ -1,0 +1,247 @@
+r"""The reference's own float noise as the floor of every comparison.
+
+Research code computes parts in float64 (a timestep sinusoid, a rotary table) where diffusers computes in
+float32; two correct implementations then differ by float32 rounding, which a fixed tolerance can read as a
+bug. The floor measures that rounding instead of guessing it, two ways per side: a float64 copy of the model
+run on its inputs in float64 (the float32 value's distance from the float64 one), and the float32 model run
+on its inputs each moved by one float32 rounding step (how far rounding the inputs alone moves the value:
+code that computes in float32 whatever the model's dtype, such as a sinusoid of ``t = 999``, keeps its
+float32 error in a float64 copy). The larger of the two, at every captured call, is that side's float32 error
+there. Two sides that differ by at most :data:`NOISE` times the larger of their errors
+differ by float noise: no culprit, no first divergence, no ``differ``. A replayed module is measured the same
+way on the inputs it was replayed on (:func:`module_floor`), so its floor is its own computation's, not what
+its inputs carried in.
+
+Conversely, a module whose difference is :data:`FAR` times its floor or more is a real difference even when
+what follows hides it at the output (``masked``), whatever its alignment confidence.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from paritykit.base.errors import first_line
+from paritykit.base.inputs import is_tensor
+from paritykit.base.report import format_number
+
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Record, Trace
+
+# a difference within this multiple of the larger side's float32 error is float noise
+NOISE = 4.0
+# a difference this many times the floor or more is a real one, whatever the alignment's confidence
+FAR = 100.0
+# the float64 copies of both models, next to the float32 ones, must leave this share of free memory
+MEMORY_SHARE = 0.5
+
+
+def as_float64(value: Any) -> Any:
+    r"""``value`` with every floating-point tensor (at any depth) in float64 and every complex one in
+    complex128; integers, masks and everything else as they are."""
+    import torch
+
+    if is_tensor(value):
+        if value.is_complex():
+            return value.to(torch.complex128)
+        return value.to(torch.float64) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: as_float64(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [as_float64(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def float64_copy(module: Any) -> Any:
+    r"""A float64 copy of ``module`` (parameters and floating-point buffers; the original is untouched)."""
+    return copy.deepcopy(module).double()
+
+
+def max_difference(a: Any, b: Any) -> float | None:
+    r"""The largest absolute difference between two tensors, in float64; ``None`` when they cannot be
+    compared (shapes differ, not floating point)."""
+    import torch
+
+    if a is None or b is None or tuple(a.shape) != tuple(b.shape):
+        return None
+    if not (a.is_floating_point() or a.is_complex()) or not (b.is_floating_point() or b.is_complex()):
+        return None
+    if a.numel() == 0:
+        return 0.0
+    diff = (a.detach().to("cpu", torch.complex128 if a.is_complex() else torch.float64)) - b.detach().to(
+        "cpu", torch.complex128 if b.is_complex() else torch.float64
+    )
+    value = float(diff.abs().max())
+    return value if value == value else None  # NaN: not measurable
+
+
+def leaves_error(float32: list[tuple[str, Any]], float64: list[tuple[str, Any]]) -> float | None:
+    r"""The largest float32 error over two leaf lists of one call (paired by path): ``None`` when no leaf
+    pairs."""
+    other = dict(float64)
+    errors = [max_difference(t, other.get(path)) for path, t in float32]
+    errors = [e for e in errors if e is not None]
+    return max(errors) if errors else None
+
+
+def rounded_inputs(value: Any, seed: int = 0) -> Any:
+    r"""``value`` with every floating-point tensor moved by one rounding step of its dtype, element by
+    element, up or down at random (seeded): what rounding the inputs alone could have done."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def move(v: Any) -> Any:
+        if is_tensor(v):
+            if not v.is_floating_point() or v.numel() == 0:
+                return v
+            sign = torch.randint(0, 2, v.shape, generator=generator).to(v.device, v.dtype) * 2 - 1
+            return v + v * sign * torch.finfo(v.dtype).eps
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, (tuple, list)):
+            items = [move(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+        return v
+
+    return move(value)
+
+
+def module_floor(module: Any, args: tuple, kwargs: dict, outputs: list[tuple[str, Any]]) -> float | None:
+    r"""``module``'s float32 error on these inputs: the larger distance of its float32 ``outputs`` from a
+    float64 copy's on the same inputs in float64, and from its own outputs on the inputs moved by one
+    rounding step. ``None`` when a run fails (an op without a float64 kernel)."""
+    from paritykit.bisection.leaves import flatten_tensors
+
+    try:
+        out64 = flatten_tensors(float64_copy(module)(*as_float64(args), **as_float64(kwargs)))
+        moved_args, moved_kwargs = rounded_inputs((args, kwargs))
+        moved = flatten_tensors(module(*moved_args, **moved_kwargs))
+    except Exception:
+        return None
+    errors = [e for e in (leaves_error(outputs, out64), leaves_error(outputs, moved)) if e is not None]
+    return max(errors) if errors else None
+
+
+def within(difference: float | None, floor: float | None) -> bool:
+    r"""Whether a difference is float noise against a floor (both measured as max abs)."""
+    return difference is not None and floor is not None and difference <= NOISE * floor
+
+
+def far_above(difference: float | None, floor: float | None) -> bool:
+    r"""Whether a difference is :data:`FAR` times its floor or more (a floor of 0 makes any difference
+    far)."""
+    return difference is not None and floor is not None and difference > 0 and difference >= FAR * floor
+
+
+@dataclass
+class FloatFloor:
+    r"""Both sides' float64 runs, captured: the float32 error of any captured call on either side.
+
+    ``reason`` says why there is no floor (``ref64``/``port64`` are ``None`` then)."""
+
+    ref64: Trace | None = None
+    port64: Trace | None = None
+    reason: str = ""
+    # each side's float32 run on its inputs moved by one rounding step (:func:`rounded_inputs`)
+    ref_moved: Trace | None = None
+    port_moved: Trace | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.ref64 is not None and self.port64 is not None
+
+    def side_error(self, record: Record, side: str, what: str = "outputs") -> float | None:
+        r"""One side's float32 error at one captured call (its ``outputs`` or ``inputs``): the larger of its
+        distance from the float64 run and from the run on rounded inputs."""
+        runs = (self.ref64, self.ref_moved) if side == "reference" else (self.port64, self.port_moved)
+        errors = []
+        for trace in runs:
+            if trace is None or record.name not in trace:
+                continue
+            try:
+                mine, other = getattr(record, what), getattr(trace[record.name], what)
+                errors.append(leaves_error(list(mine.items()), list(other.items())))
+            except Exception:  # a trace folder with a missing shard
+                continue
+        errors = [e for e in errors if e is not None]
+        return max(errors) if errors else None
+
+    def of(self, ref_record: Record, port_record: Record, what: str = "outputs") -> float | None:
+        r"""The floor at a pair of calls: the larger of the two sides' float32 errors there."""
+        errors = [self.side_error(ref_record, "reference", what), self.side_error(port_record, "port", what)]
+        errors = [e for e in errors if e is not None]
+        return max(errors) if len(errors) == 2 else None
+
+    def errors(self, ref_record: Record, port_record: Record) -> tuple[float | None, float | None]:
+        return self.side_error(ref_record, "reference"), self.side_error(port_record, "port")
+
+
+def fits_twice(*models: Any) -> tuple[bool, str]:
+    r"""Whether float64 copies of ``models`` fit in free memory (twice their float32 size each), with words
+    saying why not."""
+    import os
+
+    size = 0
+    for model in models:
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.device.type == "meta":
+                return False, "weights offloaded (meta tensors): no float64 copy"
+            size += tensor.numel() * 8
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True, ""
+    if size > MEMORY_SHARE * free:
+        return False, (
+            f"float64 copies of both models need {size / 2**30:.1f} GiB, more than half the free memory"
+            f" ({free / 2**30:.1f} GiB)"
+        )
+    return True, ""
+
+
+def measure(
+    reference: Any, port: Any, ref_call: tuple[tuple, dict], port_call: tuple[tuple, dict], run: Any = None
+) -> FloatFloor:
+    r"""Run float64 copies of both models on their inputs in float64, captured; a :class:`FloatFloor` with
+    the reason when that is not possible (memory, an op with no float64 kernel)."""
+    import torch
+
+    from paritykit.tracing.trace import capture
+
+    ok, why = fits_twice(reference, port)
+    if not ok:
+        return FloatFloor(reason=why)
+    call = run or (lambda model, args, kwargs: model(*args, **kwargs))
+    traces, moved = [], []
+    for side, model, (args, kwargs) in (("reference", reference, ref_call), ("port", port, port_call)):
+        try:
+            model64 = float64_copy(model)
+            with torch.no_grad(), capture(model64) as trace:
+                call(model64, *as_float64((args, kwargs)))
+            with torch.no_grad(), capture(model) as rounded:
+                call(model, *rounded_inputs((args, kwargs)))
+        except Exception as exc:
+            return FloatFloor(reason=f"the {side} does not run in float64 ({first_line(exc)})")
+        traces.append(trace)
+        moved.append(rounded)
+    return FloatFloor(traces[0], traces[1], ref_moved=moved[0], port_moved=moved[1])
+
+
+def precision_line(
+    difference: float, floor: float, where: str, errors: tuple[float | None, float | None]
+) -> str:
+    r"""One line naming where the two sides differ most in precision."""
+    ref_error, port_error = errors
+    line = (
+        f"float noise: {where} differs by {format_number(difference)}; float32 error there"
+        f" {format_number(floor)} (reference {format_number(ref_error)}, port {format_number(port_error)})"
+    )
+    if ref_error is not None and port_error is not None:
+        if ref_error * NOISE < port_error:
+            line += "; the reference computes it in higher precision than the port"
+        elif port_error * NOISE < ref_error:
+            line += "; the port computes it in higher precision than the reference"
+    return line

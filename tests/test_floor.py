@@ -1,0 +1,114 @@
+"""The float floor (paritykit.bisection.floor): a difference within a few times both sides' own float32 error
+is float noise; one far above it is real, even hidden at the output and aligned on weak evidence."""
+
+from __future__ import annotations
+
+import torch
+from paritykit.bisection.entry import bisect
+from paritykit.bisection.floor import far_above, measure, module_floor, rounded_inputs, within
+
+
+class Mlp(torch.nn.Module):
+    """An MLP whose activation sits under another name on each side (so it aligns by order, low confidence)
+    and whose output projection is small enough to hide an activation's difference at the output."""
+
+    def __init__(self, act: torch.nn.Module, names: tuple[str, str, str]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.names = names
+        setattr(self, names[0], torch.nn.Linear(8, 64))
+        setattr(self, names[1], act)
+        setattr(self, names[2], torch.nn.Linear(64, 8))
+        with torch.no_grad():
+            getattr(self, names[2]).weight.mul_(0.02)
+
+    def forward(self, x):
+        for name in self.names:
+            x = getattr(self, name)(x)
+        return x
+
+
+def pair(port_act):
+    reference = Mlp(torch.nn.GELU(), ("fc1", "act", "fc2"))
+    port = Mlp(port_act, ("proj_in", "net_1", "proj_out"))
+    port.load_state_dict(
+        {k.replace("fc1", "proj_in").replace("fc2", "proj_out"): v for k, v in reference.state_dict().items()}
+    )
+    return reference.eval(), port.eval(), [torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) * 3]
+
+
+def test_an_activation_far_above_its_floor_is_masked_whatever_its_alignment():
+    # the tanh GELU is 5e-4 off, the output 6e-6: hidden. Aligned on weak evidence (order and shape alone, low
+    # confidence), a difference was no evidence; far above its measured float floor, it is.
+    import dataclasses
+
+    from paritykit.bisection.align import Alignment, align_modules
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.bisection.floor import measure
+    from paritykit.tracing.trace import capture
+
+    reference, port, inputs = pair(torch.nn.GELU(approximate="tanh"))
+    with torch.no_grad(), capture(reference) as ref_trace:
+        reference(*inputs)
+    with torch.no_grad(), capture(port) as port_trace:
+        port(*inputs)
+    found = align_modules(reference, port, ref_trace, port_trace)
+    weak = Alignment(
+        pairs=[dataclasses.replace(p, confidence="low") if p.port == "net_1" else p for p in found.pairs],
+        unaligned_reference=found.unaligned_reference,
+        unaligned_port=found.unaligned_port,
+    )
+    search = dict(reference=reference, port=port, alignment=weak)
+    floor = measure(reference, port, (tuple(inputs), {}), (tuple(inputs), {}))
+    report = bisect_traces(ref_trace, port_trace, float_floor=floor, **search)
+    assert report.output.passed  # hidden at the output
+    assert report.verdict == "masked", report.render()
+    assert report.culprit.port == "net_1" and report.culprit.confidence == "low"
+    # measured, not assumed: without the floor the same low-confidence pair is no evidence
+    assert bisect_traces(ref_trace, port_trace, **search).verdict == "match"
+
+
+def test_a_correct_port_is_a_clean_match_with_the_floor():
+    reference, port, inputs = pair(torch.nn.GELU())
+    report = bisect(reference, port, inputs)
+    assert report.verdict == "match" and report.culprit is None and not report.precision
+    assert report.float_floor.startswith("measured")
+
+
+def test_floor_measurements():
+    module = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        out = module(x)
+        floor = module_floor(module, (x,), {}, [("output", out)])
+    assert floor is not None and 0 < floor < 1e-5
+    moved = rounded_inputs(((x, torch.tensor([3])), {"t": torch.tensor([999.0])}))
+    (moved_x, steps), kwargs = moved
+    assert torch.equal(steps, torch.tensor([3]))  # integers are not moved
+    step = (moved_x - x).abs() / x.abs()
+    assert bool((step <= 2 * torch.finfo(torch.float32).eps).all()) and bool((moved_x != x).any())
+    assert abs(float(kwargs["t"]) - 999.0) > 0
+    assert within(3e-6, 1e-6) and not within(5e-6, 1e-6) and not within(1e-6, None)
+    assert far_above(1e-4, 1e-6) and not far_above(5e-5, 1e-6) and far_above(1e-9, 0.0)
+    assert not far_above(0.0, 0.0)
+
+
+def test_a_model_that_cannot_run_in_float64_says_why():
+    class Float32Only(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.proj.weight.dtype != torch.float32:
+                raise TypeError("this model runs in float32 only")
+            return self.proj(x)
+
+    model = Float32Only()
+    x = torch.randn(2, 4)
+    floor = measure(model, model, ((x,), {}), ((x,), {}))
+    assert not floor.measured and "does not run in float64 (TypeError: this model runs in float32 only)" in (
+        floor.reason
+    )
+    report = bisect(model, Float32Only(), [x])
+    assert report.float_floor.startswith("replays only: the reference does not run in float64")
