@@ -115,3 +115,25 @@ def test_compare_on_one_file_reports_the_first_divergence_in_time(tmp_path):
         compare_paths(tmp_path / "a.safetensors", tmp_path / "b.safetensors").first_divergence
         == "after_step_2/latents"
     )
+
+
+def test_nested_arguments_are_recorded_and_what_cannot_be_is_named(tmp_path):
+    class Research(torch.nn.Module):
+        def forward(self, x, t, context, grid, extras, handle):
+            return [xi * 2 for xi in x]
+
+    model = Research()
+    x = [torch.randn(4, 3), torch.randn(4, 3)]
+    context = (torch.randn(5, 8),)
+    extras = {"mask": torch.ones(2, dtype=torch.bool), "lens": [5, 3]}
+    with record_loop(model, tmp_path / "run") as rec:
+        model(x, torch.tensor([0.5]), context, (2, 2), extras, handle=object())
+    step = load_checkpoints(tmp_path / "run")["step_0"].data
+    assert torch.equal(step["x.0"], x[0]) and torch.equal(step["x.1"], x[1])
+    assert torch.equal(step["x"], torch.stack(x))  # the list is the batch
+    assert torch.equal(step["context.0"], context[0])
+    assert torch.equal(step["extras.mask"], extras["mask"])
+    assert step["extras.lens.1"] == 3 and step["grid.0"] == 2
+    assert step["unrecorded"] == "handle (object)"
+    assert torch.equal(step["output"], torch.stack(x) * 2)  # a list of per-sample results, stacked
+    assert "step_0" in rec

@@ -273,3 +273,20 @@ def test_a_masked_module_is_the_cause_only_where_the_run_saw_its_output_differ()
     reference, port, inputs = masked_vit(None)  # the same port without the bug
     clean = bisect(reference, port, inputs, select_output=vit_output, atol=1e-4, rtol=0)
     assert clean.verdict == "match" and not module_differs(clean, seen_differing=True)
+
+
+def test_list_arguments_are_recorded_and_paired_as_the_batch(tmp_path):
+    # the reference's denoiser takes x and context as lists of per-sample tensors: nothing of them dropped
+    from tests.triage_pairs import write_list_spec
+
+    clean = triage_spec(write_list_spec(tmp_path), out=tmp_path / "clean")
+    assert clean.verdict == "match", clean.render()
+    assert all(row.latents is not None and row.latents < 1e-5 for row in clean.curve), clean.render()
+    import safetensors.torch
+
+    step = safetensors.torch.load_file(str(tmp_path / "clean" / "reference_calls" / "step_0.safetensors"))
+    assert {"x.0", "context.0", "x"} <= set(step), sorted(step)
+
+    report = triage_spec(write_list_spec(tmp_path, ["cond-bf16"]), out=tmp_path / "cond")
+    (finding,) = report.findings
+    assert finding.place == "conditioning" and "context" in finding.summary, report.render()

@@ -179,3 +179,58 @@ def write_spec(folder, bugs=(), vae: bool = True, name: str = "triage_spec.py"):
     path = folder / name
     path.write_text(SPEC_TEXT.format(bugs=set(bugs), vae=vae) + (VAE_TEXT if vae else ""))
     return path
+
+
+class ListDenoiser(torch.nn.Module):
+    r"""A research denoiser's calling convention: ``x`` and ``context`` are lists of per-sample tensors and
+    the result is a list too (as the Wan research model takes and returns them)."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x: list, t: torch.Tensor, context: list) -> list:
+        out = self.unet(torch.stack(x), t, encoder_hidden_states=torch.stack(context)).sample
+        return list(out.unbind(0))
+
+
+class ListPair(Pair):
+    r"""The pair whose reference calls its denoiser with lists of per-sample tensors."""
+
+    def __init__(self, bugs: set[str]):
+        super().__init__(bugs, vae=False)
+        self.ref_lists = ListDenoiser(self.ref_unet)
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        noise = torch.randn(1, 4, 8, 8)
+        context = list(self.cond.unbind(0))
+
+        def eps(x, t, _cond):
+            return torch.stack(self.ref_lists(list(x.unbind(0)), t, context))
+
+        return ddim_loop(eps, noise, self.cond, steps, spacing="trailing")
+
+
+LIST_SPEC_TEXT = """
+from tests.triage_pairs import ListPair
+
+PAIR = ListPair({bugs!r})
+run_reference = PAIR.run_reference
+run_port = PAIR.run_port
+port_scheduler = PAIR.port_scheduler
+
+
+def reference_denoiser():
+    return PAIR.ref_lists
+
+
+def port_denoiser():
+    return PAIR.port_unet
+"""
+
+
+def write_list_spec(folder, bugs=()):
+    r"""A triage SPEC for :class:`ListPair` with ``bugs`` planted."""
+    path = folder / "list_spec.py"
+    path.write_text(LIST_SPEC_TEXT.format(bugs=set(bugs)))
+    return path

@@ -31,14 +31,72 @@ from paritykit.base.errors import ParityKitError
 TIMESTEP_NAMES = ("timestep", "timesteps", "t", "time", "sigma", "sigmas", "noise_level")
 
 
+def batch_of(value: Any) -> Any:
+    r"""The batch an argument holds: a tensor itself; a list or tuple of per-sample tensors of one shape
+    stacked (research code passes ``x`` as a list of samples); ``None`` for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+        and len({(tuple(v.shape), v.dtype) for v in value}) == 1
+    ):
+        return torch.stack(list(value))
+    return None
+
+
+def in_form_of(template: Any, batch: Any) -> Any:
+    r"""``batch`` given the form of ``template``: a list of per-sample tensors when ``template`` is one (each
+    in its dtype), else a tensor in ``template``'s dtype."""
+    import torch
+
+    if isinstance(template, (list, tuple)) and template and isinstance(template[0], torch.Tensor):
+        return type(template)(b.to(t.dtype) for b, t in zip(batch.unbind(0), template))
+    return batch.to(template.dtype) if isinstance(template, torch.Tensor) else batch
+
+
+def tensor_leaves(value: Any, prefix: str) -> tuple[dict[str, Any], list[str]]:
+    r"""Every tensor and number inside an argument, at any depth, by dotted path (``x.0``, ``added.text``),
+    and the paths of what is neither (an object that cannot be recorded), each with its type."""
+    import torch
+
+    found: dict[str, Any] = {}
+    skipped: list[str] = []
+    if isinstance(value, torch.Tensor) or (
+        isinstance(value, (int, float, str)) and not isinstance(value, bool)
+    ):
+        found[prefix] = value
+    elif isinstance(value, bool) or value is None:
+        pass  # a flag or an absent argument: nothing to record, nothing lost
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            more, left = tensor_leaves(item, f"{prefix}.{key}")
+            found.update(more)
+            skipped += left
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            more, left = tensor_leaves(item, f"{prefix}.{index}")
+            found.update(more)
+            skipped += left
+    else:
+        skipped.append(f"{prefix} ({type(value).__name__})")
+    return found, skipped
+
+
 def output_tensor(output: Any) -> Any:
-    r"""The tensor a denoiser's output holds: itself, ``.sample``, the first of a tuple, or a dict's first."""
+    r"""The tensor a denoiser's output holds: itself, ``.sample``, a list of per-sample tensors stacked, the
+    first of a tuple, or a dict's first."""
     import torch
 
     if isinstance(output, torch.Tensor):
         return output
     if hasattr(output, "sample") and isinstance(output.sample, torch.Tensor):
         return output.sample
+    if isinstance(output, list) and batch_of(output) is not None:  # per-sample results (a tuple: (sample,))
+        return batch_of(output)
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     if isinstance(output, dict):
@@ -172,12 +230,22 @@ def record_calls(module: Any, on_call: Callable[[int, Call], None] | None = None
 
 
 def step_checkpoint(call: Call) -> Any:
-    r"""One recorded call as a checkpoint: its tensor and scalar arguments by name, and its ``output``."""
-    import torch
-
+    r"""One recorded call as a checkpoint: every tensor and number among its arguments, at any depth, by name
+    (``x.0``, ``x.1`` for a list; ``added.text_embeds`` for a dict), a list of per-sample tensors also
+    stacked under its own name, and its ``output``. What cannot be recorded is named under ``unrecorded``."""
     from paritykit.tracing.checkpoints import Checkpoint
 
-    data = {k: v for k, v in call.named.items() if isinstance(v, (torch.Tensor, int, float, str))}
+    data: dict[str, Any] = {}
+    unrecorded: list[str] = []
+    for name, value in call.named.items():
+        found, skipped = tensor_leaves(value, name)
+        data.update(found)
+        unrecorded += skipped
+        batch = batch_of(value)
+        if batch is not None and name not in data:
+            data[name] = batch
+    if unrecorded:
+        data["unrecorded"] = ", ".join(unrecorded)
     result = output_tensor(call.output)
     if result is not None:
         data["output"] = result

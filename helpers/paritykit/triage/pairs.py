@@ -9,7 +9,7 @@ from typing import Any
 
 from paritykit.base.report import format_number
 from paritykit.tracing.recording import Call
-from paritykit.triage.roles import Roles, latents, output, pair_conditioning, timestep
+from paritykit.triage.roles import Roles, argument, latents, output, pair_conditioning, timestep
 
 
 @dataclass
@@ -88,7 +88,7 @@ def compare_call(index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: T
     else:
         lat = compare(xr, xp, tol, f"call {index} latents")
     conditioning = [
-        (r, p, compare(ref.named[r], port.named[p], tol, f"call {index} {r} / {p}"))
+        (r, p, compare(argument(ref, r), argument(port, p), tol, f"call {index} {r} / {p}"))
         for r, p in pair_conditioning(ref, rr, port, pr)
     ]
     er, ep = output(ref), output(port)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.tracing.recording import Call, output_tensor, scalar_value, timestep_argument
+from paritykit.tracing.recording import (
+    Call,
+    batch_of,
+    in_form_of,
+    output_tensor,
+    scalar_value,
+    timestep_argument,
+)
 
 # argument names read as the latents a denoiser is given, most specific first
 LATENT_NAMES = ("sample", "latents", "latent", "x", "x_t", "xt", "z", "z_t", "noisy", "hidden_states", "img")
@@ -28,12 +35,11 @@ class Roles:
 
 
 def roles_of(call: Call) -> Roles:
-    import torch
-
-    named = call.named
-    found = timestep_argument(named)
+    r"""The call's arguments by role; a list of per-sample tensors counts as the batch it holds."""
+    named = {k: batch_of(v) for k, v in call.named.items()}
+    found = timestep_argument(call.named)
     t_name, t_kind = (found[0], found[1]) if found is not None else (None, None)
-    tensors = [k for k, v in named.items() if isinstance(v, torch.Tensor) and k != t_name]
+    tensors = [k for k, v in named.items() if v is not None and k != t_name]
     latents = next((k for k in LATENT_NAMES if k in tensors), None)
     if latents is None:
         latents = next((k for k in tensors if named[k].dim() >= 3), tensors[0] if tensors else None)
@@ -41,8 +47,13 @@ def roles_of(call: Call) -> Roles:
     return Roles(latents, t_name, t_kind, conditioning)
 
 
+def argument(call: Call, name: str) -> Any:
+    r"""An argument as the batch it holds (:func:`~paritykit.tracing.recording.batch_of`)."""
+    return batch_of(call.named.get(name))
+
+
 def latents(call: Call, roles: Roles) -> Any:
-    return call.named.get(roles.latents) if roles.latents else None
+    return argument(call, roles.latents) if roles.latents else None
 
 
 def timestep(call: Call, roles: Roles) -> float | None:
@@ -57,9 +68,9 @@ def pair_conditioning(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles
     r"""Conditioning arguments paired by shape (in order among equal shapes); unpaired ones are left out."""
     pairs, used = [], set()
     for r in ref_roles.conditioning:
-        shape = tuple(ref.named[r].shape)
+        shape = tuple(argument(ref, r).shape)
         hit = next(
-            (p for p in port_roles.conditioning if p not in used and tuple(port.named[p].shape) == shape),
+            (p for p in port_roles.conditioning if p not in used and tuple(argument(port, p).shape) == shape),
             None,
         )
         if hit is not None:
@@ -77,11 +88,11 @@ def with_reference_values(
 
     swap: dict[str, Any] = {}
     if ref_roles.latents and port_roles.latents:
-        mine, theirs = port.named[port_roles.latents], ref.named[ref_roles.latents]
+        mine, theirs = latents(port, port_roles), latents(ref, ref_roles)
         if tuple(mine.shape) == tuple(theirs.shape):
-            swap[port_roles.latents] = theirs.to(mine.dtype)
+            swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], theirs)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
-        swap[p] = ref.named[r].to(port.named[p].dtype)
+        swap[p] = in_form_of(port.named[p], argument(ref, r))
     if timestep_too and ref_roles.timestep and port_roles.timestep:
         value = timestep(ref, ref_roles)
         mine = port.named[port_roles.timestep]

@@ -18,7 +18,7 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
-from paritykit.tracing.recording import Call
+from paritykit.tracing.recording import Call, batch_of, in_form_of
 from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
 from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
@@ -630,20 +630,16 @@ def _head(values: list[float | None], count: int = 6) -> str:
 
 
 def _first_tensor(call: Call) -> Any:
-    import torch
-
-    return next((v for v in call.named.values() if isinstance(v, torch.Tensor)), None)
+    return next((v for v in map(batch_of, call.named.values()) if v is not None), None)
 
 
 def _with_first_tensor(call: Call, value: Any) -> tuple[tuple, dict] | None:
-    import torch
-
     if value is None:
         return None
-    name = next((k for k, v in call.named.items() if isinstance(v, torch.Tensor)), None)
-    if name is None or tuple(call.named[name].shape) != tuple(value.shape):
+    name = next((k for k, v in call.named.items() if batch_of(v) is not None), None)
+    if name is None or tuple(batch_of(call.named[name]).shape) != tuple(value.shape):
         return None
-    return with_values(call, {name: value})
+    return with_values(call, {name: in_form_of(call.named[name], value)})
 
 
 def _unclamped_affine(result: Any, decoded: Any) -> Any:
