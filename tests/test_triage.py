@@ -290,3 +290,19 @@ def test_list_arguments_are_recorded_and_paired_as_the_batch(tmp_path):
     report = triage_spec(write_list_spec(tmp_path, ["cond-bf16"]), out=tmp_path / "cond")
     (finding,) = report.findings
     assert finding.place == "conditioning" and "context" in finding.summary, report.render()
+
+
+@pytest.mark.parametrize("vae, covered", [(True, "4 of 5"), (False, "5 of 5")])
+def test_the_update_is_ruled_out_only_as_far_as_it_was_replayed(tmp_path, vae, covered):
+    # with a decoder the run's result is an image: the last update (after the last call) is not recorded,
+    # so it is not counted as checked
+    report = run(tmp_path, vae=vae, all_causes=True)
+    (note,) = [n for n in report.ruled_out if n.place == "update"]
+    assert f"{covered} updates replayed in lockstep with port_scheduler()" in note.text
+
+
+def test_the_last_update_to_the_final_alpha_is_found_and_fixed(tmp_path):
+    report = run(tmp_path, ["final-alpha"], vae=False)
+    (finding,) = report.findings
+    assert finding.place == "update" and finding.call == 4
+    assert finding.verified and "set_alpha_to_one=True" in finding.fix

@@ -32,6 +32,7 @@ BUGS = (
     "double-call",  # call structure: the port calls its denoiser twice per step (guidance halves, unbatched)
     "norm-eps",  # denoiser: one GroupNorm of the port's UNet built with eps 1e-3
     "v-prediction",  # update: the port's scheduler reads the output as v where the model predicts epsilon
+    "final-alpha",  # update: the last step goes to alpha-bar[0] in the port, to 1 in the reference
     "sdxl-scale",  # decoder input: the port divides the latents by SDXL's 0.13025
     "decoder-groups",  # decoder: a GroupNorm of the port's decoder built with 16 groups (gallery bug)
     "no-denormalize",  # post-processing: the port returns the decoder's [-1, 1] output as the image
@@ -75,7 +76,7 @@ class Pair:
             beta_start=0.00085,
             beta_end=0.012,
             clip_sample=False,
-            set_alpha_to_one=True,
+            set_alpha_to_one="final-alpha" not in self.bugs,
             timestep_spacing="leading" if "spacing-leading" in self.bugs else "trailing",
             prediction_type="v_prediction" if "v-prediction" in self.bugs else "epsilon",
         )

@@ -238,6 +238,21 @@ def _recorded_calls(source: Any) -> Recorded | str | None:
 _SAMPLE_NAMES = ("sample", "hidden_states", "x", "latents", "input", "arg0")
 
 
+def lockstep(scheduler: Any, source: Any) -> StepCheck | str:
+    r"""The scheduler object as it is (its own config, one ``set_timesteps(n)`` for the n recorded calls)
+    stepped in lockstep with a ``record_loop`` folder: each ``step()`` fed the reference's model output at
+    the reference's latents. A sentence instead when the folder's calls cannot drive the step."""
+    recorded = _recorded_calls(source)
+    if recorded is None:
+        return f"{source} is not a record_loop folder"
+    if isinstance(recorded, str):
+        return recorded
+    try:
+        return _check_calls(type(scheduler), dict(scheduler.config), len(recorded.calls), recorded)
+    except Exception as exc:  # a scheduler that cannot run these steps: said, not raised
+        return f"{type(scheduler).__name__}.step() failed on the recorded calls ({type(exc).__name__}: {exc})"
+
+
 def _check_calls(
     cls: type,
     config: dict[str, Any],

@@ -90,13 +90,8 @@ class Triage:
                 Finding(
                     "result",
                     None,
-                    "the results differ while every check above agrees: the difference is "
-                    "outside what was recorded"
-                    + (
-                        ""
-                        if self.ref.vae is not None
-                        else " (give reference_vae() and port_vae() to check the decoder)"
-                    ),
+                    "the results differ while every check above agrees: the difference is outside what"
+                    f" was recorded ({self._coverage()})",
                     evidence=result.get("evidence", []),
                 )
             )
@@ -387,13 +382,58 @@ class Triage:
             )
             self._check_step(self.findings[-1])
             return
+        if self._update_in_lockstep():
+            return
         checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
         if checked:
             self.rule_out(
-                "update", f"the fitted rules agree at the {len(checked)} steps whose timesteps agree"
+                "update",
+                f"each side's update is an exact linear rule of its latents and outputs, and the two rules"
+                f" agree at {len(checked)} of {len(self.pairs)} recorded calls (those whose timesteps agree)",
             )
         else:
             self.skip("update", "no step with the same timesteps on both sides and an exact linear rule")
+
+    def _update_in_lockstep(self) -> bool:
+        r"""With ``port_scheduler()``: its ``step()`` replayed on the reference's recorded model outputs and
+        latents, update by update. A difference is a finding (with the scheduler key whose change removes
+        it, verified, when one does); agreement rules the update out with its coverage. ``False`` when the
+        replay cannot run (then the fitted rules decide, and the reason is kept)."""
+        if not self.spec.has("port_scheduler") or self.folders is None:
+            return False
+        if not self.pairs or not all(p.timestep_match for p in self.pairs):
+            # the port's scheduler would step other timesteps: that is the schedule's difference, not the
+            # update's, and replaying it here would blame the update for it
+            self.skip("update", "not replayed in lockstep with port_scheduler(): the timesteps differ")
+            return False
+        from paritykit.schedule.step_check import lockstep
+
+        check = lockstep(self.port_scheduler, str(self.folders[0]))
+        if isinstance(check, str):
+            self.skip("update", f"not replayed in lockstep with port_scheduler(): {check}")
+            return False
+        if check.matched:
+            self.rule_out(
+                "update",
+                f"{check.steps_checked} of {len(self.ref.calls)} updates replayed in lockstep with"
+                " port_scheduler() on the reference's model outputs and latents",
+            )
+            return True
+        step = check.first_failing_step
+        self.findings.append(
+            Finding(
+                "update",
+                step,
+                "the port's scheduler, fed the reference's model outputs and latents, does not reproduce the"
+                f" reference's update: {check.explanation}",
+                evidence=[
+                    f"replayed in lockstep over {check.steps_checked} updates before the one that differs"
+                ],
+                **command_and_files(self.commands.steps()),
+            )
+        )
+        self._check_step(self.findings[-1])
+        return True
 
     def _check_step(self, finding: Finding) -> None:
         r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
@@ -538,6 +578,19 @@ class Triage:
             "decoder", "the port's module matches on the reference's decoder input" + _masked_words(report)
         )
         self.post_processing(ref_call, port_call)
+
+    def _coverage(self) -> str:
+        r"""What the run recorded and what it did not, for a difference found outside it."""
+        recorded = [f"{len(self.ref.calls)} reference and {len(self.port.calls)} port denoiser calls"]
+        missed = ["what runs after the last denoiser call"]
+        if self.ref.vae is not None:
+            recorded.append(f"{len(self.ref.decoder_calls)} and {len(self.port.decoder_calls)} decoder calls")
+        else:
+            last = latents(self.ref.calls[-1], self.ref_roles[-1]) if self.ref.calls else None
+            shaped_like_latents = last is not None and tuple(last.shape) == tuple(self.ref.result.shape)
+            if not shaped_like_latents:  # the result is not latents: something decodes them
+                missed.append("the decoder (give reference_vae() and port_vae() to record it)")
+        return f"recorded: {'; '.join(recorded)}; not recorded: {'; '.join(missed)}"
 
     def _same_output(self, ref_call: Call, port_call: Call) -> bool:
         a, b = output(ref_call), output(port_call)
