@@ -61,17 +61,26 @@ def test_wan_vae_port_with_a_wrong_activation_is_found_in_its_block(wan_pair):
     assert any(h.verified and "nn.SiLU()" in (h.fix or "") for h in report.culprit.hints), report.render()
 
 
-class Denoise(torch.nn.Module):
-    """One side's denoiser call as a module: the research blocks driven as DiffSynth's pipeline drives them,
-    or diffusers' ``WanTransformer3DModel`` returning its sample."""
+class ResearchDenoise(torch.nn.Module):
+    """The research side's denoiser call as a module: the blocks driven as DiffSynth's pipeline drives
+    them."""
 
-    def __init__(self, dit: torch.nn.Module, research: bool):
+    def __init__(self, dit: torch.nn.Module):
         super().__init__()
-        self.dit, self.research = dit, research
+        self.dit = dit
 
     def forward(self, x, timestep, context):
-        if self.research:
-            return WanResearchForward.run(self.dit, x, timestep, context)
+        return WanResearchForward.run(self.dit, x, timestep, context)
+
+
+class PortDenoise(torch.nn.Module):
+    """diffusers' ``WanTransformer3DModel`` returning its sample."""
+
+    def __init__(self, dit: torch.nn.Module):
+        super().__init__()
+        self.dit = dit
+
+    def forward(self, x, timestep, context):
         return self.dit(x, timestep, context, return_dict=False)[0]
 
 
@@ -106,7 +115,7 @@ def _bisect_wan(pair, mutate=None):
     port = copy.deepcopy(port)
     if mutate is not None:
         mutate(port)
-    return bisect(Denoise(research, True), Denoise(port, False), inputs)
+    return bisect(ResearchDenoise(research), PortDenoise(port), inputs)
 
 
 def test_research_blocks_with_another_signature_are_replayed_with_arguments_paired_by_value(wan_dit_pair):
@@ -151,6 +160,13 @@ def test_an_input_that_differs_is_never_taken_for_the_ports_own(wan_dit_pair):
     report = _bisect_wan(wan_dit_pair, theta)
     assert report.verdict == "diverge"
     assert not report.culprit.port.startswith("dit.blocks"), report.render()
+    # the top level is the place: the hint says between which calls, and which port module computes the input
+    (hint,) = [h for h in report.culprit.hints if h.id == "inline-reference"]
+    assert (
+        "dit.blocks.0 <-> dit.blocks.0 (port args.3.0, args.3.1 equal no reference argument" in hint.message
+    )
+    assert "computes that input in dit.rope (WanRotaryPosEmbed)" in hint.message
+    assert not any(h.id == "module-config" for h in report.culprit.hints), report.render()
     attention = next(t for t in report.tested if t.port == "dit.blocks.0.attn1")
     assert (
         attention.status == "untestable"
@@ -164,23 +180,23 @@ def test_research_float64_sinusoid_is_float_noise_not_a_divergence(wan_dit_pair)
     # line on where the two differ in precision.
     research, port, inputs = wan_dit_pair
     strict = dict(atol=1e-7, rtol=0.0)
-    report = bisect(Denoise(research, True), Denoise(port, False), inputs, **strict)
+    report = bisect(ResearchDenoise(research), PortDenoise(port), inputs, **strict)
     assert report.verdict == "match" and report.exit_code == 0, report.render()
     assert report.precision.startswith("float noise: the output differs by"), report.render()
     assert "first difference: dit.time_embedding" in report.precision
     assert report.culprit is None and report.first_output_divergence is None
-    without = bisect(Denoise(research, True), Denoise(port, False), inputs, float_floor=False, **strict)
+    without = bisect(ResearchDenoise(research), PortDenoise(port), inputs, float_floor=False, **strict)
     assert without.verdict == "diverge" and not without.precision
 
 
 def test_the_float_floor_does_not_hide_a_rounded_timestep(wan_dit_pair):
     research, port, inputs = wan_dit_pair
 
-    class Rounded(Denoise):
+    class Rounded(PortDenoise):
         def forward(self, x, timestep, context):
             return super().forward(x, timestep.round(), context)
 
     x, _, context = inputs
     at = [x, torch.tensor([999.4]), context]
-    report = bisect(Denoise(research, True), Rounded(port, False), at, atol=1e-7, rtol=0.0)
+    report = bisect(ResearchDenoise(research), Rounded(port), at, atol=1e-7, rtol=0.0)
     assert report.verdict == "diverge" and not report.precision, report.render()

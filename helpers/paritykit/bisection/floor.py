@@ -55,8 +55,13 @@ def as_float64(value: Any) -> Any:
 
 
 def float64_copy(module: Any) -> Any:
-    r"""A float64 copy of ``module`` (parameters and floating-point buffers; the original is untouched)."""
-    return copy.deepcopy(module).double()
+    r"""A float64 copy of ``module`` (parameters and floating-point buffers; the original is untouched).
+    diffusers' warning that some modules should stay in float32 is silenced: the copy is meant to be
+    float64 throughout, and the warning would be printed for every measured module."""
+    from paritykit.base.quiet import quiet_diffusers
+
+    with quiet_diffusers():
+        return copy.deepcopy(module).double()
 
 
 def max_difference(a: Any, b: Any) -> float | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.report import format_number
+from paritykit.bisection.results import shown_name
 
 if TYPE_CHECKING:
     from paritykit.bisection.searcher import Searcher
@@ -143,7 +144,10 @@ def rebuild(module: Any, kwargs: dict[str, Any]) -> Any:
 def placed_like(old: Any, new: Any) -> Any:
     """``new`` on ``old``'s device and float dtype, in its train/eval mode."""
     for tensor in (*old.parameters(), *old.buffers()):
-        new = new.to(device=tensor.device, dtype=tensor.dtype if tensor.is_floating_point() else None)
+        from paritykit.base.quiet import quiet_diffusers
+
+        with quiet_diffusers():  # a rebuilt diffusers module cast back to the old one's dtype, on purpose
+            new = new.to(device=tensor.device, dtype=tensor.dtype if tensor.is_floating_point() else None)
         break
     return new.train(old.training)
 
@@ -241,13 +245,21 @@ class InlineInput:
     producers: list[Any]
     # aligned children before ``child`` that could not be tested one-to-one (they may hold the difference)
     untested: list[str] = field(default_factory=list)
+    # when the differing input has no reference argument by value: which port inputs and reference arguments
+    # are left unpaired (the two tensors then need not share a shape)
+    unpaired: str = ""
 
 
 def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | None:
     """The first aligned child (execution order) of ``call`` whose captured inputs differ between the
     sides."""
+    from paritykit.bisection.floor import within
     from paritykit.bisection.leaves import pair_layouts
+    from paritykit.bisection.relations import pair_by_value, unexplained
 
+    floor = (
+        searcher.float_floor if searcher.float_floor is not None and searcher.float_floor.measured else None
+    )
     untested = []
     for child in searcher.frontier(call):
         result = searcher.results.get(child.name)
@@ -255,12 +267,28 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
             untested.append(child.name)
         port_child = searcher.port_record(child)
         ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
+        # inputs no reference argument gives by value (a rotary table built another way): the first
+        # unexplained port input against the reference argument left over
+        relations = pair_by_value(ref_in, port_in, searcher.same_quantity)
+        port_left, ref_left = unexplained(ref_in, port_in, relations)
+        if relations and port_left:
+            a, b = ref_in[ref_left[0]][1], port_in[port_left[0]][1]
+            producers = []
+            for j in port_left:
+                producers += [r for r in _producers(searcher, call, port_in[j][1]) if r not in producers]
+            unpaired = (
+                f"port {', '.join(port_in[j][0] for j in port_left)} equal no reference argument by value"
+                f" (reference {', '.join(ref_in[i][0] for i in ref_left)} left unpaired)"
+            )
+            return InlineInput(child, port_child, a, b, producers, untested, unpaired)
         pairs, port_in, _ = pair_layouts(ref_in, port_in) or (None, port_in, {})
+        noise = floor.of(child, port_child, "inputs") if floor is not None else None
         for i, j in pairs or ():
             a, b = ref_in[i][1], port_in[j][1]
             if not (a.is_floating_point() and b.is_floating_point()):
                 continue
-            if not searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}").passed:
+            cmp = searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}")
+            if not cmp.passed and not within(cmp.max_abs, noise):
                 return InlineInput(child, port_child, a, b, _producers(searcher, call, b), untested)
     return None
 
@@ -310,14 +338,14 @@ def inline_reference_hints(
     where = (
         f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
     )
-    where += f"(max_abs {format_number(cmp.max_abs)})"
+    where += f"({found.unpaired})" if found.unpaired else f"(max_abs {format_number(cmp.max_abs)})"
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
         message = (
             f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
-            f" the reference computes it inside {call.name}, inline or in a submodule without a port"
-            " counterpart (evidence: the port module's captured output is exactly that input)"
+            f" the reference computes it inside {shown_name(call.name)}, inline or in a submodule without a"
+            " port counterpart (evidence: the port module's captured output is exactly that input)"
         )
     elif found.untested:
         hint_id = "inline-input"
@@ -346,7 +374,7 @@ def inline_reference_hints(
             score=0.9,
         )
     )
-    for hint in diagnose(found.reference_input, found.port_input):
+    for hint in [] if found.unpaired else diagnose(found.reference_input, found.port_input):
         hints.append(
             Hint(
                 hint.id,

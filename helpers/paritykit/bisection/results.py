@@ -267,6 +267,9 @@ class BisectReport:
         return "\n".join(lines)
 
 
+# how a culprit was found, in words: a jump never ran the module, so it is labelled as such
+_FOUND_BY = {"jump": "capture, not replayed", "replay": "replay", "output": "the final output"}
+
 # evidence ids that explain an inline culprit by something other than its forward code
 _NOT_FORWARD_CODE = frozenset({"weights", "module-config", "attention-scale", "norm-eps"})
 
@@ -276,7 +279,8 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
     lines = [
         f"{label}: reference {shown_name(f.reference)}  <->  port {shown_name(f.port)}",
         (
-            f"  aligned by {f.how_aligned}{low}; found by {f.test}; max_abs {format_number(f.max_abs)}, "
+            f"  aligned by {f.how_aligned}{low}; found by {_FOUND_BY.get(f.test, f.test)};"
+            f" max_abs {format_number(f.max_abs)}, "
             f"cosine {format_number(f.cosine, 6)}"
         ),
     ]

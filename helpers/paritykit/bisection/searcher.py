@@ -254,7 +254,7 @@ class Searcher:
             return self.pair_inputs_by_value(ref_record, port_record)
         return InputPairing(ref_leaves, port_leaves, pairs, extra)
 
-    def _same_quantity(self, a: Any, b: Any) -> bool:
+    def same_quantity(self, a: Any, b: Any) -> bool:
         r"""Whether two same-shape tensors hold one quantity: equal within tolerance, or apart by at most
         :data:`IDENTIFY` relative error (float noise upstream; a replay feeds the reference's value
         anyway)."""
@@ -266,7 +266,7 @@ class Searcher:
         port input is reached."""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
-        relations = pair_by_value(ref_leaves, port_leaves, self._same_quantity)
+        relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
         if not any(port_leaves[j][1].is_floating_point() for j in relations):
             return None
         if unexplained(ref_leaves, port_leaves, relations)[0]:
@@ -282,7 +282,7 @@ class Searcher:
             return ""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
-        relations = pair_by_value(ref_leaves, port_leaves, self._same_quantity)
+        relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
         port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
         if not port_left:
             return ""
