@@ -79,6 +79,9 @@ class Alignment:
     unaligned_reference: list[str] = field(default_factory=list)
     unaligned_port: list[str] = field(default_factory=list)
     split_work: list[SplitWork] = field(default_factory=list)
+    # groups of layers the port holds in another order than the reference
+    # (paritykit.forensics.conversion.layer_order); their modules are aligned by that order, not by name
+    layer_orders: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._index()
@@ -266,6 +269,7 @@ class _Builder:
         self.ref_done: set[str] = set()
         self.port_done: set[str] = set()
         self.cmap: Any = None
+        self.layer_orders: list[Any] = []
 
     def add(self, r: str, p: str, how: str, confidence: Confidence = "high", group: bool = False) -> None:
         self.pairs.append(AlignedPair(r, p, how, confidence, group))
@@ -289,9 +293,36 @@ class _Builder:
         return (same_type or same_shape) and rp == pp
 
     # 1 + 2 ------------------------------------------------------------------------------------------
+    def by_layer_order(self) -> None:
+        r"""Layers the port holds in another order than the reference (block 10's tensors in block 2) pair by
+        the tensors they hold, before any name: the reference's ``blocks.10`` and everything under it with the
+        port's ``blocks.2``, where the names under them agree (the rest is left to the weights)."""
+        if not self.ref.state_dict or not self.port.state_dict:
+            return
+        from paritykit.forensics.conversion.layer_order import reordered, value_pairs
+
+        try:
+            self.layer_orders = reordered(value_pairs(self.ref.state_dict, self.port.state_dict))
+        except Exception:  # weights that cannot be read here (a missing shard): names decide
+            self.layer_orders = []
+        port_free = set(self.free_port())
+        for r in self.free_ref():
+            for order in self.layer_orders:
+                p = order.target_name(r)
+                if p is not None and p in port_free and self.compatible(r, p):
+                    self.add(r, p, "layer order")
+                    port_free.discard(p)
+
+    def _reordered(self, name: str) -> bool:
+        return any(
+            o.target_name(name) is not None or o.source_name(name) is not None for o in self.layer_orders
+        )
+
     def by_names(self, rules: Sequence[tuple[str, str]]) -> None:
         port_free = set(self.free_port())
         for r in self.free_ref():
+            if self._reordered(r):
+                continue  # the same name holds another layer
             # the two top levels always correspond: they are the two models being compared
             if r in port_free and (r == "" or self.compatible(r, r)):
                 self.add(r, r, "names")
@@ -722,6 +753,8 @@ def align_modules(
     ref_side = _side(reference, ref_trace)
     port_side = _side(port, port_trace)
     builder = _Builder(ref_side, port_side)
+    if use_weights:
+        builder.by_layer_order()
     builder.by_names(rules)
     if use_weights:
         builder.by_weights()
@@ -735,4 +768,5 @@ def align_modules(
         unaligned_reference=builder.free_ref(),
         unaligned_port=builder.free_port(),
         split_work=builder.split_work(),
+        layer_orders=builder.layer_orders,
     )

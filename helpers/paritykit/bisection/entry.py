@@ -340,12 +340,21 @@ def capture_and_bisect(
     ``search`` holds :func:`bisect_traces`' options."""
     import torch
 
-    from paritykit.bisection.zoom import use_zoom, zoom_bisect
+    from paritykit.bisection.zoom import NamespaceLevel, use_zoom, zoom_bisect
     from paritykit.tracing.trace import capture
 
     # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
     if not all_culprits and use_zoom(levels, reference):
-        return zoom_bisect(reference, port, ref_call, port_call, run=run, float_floor=float_floor, **search)
+        try:
+            return zoom_bisect(
+                reference, port, ref_call, port_call, run=run, float_floor=float_floor, **search
+            )
+        except NamespaceLevel as exc:
+            if levels == "zoom":
+                raise ParityKitError(f"--levels zoom: {exc}; use --levels full") from None
+            environment = dict(search.get("environment") or {})
+            environment["levels"] = f"full (the zoom cannot pair levels: {exc})"
+            search["environment"] = environment
     call = run or (lambda model, args, kwargs: model(*args, **kwargs))
     with torch.no_grad():
         with capture(reference) as ref_trace:

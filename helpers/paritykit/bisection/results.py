@@ -168,6 +168,11 @@ class BisectReport:
             return 0
         return 0 if self.verdict == "match" else 1
 
+    def _holds_reordered(self, finding: ModuleFinding) -> bool:
+        r"""Whether a culprit holds a group of layers the port keeps in another order."""
+        prefix = f"{finding.reference}." if finding.reference else ""
+        return any(o.source_group.startswith(prefix) for o in self.alignment.layer_orders)
+
     def to_dict(self) -> dict[str, Any]:
         al = self.alignment.to_dict()
         return {
@@ -180,6 +185,7 @@ class BisectReport:
             "unaligned_reference": al["unaligned_reference"],
             "unaligned_port": al["unaligned_port"],
             "output": _comparison_summary(self.output),
+            "layer_orders": [o.to_dict() for o in self.alignment.layer_orders],
             "precision": self.precision,
             "float_floor": self.float_floor,
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
@@ -201,6 +207,8 @@ class BisectReport:
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
             f"cosine {format_number(out.get('cosine'), 6)})"
         ]
+        for order in self.alignment.layer_orders:
+            lines.append(f"layer order: {order.words()}; aligned by the tensors each layer holds")
         if self.precision:
             lines.append(self.precision)
         if out.get("status") == "shape_mismatch":
@@ -219,9 +227,9 @@ class BisectReport:
             )
         if len(self.culprits) > 1:
             for i, finding in enumerate(self.culprits, 1):
-                lines += _render_finding(f"culprit {i}", finding)
+                lines += _render_finding(f"culprit {i}", finding, self._holds_reordered(finding))
         elif self.culprit:
-            lines += _render_finding("culprit", self.culprit)
+            lines += _render_finding("culprit", self.culprit, self._holds_reordered(self.culprit))
         if self.all_note:
             lines.append(self.all_note)
         if not self.culprit and self.verdict == "diverge":
@@ -274,7 +282,7 @@ _FOUND_BY = {"jump": "capture, not replayed", "replay": "replay", "output": "the
 _NOT_FORWARD_CODE = frozenset({"weights", "module-config", "attention-scale", "norm-eps"})
 
 
-def _render_finding(label: str, f: ModuleFinding) -> list[str]:
+def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> list[str]:
     low = "" if f.confidence == "high" else f", {f.confidence} confidence"
     lines = [
         f"{label}: reference {shown_name(f.reference)}  <->  port {shown_name(f.port)}",
@@ -284,7 +292,12 @@ def _render_finding(label: str, f: ModuleFinding) -> list[str]:
             f"cosine {format_number(f.cosine, 6)}"
         ),
     ]
-    if f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
+    if f.inline and reordered:
+        lines.append(
+            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, each layer on the inputs"
+            " of the reference layer it holds: the layers are called in another order (the layer order above)"
+        )
+    elif f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
         lines.append(
             f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters"
             " through a port module the reference has no module for (it computes that step inline): see the"

@@ -65,6 +65,9 @@ class InputPairing:
     # port leaves paired by value across signatures (:mod:`paritykit.bisection.relations`), by port index:
     # how each is computed from reference leaves
     relations: dict[int, Relation] = field(default_factory=dict)
+    # set when the relations were read at an earlier call of the same two classes (this call's inputs
+    # differ, so its values cannot say which argument is which): that call's name
+    learned_from: str = ""
 
     @property
     def own_paths(self) -> list[str]:
@@ -84,7 +87,8 @@ class InputPairing:
             return ""
         said = [f"{self.port_leaves[j][0]} = {r.words}" for j, r in sorted(self.relations.items())]
         own = [f"{path}: the port's own, no reference counterpart" for path in self.own_paths]
-        return "arguments paired by value: " + "; ".join(said + own)
+        how = f"as by value at {self.learned_from}" if self.learned_from else "by value"
+        return f"arguments paired {how}: " + "; ".join(said + own)
 
 
 class Searcher:
@@ -140,6 +144,9 @@ class Searcher:
         # calls in order
         self._call_pairs: dict[str, Record | None] = {}
         self._port_calls: dict[str, list[Record]] = {}
+        # argument pairings read by value, by (classes, argument paths and shapes): a call whose inputs differ
+        # pairs as an earlier call of the same two classes did
+        self._templates: dict[tuple, tuple[str, dict[int, Relation]]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
 
@@ -266,14 +273,24 @@ class Searcher:
         port input is reached."""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
+        signature = _signature(ref_record, ref_leaves, port_record, port_leaves)
         relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
-        if not any(port_leaves[j][1].is_floating_point() for j in relations):
-            return None
-        if unexplained(ref_leaves, port_leaves, relations)[0]:
-            return None  # an input differs: the port's value is no "own" input (see inputs_differ)
+        learned = ""
+        if (
+            not any(port_leaves[j][1].is_floating_point() for j in relations)
+            or (unexplained(ref_leaves, port_leaves, relations)[0])
+        ):
+            # an input differs, so its value names no counterpart (and is no "own" input: see inputs_differ);
+            # calls of the same two classes with the same arguments pair as an earlier call paired by value
+            template = self._templates.get(signature)
+            if template is None:
+                return None
+            learned, relations = template
+        elif signature not in self._templates:
+            self._templates[signature] = (ref_record.name, relations)
         pairs = [(r.sources[0], j) for j, r in relations.items()]
         extra = [j for j in range(len(port_leaves)) if j not in relations]
-        return InputPairing(ref_leaves, port_leaves, pairs, extra, relations)
+        return InputPairing(ref_leaves, port_leaves, pairs, extra, relations, learned)
 
     def inputs_differ(self, ref_record: Record, port_record: Record) -> str:
         r"""Why two calls' inputs cannot be paired by value, naming the port inputs no reference argument
@@ -627,6 +644,13 @@ class Searcher:
             if self.test(record).status == "fail":
                 return self.descend(record)
         return None
+
+
+def _signature(ref_record: Record, ref_leaves: Leaves, port_record: Record, port_leaves: Leaves) -> tuple:
+    def shapes(leaves: Leaves) -> tuple:
+        return tuple((path, tuple(t.shape), t.dtype) for path, t in leaves)
+
+    return ref_record.type, port_record.type, shapes(ref_leaves), shapes(port_leaves)
 
 
 def join_notes(*notes: str) -> str:

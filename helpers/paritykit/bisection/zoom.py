@@ -309,21 +309,42 @@ def _rerun(model: Any, call: Record) -> Any:
     return trace
 
 
+class NamespaceLevel(ParityKitError):
+    r"""A level child was never called while its blocks were (research code calling a model's blocks from
+    its pipeline): the two sides' levels cannot be paired one level at a time."""
+
+
+def _capture_called(model: Any, name: str, call: Callable[[], Any]) -> Any:
+    r"""Capture block ``name`` of ``model`` and its level children while ``call()`` runs. A child that was
+    never called but holds blocks raises :class:`NamespaceLevel` (the other side's level may be that child
+    itself: levels would not pair), after looking through it to be sure its blocks ran."""
+    import glob
+
+    import torch
+
+    from paritykit.tracing.trace import capture
+
+    children = level_children(model, name)
+    patterns = [glob.escape(n) if n else n for n in (name, *children)]
+    with torch.no_grad(), capture(model, modules=patterns) as trace:
+        call()
+    called = {record.module for record in trace.records}
+    uncalled = [c for c in children if c not in called and level_children(model, c)]
+    if uncalled:
+        raise NamespaceLevel(
+            f"{', '.join(uncalled)} never called while the run went on: its blocks are called from outside it"
+        )
+    return trace
+
+
 def capture_level(model: Any, args: tuple, kwargs: dict, *, run: Callable | None = None) -> Any:
     r"""Run ``model(*args, **kwargs)`` capturing only the top level and its level children; returns the trace.
 
     ``run(model, args, kwargs)`` replaces the plain call (the spec runner passes one that guards user code).
     """
-    import torch
-
-    from paritykit.tracing.trace import capture
-
-    with torch.no_grad(), capture(model, modules=level_patterns(model, "")) as trace:
-        if run is not None:
-            run(model, args, kwargs)
-        else:
-            model(*args, **kwargs)
-    return trace
+    if run is not None:
+        return _capture_called(model, "", lambda: run(model, args, kwargs))
+    return _capture_called(model, "", lambda: model(*args, **kwargs))
 
 
 def zoom_bisect(

@@ -37,9 +37,19 @@ def conversion_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
       shift/scale swapped in one block only).
     """
     out: list[ConversionWarning] = []
+    out += layer_order_warnings(mapping)
     out += _fused_order_warnings(mapping)
     out += _layer_warnings(mapping)
     return out
+
+
+def layer_order_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+    r"""Groups of layers built alike whose target layers hold the source's in another order (not a
+    renumbering that keeps it): block 10's tensors in block 2 when shards were loaded in text order."""
+    from paritykit.forensics.conversion.layer_order import reordered
+
+    pairs = [(e.sources[0], e.target) for e in mapping if len(e.sources) == 1 and e.evidence == "values"]
+    return [ConversionWarning(f"{o.target_group}.*", o.words("target", "source")) for o in reordered(pairs)]
 
 
 def _fused_order_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:

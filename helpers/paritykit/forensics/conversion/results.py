@@ -181,23 +181,24 @@ class ConversionMap:
         return out
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        rows = [
-            (
-                r.pattern + "".join(f" + {s}" for s in r.sources[1:]),
-                describe_op(r.op, r.args) or "=",
-                r.target,
-                str(r.count),
-            )
-            for r in self.rules
-        ]
+        rows = _rule_rows(self.rules, self.mapping)
         summary = (
-            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(self.rules)}"
-            f" rule{'' if len(self.rules) == 1 else 's'} from {self.n_source} source tensors;"
+            f"{len(self.mapping)} of {self.n_target} target tensors explained by {len(rows)}"
+            f" rule{'' if len(rows) == 1 else 's'}"
+            + (
+                f" ({len(self.rules)} before folding by the layer order)"
+                if len(rows) != len(self.rules)
+                else ""
+            )
+            + f" from {self.n_source} source tensors;"
             f" {len(self.unmapped_target)} unexplained, {len(self.unused_source)} sources unused,"
             f" {self.n_structure} settled by structure, {len(self.ambiguous)} ambiguous, {len(self.warnings)}"
             f" warning{'' if len(self.warnings) == 1 else 's'} ({self.seconds:.2f} s)"
         )
-        parts = [f"weights map: {self.source_label} -> {self.target_label}", ""]
+        parts = [f"weights map: {self.source_label} -> {self.target_label}"]
+        # a reordering of layers is the answer when there is one: first, before the rules it explains
+        parts += [f"layer order: {w.message}" for w in self.warnings if w.target.endswith(".*")]
+        parts.append("")
         parts.append(_fitted_table(["source pattern", "op", "target", "n"], rows, limit))
         for title, names in (
             ("Unexplained target tensors", self.unmapped_target),
@@ -242,6 +243,44 @@ class ConversionMap:
             line if len(line) <= WIDTH else textwrap.fill(line, WIDTH, subsequent_indent="  ")
             for line in "\n".join(parts).split("\n")
         )
+
+
+def _rule_rows(rules: list[ConversionRule], mapping: list[MappingEntry]) -> list[tuple[str, str, str, str]]:
+    r"""The rules as table rows; with layers held in another order, the per-layer rules of each group fold
+    into one row whose layer index reads ``<i←j>`` (target layer i holds source layer j, as the layer order
+    line says)."""
+    import re
+
+    from paritykit.forensics.conversion.layer_order import reordered
+
+    orders = reordered(
+        (e.sources[0], e.target) for e in mapping if len(e.sources) == 1 and e.evidence == "values"
+    )
+    folded: dict[tuple, list] = {}
+    for r in rules:
+        key: tuple = (r.pattern, tuple(r.sources[1:]), r.target, r.op, repr(r.args))
+        for o in orders:
+            s = re.match(re.escape(re.escape(o.source_group)) + r"\\\.(\d+)(.*)$", r.pattern)
+            t = re.match(re.escape(o.target_group) + r"\.(\d+)(.*)$", r.target)
+            if s and t and o.index_map.get(int(t[1])) == int(s[1]):
+                key = (
+                    f"{re.escape(o.source_group)}\\.<j>{s[2]}",
+                    tuple(r.sources[1:]),
+                    f"{o.target_group}.<i←j>{t[2]}",
+                    r.op,
+                    repr(r.args),
+                )
+                break
+        folded.setdefault(key, []).append(r)
+    return [
+        (
+            key[0] + "".join(f" + {s}" for s in key[1]),
+            describe_op(members[0].op, members[0].args) or "=",
+            key[2],
+            str(sum(m.count for m in members)),
+        )
+        for key, members in folded.items()
+    ]
 
 
 def _folded(ambiguous: list[AmbiguousTarget]) -> list[tuple[str, str, str, str]]:

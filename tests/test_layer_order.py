@@ -1,0 +1,120 @@
+"""Layer provenance (paritykit.forensics.conversion.layer_order): a port that holds a research checkpoint's
+blocks in another order (shards loaded in text order) is said first, by weights map and bisect; a renumbering
+that keeps the order is not."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from paritykit.forensics.conversion.layer_order import layer_orders, reordered
+
+from tests.research import wan_dit
+
+NAMES = (".attn.weight", ".attn.bias", ".mlp.weight")
+
+
+def pairs(index_map, source="blocks", target="layers"):
+    return [(f"{source}.{j}{rest}", f"{target}.{i}{rest}") for i, j in index_map.items() for rest in NAMES]
+
+
+def test_a_text_sorted_load_is_named_and_a_renumbering_is_not():
+    text = dict(enumerate(sorted(range(12), key=str)))
+    (order,) = reordered(pairs(text))
+    assert order.text_sorted and not order.monotone
+    assert order.words().startswith(
+        "the port's layers are the reference's blocks in another order (port layers ← reference blocks):"
+        " 2 ← 10, 3 ← 11, 4 ← 2, 5 ← 3, …; the indices were sorted as text"
+    )
+    assert (
+        order.target_name("blocks.10.attn") == "layers.2.attn" and order.source_name("layers.4") == "blocks.2"
+    )
+    swapped = {0: 0, 1: 2, 2: 1, 3: 3}
+    (order,) = reordered(pairs(swapped))
+    assert not order.text_sorted and "1 ← 2, 2 ← 1" in order.words()
+    # must not fire: the same order, the same order with an offset, layers gathered many-to-one (LDM's
+    # input_blocks into diffusers' down_blocks), layers not built alike, too few layers
+    assert reordered(pairs({i: i for i in range(6)})) == []
+    assert reordered(pairs({i: i + 1 for i in range(6)})) == []
+    gathered = [(f"input_blocks.{j}.w{j}", f"down_blocks.{(j - 1) // 3}.w{j}") for j in range(1, 10)]
+    assert layer_orders(gathered) == []
+    unalike = [(f"blocks.{j}.w{j}", f"layers.{i}.w{j}") for i, j in swapped.items()]
+    assert reordered(unalike) == []
+    assert reordered(pairs({0: 1, 1: 0})) == []
+
+
+@pytest.fixture(scope="module")
+def text_ordered_wan():
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    torch.manual_seed(0)
+    shape = dict(ffn_dim=32, freq_dim=32, num_layers=12, patch_size=(1, 2, 2))
+    research = (
+        wan_dit()
+        .WanModel(
+            dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **shape
+        )
+        .eval()
+    )
+    port = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **shape
+    ).eval()
+    converted = convert_wan_transformer_to_diffusers(research.state_dict())
+    order = sorted(range(12), key=str)  # per-block shards read in the order their names sort
+    moved = {}
+    for key, value in converted.items():
+        found = re.match(r"blocks\.(\d+)\.(.*)", key)
+        moved[f"blocks.{order.index(int(found[1]))}.{found[2]}" if found else key] = value
+    port.load_state_dict(moved)
+    return research, port, converted
+
+
+def test_weights_map_says_the_layer_order_first_and_exits_1(tmp_path, text_ordered_wan):
+    from paritykit.forensics.conversion.matching import infer_conversion_map as map_weights
+    from safetensors.torch import save_file
+
+    research, port, converted = text_ordered_wan
+    source = {k: v.contiguous() for k, v in research.state_dict().items() if not v.is_complex()}
+    save_file(source, str(tmp_path / "research.safetensors"))
+    save_file({k: v.contiguous() for k, v in port.state_dict().items()}, str(tmp_path / "port.safetensors"))
+    save_file({k: v.contiguous() for k, v in converted.items()}, str(tmp_path / "right.safetensors"))
+    report = map_weights(
+        str(tmp_path / "research.safetensors"), str(tmp_path / "port.safetensors"), allow_ambiguous=True
+    )
+    assert report.exit_code == 1
+    lines = report.render().splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("layer order:"))
+    assert said < next(i for i, line in enumerate(lines) if line.startswith("source pattern"))  # first
+    assert lines[said].startswith("layer order: the target's blocks are the source's blocks in another order")
+    assert "2 ← 10, 3 ←" in lines[said]
+    folded = [line for line in lines if "blocks.<i←j>.attn1.to_q" in line]
+    assert len(folded) == 1 and folded[0].split()[-1] == "24"  # twelve layers' rule in one row
+    right = map_weights(
+        str(tmp_path / "research.safetensors"), str(tmp_path / "right.safetensors"), allow_ambiguous=True
+    )
+    assert right.exit_code == 0 and "layer order" not in right.render()
+
+
+def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
+    from paritykit.bisection.entry import bisect
+
+    from tests.test_research_pairs import PortDenoise, ResearchDenoise
+
+    research, port, _ = text_ordered_wan
+    inputs = [torch.randn(1, 4, 2, 4, 4), torch.tensor([500.0]), torch.randn(1, 5, 16)]
+    report = bisect(ResearchDenoise(research), PortDenoise(port), inputs)
+    assert report.verdict == "diverge"
+    text = report.render()
+    assert text.splitlines()[1].startswith(
+        "layer order: the port's dit.blocks are the reference's dit.blocks"
+    )
+    pairs = {p.reference: (p.port, p.how) for p in report.alignment.pairs}
+    assert pairs["dit.blocks.10"] == ("dit.blocks.2", "layer order")
+    assert pairs["dit.blocks.2.norm1"] == ("dit.blocks.4.norm1", "layer order")
+    assert report.culprit.reference == "" and "called in another order" in text
+    assert "the tensor its name implies" not in text and "own forward code" not in text
+    # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
+    # auto levels capture whole (and say so)
+    assert report.environment["levels"].startswith("full (the zoom cannot pair levels")
