@@ -124,3 +124,36 @@ def test_installing_for_claude_makes_every_skill_visible_where_claude_code_looks
         assert seen.read_text() == skill.read_text()
     assert validate([fork / ".claude" / "skills" / p.parent.name for p in SKILLS.glob("*/SKILL.md")]).valid
     assert not (fork / "CLAUDE.md").exists()
+
+
+def _spec_block(first_line: str) -> str:
+    path = SKILLS / "parity-testing" / "SKILL.md"
+    (found,) = [body for body in blocks(path, {"python"}) if body.startswith(first_line)]
+    return found
+
+
+def test_the_bisect_example_reaches_the_gelu_it_shows(tmp_path):
+    from paritykit.bisection.spec import bisect_spec
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(_spec_block("# spec.py\n"))
+    report = bisect_spec(spec)
+    assert report.verdict == "diverge" and (report.culprit.reference, report.culprit.port) == ("1", "1")
+    assert any(h.verified and h.fix == "1.approximate = 'none'" for h in report.culprit.hints), (
+        report.render()
+    )
+    assert "fix (verified): 1.approximate = 'none'" in report.render()
+
+
+def test_the_spec_pattern_for_lists_and_extra_arguments_runs_and_matches(tmp_path):
+    from paritykit.bisection.spec import bisect_spec
+
+    spec = tmp_path / "spec_lists.py"
+    spec.write_text(_spec_block("# spec_lists.py"))
+    report = bisect_spec(spec)
+    assert report.verdict == "match", report.render()
+    shifted = tmp_path / "spec_lists_shifted.py"
+    shifted.write_text(
+        spec.read_text().replace('"timestep": t,', '"timestep": t * 1.5,')  # the port fed another timestep
+    )
+    assert bisect_spec(shifted).verdict == "diverge"
