@@ -127,7 +127,9 @@ def test_research_blocks_with_another_signature_are_replayed_with_arguments_pair
     blocks = {t.reference: t for t in report.tested if t.reference in ("dit.blocks.0", "dit.blocks.1")}
     assert len(blocks) == 2 and all(t.test == "replay" for t in blocks.values()), report.render()
     note = blocks["dit.blocks.0"].note
-    assert "cos (pairs interleaved) of args.3 (complex)" in note and "sin (pairs interleaved)" in note
+    assert note.startswith("arguments paired by value: hidden_states = x; encoder_hidden_states = context;")
+    assert "rotary_emb.0 = cos (pairs interleaved) of freqs (complex)" in note
+    assert "rotary_emb.1 = sin (pairs interleaved) of freqs (complex)" in note
 
 
 def test_bug_inside_a_research_block_is_named_in_it(wan_dit_pair):
@@ -162,15 +164,14 @@ def test_an_input_that_differs_is_never_taken_for_the_ports_own(wan_dit_pair):
     assert not report.culprit.port.startswith("dit.blocks"), report.render()
     # the top level is the place: the hint says between which calls, and which port module computes the input
     (hint,) = [h for h in report.culprit.hints if h.id == "inline-reference"]
-    assert (
-        "dit.blocks.0 <-> dit.blocks.0 (port args.3.0, args.3.1 equal no reference argument" in hint.message
-    )
+    said = "dit.blocks.0 <-> dit.blocks.0 (port rotary_emb.0, rotary_emb.1 equal no reference argument"
+    assert said in hint.message and "(reference freqs left unpaired)" in hint.message
     assert "computes that input in dit.rope (WanRotaryPosEmbed)" in hint.message
     assert not any(h.id == "module-config" for h in report.culprit.hints), report.render()
     attention = next(t for t in report.tested if t.port == "dit.blocks.0.attn1")
-    assert (
-        attention.status == "untestable"
-        and "args.3.0, args.3.1 equal no reference argument" in attention.note
+    assert attention.status == "untestable"
+    assert "port rotary_emb.0, rotary_emb.1 equal no reference argument by value (reference freqs left" in (
+        attention.note
     )
 
 

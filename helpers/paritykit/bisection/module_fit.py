@@ -255,7 +255,7 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
     sides."""
     from paritykit.bisection.floor import within
     from paritykit.bisection.leaves import pair_layouts
-    from paritykit.bisection.relations import pair_by_value, unexplained
+    from paritykit.bisection.relations import argument_name, pair_by_value, unexplained
 
     floor = (
         searcher.float_floor if searcher.float_floor is not None and searcher.float_floor.measured else None
@@ -276,9 +276,13 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
             producers = []
             for j in port_left:
                 producers += [r for r in _producers(searcher, call, port_in[j][1]) if r not in producers]
+            port_module = searcher.port_modules.get(port_child.module)
+            ref_module = searcher.ref_modules.get(child.module)
+            port_names = ", ".join(argument_name(port_module, port_in[j][0]) for j in port_left)
+            ref_names = ", ".join(argument_name(ref_module, ref_in[i][0]) for i in ref_left)
             unpaired = (
-                f"port {', '.join(port_in[j][0] for j in port_left)} equal no reference argument by value"
-                f" (reference {', '.join(ref_in[i][0] for i in ref_left)} left unpaired)"
+                f"port {port_names} equal no reference argument by value"
+                f" (reference {ref_names} left unpaired)"
             )
             return InlineInput(child, port_child, a, b, producers, untested, unpaired)
         pairs, port_in, _ = pair_layouts(ref_in, port_in) or (None, port_in, {})

@@ -250,3 +250,32 @@ def unexplained(ref: Leaves, port: Leaves, relations: dict[int, Relation]) -> tu
                 port_left.append(j)
                 ref_left.add(i)
     return port_left, sorted(ref_left)
+
+
+def argument_name(module: Any, path: str) -> str:
+    r"""A captured input path in the words of ``module``'s ``forward`` signature: ``args.3.0`` ->
+    ``rotary_emb.0``, ``kwargs.temb`` -> ``temb``; the path itself when the signature cannot say."""
+    import inspect
+    import re
+
+    if path.startswith("kwargs."):
+        return path.removeprefix("kwargs.")
+    found = re.fullmatch(r"args\.(\d+)(.*)", path)
+    if found is None or module is None:
+        return path
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return path
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    index = int(found[1])
+    return positional[index].name + found[2] if index < len(positional) else path
+
+
+def renamed(words: str, paths: list[str], name: Callable[[str], str]) -> str:
+    r"""``words`` with each of ``paths`` (whole, not inside a longer path) replaced by ``name(path)``."""
+    import re
+
+    for path in sorted(paths, key=len, reverse=True):
+        words = re.sub(rf"(?<![\w.]){re.escape(path)}(?![\w.])", name(path), words)
+    return words

@@ -20,7 +20,7 @@ from paritykit.bisection.leaves import (
     pair_layouts,
     pair_with_extras,
 )
-from paritykit.bisection.relations import Relation, pair_by_value, unexplained
+from paritykit.bisection.relations import Relation, argument_name, pair_by_value, renamed, unexplained
 from paritykit.bisection.results import ModuleTest, Status
 from paritykit.compare.tensors import relative_error
 from paritykit.tracing.trace import Record, Trace, module_of
@@ -80,13 +80,24 @@ class InputPairing:
         relation = self.relations.get(j)
         return relation(self.ref_leaves) if relation is not None else self.ref_leaves[i][1]
 
-    def describe(self) -> str:
+    def describe(self, ref_module: Any = None, port_module: Any = None) -> str:
         r"""How the arguments were paired by value, for a test's note (empty when paired by path, order or
-        shape)."""
+        shape), each argument named from its module's ``forward`` signature when the module is given."""
         if not self.relations:
             return ""
-        said = [f"{self.port_leaves[j][0]} = {r.words}" for j, r in sorted(self.relations.items())]
-        own = [f"{path}: the port's own, no reference counterpart" for path in self.own_paths]
+        ref_paths = [path for path, _ in self.ref_leaves]
+
+        def port_name(path: str) -> str:
+            return argument_name(port_module, path)
+
+        def ref_name(path: str) -> str:
+            return argument_name(ref_module, path)
+
+        said = [
+            f"{port_name(self.port_leaves[j][0])} = {renamed(r.words, ref_paths, ref_name)}"
+            for j, r in sorted(self.relations.items())
+        ]
+        own = [f"{port_name(path)}: the port's own, no reference counterpart" for path in self.own_paths]
         how = f"as by value at {self.learned_from}" if self.learned_from else "by value"
         return f"arguments paired {how}: " + "; ".join(said + own)
 
@@ -303,8 +314,10 @@ class Searcher:
         port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
         if not port_left:
             return ""
-        port_names = ", ".join(port_leaves[j][0] for j in port_left)
-        ref_names = ", ".join(ref_leaves[i][0] for i in ref_left)
+        port_module = self.port_modules.get(port_record.module)
+        ref_module = self.ref_modules.get(ref_record.module)
+        port_names = ", ".join(argument_name(port_module, port_leaves[j][0]) for j in port_left)
+        ref_names = ", ".join(argument_name(ref_module, ref_leaves[i][0]) for i in ref_left)
         return (
             f"inputs differ: port {port_names} equal no reference argument by value (reference {ref_names}"
             " left unpaired)"
@@ -444,7 +457,9 @@ class Searcher:
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
             self.replays[ref_record.name] = (ref_out, in_layout(port_out, orders))
         own_note = (
-            pairing.describe()
+            pairing.describe(
+                self.ref_modules.get(ref_record.module), self.port_modules.get(port_record.module)
+            )
             if pairing is not None and pairing.relations
             else (
                 "port inputs the reference has no counterpart for taken from the port's own run:"
