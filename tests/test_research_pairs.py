@@ -201,3 +201,41 @@ def test_the_float_floor_does_not_hide_a_rounded_timestep(wan_dit_pair):
     at = [x, torch.tensor([999.4]), context]
     report = bisect(ResearchDenoise(research), Rounded(port), at, atol=1e-7, rtol=0.0)
     assert report.verdict == "diverge" and not report.precision, report.render()
+
+
+SPEC = """
+from tests.test_research_pairs import PortDenoise, ResearchDenoise, wan_dit_pair
+
+RESEARCH, PORT, INPUTS = wan_dit_pair.__wrapped__()
+
+
+def build_reference():
+    return ResearchDenoise(RESEARCH)
+
+
+def build_port():
+    return PortDenoise(PORT)
+
+
+def make_inputs():
+    return INPUTS
+"""
+
+
+def test_interface_map_writes_the_pairing_table_and_never_overwrites(tmp_path):
+    from click.testing import CliRunner
+    from paritykit.cli import cli
+
+    spec = tmp_path / "wan_spec.py"
+    spec.write_text(SPEC)
+    table = tmp_path / "interface.md"
+    result = CliRunner().invoke(cli, ["bisect", str(spec), "--interface-map", str(table)])
+    assert result.exit_code == 0, result.output
+    text = table.read_text()
+    block = text[text.index("## dit.blocks.0 <-> dit.blocks.0") :]
+    assert "| `hidden_states` | `x` | exact: x |" in block
+    assert "| `temb` | `t_mod` | exact: t_mod |" in block
+    assert "| `rotary_emb.0` | `freqs` | rotary: cos (pairs interleaved) of freqs (complex)" in block
+    again = CliRunner().invoke(cli, ["bisect", str(spec), "--interface-map", str(table)])
+    assert again.exit_code == 2 and "exists" in again.output
+    assert table.read_text() == text

@@ -34,6 +34,8 @@ class ModuleTest:
     comparison: Any = field(default=None, repr=False)
     # the larger side's float32 error on the replayed inputs (paritykit.bisection.floor), when measured
     floor: float | None = None
+    # how the replay fed the port's arguments: (port argument, reference argument, relation) rows
+    arguments: list[tuple[str, str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -167,6 +169,30 @@ class BisectReport:
         if self.verdict == "masked" and self.allow_masked:
             return 0
         return 0 if self.verdict == "match" else 1
+
+    def interface_map(self) -> str:
+        r"""The two models' interfaces as paired by the replays, one Markdown table per pair of module
+        classes (its first replayed call): the table a porter otherwise keeps by hand."""
+        lines = [
+            "# Interface map: port arguments and the reference arguments that give them",
+            "",
+            "Written by `paritykit bisect --interface-map`: every replayed module pair's arguments,",
+            "paired by their captured values.",
+        ]
+        seen: set[tuple[str, str]] = set()
+        for test in self.tested:
+            if not test.arguments:
+                continue
+            key = (module_of_call(test.reference), module_of_call(test.port))
+            if key in seen:
+                continue
+            seen.add(key)
+            lines += ["", f"## {shown_name(key[0])} <-> {shown_name(key[1])}", ""]
+            lines += ["| port argument | reference argument | relation |", "|---|---|---|"]
+            lines += [f"| `{p}` | {f'`{r}`' if r else '—'} | {how} |" for p, r, how in test.arguments]
+        if not seen:
+            lines += ["", "No module was replayed: no interface to show."]
+        return "\n".join(lines) + "\n"
 
     def _holds_reordered(self, finding: ModuleFinding) -> bool:
         r"""Whether a culprit holds a group of layers the port keeps in another order."""
@@ -328,6 +354,11 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> li
     if f.op is not None:
         lines.append(f.op.render())
     return lines
+
+
+def module_of_call(name: str) -> str:
+    r"""The module of a call name (``block#2`` -> ``block``)."""
+    return name.split("#", 1)[0]
 
 
 def shown_name(name: str) -> str:

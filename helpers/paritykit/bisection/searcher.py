@@ -80,6 +80,40 @@ class InputPairing:
         relation = self.relations.get(j)
         return relation(self.ref_leaves) if relation is not None else self.ref_leaves[i][1]
 
+    def rows(self, ref_module: Any = None, port_module: Any = None) -> list[tuple[str, str, str]]:
+        r"""The interface as (port argument, reference argument, relation) rows, every port input once, named
+        from the modules' ``forward`` signatures when given."""
+        ref_paths = [path for path, _ in self.ref_leaves]
+
+        def ref_name(path: str) -> str:
+            return argument_name(ref_module, path)
+
+        by_port = {j: i for i, j in self.pairs}
+        out = []
+        for j, (path, tensor) in enumerate(self.port_leaves):
+            mine = argument_name(port_module, path)
+            relation = self.relations.get(j)
+            if relation is not None:
+                sources = ", ".join(ref_name(self.ref_leaves[i][0]) for i in relation.sources)
+                out.append(
+                    (mine, sources, f"{relation.kind}: {renamed(relation.words, ref_paths, ref_name)}")
+                )
+            elif j in by_port:
+                other = self.ref_leaves[by_port[j]][1]
+                how = "same" if tuple(other.shape) == tuple(tensor.shape) else "dims permuted"
+                out.append(
+                    (
+                        mine,
+                        ref_name(self.ref_leaves[by_port[j]][0]),
+                        f"{how} (paired by path, order or shape)",
+                    )
+                )
+            else:
+                out.append(
+                    (mine, "", "the port's own: no reference argument gives it (taken from the port's run)")
+                )
+        return out
+
     def describe(self, ref_module: Any = None, port_module: Any = None) -> str:
         r"""How the arguments were paired by value, for a test's note (empty when paired by path, order or
         shape), each argument named from its module's ``forward`` signature when the module is given."""
@@ -478,6 +512,13 @@ class Searcher:
             comparison=cmp,
             note=join_notes(noise, own_note, layout_note(orders)),
             floor=floor,
+            arguments=(
+                pairing.rows(
+                    self.ref_modules.get(ref_record.module), self.port_modules.get(port_record.module)
+                )
+                if pairing is not None
+                else []
+            ),
         )
 
     def _replay_floor(

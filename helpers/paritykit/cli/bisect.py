@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from paritykit.base.errors import ParityKitError
@@ -118,6 +120,17 @@ your files).
         "not a divergence; one far above it is real even when hidden at the output."
     ),
 )
+@click.option(
+    "--interface-map",
+    "interface_map",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=(
+        "Write the two models' interfaces as Markdown tables: each replayed module pair's port arguments, "
+        "the reference arguments that give them and how (same, dtype, layout, x1000, per sample, list "
+        "stacked, cos/sin of a complex table, the port's own). Refuses an existing file."
+    ),
+)
 @json_option
 @limit_option
 def bisect(
@@ -134,6 +147,7 @@ def bisect(
     allow_masked,
     no_repair,
     float_floor,
+    interface_map,
     as_json,
     limit,
 ):
@@ -142,6 +156,8 @@ def bisect(
 
     if spec is None and not traces:
         raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
+    if interface_map is not None and interface_map.exists():
+        raise ParityKitError(f"--interface-map {str(interface_map)!r}: exists; give a new file name")
     _check_device(device)
     report = bisect_spec(
         spec,
@@ -158,6 +174,10 @@ def bisect(
         repair=not no_repair,
         float_floor=float_floor,
     )
+    if interface_map is not None:
+        from paritykit.base.files import atomic_write_text
+
+        atomic_write_text(interface_map, report.interface_map())
     emit(report, as_json=as_json, limit=limit)
 
 
