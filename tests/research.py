@@ -20,6 +20,8 @@ import sys
 import types
 from pathlib import Path
 
+import torch
+
 
 def _root(package: str) -> Path:
     found = importlib.util.find_spec(package)  # the folder, without running the package's __init__
@@ -65,7 +67,6 @@ class WanResearchForward:
 
     @staticmethod
     def run(dit, x, timestep, context):
-        import torch
         from einops import rearrange
 
         module = wan_dit()
@@ -91,3 +92,96 @@ class WanResearchForward:
             x = block(x, context, t_mod, freqs)
         x = dit.head(x, t)
         return dit.unpatchify(x, (f, h, w))
+
+
+class ResearchDecode(torch.nn.Module):
+    """The research VAE's decode as a module, its latent scale set to identity (diffusers'
+    ``AutoencoderKLWan`` leaves the scale to the pipeline)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z, [torch.zeros(z.shape[1]), torch.ones(z.shape[1])])
+
+
+class PortDecode(torch.nn.Module):
+    """diffusers' ``AutoencoderKLWan.decode(z).sample`` as a module."""
+
+    def __init__(self, vae: torch.nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(z).sample
+
+
+class ResearchDenoise(torch.nn.Module):
+    """The research side's denoiser call as a module: the blocks driven as DiffSynth's pipeline drives
+    them."""
+
+    def __init__(self, dit: torch.nn.Module):
+        super().__init__()
+        self.dit = dit
+
+    def forward(self, x, timestep, context):
+        return WanResearchForward.run(self.dit, x, timestep, context)
+
+
+class PortDenoise(torch.nn.Module):
+    """diffusers' ``WanTransformer3DModel`` returning its sample."""
+
+    def __init__(self, dit: torch.nn.Module):
+        super().__init__()
+        self.dit = dit
+
+    def forward(self, x, timestep, context):
+        return self.dit(x, timestep, context, return_dict=False)[0]
+
+
+def wan_vae_pair():
+    """Wan's research VAE (channels cut to 4) and diffusers' ``AutoencoderKLWan`` with its weights moved by
+    diffusers' own converter."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    torch.manual_seed(0)
+    research = wan_vae().VideoVAE_(dim=4, z_dim=4).eval()
+    port = AutoencoderKLWan(base_dim=4, z_dim=4).eval()
+    missing, unexpected = port.load_state_dict(convert_wan_vae_to_diffusers(research.state_dict()))
+    assert not missing and not unexpected
+    return research, port
+
+
+def wan_dit_pair_built(num_layers: int = 2, text_order: bool = False):
+    """Wan's research DiT and diffusers' ``WanTransformer3DModel`` with its weights moved by diffusers' own
+    converter, and inputs (t = 999). Head dim 24: the research rotary table splits it 8/8/8 over frames, rows
+    and columns as diffusers does. ``text_order`` loads the converted blocks in the order their indices sort
+    as text (0, 1, 10, 11, …, 2), as a port reading per-block shards by name would."""
+    import re
+
+    from diffusers import WanTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    torch.manual_seed(0)
+    shape = dict(ffn_dim=64, freq_dim=256, num_layers=num_layers, patch_size=(1, 2, 2))
+    module = wan_dit()
+    research = module.WanModel(
+        dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **shape
+    ).eval()
+    port = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **shape
+    ).eval()
+    converted = convert_wan_transformer_to_diffusers(research.state_dict())
+    if text_order:
+        order = sorted(range(num_layers), key=str)
+        moved = {}
+        for key, value in converted.items():
+            found = re.match(r"blocks\.(\d+)\.(.*)", key)
+            moved[f"blocks.{order.index(int(found[1]))}.{found[2]}" if found else key] = value
+        converted = moved
+    missing, unexpected = port.load_state_dict(converted)
+    assert not missing and not unexpected
+    inputs = [torch.randn(1, 4, 2, 4, 4), torch.tensor([999.0]), torch.randn(1, 5, 16)]
+    return research, port, inputs

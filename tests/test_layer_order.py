@@ -4,13 +4,10 @@ that keeps the order is not."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
-import torch
 from paritykit.forensics.conversion.layer_order import layer_orders, reordered
 
-from tests.research import wan_dit
+from tests.research import PortDenoise, ResearchDenoise, wan_dit_pair_built
 
 NAMES = (".attn.weight", ".attn.bias", ".mlp.weight")
 
@@ -46,36 +43,17 @@ def test_a_text_sorted_load_is_named_and_a_renumbering_is_not():
 
 @pytest.fixture(scope="module")
 def text_ordered_wan():
-    from diffusers import WanTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    torch.manual_seed(0)
-    shape = dict(ffn_dim=32, freq_dim=32, num_layers=12, patch_size=(1, 2, 2))
-    research = (
-        wan_dit()
-        .WanModel(
-            dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **shape
-        )
-        .eval()
-    )
-    port = WanTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **shape
-    ).eval()
-    converted = convert_wan_transformer_to_diffusers(research.state_dict())
-    order = sorted(range(12), key=str)  # per-block shards read in the order their names sort
-    moved = {}
-    for key, value in converted.items():
-        found = re.match(r"blocks\.(\d+)\.(.*)", key)
-        moved[f"blocks.{order.index(int(found[1]))}.{found[2]}" if found else key] = value
-    port.load_state_dict(moved)
-    return research, port, converted
+    research, port, inputs = wan_dit_pair_built(num_layers=12, text_order=True)
+    return research, port, convert_wan_transformer_to_diffusers(research.state_dict()), inputs
 
 
 def test_weights_map_says_the_layer_order_first_and_exits_1(tmp_path, text_ordered_wan):
     from paritykit.forensics.conversion.matching import infer_conversion_map as map_weights
     from safetensors.torch import save_file
 
-    research, port, converted = text_ordered_wan
+    research, port, converted, _ = text_ordered_wan
     source = {k: v.contiguous() for k, v in research.state_dict().items() if not v.is_complex()}
     save_file(source, str(tmp_path / "research.safetensors"))
     save_file({k: v.contiguous() for k, v in port.state_dict().items()}, str(tmp_path / "port.safetensors"))
@@ -100,10 +78,7 @@ def test_weights_map_says_the_layer_order_first_and_exits_1(tmp_path, text_order
 def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     from paritykit.bisection.entry import bisect
 
-    from tests.test_research_pairs import PortDenoise, ResearchDenoise
-
-    research, port, _ = text_ordered_wan
-    inputs = [torch.randn(1, 4, 2, 4, 4), torch.tensor([500.0]), torch.randn(1, 5, 16)]
+    research, port, _, inputs = text_ordered_wan
     report = bisect(ResearchDenoise(research), PortDenoise(port), inputs)
     assert report.verdict == "diverge"
     text = report.render()

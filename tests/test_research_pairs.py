@@ -7,36 +7,21 @@ import pytest
 import torch
 from paritykit.bisection.entry import bisect
 
-from tests.research import WanResearchForward, wan_dit, wan_vae
+from tests.research import (
+    PortDecode,
+    PortDenoise,
+    ResearchDecode,
+    ResearchDenoise,
+    wan_dit_pair_built,
+    wan_vae_pair,
+)
 
 LATENT = (1, 4, 3, 2, 2)  # three latent frames, each decoded as one chunk through the causal cache
 
 
-class Decode(torch.nn.Module):
-    """One side's decode as a module: the research VAE with its latent scale set to identity (diffusers'
-    AutoencoderKLWan leaves the scale to the pipeline), or diffusers' ``decode(z).sample``."""
-
-    def __init__(self, vae: torch.nn.Module, research: bool):
-        super().__init__()
-        self.vae, self.research = vae, research
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        if self.research:
-            return self.vae.decode(z, [torch.zeros(z.shape[1]), torch.ones(z.shape[1])])
-        return self.vae.decode(z).sample
-
-
 @pytest.fixture(scope="module")
 def wan_pair():
-    from diffusers import AutoencoderKLWan
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-    torch.manual_seed(0)
-    research = wan_vae().VideoVAE_(dim=4, z_dim=4).eval()  # the research layout, channels cut to 4
-    port = AutoencoderKLWan(base_dim=4, z_dim=4).eval()
-    missing, unexpected = port.load_state_dict(convert_wan_vae_to_diffusers(research.state_dict()))
-    assert not missing and not unexpected
-    return research, port
+    return wan_vae_pair()
 
 
 def test_correct_chunked_causal_vae_port_matches(wan_pair):
@@ -44,7 +29,7 @@ def test_correct_chunked_causal_vae_port_matches(wan_pair):
     # calls paired by order would compare the first SiLU's second call with the shared one's second call (the
     # other activation), a "masked" on a bit-identical port
     research, port = wan_pair
-    report = bisect(Decode(research, True), Decode(port, False), [torch.randn(LATENT)])
+    report = bisect(ResearchDecode(research), PortDecode(port), [torch.randn(LATENT)])
     assert report.verdict == "match" and report.exit_code == 0, report.render()
     assert report.first_output_divergence is None
 
@@ -55,57 +40,15 @@ def test_wan_vae_port_with_a_wrong_activation_is_found_in_its_block(wan_pair):
 
     broken = copy.deepcopy(port)
     broken.decoder.mid_block.resnets[1].nonlinearity = torch.nn.GELU()
-    report = bisect(Decode(research, True), Decode(broken, False), [torch.randn(LATENT)])
+    report = bisect(ResearchDecode(research), PortDecode(broken), [torch.randn(LATENT)])
     assert report.verdict == "diverge", report.render()
     assert report.culprit.port == "vae.decoder.mid_block.resnets.1.nonlinearity", report.render()
     assert any(h.verified and "nn.SiLU()" in (h.fix or "") for h in report.culprit.hints), report.render()
 
 
-class ResearchDenoise(torch.nn.Module):
-    """The research side's denoiser call as a module: the blocks driven as DiffSynth's pipeline drives
-    them."""
-
-    def __init__(self, dit: torch.nn.Module):
-        super().__init__()
-        self.dit = dit
-
-    def forward(self, x, timestep, context):
-        return WanResearchForward.run(self.dit, x, timestep, context)
-
-
-class PortDenoise(torch.nn.Module):
-    """diffusers' ``WanTransformer3DModel`` returning its sample."""
-
-    def __init__(self, dit: torch.nn.Module):
-        super().__init__()
-        self.dit = dit
-
-    def forward(self, x, timestep, context):
-        return self.dit(x, timestep, context, return_dict=False)[0]
-
-
 @pytest.fixture(scope="module")
 def wan_dit_pair():
-    from diffusers import WanTransformer3DModel
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-
-    torch.manual_seed(0)
-    # head dim 24: the research rotary table splits it 8/8/8 over frames, rows and columns as diffusers does
-    shape = dict(ffn_dim=64, freq_dim=256, num_layers=2, patch_size=(1, 2, 2))
-    research = (
-        wan_dit()
-        .WanModel(
-            dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **shape
-        )
-        .eval()
-    )
-    port = WanTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **shape
-    ).eval()
-    missing, unexpected = port.load_state_dict(convert_wan_transformer_to_diffusers(research.state_dict()))
-    assert not missing and not unexpected
-    inputs = [torch.randn(1, 4, 2, 4, 4), torch.tensor([999.0]), torch.randn(1, 5, 16)]
-    return research, port, inputs
+    return wan_dit_pair_built()
 
 
 def _bisect_wan(pair, mutate=None):
@@ -204,9 +147,9 @@ def test_the_float_floor_does_not_hide_a_rounded_timestep(wan_dit_pair):
 
 
 SPEC = """
-from tests.test_research_pairs import PortDenoise, ResearchDenoise, wan_dit_pair
+from tests.research import PortDenoise, ResearchDenoise, wan_dit_pair_built
 
-RESEARCH, PORT, INPUTS = wan_dit_pair.__wrapped__()
+RESEARCH, PORT, INPUTS = wan_dit_pair_built()
 
 
 def build_reference():
