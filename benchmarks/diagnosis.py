@@ -7,7 +7,9 @@ multi-bug cases) and, for conversion bugs, paritykit.infer_conversion_map. The a
 case's ground truth. Goals (issue 15): culprit 100 %, true first hint >= 90 %, false hints 0, false alarms 0,
 verified fix >= 80 % of the cases that have one. Issue 22 adds the held-out split (bug classes planted after
 the repair search was written) and a repair-only run of both splits (the catalogue's detectors off); goals:
-verified fix >= 90 % on the held-out split, 0 false hints.
+verified fix >= 90 % on the held-out split, 0 false hints. Issue 36 adds research ports
+(benchmarks/research_ports.py: Wan's DiT and causal VAE from DiffSynth-Studio against diffusers' classes):
+blocks tested one-to-one, and false alarms on correct ports at float noise (goal 0).
 
     python benchmarks/diagnosis.py  # writes benchmarks/results/diagnosis.txt (also run by `make bench`)
 """
@@ -25,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.research_ports import section as research_section  # noqa: E402
 from tests.gallery.base import VARIANTS  # noqa: E402
 from tests.gallery.catalogue import CASES, HELD_OUT  # noqa: E402
 from tests.gallery.run import Outcome, run_case  # noqa: E402
@@ -119,6 +122,8 @@ def main() -> None:
                 for variant in VARIANTS:
                     outs.append(run_case(case, variant, catalogue=catalogue))
                     print(("" if catalogue else "[repair only] ") + _row(outs[-1]), flush=True)
+    research_lines, research_totals = research_section()
+    print("\n".join(research_lines), flush=True)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     n_bug = sum(1 for c in CASES if not c.clean)
     table = _columns(
@@ -157,11 +162,13 @@ def main() -> None:
         "totals, named split (catalogue + repair)",
     ]
     lines += [f"  {k:40s} {v}" for k, v in totals(runs["named", True]).items()]
+    lines += [f"  {k:40s} {v}" for k, v in research_totals.items()]
     lines += [f"  {'time (all four runs)':40s} wall {wall:.1f} s, CPU {cpu:.1f} s", ""]
     for (split, catalogue), outs in runs.items():
         lines.append(f"-- {split} split, {'catalogue + repair' if catalogue else 'repair only'}")
         lines += [_row(o) for o in outs]
         lines.append("")
+    lines += [*research_lines, ""]
     lines += ["load average during the run: " + ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"\nwrote {OUT.relative_to(REPO)}")

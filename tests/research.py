@@ -95,15 +95,16 @@ class WanResearchForward:
 
 
 class ResearchDecode(torch.nn.Module):
-    """The research VAE's decode as a module, its latent scale set to identity (diffusers'
-    ``AutoencoderKLWan`` leaves the scale to the pipeline)."""
+    """The research VAE's decode as DiffSynth's ``WanVideoVAE.single_decode`` runs it (the video clamped to
+    [-1, 1]), its latent scale set to identity (diffusers' ``AutoencoderKLWan`` leaves the scale to the
+    pipeline)."""
 
     def __init__(self, vae: torch.nn.Module):
         super().__init__()
         self.vae = vae
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.vae.decode(z, [torch.zeros(z.shape[1]), torch.ones(z.shape[1])])
+        return self.vae.decode(z, [torch.zeros(z.shape[1]), torch.ones(z.shape[1])]).clamp_(-1, 1)
 
 
 class PortDecode(torch.nn.Module):

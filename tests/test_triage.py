@@ -306,3 +306,20 @@ def test_the_last_update_to_the_final_alpha_is_found_and_fixed(tmp_path):
     (finding,) = report.findings
     assert finding.place == "update" and finding.call == 4
     assert finding.verified and "set_alpha_to_one=True" in finding.fix
+
+
+def test_timesteps_in_other_units_are_one_schedule_and_replayed_converted(tmp_path):
+    # the research passes t in [0, 1], the port in [0, 1000]: not two schedules, and the port's denoiser is
+    # replayed on the reference's timestep converted (else "the forward code differs" would be claimed)
+    from tests.triage_pairs import write_unit_spec
+
+    clean = triage_spec(write_unit_spec(tmp_path), out=tmp_path / "clean", all_causes=True)
+    assert clean.verdict == "match" and clean.exit_code == 0, clean.render()
+    (note,) = [n for n in clean.ruled_out if n.place == "schedule"]
+    assert "the reference gives its timesteps in [0, 1], the port in [0, 1000]" in note.text
+    (denoiser,) = [n for n in clean.ruled_out if n.place == "denoiser"]
+    assert "matches" in denoiser.text
+
+    report = triage_spec(write_unit_spec(tmp_path, ["norm-eps"]), out=tmp_path / "eps")
+    (finding,) = report.findings
+    assert finding.place == "denoiser" and finding.call == 0, report.render()

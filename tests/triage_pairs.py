@@ -235,3 +235,42 @@ def write_list_spec(folder, bugs=()):
     path = folder / "list_spec.py"
     path.write_text(LIST_SPEC_TEXT.format(bugs=set(bugs)))
     return path
+
+
+class UnitDenoiser(torch.nn.Module):
+    r"""A research denoiser that takes its timestep in [0, 1] (t / 1000) and scales it for the network."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.unet(x, t * 1000, encoder_hidden_states=context).sample
+
+
+class UnitPair(Pair):
+    r"""The pair whose reference passes timesteps in [0, 1] where the port passes them in [0, 1000]."""
+
+    def __init__(self, bugs: set[str]):
+        super().__init__(bugs, vae=False)
+        self.ref_units = UnitDenoiser(self.ref_unet)
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        noise = torch.randn(1, 4, 8, 8)
+        return ddim_loop(
+            lambda x, t, c: self.ref_units(x, torch.as_tensor(t, dtype=torch.float32) / 1000, c),
+            noise,
+            self.cond,
+            steps,
+            spacing="trailing",
+        )
+
+
+UNIT_SPEC_TEXT = LIST_SPEC_TEXT.replace("ListPair", "UnitPair").replace("PAIR.ref_lists", "PAIR.ref_units")
+
+
+def write_unit_spec(folder, bugs=()):
+    r"""A triage SPEC for :class:`UnitPair` with ``bugs`` planted."""
+    path = folder / "unit_spec.py"
+    path.write_text(UNIT_SPEC_TEXT.format(bugs=set(bugs)))
+    return path

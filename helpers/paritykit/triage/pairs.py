@@ -53,6 +53,9 @@ class CallComparison:
     timestep_kinds: tuple[str | None, str | None]
     conditioning: list[tuple[str, str, Any]]
     output: Any
+    # the port's timestep over the reference's, when the two give one schedule in other units (1000 for
+    # [0, 1] against [0, 1000]: :func:`timestep_units`)
+    t_scale: float = 1.0
 
     @property
     def latents_match(self) -> bool:
@@ -60,9 +63,8 @@ class CallComparison:
 
     @property
     def timestep_match(self) -> bool:
-        return self.timestep_kinds[0] == self.timestep_kinds[1] and same_timestep(
-            self.t_reference, self.t_port
-        )
+        scaled = None if self.t_reference is None else self.t_reference * self.t_scale
+        return self.timestep_kinds[0] == self.timestep_kinds[1] and same_timestep(scaled, self.t_port)
 
     @property
     def conditioning_match(self) -> bool:
@@ -77,7 +79,30 @@ class CallComparison:
         return self.output is not None and self.output.passed
 
 
-def compare_call(index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: Tolerance) -> CallComparison:
+# units a timestep is given in on one side and the other: (port over reference, words)
+TIMESTEP_UNITS = (
+    (1000.0, "the reference gives its timesteps in [0, 1], the port in [0, 1000]"),
+    (
+        0.001,
+        "the reference gives its timesteps in [0, 1000], the port in [0, 1]",
+    ),
+)
+
+
+def timestep_units(t_ref: list[float | None], t_port: list[float | None]) -> tuple[float, str]:
+    r"""``(port / reference, words)`` when every call's timesteps are one schedule in other units (×1000
+    or ×1/1000 at every call, same count); ``(1.0, "")`` otherwise."""
+    if not t_ref or len(t_ref) != len(t_port) or None in t_ref or None in t_port:
+        return 1.0, ""
+    for factor, words in TIMESTEP_UNITS:
+        if all(same_timestep(r * factor, p) for r, p in zip(t_ref, t_port)) and any(r for r in t_ref):
+            return factor, words
+    return 1.0, ""
+
+
+def compare_call(
+    index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: Tolerance, t_scale: float = 1.0
+) -> CallComparison:
     xr, xp = latents(ref, rr), latents(port, pr)
     note = None
     lat = None
@@ -106,6 +131,7 @@ def compare_call(index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: T
         (rr.timestep_kind, pr.timestep_kind),
         conditioning,
         out,
+        t_scale,
     )
 
 

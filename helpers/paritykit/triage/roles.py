@@ -80,10 +80,17 @@ def pair_conditioning(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles
 
 
 def with_reference_values(
-    ref: Call, ref_roles: Roles, port: Call, port_roles: Roles, *, timestep_too: bool = True
+    ref: Call,
+    ref_roles: Roles,
+    port: Call,
+    port_roles: Roles,
+    *,
+    timestep_too: bool = True,
+    t_scale: float = 1.0,
 ) -> tuple[tuple, dict]:
     r"""The port's call with the reference's latents, conditioning and (when ``timestep_too`` and both sides
-    give one) timestep in place of its own: what the port's module computes on the reference's inputs."""
+    give one) timestep in place of its own: what the port's module computes on the reference's inputs. The
+    timestep is converted to the port's units by ``t_scale`` (1000 when the reference gives it in [0, 1])."""
     import torch
 
     swap: dict[str, Any] = {}
@@ -94,7 +101,7 @@ def with_reference_values(
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
         swap[p] = in_form_of(port.named[p], argument(ref, r))
     if timestep_too and ref_roles.timestep and port_roles.timestep:
-        value = timestep(ref, ref_roles)
+        value = timestep(ref, ref_roles) * t_scale
         mine = port.named[port_roles.timestep]
         swap[port_roles.timestep] = (
             torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)

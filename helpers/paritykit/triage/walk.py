@@ -20,7 +20,7 @@ from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call, batch_of, in_form_of
 from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
-from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel
+from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel, timestep_units
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
 from paritykit.triage.reproduce import Built, Commands
 from paritykit.triage.roles import (
@@ -57,12 +57,16 @@ class Triage:
         self.ref_roles = [roles_of(c) for c in ref.calls]
         self.port_roles = [roles_of(c) for c in port.calls]
         n = min(len(ref.calls), len(port.calls))
-        self.pairs = [
-            compare_call(i, ref.calls[i], self.ref_roles[i], port.calls[i], self.port_roles[i], tol)
-            for i in range(n)
-        ]
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
         self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
+        # one schedule in other units ([0, 1] against [0, 1000]) is one schedule: compared and replayed scaled
+        self.t_scale, self.t_units = timestep_units(self.t_ref, self.t_port)
+        self.pairs = [
+            compare_call(
+                i, ref.calls[i], self.ref_roles[i], port.calls[i], self.port_roles[i], tol, self.t_scale
+            )
+            for i in range(n)
+        ]
 
     def rule_out(self, place: Place, text: str, check: str | None = None) -> None:
         self.ruled_out.append(Note(place, text, check))
@@ -198,7 +202,8 @@ class Triage:
             self.skip("schedule", "a side's denoiser calls carry no recognisable timestep argument")
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
-            self.rule_out("schedule", f"the {len(t_ref)} timesteps agree")
+            units = f" ({self.t_units}: compared and replayed ×{self.t_scale:g})" if self.t_units else ""
+            self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}")
             return
         repeated = _repeats(t_ref, t_port)
         if repeated:
@@ -297,7 +302,9 @@ class Triage:
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
         ref_call, port_call = self.ref.calls[call], self.port.calls[call]
-        mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, self.port_roles[call])
+        mapped = with_reference_values(
+            ref_call, self.ref_roles[call], port_call, self.port_roles[call], t_scale=self.t_scale
+        )
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
         if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
             self.rule_out(
