@@ -22,7 +22,7 @@ EVIDENCE: tuple[tuple[str, Callable[[Culprit], list[Hint]]], ...] = (
     ("norm eps", norm_eps),
     ("attention scale", attention_scale),
     ("weight slices", weights),
-    ("reduced precision", reduced_precision),
+    ("a bf16 or fp16 cast (re-run in each)", reduced_precision),
 )
 
 
