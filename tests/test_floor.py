@@ -112,3 +112,53 @@ def test_a_model_that_cannot_run_in_float64_says_why():
     )
     report = bisect(model, Float32Only(), [x])
     assert report.float_floor.startswith("replays only: the reference does not run in float64")
+
+
+class Lookup(torch.nn.Module):
+    """A timestep embedding read from a table by index (``t.long()``), then projected; ``scale`` is a bug."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(1000, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, t):
+        return self.proj(self.table(t.long()) * self.scale)
+
+
+def test_the_floor_does_not_hide_a_bug_behind_a_step_function():
+    # moving t = 999.0 by a rounding step must not read as float noise the jump to another table row
+    t = [torch.tensor([999.0, 500.0, 10.0, 3.0])]
+    report = bisect(Lookup(), Lookup(scale=1.001), t)
+    assert report.verdict == "diverge" and not report.precision, report.render()
+    assert not any("float noise" in test.note for test in report.tested)
+
+
+class InPlace(torch.nn.Module):
+    def __init__(self, approximate: str, in_place: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.act = torch.nn.GELU(approximate=approximate)
+        self.in_place = in_place
+
+    def forward(self, x):
+        x = x.mul_(2) if self.in_place else x * 2
+        return self.act(self.proj(x))
+
+
+def test_the_floor_runs_on_clean_inputs_and_only_where_a_run_repeats():
+    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(2))]
+    # the reference edits its input in place: the floor's runs must start from the inputs as made
+    report = bisect(InPlace("none", True), InPlace("tanh", False), x)
+    assert report.verdict == "diverge" and not report.precision, report.render()
+    assert report.float_floor.startswith("measured")
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + 1e-3 * torch.randn_like(x)
+
+    floor = measure(Noisy(), Noisy(), ((x[0],), {}), ((x[0],), {}), outputs=(x[0], x[0]))
+    assert not floor.measured and "does not reproduce its own output" in floor.reason

@@ -13,26 +13,33 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def to_device(value: Any, device: Any) -> Any:
+def map_tensors(value: Any, fn: Any) -> Any:
+    r"""``value`` with ``fn`` applied to every tensor at any depth: lists, tuples (named ones too) and dicts
+    (their own class kept where it can be copied, as diffusers' ``BaseOutput``) rebuilt around the results;
+    everything else as is."""
+    import copy
+
     if is_tensor(value):
-        return value.to(device)
+        return fn(value)
     if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
+        out = copy.copy(value) if type(value) is not dict else {}
+        for k, v in value.items():
+            out[k] = map_tensors(v, fn)
+        return out
     if isinstance(value, (tuple, list)):
-        return type(value)(to_device(v, device) for v in value)
+        items = [map_tensors(v, fn) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def to_device(value: Any, device: Any) -> Any:
+    return map_tensors(value, lambda t: t.to(device))
 
 
 def copy_inputs(value: Any) -> Any:
     r"""``value`` with every tensor at any depth (lists, tuples, dicts) cloned, so one side's in-place edit of
     its inputs never reaches the other's; everything else is shared."""
-    if is_tensor(value):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: copy_inputs(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(copy_inputs(v) for v in value)
-    return value
+    return map_tensors(value, lambda t: t.detach().clone())
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:

@@ -47,9 +47,15 @@ class Spec:
         return {k: float(v) for k, v in tol.items()}
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
-        r"""One side's inputs (a run that traces one side per process)."""
-        ref, port = self.input_pair(device)
-        return port if side == "port" else ref
+        r"""One side's inputs, for a run that traces one side per process (``paritykit trace``):
+        ``port_inputs`` runs for the port only. Two processes call ``make_inputs()`` once each, so it must be
+        seeded for the two traces to share their inputs (the traces' input hashes are checked)."""
+        made = self._inputs_from("make_inputs")
+        if device is not None:
+            made = to_device(made, device)
+        if side == "port" and self.has("port_inputs"):
+            return self._inputs_from("port_inputs", *made)
+        return made
 
     def input_pair(self, device: Any = None) -> tuple[tuple[tuple, dict], tuple[tuple, dict]]:
         r"""Both sides' inputs from one ``make_inputs()`` call: the reference gets a copy of every tensor, the

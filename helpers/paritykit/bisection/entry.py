@@ -356,12 +356,18 @@ def capture_and_bisect(
             environment["levels"] = f"full (the zoom cannot pair levels: {exc})"
             search["environment"] = environment
     call = run or (lambda model, args, kwargs: model(*args, **kwargs))
+    clean = (
+        (copy_inputs(ref_call), copy_inputs(port_call)) if float_floor else None
+    )  # before any in-place edit
     with torch.no_grad():
         with capture(reference) as ref_trace:
             call(reference, *ref_call)
         with capture(port) as port_trace:
             call(port, *port_call)
-    floor = measure_floor(reference, port, ref_call, port_call, run=run) if float_floor else None
+    floor = None
+    if clean is not None:
+        outputs = (ref_trace.root.output_value(), port_trace.root.output_value())
+        floor = measure_floor(reference, port, *clean, run=run, outputs=outputs)
     return bisect_traces(
         ref_trace,
         port_trace,

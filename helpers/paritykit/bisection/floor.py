@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import first_line
-from paritykit.base.inputs import is_tensor
+from paritykit.base.inputs import map_tensors
 from paritykit.base.report import format_number
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 NOISE = 4.0
 # a difference this many times the floor or more is a real one, whatever the alignment's confidence
 FAR = 100.0
+# a value that moves by more than this share of its own scale did not move by rounding: no floor there
+MAX_RELATIVE = 1e-3
 # the float64 copies of both models, next to the float32 ones, must leave this share of free memory
 MEMORY_SHARE = 0.5
 
@@ -42,16 +44,12 @@ def as_float64(value: Any) -> Any:
     complex128; integers, masks and everything else as they are."""
     import torch
 
-    if is_tensor(value):
-        if value.is_complex():
-            return value.to(torch.complex128)
-        return value.to(torch.float64) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: as_float64(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        items = [as_float64(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
+    def widen(t: Any) -> Any:
+        if t.is_complex():
+            return t.to(torch.complex128)
+        return t.to(torch.float64) if t.is_floating_point() else t
+
+    return map_tensors(value, widen)
 
 
 def float64_copy(module: Any) -> Any:
@@ -84,10 +82,18 @@ def max_difference(a: Any, b: Any) -> float | None:
 
 def leaves_error(float32: list[tuple[str, Any]], float64: list[tuple[str, Any]]) -> float | None:
     r"""The largest float32 error over two leaf lists of one call (paired by path): ``None`` when no leaf
-    pairs."""
+    pairs, or when a leaf moved by more than :data:`MAX_RELATIVE` of its own scale (not rounding: a step
+    function of its input, a value drawn at random, an input edited in place)."""
     other = dict(float64)
-    errors = [max_difference(t, other.get(path)) for path, t in float32]
-    errors = [e for e in errors if e is not None]
+    errors = []
+    for path, tensor in float32:
+        error = max_difference(tensor, other.get(path))
+        if error is None:
+            continue
+        scale = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+        if error > MAX_RELATIVE * scale:
+            return None
+        errors.append(error)
     return max(errors) if errors else None
 
 
@@ -99,19 +105,16 @@ def rounded_inputs(value: Any, seed: int = 0) -> Any:
     generator = torch.Generator().manual_seed(seed)
 
     def move(v: Any) -> Any:
-        if is_tensor(v):
-            if not v.is_floating_point() or v.numel() == 0:
-                return v
-            sign = torch.randint(0, 2, v.shape, generator=generator).to(v.device, v.dtype) * 2 - 1
-            return v + v * sign * torch.finfo(v.dtype).eps
-        if isinstance(v, dict):
-            return {k: move(x) for k, x in v.items()}
-        if isinstance(v, (tuple, list)):
-            items = [move(x) for x in v]
-            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
-        return v
+        if not v.is_floating_point() or v.numel() == 0:
+            return v
+        if bool((v == v.round()).all()):
+            # whole numbers (a timestep 999, an index): moved away from zero, so truncating or rounding them
+            # finds the same integer; the product t * freq still moves by a rounding step
+            return v + v.abs() * torch.sign(v) * torch.finfo(v.dtype).eps
+        sign = torch.randint(0, 2, v.shape, generator=generator).to(v.device, v.dtype) * 2 - 1
+        return v + v * sign * torch.finfo(v.dtype).eps
 
-    return move(value)
+    return map_tensors(value, move)
 
 
 def module_floor(module: Any, args: tuple, kwargs: dict, outputs: list[tuple[str, Any]]) -> float | None:
@@ -208,12 +211,21 @@ def fits_twice(*models: Any) -> tuple[bool, str]:
 
 
 def measure(
-    reference: Any, port: Any, ref_call: tuple[tuple, dict], port_call: tuple[tuple, dict], run: Any = None
+    reference: Any,
+    port: Any,
+    ref_call: tuple[tuple, dict],
+    port_call: tuple[tuple, dict],
+    run: Any = None,
+    outputs: tuple[Any, Any] | None = None,
 ) -> FloatFloor:
-    r"""Run float64 copies of both models on their inputs in float64, captured; a :class:`FloatFloor` with
-    the reason when that is not possible (memory, an op with no float64 kernel)."""
+    r"""Run float64 copies of both models on their inputs in float64, and the models on rounded inputs,
+    captured; a :class:`FloatFloor` with the reason when that is not possible (memory, an op with no float64
+    kernel) or not meaningful: given ``outputs`` (each side's captured output), a side run again on its
+    inputs must reproduce it, else what moves is randomness inside its forward, not rounding. ``ref_call``
+    and ``port_call`` must be clean copies (a model may edit its inputs in place)."""
     import torch
 
+    from paritykit.bisection.leaves import flatten_tensors
     from paritykit.tracing.trace import capture
 
     ok, why = fits_twice(reference, port)
@@ -221,13 +233,22 @@ def measure(
         return FloatFloor(reason=why)
     call = run or (lambda model, args, kwargs: model(*args, **kwargs))
     traces, moved = [], []
-    for side, model, (args, kwargs) in (("reference", reference, ref_call), ("port", port, port_call)):
+    sides = (("reference", reference, ref_call), ("port", port, port_call))
+    for index, (side, model, (args, kwargs)) in enumerate(sides):
+        if outputs is not None:
+            with torch.no_grad():
+                again = flatten_tensors(call(model, *map_tensors((args, kwargs), lambda t: t.clone())))
+            if leaves_error(flatten_tensors(outputs[index]), again) != 0.0:
+                return FloatFloor(
+                    reason=f"the {side} run again does not reproduce its own output (randomness inside its"
+                    " forward, or inputs it edits in place): what moves is not rounding"
+                )
         try:
             model64 = float64_copy(model)
             with torch.no_grad(), capture(model64) as trace:
-                call(model64, *as_float64((args, kwargs)))
+                call(model64, *as_float64(map_tensors((args, kwargs), lambda t: t.clone())))
             with torch.no_grad(), capture(model) as rounded:
-                call(model, *rounded_inputs((args, kwargs)))
+                call(model, *rounded_inputs(map_tensors((args, kwargs), lambda t: t.clone())))
         except Exception as exc:
             return FloatFloor(reason=f"the {side} does not run in float64 ({first_line(exc)})")
         traces.append(trace)
