@@ -72,11 +72,13 @@ def test_values_that_only_look_alike_are_not_paired():
         ("scaled", x * 3.7),  # a factor, but no round constant
         ("noisy", x + 1e-2 * torch.randn(2, 16, 8, generator=g)),  # beyond tolerance
         ("shifted", x.roll(1, dims=1)),  # the same values in another order along a dim
+        ("negated", -x),  # an activation's negative or double is a difference, not the same argument
+        ("doubled", x * 2),
     ]
     found, _ = kinds(ref, port)
     assert found == {}
     port_left, ref_left = unexplained(ref, port, {})
-    assert port_left == [0, 1, 2, 3] and ref_left == [0]  # an input that differs is not the port's own
+    assert port_left == [0, 1, 2, 3, 4, 5] and ref_left == [0]  # an input that differs is not the port's own
 
 
 def test_a_port_input_nothing_could_stand_for_is_its_own():
@@ -87,3 +89,25 @@ def test_a_port_input_nothing_could_stand_for_is_its_own():
     found, relations = kinds(ref, port)
     assert found == {"hidden_states": ("exact", ["args.0"])}
     assert unexplained(ref, port, relations) == ([], [])
+
+
+def test_complex_tables_pair_with_complex_tables_only_when_equal():
+    angles = torch.randn(16, 1, 3, dtype=torch.float64)
+    table = torch.polar(torch.ones_like(angles), angles)
+    ref = [("args.0", torch.randn(2, 16, 8)), ("args.1", table)]
+    same = [("freqs_cis", table.to(torch.complex64).reshape(1, 16, 1, 3))]
+    found, _ = kinds(ref, same)
+    assert found == {"freqs_cis": ("reshape", ["args.1"])}
+    turn = torch.polar(torch.ones(1, dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64))
+    rotated = [("freqs_cis", table * turn)]
+    found, relations = kinds(ref, rotated)
+    assert found == {} and unexplained(ref, rotated, relations) == ([0], [1])  # differs: never "own"
+
+
+def test_equal_reference_arguments_are_ties():
+    x = torch.randn(2, 4, 8)
+    ref = [("args.0", x), ("args.1", x.clone())]  # at block 0 the residual stream may equal the input
+    _, relations = kinds(ref, [("hidden_states", x.clone())])
+    assert relations[0].ties == 1
+    _, relations = kinds([("args.0", x), ("args.1", torch.randn(2, 4, 8))], [("hidden_states", x.clone())])
+    assert relations[0].ties == 0

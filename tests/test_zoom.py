@@ -137,3 +137,41 @@ def test_zoom_holds_replayed_outputs_of_failing_calls_only_and_each_boundary_ten
         assert kept == set()
     else:
         assert located.call.module == "4.1" and kept == {"4", "4.1"}
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.unused = torch.nn.Sequential(torch.nn.Linear(4, 4))  # an encoder the decode never calls
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Namespace(torch.nn.Module):
+    """Research style: the pipeline calls the model's blocks, never the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Blocks()
+
+    def forward(self, x):
+        for block in self.model.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_unused_submodule_does_not_stop_the_zoom_but_a_namespace_does():
+    from paritykit.base.errors import ParityKitError
+    from paritykit.bisection.entry import bisect
+
+    x = [torch.randn(2, 4)]
+    assert bisect(_Blocks(), _Blocks(), x, levels="zoom").verdict == "match"
+    with pytest.raises(ParityKitError, match="model never called while the run went on"):
+        bisect(_Namespace(), _Namespace(), x, levels="zoom")
+    report = bisect(_Namespace(), _Namespace(), x, levels="auto")
+    assert report.verdict == "match"

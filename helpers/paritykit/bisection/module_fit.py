@@ -269,9 +269,10 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
         ref_in, port_in = list(child.inputs.items()), list(port_child.inputs.items())
         # inputs no reference argument gives by value (a rotary table built another way): the first
         # unexplained port input against the reference argument left over
-        relations = pair_by_value(ref_in, port_in, searcher.same_quantity)
-        port_left, ref_left = unexplained(ref_in, port_in, relations)
-        if relations and port_left:
+        found = pair_layouts(ref_in, port_in)
+        relations = pair_by_value(ref_in, port_in, searcher.same_quantity) if found is None else {}
+        port_left, ref_left = unexplained(ref_in, port_in, relations) if relations else ([], [])
+        if port_left:
             a, b = ref_in[ref_left[0]][1], port_in[port_left[0]][1]
             producers = []
             for j in port_left:
@@ -285,7 +286,7 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
                 f" (reference {ref_names} left unpaired)"
             )
             return InlineInput(child, port_child, a, b, producers, untested, unpaired)
-        pairs, port_in, _ = pair_layouts(ref_in, port_in) or (None, port_in, {})
+        pairs, port_in, _ = found or (None, port_in, {})
         noise = floor.of(child, port_child, "inputs") if floor is not None else None
         for i, j in pairs or ():
             a, b = ref_in[i][1], port_in[j][1]

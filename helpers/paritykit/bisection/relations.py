@@ -21,17 +21,10 @@ from typing import Any
 from paritykit.bisection.leaves import dim_orders
 
 Leaves = list[tuple[str, Any]]
-# constants a factor between two arguments snaps to, with their names
-ROUND_FACTORS = (
-    (1000.0, "1000"),
-    (0.001, "1/1000"),
-    (2 * math.pi, "2π"),
-    (1 / (2 * math.pi), "1/(2π)"),
-    (math.pi, "π"),
-    (0.5, "1/2"),
-    (2.0, "2"),
-    (-1.0, "-1"),
-)
+# constants a timestep-like argument (one value per sample, or a scalar) may be scaled by between the two
+# sides, with their names: [0, 1] against [0, 1000]. Nothing else is paired up to a factor: an activation
+# that is another's negative or double is a difference, not the same argument.
+ROUND_FACTORS = ((1000.0, "1000"), (0.001, "1/1000"))
 
 
 @dataclass(frozen=True)
@@ -45,6 +38,9 @@ class Relation:
     kind: str
     words: str
     convert: Callable[..., Any]
+    # other reference leaves that give the same port value by as plain a relation (equal arguments, zeros):
+    # the pairing then says nothing about which is which beyond this call
+    ties: int = 0
 
     def __call__(self, leaves: Leaves) -> Any:
         return self.convert(*(leaves[i][1] for i in self.sources))
@@ -116,20 +112,23 @@ def pair_by_value(
     index; the plainest relation wins (the same tensor before a permutation, a permutation before a factor).
     ``close(a, b)`` says whether two same-shape tensors agree (the comparison's tolerance). Port leaves
     left out are the port's own."""
+    import dataclasses
+
     found: dict[int, Relation] = {}
     for j, (_, target) in enumerate(port):
-        if target.is_complex():
-            continue
         shape = tuple(target.shape)
-        best: Relation | None = None
-        for i, (path, source) in enumerate(ref):
-            relation = _relate(i, path, source, target, shape, close)
-            if relation is not None and (best is None or _rank(relation) < _rank(best)):
-                best = relation
-        if best is None:
-            best = _stacked(ref, target, shape, close)
-        if best is not None:
-            found[j] = best
+        candidates = [
+            relation
+            for i, (path, source) in enumerate(ref)
+            if (relation := _relate(i, path, source, target, shape, close)) is not None
+        ]
+        if not candidates:
+            stacked = _stacked(ref, target, shape, close)
+            candidates = [stacked] if stacked is not None else []
+        if candidates:
+            best = min(candidates, key=_rank)
+            ties = sum(_rank(c) == _rank(best) for c in candidates) - 1
+            found[j] = dataclasses.replace(best, ties=ties) if ties else best
     return found
 
 
@@ -146,10 +145,14 @@ def _relate(
     import torch
 
     forms: list[tuple[str, str, Callable[[Any], Any]]] = []
-    if source.is_complex():
+    if source.is_complex() != target.is_complex():
+        if target.is_complex():
+            return None
         forms = [("rotary", f"{words} of {path} (complex)", fn) for words, fn in _rotary_parts(source)]
     else:
         forms = [("exact", path, lambda t: t)]
+    if target.is_complex():
+        close = _complex_close
     for kind, words, fn in forms:
         try:
             value = fn(source)
@@ -160,6 +163,12 @@ def _relate(
             cast = moved.to(target.dtype) if target.dtype != moved.dtype else moved
             described = ", ".join(w for w in (words, shape_words) if w)
             chosen = kind if kind == "rotary" else shape_kind
+            if target.is_complex():
+                if close(cast, target):
+                    if chosen == "exact" and moved.dtype != target.dtype:
+                        chosen, described = "dtype", f"{described} ({_dtype(moved)} -> {_dtype(target)})"
+                    return _make(i, chosen, described, fn, reshape, target.dtype)
+                continue
             if not target.is_floating_point() or not cast.is_floating_point():
                 # integers and masks pair only with their own dtype (a length of 16 cast to bool is True)
                 if moved.dtype == target.dtype and torch.equal(moved, target):
@@ -169,12 +178,22 @@ def _relate(
                 if chosen == "exact" and moved.dtype != target.dtype:
                     chosen, described = "dtype", f"{described} ({_dtype(moved)} -> {_dtype(target)})"
                 return _make(i, chosen, described, fn, reshape, target.dtype)
-            if kind == "rotary":
-                continue
+            if kind == "rotary" or source.dim() > 1 or target.is_complex():
+                continue  # only a timestep-like argument is paired up to a factor
             factor = _factor(target, cast)
             if factor is not None and close(cast * factor[0], target):
                 return _make(i, "scale", f"{described} × {factor[1]}", fn, reshape, target.dtype, factor[0])
     return None
+
+
+def _complex_close(a: Any, b: Any) -> bool:
+    r"""Two complex tables agree to 1e-4 relative error (a rotary table in complex64 against complex128)."""
+    import torch
+
+    a64, b64 = a.detach().to("cpu", torch.complex128), b.detach().to("cpu", torch.complex128)
+    den = float(torch.linalg.vector_norm(a64))
+    diff = float(torch.linalg.vector_norm(a64 - b64))
+    return diff <= 1e-4 * den if den else diff == 0
 
 
 def _dtype(tensor: Any) -> str:
@@ -241,13 +260,17 @@ def unexplained(ref: Leaves, port: Leaves, relations: dict[int, Relation]) -> tu
     spare = [i for i, (_, t) in enumerate(ref) if i not in used and (t.is_floating_point() or t.is_complex())]
     port_left, ref_left = [], set()
     for j, (_, target) in enumerate(port):
-        if j in relations or not target.is_floating_point():
+        if j in relations or not (target.is_floating_point() or target.is_complex()):
             continue
         for i in spare:
             source = ref[i][1]
-            forms = [fn(source) for _, fn in _rotary_parts(source)] if source.is_complex() else [source]
+            if source.is_complex() and not target.is_complex():
+                forms = [fn(source) for _, fn in _rotary_parts(source)]
+            else:
+                forms = [source]
             if any(_shapes_to(form, tuple(target.shape)) for form in forms):
-                port_left.append(j)
+                if j not in port_left:
+                    port_left.append(j)
                 ref_left.add(i)
     return port_left, sorted(ref_left)
 
@@ -273,9 +296,11 @@ def argument_name(module: Any, path: str) -> str:
 
 
 def renamed(words: str, paths: list[str], name: Callable[[str], str]) -> str:
-    r"""``words`` with each of ``paths`` (whole, not inside a longer path) replaced by ``name(path)``."""
+    r"""``words`` with each of ``paths`` and their parents (``args.3`` of ``args.3.0``: a list named whole),
+    each whole and not inside a longer path, replaced by ``name(path)``."""
     import re
 
-    for path in sorted(paths, key=len, reverse=True):
+    every = {".".join(p.split(".")[:k]) for p in paths for k in range(2, p.count(".") + 2)}
+    for path in sorted(every, key=len, reverse=True):
         words = re.sub(rf"(?<![\w.]){re.escape(path)}(?![\w.])", name(path), words)
     return words

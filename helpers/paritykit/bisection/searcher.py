@@ -331,7 +331,8 @@ class Searcher:
             if template is None:
                 return None
             learned, relations = template
-        elif signature not in self._templates:
+        elif signature not in self._templates and not any(r.ties for r in relations.values()):
+            # a call where two reference arguments were equal cannot say which is which for later calls
             self._templates[signature] = (ref_record.name, relations)
         pairs = [(r.sources[0], j) for j, r in relations.items()]
         extra = [j for j in range(len(port_leaves)) if j not in relations]

@@ -316,8 +316,9 @@ class NamespaceLevel(ParityKitError):
 
 def _capture_called(model: Any, name: str, call: Callable[[], Any]) -> Any:
     r"""Capture block ``name`` of ``model`` and its level children while ``call()`` runs. A child that was
-    never called but holds blocks raises :class:`NamespaceLevel` (the other side's level may be that child
-    itself: levels would not pair), after looking through it to be sure its blocks ran."""
+    never called while modules inside it were raises :class:`NamespaceLevel` (the other side's level may be
+    that child itself: levels would not pair); a child never called at all (an unused encoder) is just
+    unused. Which modules ran is noted by pre-hooks that keep no tensor."""
     import glob
 
     import torch
@@ -326,10 +327,19 @@ def _capture_called(model: Any, name: str, call: Callable[[], Any]) -> Any:
 
     children = level_children(model, name)
     patterns = [glob.escape(n) if n else n for n in (name, *children)]
-    with torch.no_grad(), capture(model, modules=patterns) as trace:
-        call()
-    called = {record.module for record in trace.records}
-    uncalled = [c for c in children if c not in called and level_children(model, c)]
+    ran: set[str] = set()
+    handles = [
+        module.register_forward_pre_hook(lambda _m, _a, n=module_name: ran.add(n))
+        for module_name, module in model.named_modules()
+        if module_name
+    ]
+    try:
+        with torch.no_grad(), capture(model, modules=patterns) as trace:
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    uncalled = [c for c in children if c not in ran and any(n.startswith(c + ".") for n in ran)]
     if uncalled:
         raise NamespaceLevel(
             f"{', '.join(uncalled)} never called while the run went on: its blocks are called from outside it"

@@ -20,7 +20,15 @@ from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call, batch_of, in_form_of
 from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
-from paritykit.triage.pairs import Tolerance, compare, compare_call, comparison_evidence, rel, timestep_units
+from paritykit.triage.pairs import (
+    Tolerance,
+    compare,
+    compare_call,
+    comparison_evidence,
+    rel,
+    same_timestep,
+    timestep_units,
+)
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
 from paritykit.triage.reproduce import Built, Commands
 from paritykit.triage.roles import (
@@ -413,6 +421,13 @@ class Triage:
             # update's, and replaying it here would blame the update for it
             self.skip("update", "not replayed in lockstep with port_scheduler(): the timesteps differ")
             return False
+        if not self._scheduler_steps_the_run():
+            self.skip(
+                "update",
+                "not replayed in lockstep with port_scheduler(): its set_timesteps(n) gives other timesteps"
+                " than the port's run used (the pipeline passes its own timesteps or sigmas)",
+            )
+            return False
         from paritykit.schedule.step_check import lockstep
 
         check = lockstep(self.port_scheduler, str(self.folders[0]))
@@ -476,6 +491,21 @@ class Triage:
             )
         finding.command = shlex.join(
             ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__, "--step-check", reference]
+        )
+
+    def _scheduler_steps_the_run(self) -> bool:
+        r"""Whether ``port_scheduler()`` set to the run's step count gives the timesteps the port's run
+        passed its denoiser (the lockstep replay builds it so)."""
+        import copy
+
+        scheduler = copy.deepcopy(self.port_scheduler)
+        try:
+            scheduler.set_timesteps(len(self.port.calls))
+            timesteps = [float(t) for t in scheduler.timesteps]
+        except Exception:
+            return False
+        return len(timesteps) == len(self.t_port) and all(
+            same_timestep(a, b) for a, b in zip(timesteps, self.t_port)
         )
 
     def _same_step_times(self, i: int) -> bool:
