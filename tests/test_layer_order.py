@@ -93,3 +93,17 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
     # auto levels capture whole (and say so)
     assert report.environment["levels"].startswith("full (the zoom cannot pair levels")
+
+
+def test_a_reversed_store_is_a_renumbering_and_call_order_decides_the_claim():
+    from paritykit.forensics.conversion.layer_order import LayerOrder, with_calls
+
+    # LDM's decoder stores up.3 first where diffusers' up_blocks.0 is: reversed whole, iterated reversed
+    assert reordered(pairs({i: 3 - i for i in range(4)}, "up", "up_blocks")) == []
+    text = LayerOrder("blocks", "blocks", dict(enumerate(sorted(range(12), key=str))))
+    ref_calls = [f"blocks.{j}" for j in range(12)]
+    port_calls = [f"blocks.{i}" for i in range(12)]
+    assert with_calls(text, ref_calls, port_calls).calls_differ is True
+    # the port calls its layers in the order of the reference layers they hold: consistent, no claim
+    held_order = [f"blocks.{i}" for i in sorted(range(12), key=lambda i: text.index_map[i])]
+    assert with_calls(text, ref_calls, held_order).calls_differ is False

@@ -182,3 +182,5 @@ def test_interface_map_writes_the_pairing_table_and_never_overwrites(tmp_path):
     again = CliRunner().invoke(cli, ["bisect", str(spec), "--interface-map", str(table)])
     assert again.exit_code == 2 and "exists" in again.output
     assert table.read_text() == text
+    nowhere = CliRunner().invoke(cli, ["bisect", str(spec), "--interface-map", str(tmp_path / "no" / "t.md")])
+    assert nowhere.exit_code == 2 and "its folder does not exist" in nowhere.output

@@ -299,12 +299,17 @@ class _Builder:
         port's ``blocks.2``, where the names under them agree (the rest is left to the weights)."""
         if not self.ref.state_dict or not self.port.state_dict:
             return
-        from paritykit.forensics.conversion.layer_order import reordered, value_pairs
+        from paritykit.forensics.conversion.layer_order import layer_orders, value_pairs, with_calls
 
         try:
-            self.layer_orders = reordered(value_pairs(self.ref.state_dict, self.port.state_dict))
+            orders = layer_orders(value_pairs(self.ref.state_dict, self.port.state_dict))
         except Exception:  # weights that cannot be read here (a missing shard): names decide
-            self.layer_orders = []
+            orders = []
+        # every layer group whose layers hold other indices is aligned by the tensors (a renumbering too: by
+        # name it would pair each layer with its neighbour's); the report names those called in another order
+        self.layer_orders = [o for o in orders if not o.identity]
+        if self.ref.first_calls and self.port.first_calls:  # both traced: the order each side called them
+            self.layer_orders = [with_calls(o, self.ref.order, self.port.order) for o in self.layer_orders]
         port_free = set(self.free_port())
         for r in self.free_ref():
             for order in self.layer_orders:

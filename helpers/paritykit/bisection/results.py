@@ -194,10 +194,15 @@ class BisectReport:
             lines += ["", "No module was replayed: no interface to show."]
         return "\n".join(lines) + "\n"
 
+    def reordered_layers(self) -> list[Any]:
+        r"""The layer groups the port calls in another order than the reference (by the tensors each layer
+        holds and, where traced, the order the two sides called them)."""
+        return [o for o in self.alignment.layer_orders if not o.monotone and o.calls_differ is not False]
+
     def _holds_reordered(self, finding: ModuleFinding) -> bool:
-        r"""Whether a culprit holds a group of layers the port keeps in another order."""
+        r"""Whether a culprit holds a group of layers the port calls in another order."""
         prefix = f"{finding.reference}." if finding.reference else ""
-        return any(o.source_group.startswith(prefix) for o in self.alignment.layer_orders)
+        return any(o.source_group.startswith(prefix) for o in self.reordered_layers())
 
     def to_dict(self) -> dict[str, Any]:
         al = self.alignment.to_dict()
@@ -211,7 +216,7 @@ class BisectReport:
             "unaligned_reference": al["unaligned_reference"],
             "unaligned_port": al["unaligned_port"],
             "output": _comparison_summary(self.output),
-            "layer_orders": [o.to_dict() for o in self.alignment.layer_orders],
+            "layer_orders": [o.to_dict() for o in self.reordered_layers()],
             "precision": self.precision,
             "float_floor": self.float_floor,
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
@@ -233,7 +238,7 @@ class BisectReport:
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
             f"cosine {format_number(out.get('cosine'), 6)})"
         ]
-        for order in self.alignment.layer_orders:
+        for order in self.reordered_layers():
             lines.append(f"layer order: {order.words()}; aligned by the tensors each layer holds")
         if self.precision:
             lines.append(self.precision)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import first_line
-from paritykit.base.inputs import is_tensor
+from paritykit.base.inputs import is_tensor, to_device
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
-from paritykit.bisection.floor import FloatFloor, far_above, module_floor, within
+from paritykit.bisection.floor import FloatFloor, far_above, fits_twice, module_floor, within
 from paritykit.bisection.leaves import (
     flatten_tensors,
     in_layout,
@@ -207,14 +207,6 @@ class Searcher:
         found = None if pair is None or pair.layout else self._pair_call(ref_record, pair.port)
         self._call_pairs[ref_record.name] = found
         return found
-
-    def paired_by_value(self) -> dict[str, str]:
-        r"""The reference calls paired with a port call out of order, by input value: {reference: port}."""
-        return {
-            ref: port.name
-            for ref, port in self._call_pairs.items()
-            if port is not None and port.call != self.ref_trace[ref].call
-        }
 
     def _pair_call(self, ref_record: Record, port_module: str) -> Record | None:
         calls = self._port_calls.get(port_module)
@@ -535,10 +527,13 @@ class Searcher:
         noise when it is within :data:`~paritykit.bisection.floor.NOISE` times the larger."""
         ref_module = self.ref_modules.get(ref_record.module)
         port_module = self.port_modules.get(port_record.module)
-        adapted = self.adapt_inputs(ref_record, port_record, pairing=pairing)
-        if ref_module is None or port_module is None or adapted is None:
+        if ref_module is None or port_module is None:
             return None, ""
-        ref_error = module_floor(ref_module, *ref_record.call_inputs(), ref_out)
+        adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module), pairing=pairing)
+        if adapted is None or not fits_twice(ref_module, port_module)[0]:
+            return None, ""
+        ref_inputs = to_device(ref_record.call_inputs(), module_device(ref_module))
+        ref_error = module_floor(ref_module, *ref_inputs, ref_out)
         port_error = module_floor(port_module, *adapted, port_out)
         if ref_error is None or port_error is None:
             return None, ""
@@ -648,9 +643,17 @@ class Searcher:
             pair = self.alignment.pair_of(module_of(test.reference))
             if test.status != "fail" or pair is None:
                 continue
-            if pair.confidence != "low" or far_above(test.max_abs, test.floor):
+            if pair.confidence != "low" or (far_above(test.max_abs, test.floor) and self._same_class(test)):
                 return True
         return False
+
+    def _same_class(self, test: ModuleTest) -> bool:
+        r"""Whether a test's two calls are of one module class (a pair aligned on order and shape alone
+        counts as evidence only then)."""
+        ref, port = self.ref_trace, self.port_trace
+        if test.reference not in ref or test.port not in port:
+            return False
+        return ref[test.reference].type == port[test.port].type
 
     def captured_difference(self, record: Record) -> tuple[float | None, float | None] | None:
         r"""The captured outputs of aligned call ``record`` against its port call's: ``(max_abs, floor)``
@@ -689,7 +692,9 @@ class Searcher:
             found = self.captured_difference(record)
             if found is None:
                 continue
-            if pair.confidence != "low" or far_above(*found):
+            port_record = self.port_record(record)
+            same_class = port_record is not None and port_record.type == record.type
+            if pair.confidence != "low" or (far_above(*found) and same_class):
                 out.append(record)
         return out
 

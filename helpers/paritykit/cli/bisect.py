@@ -158,6 +158,8 @@ def bisect(
         raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
     if interface_map is not None and interface_map.exists():
         raise ParityKitError(f"--interface-map {str(interface_map)!r}: exists; give a new file name")
+    if interface_map is not None and not interface_map.resolve().parent.is_dir():
+        raise ParityKitError(f"--interface-map {str(interface_map)!r}: its folder does not exist")
     _check_device(device)
     report = bisect_spec(
         spec,
@@ -177,7 +179,12 @@ def bisect(
     if interface_map is not None:
         from paritykit.base.files import atomic_write_text
 
-        atomic_write_text(interface_map, report.interface_map())
+        try:
+            atomic_write_text(interface_map, report.interface_map())
+        except OSError as exc:
+            raise ParityKitError(
+                f"--interface-map {str(interface_map)!r}: cannot write ({exc.strerror})"
+            ) from None
     emit(report, as_json=as_json, limit=limit)
 
 

@@ -3,7 +3,6 @@ lists, and the paste-ready line that builds it."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.quiet import quiet_diffusers
 from paritykit.schedule.compare import first_list_difference
 from paritykit.schedule.families import lists_close
 from paritykit.schedule.load import (
@@ -79,7 +79,7 @@ _ALL_KEYS: frozenset[str] | None = None
 def scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, list[float]]:
     import warnings
 
-    with warnings.catch_warnings(), _quiet_diffusers():
+    with warnings.catch_warnings(), quiet_diffusers():
         warnings.simplefilter("ignore")
         scheduler.set_timesteps(n, **call)
     out = {"timesteps": [float(v) for v in scheduler.timesteps.double().tolist()]}
@@ -92,23 +92,8 @@ def scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, lis
 def make_scheduler(cls: type, config: dict[str, Any]) -> Any:
     # keys are filtered to those __init__ accepts, so the constructor is enough (from_config re-reads the
     # signature for every key: 10x slower over a search)
-    with _quiet_diffusers():
+    with quiet_diffusers():
         return cls(**config)
-
-
-@contextlib.contextmanager
-def _quiet_diffusers():
-    r"""diffusers' own log warnings silenced: a search tries configs and calls diffusers warns about on
-    purpose."""
-    import logging
-
-    logger = logging.getLogger("diffusers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,21 @@ class LayerOrder:
     source_group: str
     target_group: str
     index_map: dict[int, int]
+    # from two traces: whether the target calls the layers it holds in another order than the source calls
+    # them (None: not known; a reversed store the code iterates reversed is consistent)
+    calls_differ: bool | None = None
 
     @property
     def monotone(self) -> bool:
-        r"""Whether the map keeps the order (a renumbering, not a reordering)."""
+        r"""Whether the map keeps the order, or reverses it whole (a renumbering, as LDM's decoder ``up.3`` ->
+        diffusers' ``up_blocks.0``: the code iterates one of them reversed), not a reordering."""
         sources = [self.index_map[i] for i in sorted(self.index_map)]
-        return all(a < b for a, b in zip(sources, sources[1:]))
+        pairs = list(zip(sources, sources[1:]))
+        return all(a < b for a, b in pairs) or all(a > b for a, b in pairs)
+
+    @property
+    def identity(self) -> bool:
+        return all(i == j for i, j in self.index_map.items())
 
     @property
     def text_sorted(self) -> bool:
@@ -112,8 +121,31 @@ def layer_orders(pairs: Iterable[tuple[str, str]]) -> list[LayerOrder]:
 
 
 def reordered(pairs: Iterable[tuple[str, str]]) -> list[LayerOrder]:
-    r"""The groups of :func:`layer_orders` whose map does not keep the order."""
+    r"""The groups of :func:`layer_orders` whose map does not keep the order (nor reverse it whole)."""
     return [order for order in layer_orders(pairs) if not order.monotone]
+
+
+def with_calls(order: LayerOrder, source_calls: list[str], target_calls: list[str]) -> LayerOrder:
+    r"""``order`` with :attr:`LayerOrder.calls_differ` read from the modules each side called, in call
+    order: the source's layers against the source layers the target's layers hold, in the target's call
+    order."""
+    import dataclasses
+
+    def indices(calls: list[str], group: str) -> list[int]:
+        out: list[int] = []
+        for name in calls:
+            found = _LAYER.match(name)
+            if found is not None and found["group"] == group and not found["rest"]:
+                index = int(found["index"])
+                if index not in out:
+                    out.append(index)
+        return out
+
+    source = [j for j in indices(source_calls, order.source_group) if j in order.index_map.values()]
+    held = [order.index_map[i] for i in indices(target_calls, order.target_group) if i in order.index_map]
+    if not source or not held:
+        return order
+    return dataclasses.replace(order, calls_differ=source != held)
 
 
 def value_pairs(source: Mapping[str, Any], target: Mapping[str, Any]) -> list[tuple[str, str]]:
