@@ -89,7 +89,12 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     assert pairs["dit.blocks.10"] == ("dit.blocks.2", "layer order")
     assert pairs["dit.blocks.2.norm1"] == ("dit.blocks.4.norm1", "layer order")
     assert report.culprit.reference == "" and "called in another order" in text
-    assert "the tensor its name implies" not in text and "own forward code" not in text
+    assert "the tensor its name implies" not in text and "forward code" not in text
+    assert report.culprit.hints[0].id == "layer-order"
+    fed = [h for h in report.culprit.hints if h.id == "inline-input"]
+    assert fed and "the port feeds it the output of dit.blocks.3, which is aligned with the reference's" in (
+        fed[0].message
+    )
     # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
     # auto levels capture whole (and say so)
     assert report.environment["levels"].startswith("full (the zoom cannot pair levels")

@@ -319,6 +319,26 @@ def _producers(searcher: Searcher, call: Record, tensor: Any) -> list[Any]:
     return out
 
 
+def _aligned_feeder(searcher: Searcher, found: InlineInput) -> Any:
+    r"""The aligned port call (other than the child) whose output is exactly the child's differing port input,
+    when it is not the output of the call aligned with the reference's feeder of that input; else
+    ``None``."""
+    import torch
+
+    tensor = found.port_input
+    for record in searcher.port_trace.records:
+        if record.name == found.port_child.name or searcher.alignment.reference_of(record.module) is None:
+            continue
+        for value in record.outputs.values():
+            if (
+                value.shape == tensor.shape
+                and value.dtype == tensor.dtype
+                and bool(torch.equal(value, tensor))
+            ):
+                return record
+    return None
+
+
 def inline_reference_hints(
     searcher: Searcher, call: Record, port_call: Record | None, before: float | None
 ) -> list[Any]:
@@ -351,6 +371,14 @@ def inline_reference_hints(
             f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
             f" the reference computes it inside {shown_name(call.name)}, inline or in a submodule without a"
             " port counterpart (evidence: the port module's captured output is exactly that input)"
+        )
+    elif (feeder := _aligned_feeder(searcher, found)) is not None:
+        hint_id = "inline-input"
+        held = searcher.alignment.reference_of(feeder.module)
+        message = (
+            f"{where}; the port feeds it the output of {feeder.name}, which is aligned with the reference's"
+            f" {shown_name(held or '')}: the port's calls are wired in another order or to other inputs than"
+            " the reference's"
         )
     elif found.untested:
         hint_id = "inline-input"

@@ -244,6 +244,7 @@ def run_strategy(
             )
             culprit.note = join_notes(culprit.note, located.note())
             culprit.through_inputs = located.through_inputs
+            _layer_order_hint(culprit, strategy.final_alignment())
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(
         verdict=verdict,
@@ -258,6 +259,24 @@ def run_strategy(
         precision=precision,
         float_floor=_floor_state(top.float_floor),
     )
+
+
+def _layer_order_hint(culprit: Any, alignment: Alignment) -> None:
+    r"""A culprit holding layers the port calls in another order: that order is the cause, first, in place
+    of a claim that the forward code differs (every layer matches the layer it holds)."""
+    from paritykit.compare.diagnose import Hint
+
+    prefix = f"{culprit.reference}." if culprit.reference else ""
+    orders = [
+        o
+        for o in alignment.layer_orders
+        if not o.monotone and o.calls_differ is not False and o.source_group.startswith(prefix)
+    ]
+    if not orders:
+        return
+    kept = [h for h in culprit.hints if h.id != "no-signature"]
+    said = [Hint("layer-order", o.words(), o.to_dict(), score=1.0) for o in orders]
+    culprit.hints = said + kept
 
 
 def _floor_state(floor: FloatFloor | None) -> str:

@@ -81,14 +81,15 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
     )
     if checked_all and c.layouts:
         message = (
-            "no known signature; module config is identical and every parameter holds the reference tensor"
-            f" its name implies, some through a layout op ({', '.join(c.layouts[:3])}): if that layout is not"
-            " what the port's forward expects, it is the cause; otherwise the forward code differs"
+            "no known signature; module config is identical and every parameter holds the tensor of the"
+            f" reference module it is aligned with, some through a layout op ({', '.join(c.layouts[:3])}): if"
+            " that layout is not what the port's forward expects, it is the cause; otherwise the forward code"
+            " differs"
         )
     elif checked_all:
         message = (
-            "no known signature; module config and weights are identical (every parameter holds the reference"
-            " tensor its name implies), so the forward code differs"
+            "no known signature; module config and weights are identical (every parameter holds the tensor of"
+            " the reference module it is aligned with), so the forward code differs"
         )
     elif c.reference is None or c.port is None:
         message = (
