@@ -212,22 +212,11 @@ class ListPair(Pair):
         return ddim_loop(eps, noise, self.cond, steps, spacing="trailing")
 
 
-LIST_SPEC_TEXT = """
-from tests.triage_pairs import ListPair
-
-PAIR = ListPair({bugs!r})
-run_reference = PAIR.run_reference
-run_port = PAIR.run_port
-port_scheduler = PAIR.port_scheduler
-
-
-def reference_denoiser():
-    return PAIR.ref_lists
-
-
-def port_denoiser():
-    return PAIR.port_unet
-"""
+LIST_SPEC_TEXT = (
+    SPEC_TEXT.replace("import Pair", "import ListPair")
+    .replace("Pair({bugs!r}, vae={vae!r})", "ListPair({bugs!r})")
+    .replace("PAIR.ref_unet", "PAIR.ref_lists")
+)
 
 
 def write_list_spec(folder, bugs=()):

@@ -300,42 +300,36 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
 
 def _producers(searcher: Searcher, call: Record, tensor: Any) -> list[Any]:
     """Unaligned port calls inside the culprit whose output is exactly ``tensor`` (nearest producer last)."""
-    import torch
 
     port_call = searcher.port_record(call) if call.parent is not None else searcher.port_trace.root
     prefix = port_call.module + "." if port_call is not None and port_call.module else ""
-    out = []
-    for record in searcher.port_trace.records:
-        if not record.module.startswith(prefix) or searcher.alignment.reference_of(record.module) is not None:
-            continue
-        for value in record.outputs.values():
-            if (
-                value.shape == tensor.shape
-                and value.dtype == tensor.dtype
-                and bool(torch.equal(value, tensor))
-            ):
-                out.append(record)
-                break
-    return out
+    return [
+        record
+        for record in searcher.port_trace.records
+        if record.module.startswith(prefix)
+        and searcher.alignment.reference_of(record.module) is None
+        and _returns(record, tensor)
+    ]
+
+
+def _returns(record: Record, tensor: Any) -> bool:
+    r"""Whether one of a call's captured outputs is exactly ``tensor``."""
+    import torch
+
+    return any(
+        value.shape == tensor.shape and value.dtype == tensor.dtype and bool(torch.equal(value, tensor))
+        for value in record.outputs.values()
+    )
 
 
 def _aligned_feeder(searcher: Searcher, found: InlineInput) -> Any:
-    r"""The aligned port call (other than the child) whose output is exactly the child's differing port input,
-    when it is not the output of the call aligned with the reference's feeder of that input; else
-    ``None``."""
-    import torch
-
-    tensor = found.port_input
+    r"""The first aligned port call (other than the child) whose output is exactly the child's differing port
+    input; ``None`` when there is none."""
     for record in searcher.port_trace.records:
         if record.name == found.port_child.name or searcher.alignment.reference_of(record.module) is None:
             continue
-        for value in record.outputs.values():
-            if (
-                value.shape == tensor.shape
-                and value.dtype == tensor.dtype
-                and bool(torch.equal(value, tensor))
-            ):
-                return record
+        if _returns(record, found.port_input):
+            return record
     return None
 
 
