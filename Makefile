@@ -13,8 +13,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "[1/4] $(TORCH_SPEC) (the CPU build on this disk; about a minute)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "[2/4] paritykit and its dev tools: diffusers, transformers, pytest, ruff, … (about a minute)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@echo "[3/4] reference implementations the tests compare against (installed --no-deps, see below)"
 # The test gallery pairs diffusers with the original SD VAE code (taming-transformers-rom1504). That package
 # declares torchvision and pytorch-lightning, whose PyPI builds would replace the CPU torch; the one file the
 # gallery imports (taming/modules/diffusionmodules/model.py) needs only torch and numpy, hence --no-deps.
@@ -28,6 +31,7 @@ $(STAMP): pyproject.toml
 # diffsynth declares torchvision, modelscope and pinned transformers, which would replace the CPU torch; the
 # files the tests load need only torch, einops and tqdm. Hence --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps "diffsynth==2.1.12"
+	@echo "[4/4] installed into $(VENV)"
 	@touch $(STAMP)
 
 test: install

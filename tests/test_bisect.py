@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
@@ -434,3 +435,72 @@ def test_one_make_inputs_call_feeds_both_sides(tmp_path):
     )
     report = bisect_spec(spec)
     assert report.verdict == "match", report.render()
+
+
+MODELS = """
+import torch
+
+
+def reference():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+
+
+def port():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(approximate="tanh"))
+
+
+def inputs():
+    return [torch.randn(3, 4) * 3]
+"""
+
+
+def test_bisect_without_a_spec_file_from_callables(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    names = ["--reference", "my_models:reference", "--port", "my_models:port", "--inputs", "my_models:inputs"]
+    result = run("bisect", *names, "--json")
+    assert result.exit_code == 1, result.output
+    payload = json.loads(result.stdout)
+    assert (payload["culprit"]["reference"], payload["culprit"]["port"]) == ("1", "1")
+    assert payload["spec_command"] == "paritykit new bisect-spec NAME " + " ".join(names)
+    assert (
+        "this run's SPEC, to keep it as a file: paritykit new bisect-spec NAME"
+        in run("bisect", *names).stdout
+    )
+    missing = run("bisect", "--reference", "my_models:reference", "--port", "my_models:port")
+    assert missing.exit_code == 2 and "give all three" in missing.output
+    wrong = run("bisect", "--reference", "my_models:nothing", "--port", "my_models:port", "--inputs", "x:y")
+    assert (
+        wrong.exit_code == 2 and "--reference 'my_models:nothing': my_models has no nothing" in wrong.output
+    )
+    two = run("bisect", "a.py", "b.py")
+    assert two.exit_code == 2 and "bisect takes one SPEC.py that builds both sides, not 2 paths" in two.output
+    assert len(two.output.strip().splitlines()) == 1
+
+
+def test_a_generated_bisect_spec_runs_from_any_folder(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    made = run(
+        "new",
+        "bisect-spec",
+        "gelu",
+        "--reference",
+        "my_models:reference",
+        "--port",
+        "my_models:port",
+        "--inputs",
+        "my_models:inputs",
+        "--out",
+        "specs",
+    )
+    assert made.exit_code == 0, made.output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delitem(sys.modules, "my_models", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    report = bisect_spec(tmp_path / "specs" / "bisect_gelu.py")
+    assert report.verdict == "diverge" and report.culprit.port == "1", report.render()

@@ -29,6 +29,7 @@ RUFF = Path(sys.executable).with_name("ruff")
 if not RUFF.exists():
     RUFF = Path(shutil.which("ruff") or "ruff")
 KINDS = (
+    "bisect-spec",
     "component-test",
     "config-diff",
     "pipeline-stub",
@@ -37,6 +38,7 @@ KINDS = (
     "triage-spec",
 )
 COMMANDS = (
+    "bisect-spec",
     "component-test",
     "config-diff",
     "pipeline-stub",
@@ -85,6 +87,12 @@ def _render_all(out: Path) -> dict[str, str]:
         ("stage-test", "tiny", {"pipeline": "p:TinyPipeline", "reference": "r:run", "pretrained": "/x/pipe"}),
         ("stage-test", "factory", {"pipeline": "p:build_pipeline", "reference": "r:run"}),
         ("config-diff", "unet", {"reference": "/ref/config.yaml", "diffusers": "/port/unet"}),
+        ("bisect-spec", "plain", {"reference": "r:ref", "port": "p:port", "inputs": "i:make"}),
+        (
+            "bisect-spec",
+            "mapped",
+            {"reference": "r:ref", "port": "p:port", "inputs": "i:make", "port_inputs": "i:to_port"},
+        ),
         (
             "triage-spec",
             "sd",
@@ -144,7 +152,7 @@ def test_every_template_declares_its_variables_in_one_spec(tmp_path):
 
 def test_generated_files_lint_clean_with_headers_and_no_markers(tmp_path):
     texts = _render_all(tmp_path)
-    assert len(texts) == 11 + 3 * 7
+    assert len(texts) == 13 + 3 * 7
     assert {name for name in texts if name.startswith("modular_tiny/")} == {
         f"modular_tiny/{part}.py"
         for part in (

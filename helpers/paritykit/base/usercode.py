@@ -185,3 +185,53 @@ def load_spec(path: Any, command: str = "bisect") -> Spec:
     sys.modules[name] = module
     call_user(module_spec.loader.exec_module, module, what=f"importing {path.name}", spec=spec)
     return spec
+
+
+def callable_from(option: str, target: str) -> Callable:
+    r"""The callable a ``MODULE:CALLABLE`` option names, imported with the current folder on ``sys.path``;
+    a one-line error naming the option when it cannot be."""
+    import importlib
+    import os
+    import sys
+
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ParityKitError(f"{option} {target!r}: expected MODULE:CALLABLE, e.g. mymodels:build_reference")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ParityKitError(
+            f"{option} {target!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
+        ) from None
+    value = module
+    for part in attr.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            raise ParityKitError(f"{option} {target!r}: {module_name} has no {attr}")
+    if not callable(value):
+        raise ParityKitError(f"{option} {target!r}: {attr} is not callable")
+    return value
+
+
+def spec_from_callables(
+    reference: str, port: str, inputs: str, port_inputs: str | None = None, command: str = "bisect"
+) -> Spec:
+    r"""A SPEC built from ``MODULE:CALLABLE`` names, no file written: ``build_reference``/``build_port`` call
+    ``reference()``/``port()`` and put the modules in eval mode, ``make_inputs`` is ``inputs``, and
+    ``port_inputs`` when given. Its :attr:`Spec.path` is a name for messages, ``<--reference …>``."""
+    import types
+    from pathlib import Path
+
+    built = {
+        "build_reference": callable_from("--reference", reference),
+        "build_port": callable_from("--port", port),
+        "make_inputs": callable_from("--inputs", inputs),
+    }
+    if port_inputs:
+        built["port_inputs"] = callable_from("--port-inputs", port_inputs)
+    module = types.ModuleType("_paritykit_callables")
+    for name, fn in built.items():
+        setattr(module, name, fn)
+    return Spec(Path(f"<--reference {reference}>"), module, command)

@@ -163,6 +163,8 @@ class BisectReport:
     # (paritykit.bisection.floor); float_floor says whether the float64 runs were measured, or why not
     precision: str = ""
     float_floor: str = ""
+    # a run from --reference/--port/--inputs: the command that writes the SPEC it used, to keep it
+    spec_command: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -219,6 +221,7 @@ class BisectReport:
             "layer_orders": [o.to_dict() for o in self.reordered_layers()],
             "precision": self.precision,
             "float_floor": self.float_floor,
+            "spec_command": self.spec_command,
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
             "tested": [t.to_dict() for t in self.tested],
             "culprits": [c.to_dict() for c in self.culprits],
@@ -293,6 +296,8 @@ class BisectReport:
                     f"unaligned {side} ({len(names)}): {', '.join(shown_name(n) for n in names[:10])}"
                     + (" …" if len(names) > 10 else "")
                 )
+        if self.spec_command:
+            lines += ["", f"this run's SPEC, to keep it as a file: {self.spec_command}"]
         if self.next_steps:
             lines += [
                 "",

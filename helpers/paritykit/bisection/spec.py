@@ -52,12 +52,15 @@ def bisect_spec(
 
     from paritykit.tracing.trace import Trace
 
-    spec = load_spec(spec_path) if spec_path is not None else None
+    if isinstance(spec_path, Spec):
+        spec = spec_path
+    else:
+        spec = load_spec(spec_path) if spec_path is not None else None
     tol = spec.tolerance if spec is not None else {}
     atol = atol if atol is not None else tol.get("atol")
     rtol = rtol if rtol is not None else tol.get("rtol")
     rules = [*(spec.name_map if spec is not None else []), *rules]
-    environment = environment_stamp(device=device or "cpu", spec=str(spec_path) if spec_path else None)
+    environment = environment_stamp(device=device or "cpu", spec=str(spec.path) if spec is not None else None)
     select = spec.select() if spec is not None else None
     search = dict(
         rules=rules,

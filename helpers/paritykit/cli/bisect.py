@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import click
@@ -49,6 +50,7 @@ your files).
 """
 )
 @click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.argument("extra", nargs=-1, required=False, metavar="")
 @click.option(
     "--traces",
     nargs=2,
@@ -121,6 +123,25 @@ your files).
     ),
 )
 @click.option(
+    "--reference",
+    "reference_fn",
+    metavar="MODULE:CALLABLE",
+    help="No SPEC file: the reference module is MODULE:CALLABLE() (with --port and --inputs).",
+)
+@click.option("--port", "port_fn", metavar="MODULE:CALLABLE", help="No SPEC file: the port module.")
+@click.option(
+    "--inputs",
+    "inputs_fn",
+    metavar="MODULE:CALLABLE",
+    help="No SPEC file: what both run on, as make_inputs() returns it.",
+)
+@click.option(
+    "--port-inputs",
+    "port_inputs_fn",
+    metavar="MODULE:CALLABLE",
+    help="No SPEC file: port_inputs(args, kwargs) mapping the inputs to the port's signature.",
+)
+@click.option(
     "--interface-map",
     "interface_map",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -135,6 +156,7 @@ your files).
 @limit_option
 def bisect(
     spec,
+    extra,
     traces,
     atol,
     rtol,
@@ -147,6 +169,10 @@ def bisect(
     allow_masked,
     no_repair,
     float_floor,
+    reference_fn,
+    port_fn,
+    inputs_fn,
+    port_inputs_fn,
     interface_map,
     as_json,
     limit,
@@ -154,8 +180,31 @@ def bisect(
     from paritykit.base.naming import parse_map_options
     from paritykit.bisection.spec import bisect_spec
 
+    if extra:
+        raise ParityKitError(
+            f"bisect takes one SPEC.py that builds both sides, not {1 + len(extra)} paths: name the reference"
+            " and the port with --reference/--port/--inputs MODULE:CALLABLE (or a SPEC from `paritykit new"
+            " bisect-spec`), or give two trace folders after --traces"
+        )
+    callables = (reference_fn, port_fn, inputs_fn)
+    keep = None
+    if any(callables) or port_inputs_fn:
+        if spec is not None or traces:
+            raise ParityKitError("give SPEC.py or --reference/--port/--inputs, not both")
+        if not all(callables):
+            raise ParityKitError(
+                "without a SPEC, give all three: --reference, --port and --inputs (MODULE:CALLABLE)"
+            )
+        from paritykit.base.usercode import spec_from_callables
+
+        spec = spec_from_callables(reference_fn, port_fn, inputs_fn, port_inputs_fn)
+        keep = shlex.join(
+            ["paritykit", "new", "bisect-spec", "NAME", "--reference", reference_fn, "--port", port_fn]
+            + ["--inputs", inputs_fn]
+            + (["--port-inputs", port_inputs_fn] if port_inputs_fn else [])
+        )
     if spec is None and not traces:
-        raise click.UsageError("give SPEC.py, or --traces REF_DIR PORT_DIR")
+        raise click.UsageError("give SPEC.py, --reference/--port/--inputs, or --traces REF_DIR PORT_DIR")
     if interface_map is not None and interface_map.exists():
         raise ParityKitError(f"--interface-map {str(interface_map)!r}: exists; give a new file name")
     if interface_map is not None and not interface_map.resolve().parent.is_dir():
@@ -185,6 +234,7 @@ def bisect(
             raise ParityKitError(
                 f"--interface-map {str(interface_map)!r}: cannot write ({exc.strerror})"
             ) from None
+    report.spec_command = keep or ""
     emit(report, as_json=as_json, limit=limit)
 
 

@@ -50,7 +50,8 @@ def new(ctx: click.Context, show_list: bool) -> None:
 
     Order of work: config-diff first, then a component-test per component, a pipeline-stub with
     named checkpoints (pipeline-stub --modular: the modular file set), and stage-test (encode, decode,
-    denoise). When a whole pipeline does not match, triage-spec: `paritykit triage` names the place.
+    denoise). When a whole pipeline does not match, triage-spec: `paritykit triage` names the place; when a
+    module does not, bisect-spec: `paritykit bisect` names the submodule.
     """
     if show_list:
         click.echo(template_list())
@@ -161,6 +162,42 @@ def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
     NAME (a Python identifier) names the file: config_diff_NAME.py.
     """
     _generate("config-diff", name, out_dir, force, **options)
+
+
+@new.command("bisect-spec")
+@click.argument("name")
+@click.option(
+    "--reference",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the reference module (an nn.Module) when called with no arguments.",
+)
+@click.option(
+    "--port",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the port module (an nn.Module) when called with no arguments.",
+)
+@click.option(
+    "--inputs",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the inputs both run on: (args, kwargs), a kwargs dict, a list of arguments or one tensor.",
+)
+@click.option(
+    "--port-inputs",
+    "port_inputs",
+    metavar="MODULE:CALLABLE",
+    help="port_inputs(args, kwargs) maps the inputs to the port's signature.",
+)
+@out_option
+@force_option
+def bisect_spec(name: str, out_dir: str, force: bool, **options) -> None:
+    """A SPEC for `paritykit bisect` from your callables: no SPEC to write by hand.
+
+    NAME (a Python identifier) names the file: bisect_NAME.py.
+    """
+    _generate("bisect-spec", name, out_dir, force, **options)
 
 
 @new.command("triage-spec")

@@ -207,7 +207,7 @@ def templates(directory: Path | None = None) -> dict[str, TemplateSpec]:
 
 
 # What every template gets besides its spec's variables (filled in by ``render``).
-PROVIDED = frozenset({"kind", "filename", "command", "run", "version", "snake", "import_line"})
+PROVIDED = frozenset({"kind", "filename", "command", "run", "version", "snake", "root", "import_line"})
 
 
 @lru_cache(maxsize=8)
@@ -494,6 +494,9 @@ def render(
         run=spec.run.format(filename=_from_cwd(out_dir, filename), package=filename.rstrip("/")),
         version=__version__,
         snake=snake_case(_strip_pipeline(name)),
+        # the folder `paritykit new` runs in, from the generated file's folder: a file that imports the
+        # user's modules puts it on sys.path, so it runs from any folder
+        root=Path(os.path.relpath(Path.cwd(), out_dir.resolve())).as_posix(),
     )
     env = _environment(spec.path.parent)
     user_values = [str(value) for value in values.values() if value is not None]
