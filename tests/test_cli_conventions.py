@@ -958,3 +958,33 @@ def test_every_help_is_torch_free():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "HEAVY=", result.stdout[-300:] + result.stderr
+
+
+def test_every_two_path_command_says_when_both_paths_are_the_same(tmp_path):
+    import json as _json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from tests.conftest import run_cli
+
+    weights = tmp_path / "w.safetensors"
+    save_file({"layer.weight": torch.randn(4, 4)}, str(weights))
+    config = tmp_path / "config.json"
+    config.write_text(_json.dumps({"in_channels": 4}))
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(image)
+    for command, path in (
+        (["weights", "diff"], weights),
+        (["weights", "map"], weights),
+        (["config-diff"], config),
+        (["images"], image),
+        (["compare"], weights),
+    ):
+        result = run_cli(*command, path, path)
+        assert "are the same path: it is compared with itself" in result.stderr, (command, result.stderr)
+        other = tmp_path / f"copy{path.suffix}"
+        other.write_bytes(path.read_bytes())
+        assert "same path" not in run_cli(*command, path, other).stderr  # a copy is another path

@@ -37,6 +37,23 @@ map_option = click.option(
 )
 
 
+def note_same_path(a: Any, b: Any) -> None:
+    r"""Say (on stderr, so JSON stays clean) when a two-path command was given one path twice: everything
+    then agrees by construction, which is no evidence about a port."""
+    import os
+
+    try:
+        same = os.path.samefile(a, b)
+    except (OSError, TypeError, ValueError):
+        return
+    if same:
+        click.echo(
+            f"note: {a} and {b} are the same path: it is compared with itself, so everything agrees by"
+            " construction",
+            err=True,
+        )
+
+
 def emit(report: Report, *, as_json: bool, limit: int | None = DEFAULT_LIMIT) -> None:
     """Print a report as a table or JSON, then exit with its code (0 same, 1 differ).
 

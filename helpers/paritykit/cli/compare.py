@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, map_option
+from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path
 
 
 @click.command()
@@ -35,5 +35,6 @@ def compare(a, b, atol, rtol, maps, only, broadcast, as_json, limit) -> None:
     """
     from paritykit.compare.sets import compare_paths
 
+    note_same_path(a, b)
     report = compare_paths(a, b, atol=atol, rtol=rtol, maps=maps, only=only, broadcast=broadcast)
     emit(report, as_json=as_json, limit=limit)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, map_option
+from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path
 
 
 @click.command("config-diff")
@@ -77,6 +77,7 @@ def config_diff(
     from paritykit.base.naming import parse_map_options
     from paritykit.forensics.configs import config_diff as run
 
+    note_same_path(a, b)
     report = run(
         a,
         b,

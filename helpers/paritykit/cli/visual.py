@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option
+from paritykit.cli._common import emit, json_option, limit_option, note_same_path
 
 # the thresholds live in paritykit.compare.steps; quoted here without importing torch or matplotlib
 _GROWTH_HELP = (
@@ -86,5 +86,6 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 def images(a, b, out, psnr_min, range_a, range_b, as_json, limit):
     from paritykit.compare.images import compare_images
 
+    note_same_path(a, b)
     result = compare_images(a, b, psnr_min=psnr_min, out=out, value_range=(range_a, range_b))
     emit(result, as_json=as_json, limit=limit)

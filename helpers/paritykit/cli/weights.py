@@ -11,7 +11,7 @@ import os
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, map_option
+from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path
 
 # name -> (module:attribute, one-line help shown without importing the module)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -92,6 +92,7 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
     # one worker thread per core is the parallelism here: OpenBLAS's own threads (numpy's dot products) only
     # contend with them, for 12 % more CPU time on the benchmark pair. Set before numpy is first imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    note_same_path(a, b)
     report = weights_diff(
         a,
         b,

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from paritykit.base.errors import ParityKitError
-from paritykit.cli._common import emit, json_option, limit_option
+from paritykit.cli._common import emit, json_option, limit_option, note_same_path
 
 
 @click.command("map")
@@ -72,6 +72,7 @@ def weights_map(
     from paritykit.forensics.conversion.emit import emit_rules
     from paritykit.forensics.conversion.matching import infer_conversion_map
 
+    note_same_path(source, target)
     report = infer_conversion_map(source, target, allow_ambiguous=allow_ambiguous)
     if emit_rules_path is not None:
         emit_rules(report, emit_rules_path, force=force)
