@@ -310,3 +310,28 @@ def test_a_norm_without_parameters_pairs_by_order_with_its_class_not_with_anothe
     other = copy.deepcopy(port)
     other.norm_out = nn.Identity()
     assert aligned(reference, other, inputs).port_of("norm") is None
+
+
+def test_a_map_rule_overrides_a_same_name_partner():
+    from paritykit.bisection.align import align_modules
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = torch.nn.LayerNorm(8)
+            self.norm2 = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm2(self.norm1(x))
+
+    ref, port = Two(), Two()
+    x = torch.randn(2, 8)
+    with torch.no_grad(), capture(ref) as rt:
+        ref(x)
+    with torch.no_grad(), capture(port) as pt:
+        port(x)
+    plain = {p.reference: (p.port, p.how) for p in align_modules(ref, port, rt, pt).pairs}
+    assert plain["norm1"] == ("norm1", "names")  # by name, without a rule
+    mapped = align_modules(ref, port, rt, pt, rules=[("^norm1$", "norm2")])
+    pairs = {p.reference: (p.port, p.how) for p in mapped.pairs}
+    assert pairs["norm1"] == ("norm2", "map")

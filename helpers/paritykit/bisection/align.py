@@ -324,6 +324,15 @@ class _Builder:
         )
 
     def by_names(self, rules: Sequence[tuple[str, str]]) -> None:
+        # the user's --map rules first: a rule that renames a module overrides its same-name partner
+        if rules:
+            compiled = compile_rules(rules)
+            port_free = set(self.free_port())
+            for r in self.free_ref():
+                p = apply_rules(r, compiled)
+                if p != r and p in port_free and self.compatible(r, p):
+                    self.add(r, p, "map")
+                    port_free.discard(p)
         port_free = set(self.free_port())
         for r in self.free_ref():
             if self._reordered(r):
@@ -332,15 +341,6 @@ class _Builder:
             if r in port_free and (r == "" or self.compatible(r, r)):
                 self.add(r, r, "names")
                 port_free.discard(r)
-        if not rules:
-            return
-        compiled = compile_rules(rules)
-        port_free = set(self.free_port())
-        for r in self.free_ref():
-            p = apply_rules(r, compiled)
-            if p in port_free and self.compatible(r, p):
-                self.add(r, p, "map")
-                port_free.discard(p)
 
     # 3 ----------------------------------------------------------------------------------------------
     def by_weights(self) -> None:
