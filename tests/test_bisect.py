@@ -504,3 +504,21 @@ def test_a_generated_bisect_spec_runs_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     report = bisect_spec(tmp_path / "specs" / "bisect_gelu.py")
     assert report.verdict == "diverge" and report.culprit.port == "1", report.render()
+
+
+def test_ops_says_why_when_it_names_no_op():
+    class Inline(torch.nn.Module):
+        def __init__(self, factor):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(4, 4)
+            self.factor = factor
+
+        def forward(self, x):
+            return self.proj(x) * self.factor  # the difference is in the top level's own forward
+
+    report = bisect(Inline(1.0), Inline(1.5), [torch.randn(2, 4)], ops=True)
+    assert report.culprit.reference == "" and report.culprit.op is None
+    assert report.culprit.ops_note.startswith("--ops: not traced: the culprit is the top level")
+    assert report.culprit.ops_note in report.render()
+    assert not bisect(Inline(1.0), Inline(1.5), [torch.randn(2, 4)]).culprit.ops_note  # not asked: silent

@@ -117,17 +117,37 @@ def culprit_finding(
             children_passed=children_passed,
             hints=explained(None),
             note=_untested_inside(alignment, call.module),
+            ops_note=(
+                "--ops: not traced: the culprit is the top level, found from the final output (ops are traced"
+                " in a module replayed on the reference's inputs)"
+                if ops
+                else ""
+            ),
         )
     result = searcher.results[call.name]
-    op = None
-    if ops and result.test == "replay":
+    op, ops_note = None, ""
+    if ops and result.test != "replay":
+        ops_note = (
+            "--ops: not traced: the culprit was found from capture, not replayed ("
+            + (searcher.why_not_replayed.get(call.name) or "no replay")
+            + ")"
+        )
+    elif ops:
         ref_module = searcher.ref_modules.get(call.module)
         port_module = searcher.port_modules.get(port_call.module)
         adapted = searcher.adapt_inputs(call, port_call, module_device(port_module))
-        if ref_module is not None and adapted is not None:
+        if ref_module is None or adapted is None:
+            ops_note = "--ops: not traced: the reference model is not at hand to replay (give SPEC.py)"
+        else:
             op = op_divergence(
                 ref_module, port_module, call.call_inputs(), adapted, atol=searcher.atol, rtol=searcher.rtol
             )
+            if op is None:
+                ops_note = (
+                    "--ops: no port op differs while its inputs agree: the difference is made by ops whose"
+                    " inputs already differ in layout or value from every reference op's, or by the"
+                    " module's submodules (see the table)"
+                )
     return ModuleFinding(
         call.name,
         port_call.name,
@@ -141,6 +161,7 @@ def culprit_finding(
         confidence=pair.confidence,
         note=join_notes(result.note, _untested_inside(alignment, call.module)),
         op=op,
+        ops_note=ops_note,
     )
 
 

@@ -72,6 +72,8 @@ class ModuleFinding:
     children_passed: int = 0
     note: str = ""
     op: OpDivergence | None = None
+    # --ops asked for, no op named: why (the culprit was not replayed, the top level, no op found)
+    ops_note: str = ""
     # masked verdict: its captured outputs differ, but nothing aligned fails on identical inputs (see note)
     through_inputs: bool = False
 
@@ -92,6 +94,8 @@ class ModuleFinding:
         }
         if self.op is not None:
             out["op"] = self.op.to_dict()
+        if self.ops_note:
+            out["ops_note"] = self.ops_note
         return out
 
 
@@ -363,6 +367,8 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> li
         lines.append(f"  hint {i}: [{hint.id}] {hint.message}")
     if f.op is not None:
         lines.append(f.op.render())
+    elif f.ops_note:
+        lines.append(f"  {f.ops_note}")
     return lines
 
 
