@@ -46,10 +46,13 @@ def test_buggy_port_differs_and_fixed_port_matches_exactly():
     assert (outputs[False] - expected).abs().max() > 1e-4
 
 
-def test_config_diff_shows_the_missing_knob(demo_dir):
+def test_config_diff_shows_the_knob_the_port_leaves_unset(demo_dir):
+    # the demo's own words ("time_mixture, left unset (null) in the port's config") against its own output
     report = load(demo_dir, "1_config_diff")
-    assert "time_mix" in report["only_a"]
-    assert report["differences"] == []
+    assert report["differences"] == [
+        {"key": "time_mixture", "a": 1.0, "b": None, "a_default": False, "b_default": False}
+    ]
+    assert report["only_a"] == [] and report["only_b"] == []
 
 
 def test_weights_map_explains_every_tensor(demo_dir):
@@ -128,7 +131,7 @@ def test_every_printed_command_runs_and_prints_exactly_what_the_demo_shows_under
     blocks = printed_blocks()
     assert len(blocks) == 7
     runs = [run_cli(*argv, cwd=demo_dir.parent) for argv, _ in blocks]
-    # config-diff: time_mix only in A -> differ (1); weights map: all explained (0); bisect buggy: diverge
+    # config-diff: time_mix set in A, unset in B -> differ (1); weights map: all explained (0); bisect buggy: diverge
     # (1); steps: diverge (1); images: below threshold (1); bisect fixed: match (0); compare fixed images:
     # same (0)
     assert [run.returncode for run in runs] == [1, 0, 1, 1, 1, 0, 0], [run.stderr for run in runs]
