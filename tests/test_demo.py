@@ -131,9 +131,9 @@ def test_every_printed_command_runs_and_prints_exactly_what_the_demo_shows_under
     blocks = printed_blocks()
     assert len(blocks) == 7
     runs = [run_cli(*argv, cwd=demo_dir.parent) for argv, _ in blocks]
-    # config-diff: time_mix set in A, unset in B -> differ (1); weights map: all explained (0); bisect buggy: diverge
-    # (1); steps: diverge (1); images: below threshold (1); bisect fixed: match (0); compare fixed images:
-    # same (0)
+    # config-diff: time_mix set in A, unset in B -> differ (1); weights map: all explained (0); bisect buggy:
+    # diverge (1); steps: diverge (1); images: below threshold (1); bisect fixed: match (0); compare fixed
+    # images: same (0)
     assert [run.returncode for run in runs] == [1, 0, 1, 1, 1, 0, 0], [run.stderr for run in runs]
     for (argv, shown), run in zip(blocks, runs):
         actual = run.stdout.strip("\n")
