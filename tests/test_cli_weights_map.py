@@ -146,3 +146,22 @@ def test_planted_chunk_swap_exits_1_with_a_warning(cli, checkpoints):
     assert proc.returncode == 1
     warnings = json.loads(proc.stdout)["warnings"]
     assert {w["target"] for w in warnings} >= {q, k}
+
+
+def test_a_lone_transposed_linear_is_a_warning_and_a_transposing_conversion_is_not():
+    import torch
+    from paritykit.forensics.conversion.matching import infer_conversion_map
+
+    torch.manual_seed(0)
+    # one attention block: four Linears with different names, so no layer of the same name to compare with
+    names = ("q", "k", "v", "o")
+    source = {f"attn.{n}.weight": torch.randn(8, 8) for n in names}
+    renamed = {f"attn1.to_{n}.weight": source[f"attn.{n}.weight"].clone() for n in names}
+    assert not infer_conversion_map(source, renamed).warnings
+    slipped = {**renamed, "attn1.to_k.weight": source["attn.k.weight"].T.contiguous()}
+    report = infer_conversion_map(source, slipped)
+    assert report.exit_code == 1
+    (warning,) = report.warnings
+    assert warning.target == "attn1.to_k.weight" and "stored transposed" in warning.message
+    every = {k: source[f"attn.{n}.weight"].T.contiguous() for n, k in zip(names, renamed)}
+    assert not infer_conversion_map(source, every).warnings  # GPT-2 style: every weight transposed

@@ -40,7 +40,38 @@ def conversion_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
     out += layer_order_warnings(mapping)
     out += _fused_order_warnings(mapping)
     out += _layer_warnings(mapping)
+    named = {w.target for w in out}
+    out += [w for w in _lone_transpose_warnings(mapping) if w.target not in named]
     return out
+
+
+# a transposed weight is alone when the model copies at least this many other weights as they are
+LONE_AMONG = 3
+
+
+def _transposes(e: MappingEntry) -> bool:
+    steps = [e.op, *(s.get("op") for s in e.args.get("then", []))]
+    return "transpose" in steps
+
+
+def _lone_transpose_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+    r"""A weight built as a transpose where every other weight is copied as it is: a square Linear stored
+    transposed loads without a shape error and computes ``x @ W`` in place of ``x @ W.T``. A conversion that
+    transposes its weights does so for many (GPT-2's Conv1D); one alone is a slip."""
+    weights = [e for e in mapping if e.target.endswith("weight") and len(e.sources) == 1]
+    transposed = [e for e in weights if _transposes(e)]
+    copied = [e for e in weights if e.op == "identity" and not e.args.get("then")]
+    if len(transposed) != 1 or len(copied) < LONE_AMONG:
+        return []
+    (e,) = transposed
+    return [
+        ConversionWarning(
+            e.target,
+            f"built as {describe_op(e.op, e.args)} of {e.sources[0]}, while the {len(copied)} other weights"
+            " are copied as they are: a Linear stored transposed loads without error and computes x @ W in"
+            " place of x @ W.T",
+        )
+    ]
 
 
 def layer_order_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
