@@ -52,8 +52,10 @@ def test_failing_pair_exits_1_with_table_first_divergence_and_hint(folders):
     result = run("compare", *folders)
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:6] == ["name", "status", "max_abs", "mean_abs", "cosine", "mismatch"]
-    names = [line.split()[0] for line in lines[2:6]]
+    # the answer first: the verdict and the first divergence, then the table
+    assert lines[0].startswith("verdict: 2 of 4 pairs differ; first divergence: step_2 (max_abs")
+    assert lines[1].split()[:6] == ["name", "status", "max_abs", "mean_abs", "cosine", "mismatch"]
+    names = [line.split()[0] for line in lines[3:7]]
     assert names == ["step_0", "step_1", "step_2", "step_10"]  # natural order, not step_10 before step_2
     assert "first divergence: step_2" in result.stdout
     assert "[constant-scale]" in result.stdout

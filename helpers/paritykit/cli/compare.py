@@ -35,6 +35,6 @@ def compare(a, b, atol, rtol, maps, only, broadcast, as_json, limit) -> None:
     """
     from paritykit.compare.sets import compare_paths
 
-    note_same_path(a, b)
     report = compare_paths(a, b, atol=atol, rtol=rtol, maps=maps, only=only, broadcast=broadcast)
+    note_same_path(a, b)
     emit(report, as_json=as_json, limit=limit)

@@ -77,7 +77,6 @@ def config_diff(
     from paritykit.base.naming import parse_map_options
     from paritykit.forensics.configs import config_diff as run
 
-    note_same_path(a, b)
     report = run(
         a,
         b,
@@ -90,4 +89,5 @@ def config_diff(
         class_name=class_name,
         suggest=suggest,
     )
+    note_same_path(a, b)
     emit(report, as_json=as_json, limit=limit)

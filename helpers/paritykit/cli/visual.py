@@ -86,6 +86,6 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 def images(a, b, out, psnr_min, range_a, range_b, as_json, limit):
     from paritykit.compare.images import compare_images
 
-    note_same_path(a, b)
     result = compare_images(a, b, psnr_min=psnr_min, out=out, value_range=(range_a, range_b))
+    note_same_path(a, b)
     emit(result, as_json=as_json, limit=limit)

@@ -92,7 +92,6 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
     # one worker thread per core is the parallelism here: OpenBLAS's own threads (numpy's dot products) only
     # contend with them, for 12 % more CPU time on the benchmark pair. Set before numpy is first imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    note_same_path(a, b)
     report = weights_diff(
         a,
         b,
@@ -106,4 +105,5 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
         if keys_only:
             raise click.UsageError("--plot needs values; drop --keys-only")
         plot_weights_diff(report, plot)
+    note_same_path(a, b)
     emit(report, as_json=as_json, limit=limit)

@@ -72,8 +72,8 @@ def weights_map(
     from paritykit.forensics.conversion.emit import emit_rules
     from paritykit.forensics.conversion.matching import infer_conversion_map
 
-    note_same_path(source, target)
     report = infer_conversion_map(source, target, allow_ambiguous=allow_ambiguous)
     if emit_rules_path is not None:
         emit_rules(report, emit_rules_path, force=force)
+    note_same_path(source, target)
     emit(report, as_json=as_json, limit=limit)

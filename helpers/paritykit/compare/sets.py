@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, render_table
+from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 from paritykit.compare.tensors import TensorComparison, as_tensor, compare_tensors
 
 if TYPE_CHECKING:
@@ -92,7 +92,29 @@ class SetComparison:
         )
         if any(p.passed_by_oracle for p in self.pairs):
             summary += " (pass* = outside tolerance, within the fp64-oracle rule)"
-        lines = [render_table(headers, [p.table_row() for p in self.pairs], limit=limit, summary=summary)]
+        first = self.first_divergence
+        if first is not None:
+            worst = self.pair(first)
+            differ = c["fail"] + c["shape_mismatch"]
+            answer = f"verdict: {differ} of {c['pairs']} pairs differ; first divergence: {first}"
+            if getattr(worst, "max_abs", None) is not None:
+                answer += f" (max_abs {format_number(worst.max_abs)})"
+        elif self.passed:
+            answer = f"verdict: all {c['pairs']} pairs match"
+        else:
+            answer = (
+                "verdict: differ ("
+                + ", ".join(
+                    f"{len(names)} only in {side}"
+                    for side, names in (("A", self.only_a), ("B", self.only_b))
+                    if names
+                )
+                + ")"
+            )
+        lines = [
+            answer,
+            render_table(headers, [p.table_row() for p in self.pairs], limit=limit, summary=summary),
+        ]
         for p in self.pairs:
             if p.status == "shape_mismatch":
                 lines.append(
@@ -108,7 +130,6 @@ class SetComparison:
                 lines.append(f"{label} ({len(names)}): {', '.join(shown)}{more}")
         for diff in self.value_diffs[: limit or None]:
             lines.append(f"value differs: {diff['name']}: A={diff['a']} B={diff['b']}")
-        first = self.first_divergence
         if first is not None:
             lines += ["", f"first divergence: {first}", self.pair(first).render()]
         elif self.passed:

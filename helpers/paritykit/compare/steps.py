@@ -314,6 +314,7 @@ class StepCurve:
                 row += [p.sigma, p.inv_sigma, p.max_abs_times_sigma]
             rows.append(row)
         lines = [f"steps: {self.a} vs {self.b} (key {self.key!r}, {len(self.points)} steps)"]
+        lines += self._answer()
         if limit and len(rows) > limit:
             # the last steps matter most: keep both ends, elide the middle
             tail = max(1, limit // 2)
@@ -325,9 +326,6 @@ class StepCurve:
             lines.append("(raise --limit, or use --json for every step)")
         else:
             lines.append(render_table(headers, rows, limit=limit))
-        g = self.growth
-        label = f"polynomial (step^{g.power_exponent:.2f})" if g.growth == "polynomial" else g.growth
-        lines.append(f"growth: {label} — {g.reason}")
         if self.sigma_scaled_growth is not None:
             s = self.sigma_scaled_growth
             lines.append(f"with 1/sigma factored out (max_abs*sigma): {s.growth} — {s.reason}")
@@ -341,17 +339,24 @@ class StepCurve:
         if self.hints:
             lines.append(f"hints at step {self.first_failing_step}:")
             lines += [f"  [{h.get('id')}] {h.get('message')}" for h in self.hints]
-        last = self.last
-        tol = f"atol {format_number(self.atol)}, rtol {format_number(self.rtol)}"
-        verdict = "within tolerance" if last.passed else "OUTSIDE tolerance"
-        lines.append(
-            f"last step {last.step}: max_abs {format_number(last.max_abs)} — {verdict} ({tol})"
-            + ("" if self.first_failing_step is None else f"; first failing step {self.first_failing_step}")
-        )
         if self.plot_path:
             lines.append(f"plot: {self.plot_path}")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def _answer(self) -> list[str]:
+        r"""The verdict first: the last step against tolerance (and the first failing step), then how the
+        error grows."""
+        last = self.last
+        tol = f"atol {format_number(self.atol)}, rtol {format_number(self.rtol)}"
+        verdict = "within tolerance" if last.passed else "OUTSIDE tolerance"
+        g = self.growth
+        label = f"polynomial (step^{g.power_exponent:.2f})" if g.growth == "polynomial" else g.growth
+        return [
+            f"last step {last.step}: max_abs {format_number(last.max_abs)} — {verdict} ({tol})"
+            + ("" if self.first_failing_step is None else f"; first failing step {self.first_failing_step}"),
+            f"growth: {label} — {g.reason}",
+        ]
 
     def plot(self, path: str | Path) -> Path:
         r"""Write the curve as a PNG (log y): max_abs and mean_abs per step, ``max_abs·σ`` and ``1/σ`` with

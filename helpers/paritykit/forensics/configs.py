@@ -122,8 +122,15 @@ class ConfigDiff:
             "environment": environment_stamp(),
         }
 
+    def _answer(self) -> str:
+        r"""The verdict first: the configs match, or how many keys differ and the first of them."""
+        if not self.exit_code:
+            return "verdict: configs match"
+        counts = f"{len(self.differences)} differ, {len(self.only_a)} only in A, {len(self.only_b)} only in B"
+        return f"verdict: differ ({counts}); first: {_first_words(self)}"
+
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        lines = [f"A: {self.a}", f"B: {self.b}"]
+        lines = [self._answer(), f"A: {self.a}", f"B: {self.b}"]
         for prefix, helper in self.derived_with.items():
             where = f" (compared with B's {prefix})" if prefix else ""
             lines.append(f"A read as diffusers config by diffusers' {helper}{where}")
@@ -167,6 +174,14 @@ class ConfigDiff:
             summary = "configs match: " + ", ".join(counts)
         lines.append(summary)
         return "\n".join(lines)
+
+
+def _first_words(report: ConfigDiff) -> str:
+    if report.differences:
+        d = report.differences[0]
+        return f"{d.key}: A {_short(d.a)}, B {_short(d.b)}"
+    side, keys = ("A", report.only_a) if report.only_a else ("B", report.only_b)
+    return f"{keys[0]} only in {side}"
 
 
 def _mark(is_default: bool) -> str:

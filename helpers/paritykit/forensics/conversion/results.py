@@ -149,6 +149,25 @@ class ConversionMap:
         failed = self.unmapped_target or self.warnings or (self.ambiguous and not self.allow_ambiguous)
         return 1 if failed else 0
 
+    def verdict_line(self) -> str:
+        r"""The answer in one line: explained, or what is not (with the first warning's words)."""
+        if self.exit_code == 0:
+            guessed = f", {len(self.ambiguous)} guessed (allowed)" if self.ambiguous else ""
+            return f"verdict: all {len(self.mapping)} target tensors explained{guessed}, no warning"
+        problems = []
+        if self.unmapped_target:
+            problems.append(f"{len(self.unmapped_target)} target tensors unexplained")
+        if self.ambiguous and not self.allow_ambiguous:
+            problems.append(f"{len(self.ambiguous)} guessed (equal values; --allow-ambiguous accepts them)")
+        if self.warnings:
+            first = self.warnings[0]
+            said = (
+                "the layer order below" if first.target.endswith(".*") else f"{first.target}: {first.message}"
+            )
+            count = f"{len(self.warnings)} warning{'' if len(self.warnings) == 1 else 's'}"
+            problems.append(f"{count}, first: {said}")
+        return "verdict: " + "; ".join(problems)
+
     @property
     def n_structure(self) -> int:
         return sum(e.evidence.startswith("structure") for e in self.mapping)
@@ -195,7 +214,7 @@ class ConversionMap:
             f" {self.n_structure} settled by structure, {len(self.ambiguous)} ambiguous, {len(self.warnings)}"
             f" warning{'' if len(self.warnings) == 1 else 's'} ({self.seconds:.2f} s)"
         )
-        parts = [f"weights map: {self.source_label} -> {self.target_label}"]
+        parts = [f"weights map: {self.source_label} -> {self.target_label}", self.verdict_line()]
         # a reordering of layers is the answer when there is one: first, before the rules it explains
         parts += [f"layer order: {w.message}" for w in self.warnings if w.target.endswith(".*")]
         parts.append("")
@@ -237,7 +256,7 @@ class ConversionMap:
                 parts.append(f"  … {len(self.warnings) - len(shown_w)} more (use --json for everything)")
         if self.emitted_rules:
             parts += ["", f"rules module written to {self.emitted_rules}"]
-        parts += ["", summary]
+        parts += ["", summary]  # the counts, after the rows they count
         # prose wraps at the table width; table rows were fitted already
         return "\n".join(
             line if len(line) <= WIDTH else textwrap.fill(line, WIDTH, subsequent_indent="  ")
