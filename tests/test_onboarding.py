@@ -118,17 +118,17 @@ def test_every_skill_that_uses_the_cli_says_how_to_get_it_at_the_top():
 def test_the_order_of_work_is_stated_once_in_the_skill_and_linked_from_the_readme():
     readme = README.read_text()
     porting = section(readme, "Porting a model with paritykit")
-    assert "skills/parity-testing/SKILL.md#the-order-of-work" in porting
+    assert "skills/parity-testing/references/workflow.md" in porting
     assert not re.search(r"^\d+\. ", porting, re.M), (
         "the README restates the steps; link to the skill instead"
     )
-    skill = (REPO / "skills" / "parity-testing" / "SKILL.md").read_text()
-    assert "\n## The order of work\n" in skill
+    workflow = (REPO / "skills" / "parity-testing" / "references" / "workflow.md").read_text()
+    assert "\n## The order of work\n" in workflow
 
 
 def test_no_step_uses_convert_rules_before_a_step_writes_it():
-    skill = (REPO / "skills" / "parity-testing" / "SKILL.md").read_text()
-    for text in (skill, README.read_text()):
+    workflow = (REPO / "skills" / "parity-testing" / "references" / "workflow.md").read_text()
+    for text in (workflow, README.read_text()):
         assert text.index("--emit-rules convert_rules.py") < text.index("convert_rules:convert")
 
 

@@ -157,3 +157,11 @@ def test_the_spec_pattern_for_lists_and_extra_arguments_runs_and_matches(tmp_pat
         spec.read_text().replace('"timestep": t,', '"timestep": t * 1.5,')  # the port fed another timestep
     )
     assert bisect_spec(shifted).verdict == "diverge"
+
+
+def test_skills_are_sized_for_agents():
+    # an agent reads a skill's first screen; the long material sits in references/ the skill links to
+    for skill in SKILLS.glob("*/SKILL.md"):
+        assert len(skill.read_text().splitlines()) <= 200, skill
+    first = (SKILLS / "parity-testing" / "SKILL.md").read_text().split("## SPEC patterns")[0]
+    assert "## The loop: triage → bisect → schedule" in first and "paritykit triage" in first
