@@ -557,3 +557,59 @@ def test_stage_tests_isolate_a_decode_bug(executed):
     assert _outcome(executed, "test_buggy_encode") == "passed"
     assert _outcome(executed, "test_buggy_denoise") == "passed"
     assert _outcome(executed, "test_buggy_decode") == "failed"
+
+
+def test_a_generated_test_runs_with_plain_pytest_from_another_folder(tmp_path):
+    # the user's module sits in the folder `paritykit new` ran in; plain `pytest` (no -m, so that folder is
+    # not on sys.path) run from elsewhere must still import it: the generated file puts it there
+    import torch
+    from diffusers import UNet2DModel
+
+    tiny = dict(
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+    )
+    torch.manual_seed(0)
+    UNet2DModel(**tiny).save_pretrained(tmp_path / "saved")
+    (tmp_path / "user_models.py").write_text(
+        "from pathlib import Path\n\nfrom diffusers import UNet2DModel\n\n\n"
+        "def build_reference():\n"
+        "    return UNet2DModel.from_pretrained(Path(__file__).parent / 'saved')\n"
+    )
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        options = {
+            "reference": "user_models:build_reference",
+            "diffusers": "UNet2DModel",
+            "pretrained": "saved",
+        }
+        scaffold.generate("component-test", "unet", out_dir="tests_out", **options)
+    finally:
+        os.chdir(cwd)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO / "helpers")
+    pytest_bin = Path(sys.executable).with_name("pytest")
+    run = subprocess.run(
+        [
+            str(pytest_bin),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "tests_out" / "test_unet_component.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=elsewhere,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
