@@ -1,6 +1,7 @@
 """Run every benchmark in this folder in turn (`make bench`); each writes its own file under results/.
 
-The speed benchmarks are `bench_*.py`; `diagnosis.py` scores the quality of bisect's answers on the gallery.
+The speed benchmarks are `bench_*.py`; `diagnosis.py` scores the quality of bisect's answers on the gallery;
+`first_screen.py` measures whether those answers sit in a report's first 10 lines.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     failed = []
-    for script in [*sorted(HERE.glob("bench_*.py")), HERE / "diagnosis.py"]:
+    for script in [*sorted(HERE.glob("bench_*.py")), HERE / "diagnosis.py", HERE / "first_screen.py"]:
         print(f"== {script.name}", flush=True)
         if subprocess.run([sys.executable, str(script)]).returncode != 0:
             failed.append(script.name)
