@@ -443,7 +443,8 @@ def test_set_report_json_schema_and_table():
         assert pair["status"] in ("pass", "fail", "shape_mismatch")
         assert all({"id", "message"} <= set(h) for h in pair["hints"])
     text = r.render()
-    assert text.splitlines()[0].split() == [
+    assert text.splitlines()[0].startswith("verdict: ")  # the answer first, then the table
+    assert text.splitlines()[1].split() == [
         "name",
         "status",
         "max_abs",

@@ -295,7 +295,9 @@ def test_cli_steps_exit_codes_json_and_plot(runs, cli, tmp_path):
     assert same.returncode == 0, same.stderr
     assert "4 more" in same.stdout and "within tolerance" in same.stdout
     table = same.stdout.splitlines()
-    assert table[3].startswith("0 ") and table[4].startswith("…") and table[5].startswith(f"{STEPS - 1} ")
+    # the verdict (last step, growth) first, then the table with its middle elided
+    assert table[1].startswith("last step") and table[2].startswith("growth:")
+    assert table[5].startswith("0 ") and table[6].startswith("…") and table[7].startswith(f"{STEPS - 1} ")
     bad = cli("steps", tmp_path / "missing", root / "port")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "missing" in bad.stderr
