@@ -7,6 +7,7 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from paritykit.base.errors import ParityKitError
@@ -323,3 +324,31 @@ def test_timesteps_in_other_units_are_one_schedule_and_replayed_converted(tmp_pa
     report = triage_spec(write_unit_spec(tmp_path, ["norm-eps"]), out=tmp_path / "eps")
     (finding,) = report.findings
     assert finding.place == "denoiser" and finding.call == 0, report.render()
+
+
+def test_triage_without_a_spec_file_from_callables(tmp_path, monkeypatch):
+    (tmp_path / "my_runs.py").write_text(
+        "from tests.triage_pairs import Pair\n\nPAIR = Pair({'cond-bf16'}, vae=False)\n"
+        "run_reference, run_port = PAIR.run_reference, PAIR.run_port\n"
+        "port_scheduler = PAIR.port_scheduler\n\n\n"
+        "def reference_unet():\n    return PAIR.ref_unet\n\n\ndef port_unet():\n    return PAIR.port_unet\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO))
+    from click.testing import CliRunner
+    from paritykit.cli import cli
+
+    names = ["--run-reference", "my_runs:run_reference", "--run-port", "my_runs:run_port"]
+    names += ["--reference-denoiser", "my_runs:reference_unet", "--port-denoiser", "my_runs:port_unet"]
+    result = CliRunner().invoke(
+        cli, ["triage", *names, "--port-scheduler", "my_runs:port_scheduler", "--json"]
+    )
+    assert result.exit_code == 1, result.output
+    payload = json.loads(result.stdout)
+    assert [f["place"] for f in payload["findings"]] == ["conditioning"]
+    written = tmp_path / "triage-out" / "triage_spec.py"
+    assert payload["spec_written"] == str(Path("triage-out") / "triage_spec.py") and written.is_file()
+    again = triage_spec(written, out=tmp_path / "again")  # the written SPEC runs as it is
+    assert [f.place for f in again.findings] == ["conditioning"]
+    missing = CliRunner().invoke(cli, ["triage", "--run-reference", "my_runs:run_reference", "--out", "x"])
+    assert missing.exit_code == 2 and "--run-port" in missing.output

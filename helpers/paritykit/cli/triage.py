@@ -22,7 +22,20 @@ from paritykit.cli._common import emit, json_option, limit_option
         " bugs are all named in one run.\n\nExit 0 match, 1 differ, 2 on bad input."
     )
 )
-@click.argument("spec", metavar="SPEC.py")
+@click.argument("spec", metavar="SPEC.py", required=False)
+@click.option(
+    "--run-reference", metavar="MODULE:CALLABLE", help="No SPEC file: runs the reference end to end."
+)
+@click.option("--run-port", metavar="MODULE:CALLABLE", help="No SPEC file: runs the port end to end.")
+@click.option(
+    "--reference-denoiser", metavar="MODULE:CALLABLE", help="No SPEC file: returns the reference's denoiser."
+)
+@click.option("--port-denoiser", metavar="MODULE:CALLABLE", help="No SPEC file: returns the port's denoiser.")
+@click.option("--reference-vae", metavar="MODULE:CALLABLE", help="No SPEC file: the reference's decoder.")
+@click.option("--port-vae", metavar="MODULE:CALLABLE", help="No SPEC file: the port's decoder.")
+@click.option(
+    "--port-scheduler", metavar="MODULE:CALLABLE", help="No SPEC file: the port's scheduler object."
+)
 @click.option("--all", "all_causes", is_flag=True, help="Name every independent cause, not only the first.")
 @click.option(
     "--out",
@@ -38,7 +51,22 @@ from paritykit.cli._common import emit, json_option, limit_option
 )
 @json_option
 @limit_option
-def triage(spec, all_causes, out, seed, as_json, limit) -> None:
+def triage(spec, all_causes, out, seed, as_json, limit, **callables) -> None:
+    from paritykit.base.errors import ParityKitError
     from paritykit.triage import triage_spec
 
-    emit(triage_spec(spec, all_causes=all_causes, out=out, seed=seed), as_json=as_json, limit=limit)
+    given = {name: value for name, value in callables.items() if value}
+    if given and spec is not None:
+        raise ParityKitError("give SPEC.py or the --run-…/--…-denoiser callables, not both")
+    if spec is None and not given:
+        raise click.UsageError(
+            "give SPEC.py, or --run-reference, --run-port, --reference-denoiser, --port-denoiser"
+        )
+    written = None
+    if given:
+        from paritykit.triage.spec import spec_from_callables
+
+        spec = written = spec_from_callables(out, **given)
+    report = triage_spec(spec, all_causes=all_causes, out=out, seed=seed)
+    report.spec_written = str(written) if written is not None else ""
+    emit(report, as_json=as_json, limit=limit)

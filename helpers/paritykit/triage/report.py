@@ -136,6 +136,8 @@ class TriageReport:
     all_causes: bool
     out_dir: str | None
     environment: dict[str, Any] = field(default_factory=dict)
+    # a run from callables (no SPEC file): the SPEC it wrote and ran, to keep
+    spec_written: str = ""
 
     @property
     def verdict(self) -> Verdict:
@@ -163,6 +165,7 @@ class TriageReport:
             "curve": [row.to_dict() for row in self.curve],
             "out_dir": self.out_dir,
             "environment": self.environment,
+            "spec_written": self.spec_written,
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -199,6 +202,10 @@ class TriageReport:
             lines.append(render_table(["call", "t ref", "t port", "latents in", "output"], rows, limit=limit))
         if self.out_dir:
             lines.append(f"recordings and reproduction files: {self.out_dir}")
+        if self.spec_written:
+            lines.append(
+                f"this run's SPEC, written from the callables (keep it, rerun it): {self.spec_written}"
+            )
         return "\n".join(lines)
 
 

@@ -14,7 +14,14 @@ from typing import Any
 from paritykit.base.usercode import load_spec
 from paritykit.triage.pairs import Tolerance
 from paritykit.triage.report import TriageReport
-from paritykit.triage.reproduce import DEFAULT_OUT, Commands, checked_out, write_files, write_recordings
+from paritykit.triage.reproduce import (
+    DEFAULT_OUT,
+    MARKER,
+    Commands,
+    checked_out,
+    write_files,
+    write_recordings,
+)
 from paritykit.triage.sides import check_required, run_side
 from paritykit.triage.walk import Triage
 
@@ -51,3 +58,61 @@ def triage_spec(
     report = Triage(spec, tol, ref, port, Commands(spec.path, spec.tolerance, folders), all_causes).report()
     write_files(report.findings)
     return report
+
+
+# the SPEC functions a triage run from callables names, with their options
+CALLABLE_FUNCTIONS = (
+    ("run_reference", "--run-reference"),
+    ("run_port", "--run-port"),
+    ("reference_denoiser", "--reference-denoiser"),
+    ("port_denoiser", "--port-denoiser"),
+    ("reference_vae", "--reference-vae"),
+    ("port_vae", "--port-vae"),
+    ("port_scheduler", "--port-scheduler"),
+)
+
+
+def spec_from_callables(out: Any, **targets: str | None) -> Any:
+    r"""A triage SPEC file written into ``out`` from ``MODULE:CALLABLE`` names (``run_reference=...`` and
+    the rest of :data:`CALLABLE_FUNCTIONS`), each SPEC function calling its callable; the folder this runs
+    in is put on the SPEC's ``sys.path``. Returns its path: the run's reproduce commands read it, and it can
+    be kept."""
+    import os
+    from pathlib import Path
+
+    from paritykit.base.errors import ParityKitError
+    from paritykit.base.files import atomic_write_text
+    from paritykit.base.usercode import callable_from
+
+    missing = [option for name, option in CALLABLE_FUNCTIONS[:4] if not targets.get(name)]
+    if missing:
+        raise ParityKitError(f"without a SPEC, give {', '.join(missing)} (MODULE:CALLABLE)")
+    out_dir = checked_out(out)
+    if out_dir is None:
+        raise ParityKitError("without a SPEC, triage needs --out to write the SPEC it runs")
+    lines = [
+        '"""Triage SPEC written by `paritykit triage` from the callables it was given; keep or edit it."""',
+        "",
+        "import sys",
+        "",
+        f"sys.path.insert(0, {os.getcwd()!r})",
+    ]
+    for name, option in CALLABLE_FUNCTIONS:
+        target = targets.get(name)
+        if not target:
+            continue
+        callable_from(option, target)  # a wrong name is one line now, not an error inside the run
+        module, _, attr = target.partition(":")
+        lines += [
+            "",
+            "",
+            f"def {name}():",
+            f"    from {module} import {attr} as _callable",
+            "",
+            "    return _callable()",
+        ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MARKER).write_text("{}\n")  # the folder is triage's, so the run may write into it
+    path = Path(out_dir) / "triage_spec.py"
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
