@@ -988,3 +988,20 @@ def test_every_two_path_command_says_when_both_paths_are_the_same(tmp_path):
         other = tmp_path / f"copy{path.suffix}"
         other.write_bytes(path.read_bytes())
         assert "same path" not in run_cli(*command, path, other).stderr  # a copy is another path
+
+
+def test_json_puts_the_same_answer_first(tmp_path):
+    import json as _json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.conftest import run_cli
+
+    save_file({"layer.weight": torch.ones(4, 4)}, str(tmp_path / "a.safetensors"))
+    save_file({"layer.weight": torch.ones(4, 4) * 2}, str(tmp_path / "b.safetensors"))
+    result = run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--json")
+    payload = _json.loads(result.stdout)
+    assert list(payload)[1:4] == ["verdict", "passed", "answer"]
+    text = run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.safetensors").stdout
+    assert payload["answer"][0] == text.splitlines()[0] and payload["answer"][0].startswith("verdict: ")

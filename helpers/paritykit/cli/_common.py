@@ -54,13 +54,21 @@ def note_same_path(a: Any, b: Any) -> None:
         )
 
 
+# the lines of a report's first screen that --json repeats as "answer"
+SUMMARY_LINES = 10
+
+
 def emit(report: Report, *, as_json: bool, limit: int | None = DEFAULT_LIMIT) -> None:
     """Print a report as a table or JSON, then exit with its code (0 same, 1 differ).
 
     Every JSON report carries ``verdict`` and ``passed`` (from the exit code), added here so that no command,
     old or new, can leave them out."""
     if as_json:
-        click.echo(to_json(with_verdict(report.to_dict(), report.exit_code)))
+        payload = with_verdict(report.to_dict(), report.exit_code)
+        # the answer first in JSON too: the first screen's lines as "answer", right after verdict and passed
+        summary = [line for line in report.render(limit=None).splitlines()[:SUMMARY_LINES] if line.strip()]
+        head = {key: payload.pop(key) for key in ("verdict", "passed") if key in payload}
+        click.echo(to_json({**head, "answer": summary, **payload}))
     else:
         click.echo(report.render(limit=limit or None))
     sys.exit(report.exit_code)
