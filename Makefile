@@ -13,7 +13,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "[1/4] $(TORCH_SPEC) (the CPU build on this disk; about a minute)"
+	@echo "[1/4] $(TORCH_SPEC) (about a minute)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	@echo "[2/4] paritykit and its dev tools: diffusers, transformers, pytest, ruff, … (about a minute)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"

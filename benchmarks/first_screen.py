@@ -2,14 +2,16 @@
 weights) and the research ports (benchmarks/research_ports.py), `bisect`'s report is rendered as the CLI
 prints it, and its first 10 lines are read the way an agent reads them:
 
-* a bug case counts when the first 10 lines name a true culprit (reference and port module) and state its
-  cause (the first hint, or a verified fix); it is measured over the runs whose whole report names them at all
-  (goal: every one of those);
+* a bug case counts when the first 10 lines name a true culprit (reference and port module) and state a
+  cause there (its first hint, a verified fix or the layer order; whether that cause is the true one is what
+  benchmarks/diagnosis.py scores); it is measured over the runs whose whole report has both at all (goal:
+  every one of those);
 * a correct port counts when the first line says ``verdict: match``.
 
-Also measured: the SPEC lines a user writes per case with the scaffolds. `paritykit bisect --reference MOD:FN
---port MOD:FN --inputs MOD:FN` takes the callables alone, and `paritykit new bisect-spec` writes the same SPEC
-as a file that runs as generated; the benchmark renders it for every case and checks it compiles unedited.
+Also measured: the SPEC lines a user writes per gallery case with the scaffolds. `paritykit bisect
+--reference MOD:FN --port MOD:FN --inputs MOD:FN [--port-inputs MOD:FN] [--select-output MOD:FN]` takes the
+callables alone, and `paritykit new bisect-spec` writes the same SPEC as a file; the benchmark renders it for
+every case with the functions that case's pair needs and checks it compiles unedited.
 
     python benchmarks/first_screen.py  # writes benchmarks/results/first_screen.txt (also run by `make bench`)
 """
@@ -57,14 +59,21 @@ def score(name: str, report, expected: list[tuple[str, str]] | None) -> tuple[st
     return f"{name:30s} bug    place and cause: {where}", (screen if whole else None), whole
 
 
-def spec_lines_to_write() -> int:
-    r"""Lines a user edits in the scaffolded bisect SPEC before it runs: 0 when the rendered file compiles
-    as generated (its callables are the only input)."""
+def spec_lines_to_write(port_inputs: bool, select_output: bool) -> tuple[int, int]:
+    r"""For one case: (lines a user writes in the scaffolded bisect SPEC before it runs, callables named).
+    The case's SPEC needs ``port_inputs`` and ``select_output`` when its pair defines them; both are options
+    of ``paritykit new bisect-spec`` (and of ``bisect`` itself), so the file is rendered with them and must
+    compile as generated: 0 lines."""
     from paritykit.pack.scaffold import render
 
-    (file,) = render("bisect-spec", "case", reference="m:ref", port="m:port", inputs="m:inputs")
+    options = {"reference": "m:ref", "port": "m:port", "inputs": "m:inputs"}
+    if port_inputs:
+        options["port_inputs"] = "m:to_port"
+    if select_output:
+        options["select_output"] = "m:select"
+    (file,) = render("bisect-spec", "case", **options)
     compile(file.text, file.filename, "exec")
-    return 0
+    return 0, len(options)
 
 
 def main() -> None:
@@ -73,8 +82,14 @@ def main() -> None:
 
     started = time.perf_counter()
     rows, first_ok, first_n, clean_ok, clean_n = [], 0, 0, 0, 0
+    written, named = [], []
     for case in (*CASES, *HELD_OUT):
         pair = build(case, "distinct")
+        lines_written, callables = spec_lines_to_write(
+            pair.port_inputs is not None, pair.select_output is not None
+        )
+        written.append(lines_written)
+        named.append(callables)
         report = paritykit.bisect(
             pair.reference,
             pair.port,
@@ -107,7 +122,8 @@ def main() -> None:
         "",
         f"  place and cause in the first {SCREEN} lines (runs whose report has them): {first_ok}/{first_n}",
         f"  correct ports whose first line is 'verdict: match': {clean_ok}/{clean_n}",
-        f"  SPEC lines to write per case with the scaffolds: {spec_lines_to_write()} (the callables only)",
+        f"  SPEC lines to write per gallery case with the scaffolds: {max(written)} (the callables only:"
+        f" {min(named)} to {max(named)} named per case)",
         "",
         *rows,
     ]

@@ -475,6 +475,20 @@ def test_bisect_without_a_spec_file_from_callables(tmp_path, monkeypatch):
     assert (
         wrong.exit_code == 2 and "--reference 'my_models:nothing': my_models has no nothing" in wrong.output
     )
+    (tmp_path / "failing.py").write_text(
+        MODELS + "\n\ndef broken():\n    raise ValueError('no such checkpoint')\n\n\nINSTANCE = reference()\n"
+    )
+    failing = run("bisect", "--reference", "failing:reference", "--port", "failing:broken", "--inputs", "x:y")
+    assert failing.exit_code == 2 and "x" in failing.output  # --inputs x:y is checked before anything runs
+    failing = run(
+        "bisect", "--reference", "failing:reference", "--port", "failing:broken", "--inputs", "failing:inputs"
+    )
+    assert failing.exit_code == 2
+    assert "--port failing:broken raised ValueError: no such checkpoint" in failing.output
+    instance = run(
+        "bisect", "--reference", "failing:INSTANCE", "--port", "failing:port", "--inputs", "failing:inputs"
+    )
+    assert instance.exit_code == 2 and "a module instance; give a function returning it" in instance.output
     two = run("bisect", "a.py", "b.py")
     assert two.exit_code == 2 and "bisect takes one SPEC.py that builds both sides, not 2 paths" in two.output
     assert len(two.output.strip().splitlines()) == 1

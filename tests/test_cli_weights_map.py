@@ -165,3 +165,7 @@ def test_a_lone_transposed_linear_is_a_warning_and_a_transposing_conversion_is_n
     assert warning.target == "attn1.to_k.weight" and "stored transposed" in warning.message
     every = {k: source[f"attn.{n}.weight"].T.contiguous() for n, k in zip(names, renamed)}
     assert not infer_conversion_map(source, every).warnings  # GPT-2 style: every weight transposed
+    # a non-square weight stored transposed on purpose: the wrong way round it would not have loaded
+    wide = {**source, "attn.proj.weight": torch.randn(16, 8)}
+    stored = {**renamed, "attn1.proj.weight": wide["attn.proj.weight"].T.contiguous()}
+    assert not infer_conversion_map(wide, stored).warnings

@@ -66,7 +66,9 @@ def test_readme_component_test_runs_as_its_header_says(tmp_path, cli):
     assert made.returncode == 0, made.stderr
     generated = project / "parity" / "test_unet_component.py"
     header = generated.read_text().split('"""')[1]
-    assert "from the folder `paritykit new` ran in" in header, header
+    assert "Run it from any folder" in header and "`paritykit new` ran in is put on sys.path" in header, (
+        header
+    )
 
     command = header_run_command(header)
     assert command[:3] == ["python", "-m", "pytest"] and command[-1] == "parity/test_unet_component.py"

@@ -25,7 +25,7 @@ from tests import reference_loops as R
 from tests.kdiffusion import load
 from tests.sampling import one_thread, port_loop, record, tiny_cond_unet, tiny_inputs  # noqa: F401
 
-SKILL = Path(__file__).resolve().parents[1] / "skills" / "parity-testing" / "SKILL.md"
+SKILL = Path(__file__).resolve().parents[1] / "skills" / "parity-testing" / "references" / "workflow.md"
 SD_BETAS = {"beta_start": R.BETA_START, "beta_end": R.BETA_END, "beta_schedule": "scaled_linear"}
 EXACT = 1e-5  # relative to the largest value of the final latents: float32 rounding of a 10-step loop
 FLUX_SEQ = 1024

@@ -352,3 +352,8 @@ def test_triage_without_a_spec_file_from_callables(tmp_path, monkeypatch):
     assert [f.place for f in again.findings] == ["conditioning"]
     missing = CliRunner().invoke(cli, ["triage", "--run-reference", "my_runs:run_reference", "--out", "x"])
     assert missing.exit_code == 2 and "--run-port" in missing.output
+    # the written SPEC, once edited, is the user's: a rerun with the callables refuses to replace it
+    written.write_text(written.read_text() + "\nSEED = 3\n")
+    kept = written.read_text()
+    rerun = CliRunner().invoke(cli, ["triage", *names])
+    assert rerun.exit_code == 2 and "exists and differs" in rerun.output and written.read_text() == kept

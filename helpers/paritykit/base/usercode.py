@@ -195,8 +195,8 @@ def callable_from(option: str, target: str) -> Callable:
     import sys
 
     module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ParityKitError(f"{option} {target!r}: expected MODULE:CALLABLE, e.g. mymodels:build_reference")
+    if not sep or not module_name or not attr.isidentifier():
+        raise ParityKitError(f"{option} {target!r}: expected MODULE:FUNCTION, e.g. mymodels:build_reference")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -205,18 +205,30 @@ def callable_from(option: str, target: str) -> Callable:
         raise ParityKitError(
             f"{option} {target!r}: importing {module_name} raised {type(exc).__name__}: {exc}"
         ) from None
-    value = module
-    for part in attr.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            raise ParityKitError(f"{option} {target!r}: {module_name} has no {attr}")
-    if not callable(value):
-        raise ParityKitError(f"{option} {target!r}: {attr} is not callable")
+    if not hasattr(module, attr):
+        raise ParityKitError(f"{option} {target!r}: {module_name} has no {attr}")
+    value = getattr(module, attr)
+    if not callable(value) or isinstance(value, type(None)):
+        raise ParityKitError(f"{option} {target!r}: {attr} is not callable; give a function returning it")
+    try:
+        import torch
+
+        if isinstance(value, torch.nn.Module):
+            raise ParityKitError(
+                f"{option} {target!r}: {attr} is a module instance; give a function returning it"
+            )
+    except ImportError:
+        pass
     return value
 
 
 def spec_from_callables(
-    reference: str, port: str, inputs: str, port_inputs: str | None = None, command: str = "bisect"
+    reference: str,
+    port: str,
+    inputs: str,
+    port_inputs: str | None = None,
+    select_output: str | None = None,
+    command: str = "bisect",
 ) -> Spec:
     r"""A SPEC built from ``MODULE:CALLABLE`` names, no file written: ``build_reference``/``build_port`` call
     ``reference()``/``port()`` and put the modules in eval mode, ``make_inputs`` is ``inputs``, and
@@ -224,14 +236,36 @@ def spec_from_callables(
     import types
     from pathlib import Path
 
-    built = {
-        "build_reference": callable_from("--reference", reference),
-        "build_port": callable_from("--port", port),
-        "make_inputs": callable_from("--inputs", inputs),
+    given = {
+        "build_reference": ("--reference", reference),
+        "build_port": ("--port", port),
+        "make_inputs": ("--inputs", inputs),
+        "port_inputs": ("--port-inputs", port_inputs),
+        "select_output": ("--select-output", select_output),
     }
-    if port_inputs:
-        built["port_inputs"] = callable_from("--port-inputs", port_inputs)
     module = types.ModuleType("_paritykit_callables")
-    for name, fn in built.items():
-        setattr(module, name, fn)
-    return Spec(Path(f"<--reference {reference}>"), module, command)
+    for name, (option, target) in given.items():
+        if target:
+            setattr(module, name, _named(callable_from(option, target), f"{option} {target}"))
+    return Spec(Path.cwd() / "<callables>", module, command)
+
+
+def _named(fn: Callable, words: str) -> Callable:
+    r"""``fn`` whose exception names the option and target the user gave (not a SPEC function they never
+    wrote)."""
+    import functools
+
+    from paritykit.base.errors import UserCodeError
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (ParityKitError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise UserCodeError(
+                f"{words} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, None)
+            ) from exc
+
+    return call

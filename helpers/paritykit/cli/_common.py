@@ -48,8 +48,8 @@ def note_same_path(a: Any, b: Any) -> None:
         return
     if same:
         click.echo(
-            f"note: {a} and {b} are the same path: it is compared with itself, so everything agrees by"
-            " construction",
+            f"note: {a} and {b} are the same path: it is compared with itself, so agreement here is no"
+            " evidence about a port",
             err=True,
         )
 

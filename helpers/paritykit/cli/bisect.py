@@ -142,6 +142,12 @@ your files).
     help="No SPEC file: port_inputs(args, kwargs) mapping the inputs to the port's signature.",
 )
 @click.option(
+    "--select-output",
+    "select_output_fn",
+    metavar="MODULE:CALLABLE",
+    help="No SPEC file: select_output(side, output) picking the compared tensor of each side's output.",
+)
+@click.option(
     "--interface-map",
     "interface_map",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -173,6 +179,7 @@ def bisect(
     port_fn,
     inputs_fn,
     port_inputs_fn,
+    select_output_fn,
     interface_map,
     as_json,
     limit,
@@ -188,8 +195,10 @@ def bisect(
         )
     callables = (reference_fn, port_fn, inputs_fn)
     keep = None
-    if any(callables) or port_inputs_fn:
-        if spec is not None or traces:
+    if any(callables) or port_inputs_fn or select_output_fn:
+        if traces:
+            raise ParityKitError("--traces compares two trace folders: give them without --reference/--port")
+        if spec is not None:
             raise ParityKitError("give SPEC.py or --reference/--port/--inputs, not both")
         if not all(callables):
             raise ParityKitError(
@@ -197,11 +206,12 @@ def bisect(
             )
         from paritykit.base.usercode import spec_from_callables
 
-        spec = spec_from_callables(reference_fn, port_fn, inputs_fn, port_inputs_fn)
+        spec = spec_from_callables(reference_fn, port_fn, inputs_fn, port_inputs_fn, select_output_fn)
         keep = shlex.join(
             ["paritykit", "new", "bisect-spec", "NAME", "--reference", reference_fn, "--port", port_fn]
             + ["--inputs", inputs_fn]
             + (["--port-inputs", port_inputs_fn] if port_inputs_fn else [])
+            + (["--select-output", select_output_fn] if select_output_fn else [])
         )
     if spec is None and not traces:
         raise click.UsageError("give SPEC.py, --reference/--port/--inputs, or --traces REF_DIR PORT_DIR")

@@ -190,6 +190,12 @@ def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
     metavar="MODULE:CALLABLE",
     help="port_inputs(args, kwargs) maps the inputs to the port's signature.",
 )
+@click.option(
+    "--select-output",
+    "select_output",
+    metavar="MODULE:CALLABLE",
+    help="select_output(side, output) picks the compared tensor of each side's output.",
+)
 @out_option
 @force_option
 def bisect_spec(name: str, out_dir: str, force: bool, **options) -> None:

@@ -22,26 +22,35 @@ from paritykit.cli._common import emit, json_option, limit_option
         " bugs are all named in one run.\n\nExit 0 match, 1 differ, 2 on bad input."
     )
 )
-@click.argument("spec", metavar="SPEC.py", required=False)
+@click.argument("spec", metavar="[SPEC.py]", required=False)
 @click.option(
-    "--run-reference", metavar="MODULE:CALLABLE", help="No SPEC file: runs the reference end to end."
+    "--run-reference", metavar="MODULE:FUNCTION", help="No SPEC file: runs the reference, returns its result."
 )
-@click.option("--run-port", metavar="MODULE:CALLABLE", help="No SPEC file: runs the port end to end.")
 @click.option(
-    "--reference-denoiser", metavar="MODULE:CALLABLE", help="No SPEC file: returns the reference's denoiser."
+    "--run-port", metavar="MODULE:FUNCTION", help="No SPEC file: runs the port, returns its result."
 )
-@click.option("--port-denoiser", metavar="MODULE:CALLABLE", help="No SPEC file: returns the port's denoiser.")
-@click.option("--reference-vae", metavar="MODULE:CALLABLE", help="No SPEC file: the reference's decoder.")
-@click.option("--port-vae", metavar="MODULE:CALLABLE", help="No SPEC file: the port's decoder.")
 @click.option(
-    "--port-scheduler", metavar="MODULE:CALLABLE", help="No SPEC file: the port's scheduler object."
+    "--reference-denoiser", metavar="MODULE:FUNCTION", help="No SPEC file: returns the reference's denoiser."
+)
+@click.option("--port-denoiser", metavar="MODULE:FUNCTION", help="No SPEC file: returns the port's denoiser.")
+@click.option(
+    "--reference-vae", metavar="MODULE:FUNCTION", help="No SPEC file: returns the reference's decoder module."
+)
+@click.option(
+    "--port-vae", metavar="MODULE:FUNCTION", help="No SPEC file: returns the port's decoder module."
+)
+@click.option(
+    "--port-scheduler", metavar="MODULE:FUNCTION", help="No SPEC file: returns the port's scheduler object."
 )
 @click.option("--all", "all_causes", is_flag=True, help="Name every independent cause, not only the first.")
 @click.option(
     "--out",
     default="triage-out",
     show_default=True,
-    help="Folder for both sides' recordings and the files the reproduce commands read.",
+    help=(
+        "Folder for both sides' recordings and the files the reproduce commands read (without a SPEC file,"
+        " also the triage_spec.py the run writes from the callables)."
+    ),
 )
 @click.option(
     "--seed",

@@ -93,24 +93,19 @@ class SetComparison:
         if any(p.passed_by_oracle for p in self.pairs):
             summary += " (pass* = outside tolerance, within the fp64-oracle rule)"
         first = self.first_divergence
+        others = [f"{len(names)} only in {side}" for side, names in (("A", self.only_a), ("B", self.only_b))]
+        others = [p for p in [*others, f"{len(self.value_diffs)} values differ"] if not p.startswith("0 ")]
         if first is not None:
             worst = self.pair(first)
             differ = c["fail"] + c["shape_mismatch"]
             answer = f"verdict: {differ} of {c['pairs']} pairs differ; first divergence: {first}"
             if getattr(worst, "max_abs", None) is not None:
                 answer += f" (max_abs {format_number(worst.max_abs)})"
+            answer += f"; also {', '.join(others)}" if others else ""
         elif self.passed:
             answer = f"verdict: all {c['pairs']} pairs match"
         else:
-            answer = (
-                "verdict: differ ("
-                + ", ".join(
-                    f"{len(names)} only in {side}"
-                    for side, names in (("A", self.only_a), ("B", self.only_b))
-                    if names
-                )
-                + ")"
-            )
+            answer = f"verdict: differ ({', '.join(others) or 'see below'})"
         lines = [
             answer,
             render_table(headers, [p.table_row() for p in self.pairs], limit=limit, summary=summary),

@@ -90,12 +90,15 @@ def spec_from_callables(out: Any, **targets: str | None) -> Any:
     out_dir = checked_out(out)
     if out_dir is None:
         raise ParityKitError("without a SPEC, triage needs --out to write the SPEC it runs")
+    root = Path(os.path.relpath(Path.cwd(), out_dir.resolve())).as_posix()
     lines = [
         '"""Triage SPEC written by `paritykit triage` from the callables it was given; keep or edit it."""',
         "",
         "import sys",
+        "from pathlib import Path",
         "",
-        f"sys.path.insert(0, {os.getcwd()!r})",
+        "# the folder triage ran in: the modules named below import from there",
+        f"sys.path.insert(0, str((Path(__file__).resolve().parent / {root!r}).resolve()))",
     ]
     for name, option in CALLABLE_FUNCTIONS:
         target = targets.get(name)
@@ -111,8 +114,14 @@ def spec_from_callables(out: Any, **targets: str | None) -> Any:
             "",
             "    return _callable()",
         ]
+    text = "\n".join(lines) + "\n"
+    path = Path(out_dir) / "triage_spec.py"
+    if path.exists() and path.read_text() != text:
+        raise ParityKitError(
+            f"{path} exists and differs from the SPEC these callables make (kept or edited?): run it with"
+            f" `paritykit triage {path}`, or give another --out"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MARKER).write_text("{}\n")  # the folder is triage's, so the run may write into it
-    path = Path(out_dir) / "triage_spec.py"
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(path, text)
     return path

@@ -28,7 +28,9 @@ def _role(name: str) -> str | None:
     return roles.pop() if len(roles) == 1 else None
 
 
-def conversion_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+def conversion_warnings(
+    mapping: list[MappingEntry], shapes: dict[str, tuple] | None = None
+) -> list[ConversionWarning]:
     r"""Exact mappings that contradict the names or the other layers.
 
     * A fused tensor split so that the chunk order contradicts the target names (chunk 0 -> ``k_proj``,
@@ -41,7 +43,7 @@ def conversion_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
     out += _fused_order_warnings(mapping)
     out += _layer_warnings(mapping)
     named = {w.target for w in out}
-    out += [w for w in _lone_transpose_warnings(mapping) if w.target not in named]
+    out += [w for w in _lone_transpose_warnings(mapping, shapes or {}) if w.target not in named]
     return out
 
 
@@ -54,12 +56,16 @@ def _transposes(e: MappingEntry) -> bool:
     return "transpose" in steps
 
 
-def _lone_transpose_warnings(mapping: list[MappingEntry]) -> list[ConversionWarning]:
+def _lone_transpose_warnings(
+    mapping: list[MappingEntry], shapes: dict[str, tuple]
+) -> list[ConversionWarning]:
     r"""A weight built as a transpose where every other weight is copied as it is: a square Linear stored
     transposed loads without a shape error and computes ``x @ W`` in place of ``x @ W.T``. A conversion that
     transposes its weights does so for many (GPT-2's Conv1D); one alone is a slip."""
     weights = [e for e in mapping if e.target.endswith("weight") and len(e.sources) == 1]
-    transposed = [e for e in weights if _transposes(e)]
+    # only a square matrix loads either way round; another shape stored transposed would not load at all
+    square = [e for e in weights if len(shapes.get(e.target, ())) == 2 and len(set(shapes[e.target])) == 1]
+    transposed = [e for e in square if _transposes(e)]
     copied = [e for e in weights if e.op == "identity" and not e.args.get("then")]
     if len(transposed) != 1 or len(copied) < LONE_AMONG:
         return []

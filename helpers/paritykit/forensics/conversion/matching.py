@@ -716,6 +716,6 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
         source_label=src_label,
         target_label=tgt_label,
         seconds=time.perf_counter() - started,
-        warnings=conversion_warnings(mapping),
+        warnings=conversion_warnings(mapping, {k: tuple(getattr(tgt[k], "shape", ())) for k in tgt}),
         allow_ambiguous=allow_ambiguous,
     )
