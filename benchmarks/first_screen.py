@@ -81,7 +81,7 @@ def main() -> None:
     import paritykit
 
     started = time.perf_counter()
-    rows, first_ok, first_n, clean_ok, clean_n = [], 0, 0, 0, 0
+    scored: list[tuple] = []
     written, named = [], []
     for case in (*CASES, *HELD_OUT):
         pair = build(case, "distinct")
@@ -98,22 +98,16 @@ def main() -> None:
             select_output=pair.select_output,
         )
         expected = [case.culprits[0], *case.also] if case.culprits else None
-        row, screen, _ = score(case.id, report, expected)
-        rows.append(row)
-        if expected is None:
-            clean_n, clean_ok = clean_n + 1, clean_ok + bool(screen)
-        elif screen is not None:
-            first_n, first_ok = first_n + 1, first_ok + screen
+        scored.append(score(case.id, report, expected) + (expected is None,))
     for case in RESEARCH:
         reference, port, inputs = case.build()
         report = paritykit.bisect(reference, port, inputs, **(case.options or {}))
         expected = None if case.expected is None else [(_reference_of(report, case.expected), case.expected)]
-        row, screen, _ = score(case.name, report, expected)
-        rows.append(row)
-        if expected is None:
-            clean_n, clean_ok = clean_n + 1, clean_ok + bool(screen)
-        elif screen is not None:
-            first_n, first_ok = first_n + 1, first_ok + screen
+        scored.append(score(case.name, report, expected) + (expected is None,))
+    rows = [row for row, *_ in scored]
+    clean = [screen for _, screen, _, is_clean in scored if is_clean]
+    bugs = [screen for _, screen, _, is_clean in scored if not is_clean and screen is not None]
+    clean_ok, clean_n, first_ok, first_n = sum(map(bool, clean)), len(clean), sum(bugs), len(bugs)
     seconds = time.perf_counter() - started
     lines = [
         f"paritykit first-screen benchmark: bisect's first {SCREEN} lines over the gallery ({len(CASES)}"

@@ -255,17 +255,4 @@ def _named(fn: Callable, words: str) -> Callable:
     wrote)."""
     import functools
 
-    from paritykit.base.errors import UserCodeError
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except (ParityKitError, KeyboardInterrupt):
-            raise
-        except Exception as exc:
-            raise UserCodeError(
-                f"{words} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, None)
-            ) from exc
-
-    return call
+    return functools.wraps(fn)(lambda *args: call_user(fn, *args, what=words))
