@@ -255,7 +255,6 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
     sides."""
     from paritykit.bisection.floor import within
     from paritykit.bisection.leaves import pair_layouts
-    from paritykit.bisection.relations import argument_name, pair_by_value, unexplained
 
     floor = (
         searcher.float_floor if searcher.float_floor is not None and searcher.float_floor.measured else None
@@ -270,22 +269,13 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
         # inputs no reference argument gives by value (a rotary table built another way): the first
         # unexplained port input against the reference argument left over
         found = pair_layouts(ref_in, port_in)
-        relations = pair_by_value(ref_in, port_in, searcher.same_quantity) if found is None else {}
-        port_left, ref_left = unexplained(ref_in, port_in, relations) if relations else ([], [])
-        if port_left:
-            a, b = ref_in[ref_left[0]][1], port_in[port_left[0]][1]
+        unpaired = searcher.unpaired_inputs(child, port_child) if found is None else None
+        if unpaired is not None and unpaired.any_paired:
+            a, b = ref_in[unpaired.reference[0]][1], port_in[unpaired.port[0]][1]
             producers = []
-            for j in port_left:
+            for j in unpaired.port:
                 producers += [r for r in _producers(searcher, call, port_in[j][1]) if r not in producers]
-            port_module = searcher.port_modules.get(port_child.module)
-            ref_module = searcher.ref_modules.get(child.module)
-            port_names = ", ".join(argument_name(port_module, port_in[j][0]) for j in port_left)
-            ref_names = ", ".join(argument_name(ref_module, ref_in[i][0]) for i in ref_left)
-            unpaired = (
-                f"port {port_names} equal no reference argument by value"
-                f" (reference {ref_names} left unpaired)"
-            )
-            return InlineInput(child, port_child, a, b, producers, untested, unpaired)
+            return InlineInput(child, port_child, a, b, producers, untested, unpaired.words)
         pairs, port_in, _ = found or (None, port_in, {})
         noise = floor.of(child, port_child, "inputs") if floor is not None else None
         for i, j in pairs or ():

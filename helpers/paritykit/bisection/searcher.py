@@ -136,6 +136,18 @@ class InputPairing:
         return f"arguments paired {how}: " + "; ".join(said + own)
 
 
+@dataclass(frozen=True)
+class UnpairedInputs:
+    r"""Port inputs no reference argument gives by value (indices into the port call's input leaves), the
+    reference arguments left over that could stand for them, the words naming both, and whether any other
+    argument of the call did pair by value."""
+
+    port: list[int]
+    reference: list[int]
+    words: str
+    any_paired: bool
+
+
 class Searcher:
     r"""Tests the aligned calls of one pair of traces (each at most once) and walks down to the culprit.
 
@@ -335,20 +347,27 @@ class Searcher:
         gives and the reference arguments left over; empty when that is not the reason."""
         if not ref_record.replayable or not port_record.replayable:
             return ""
+        unpaired = self.unpaired_inputs(ref_record, port_record)
+        return f"inputs differ: {unpaired.words}" if unpaired is not None else ""
+
+    def unpaired_inputs(self, ref_record: Record, port_record: Record) -> UnpairedInputs | None:
+        r"""The port inputs of a call pair that no reference argument gives by value, while an unused
+        reference argument could stand for them (:func:`~paritykit.bisection.relations.unexplained`), named
+        from the two modules' signatures; ``None`` when there are none."""
         ref_leaves = list(ref_record.inputs.items())
         port_leaves = list(port_record.inputs.items())
         relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
         port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
         if not port_left:
-            return ""
+            return None
         port_module = self.port_modules.get(port_record.module)
         ref_module = self.ref_modules.get(ref_record.module)
         port_names = ", ".join(argument_name(port_module, port_leaves[j][0]) for j in port_left)
         ref_names = ", ".join(argument_name(ref_module, ref_leaves[i][0]) for i in ref_left)
-        return (
-            f"inputs differ: port {port_names} equal no reference argument by value (reference {ref_names}"
-            " left unpaired)"
+        words = (
+            f"port {port_names} equal no reference argument by value (reference {ref_names} left unpaired)"
         )
+        return UnpairedInputs(port_left, ref_left, words, bool(relations))
 
     def adapt_inputs(
         self,

@@ -33,6 +33,12 @@ pipeline_option = click.option(
     metavar="MODULE:CLASS",
     help="The port's pipeline class (built with from_pretrained(--pretrained)), or a function returning one.",
 )
+reference_option = click.option(
+    "--reference",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="Returns the reference model (an nn.Module) when called with no arguments.",
+)
 pretrained_option = click.option(
     "--pretrained", metavar="DIR", help="The saved port pipeline for from_pretrained (need not exist yet)."
 )
@@ -62,12 +68,7 @@ def new(ctx: click.Context, show_list: bool) -> None:
 
 @new.command("component-test")
 @click.argument("name")
-@click.option(
-    "--reference",
-    required=True,
-    metavar="MODULE:CALLABLE",
-    help="Returns the reference model (an nn.Module) when called with no arguments.",
-)
+@reference_option
 @click.option(
     "--diffusers",
     required=True,
@@ -166,12 +167,7 @@ def config_diff(name: str, out_dir: str, force: bool, **options) -> None:
 
 @new.command("bisect-spec")
 @click.argument("name")
-@click.option(
-    "--reference",
-    required=True,
-    metavar="MODULE:CALLABLE",
-    help="Returns the reference module (an nn.Module) when called with no arguments.",
-)
+@reference_option
 @click.option(
     "--port",
     required=True,
