@@ -420,6 +420,16 @@ def executed(tmp_path_factory):
                 "pretrained": "saved_vae",
             },
         ),
+        (
+            "component-test",
+            "wan",
+            {
+                "reference": "scaffold_parts:build_reference_wan",
+                "diffusers": "WanTransformer3DModel",
+                "convert": "scaffold_parts:convert_wan",
+                "pretrained": "saved_wan",
+            },
+        ),
         ("stage-test", "tiny", stages),
         ("stage-test", "buggy", {**stages, "reference": "scaffold_parts:run_reference_with_decode_bug"}),
         (
@@ -496,8 +506,9 @@ def test_modular_pipeline_stub_matches_the_standard_stub(executed):
 
 
 def test_component_test_passes_on_a_faithful_port(executed):
-    # default inputs for UNet2DModel, UNet2DConditionModel and the generic one-tensor case; then --inputs
-    for name in ("unet", "cond", "vae", "custom"):
+    # inputs shaped from the port class's forward and config (UNet2DModel, UNet2DConditionModel,
+    # AutoencoderKL, and Wan's DiT against its research implementation, called positionally); then --inputs
+    for name in ("unet", "cond", "vae", "wan", "custom"):
         for mode in ("fresh", "saved"):
             test = f"test_{name}_{mode}"
             assert _outcome(executed, test) == "passed", executed["messages"].get(test, "")[-3000:]

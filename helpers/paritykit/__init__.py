@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
         "Trace",
         "ModelWeights",
         "record_loop",
+        "model_inputs",
+        "tiny_config",
     ),
     **exports_of(
         "paritykit.compare",

@@ -6,7 +6,8 @@ stub's own main() writing checkpoints to disk, and the --modular file sets (modu
 computing exactly what the standard stubs compute. Prints "CHECK <name> OK" or "CHECK <name> FAILED" + why.
 Also saves what the generated component and stage tests load, so one process pays torch's import:
 WORK_DIR/saved_pipeline (the tiny stub pipeline), saved_unet (a faithful port), stale_unet (one weight off),
-saved_cond_unet and saved_vae (faithful ports of the other reference models).
+saved_cond_unet and saved_vae (faithful ports of the other reference models), saved_wan (diffusers'
+Wan DiT converted from the research one).
 """
 
 from __future__ import annotations
@@ -215,10 +216,11 @@ if __name__ == "__main__":
         except Exception:  # report every check, then fail the process
             failed = True
             print(f"CHECK {name} FAILED\n{traceback.format_exc()}")
-    from scaffold_parts import build_reference_cond_unet, build_reference_vae, save_port
+    from scaffold_parts import build_reference_cond_unet, build_reference_vae, save_port, save_wan_port
 
     save_port(work_dir / "saved_unet")
     save_port(work_dir / "stale_unet", perturb=True)
     save_port(work_dir / "saved_cond_unet", build=build_reference_cond_unet)
     save_port(work_dir / "saved_vae", build=build_reference_vae)
+    save_wan_port(work_dir / "saved_wan")
     sys.exit(1 if failed else 0)

@@ -119,6 +119,42 @@ def save_port(directory: str | os.PathLike, build=build_reference, perturb: bool
     model.save_pretrained(directory)
 
 
+# ------------------------------------------------- a research reference: Wan 2.1's DiT as DiffSynth ships it
+WAN_SHAPE = dict(ffn_dim=64, freq_dim=256, num_layers=2, patch_size=(1, 2, 2))
+
+
+def build_reference_wan():
+    """Wan 2.1's research DiT driven as DiffSynth's pipeline drives it: ``forward(x, timestep, context)``,
+    the same things diffusers' ``WanTransformer3DModel`` requires, in the same order, under other names."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.research import ResearchDenoise, wan_dit
+
+    torch.manual_seed(0)
+    research = wan_dit().WanModel(
+        dim=48, in_dim=4, out_dim=4, text_dim=16, eps=1e-6, num_heads=2, has_image_input=False, **WAN_SHAPE
+    )
+    return ResearchDenoise(research)
+
+
+def convert_wan(state_dict: dict) -> dict:
+    """diffusers' own converter over the research weights (the wrapper's ``dit.`` prefix dropped)."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers({k.removeprefix("dit."): v for k, v in state_dict.items()})
+
+
+def save_wan_port(directory: str | os.PathLike) -> None:
+    from diffusers import WanTransformer3DModel
+
+    port = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, text_dim=16, **WAN_SHAPE
+    )
+    port.load_state_dict(convert_wan(build_reference_wan().state_dict()))
+    port.save_pretrained(directory)
+
+
 def unet_inputs():
     generator = torch.Generator().manual_seed(1)
     return (torch.randn(2, 3, 8, 8, generator=generator), torch.tensor([500, 20])), {}

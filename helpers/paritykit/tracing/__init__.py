@@ -1,6 +1,6 @@
 r"""What a run leaves behind to compare: module calls captured by forward hooks (``trace``), pipeline
-checkpoints saved, stopped at and reloaded (``checkpoints``), and the calls of a sampling loop's denoiser
-(``recording``)."""
+checkpoints saved, stopped at and reloaded (``checkpoints``), the calls of a sampling loop's denoiser
+(``recording``), and inputs shaped for a diffusers model class (``shaped_inputs``)."""
 
 from paritykit.base.lazy import lazy_exports
 
@@ -18,6 +18,8 @@ EXPORTS = {
     "load_checkpoints": "paritykit.tracing.checkpoints",
     "seeded_noise": "paritykit.tracing.checkpoints",
     "record_loop": "paritykit.tracing.recording",
+    "model_inputs": "paritykit.tracing.shaped_inputs",
+    "tiny_config": "paritykit.tracing.shaped_inputs",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)
