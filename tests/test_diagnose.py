@@ -25,6 +25,7 @@ IDS = {
     "zeroed",
     "sign-flip",
     "timestep-rounding",
+    "saturation",
     "nonfinite",
 }
 
@@ -349,3 +350,27 @@ def test_strided_views_get_the_same_hints_as_contiguous_copies():
     assert [(h.id, h.message) for h in view_hints] == [(h.id, h.message) for h in copy_hints]
     assert view_hints[0].evidence["first_index"] == [3, 7] and len(view_hints) > 1
     assert diagnose(a, torch.zeros_like(a))[0].id == "zeroed"
+
+
+# ------------------------------------------------------------------------------------------ saturation
+
+
+def test_a_clamp_on_one_side_is_saturation_not_rounding():
+    # a research VAE clamps its video to [-1, 1], the port does not: the clamped values are the integers ±1,
+    # which once read as "[timestep-rounding]"
+    video = randn(4, 64, scale=1.5)
+    for a, b, side in ((video, video.clamp(-1, 1), "B"), (video.clamp(-1, 1), video, "A")):
+        hints = diagnose(a, b)
+        assert [h.id for h in hints][:1] == ["saturation"], hints
+        assert "timestep-rounding" not in {h.id for h in hints}
+        assert hints[0].message.startswith(f"{side} = clamp(")
+        assert hints[0].evidence["low"] == -1.0 and hints[0].evidence["high"] == 1.0
+
+
+def test_saturation_does_not_fire_on_rounding_or_on_a_scale():
+    t = 1 + 998 * torch.rand(200, generator=torch.Generator().manual_seed(3))
+    assert first_id(t, torch.round(t)) == "timestep-rounding"
+    x = randn(256)
+    assert "saturation" not in {h.id for h in diagnose(x, 1.1 * x)}
+    assert "saturation" not in {h.id for h in diagnose(x, x + 0.3)}
+    assert diagnose(x, x.clone()) == []

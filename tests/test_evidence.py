@@ -334,6 +334,25 @@ def test_module_config_must_not_fire_on_equal_settings():
     assert E.module_config(_culprit(nn.LayerNorm(32, eps=1e-6), other, x)) == []
 
 
+class ResearchNorm(nn.LayerNorm):
+    def __init__(self, dim: int, kind: str = ""):
+        super().__init__(dim, eps=1e-6)
+        self.kind = kind or type(self).__name__
+
+
+class PortNorm(ResearchNorm):
+    pass
+
+
+def test_a_class_name_alone_is_no_setting():
+    # two implementations record their class under one attribute: that they are named differently is no cause
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(8))
+    assert E.module_config(_culprit(ResearchNorm(32), PortNorm(32), x)) == []
+    # a string setting that differs is still one, even when one side's value happens to name its class
+    found = E.module_config(_culprit(ResearchNorm(32, kind="rms"), PortNorm(32), x))
+    assert [h.evidence["difference"]["name"] for h in found] == ["kind"]
+
+
 class InputCast(nn.Module):
     """A port that rounds its input to bfloat16 before computing in float32."""
 

@@ -32,7 +32,7 @@ def test_a_transposed_weight_is_found_and_verified():
     reference, port, x = _pair()
     with torch.no_grad():
         port[0].weight.copy_(port[0].weight.t().clone())
-    outcome = repair_site(_linear_site(port, reference, x), Budget(30))
+    outcome = repair_site(_linear_site(port, reference, x), Budget(100_000))
     (edit, after), *rest = outcome.verified
     assert not rest and (edit.tier, edit.kind, edit.target) == ("parameters", "transpose", "block.0.weight")
     assert after < 1e-5 < outcome.before
@@ -45,11 +45,11 @@ def test_a_transposed_weight_is_found_and_verified():
 
 def test_nothing_is_reported_for_a_faithful_port_or_a_bug_outside_the_grammar():
     reference, port, x = _pair()
-    assert repair_site(_linear_site(port, reference, x), Budget(30)).verified == []
+    assert repair_site(_linear_site(port, reference, x), Budget(100_000)).verified == []
     reference2, port2, x2 = _pair(1)
     with torch.no_grad():
         port2[2].bias.add_(torch.linspace(-1, 1, 8))  # an arbitrary per-channel offset: no grammar edit
-    outcome = repair_site(_linear_site(port2, reference2, x2), Budget(30))
+    outcome = repair_site(_linear_site(port2, reference2, x2), Budget(100_000))
     assert outcome.verified == [] and outcome.tried > 50
     assert "none verified" in outcome.ruled_out()
 
@@ -59,7 +59,7 @@ def test_a_norm_made_insensitive_by_a_rescaled_input_is_not_claimed():
     reference = nn.LayerNorm(16, eps=1e-6).eval()
     port = nn.LayerNorm(16, eps=1e-5).eval()
     x = 0.05 * torch.randn(3, 16)  # small activations: the eps matters
-    outcome = repair_site(_linear_site(port, reference, x), Budget(30))
+    outcome = repair_site(_linear_site(port, reference, x), Budget(100_000))
     kinds = [(e.tier, e.kind, e.target) for e, _ in outcome.verified]
     # scaling the input up would hide the eps (any large factor passes): the control factors expose that
     assert kinds == [("settings", "attribute", "block.eps")], kinds
@@ -74,7 +74,9 @@ def test_two_edits_that_verify_equally_are_both_shown_as_ambiguous():
     port.load_state_dict(reference.state_dict())
     port.register_forward_hook(lambda _m, _a, out: -out)
     x = torch.randn(5, 6)
-    outcome = repair_site(_linear_site(port, reference, x, held=held_parameters(reference, port)), Budget(30))
+    outcome = repair_site(
+        _linear_site(port, reference, x, held=held_parameters(reference, port)), Budget(100_000)
+    )
     assert outcome.ambiguous
     tiers = {e.tier for e, _ in outcome.verified}
     assert {"inputs", "outputs"} <= tiers
@@ -115,6 +117,30 @@ def test_cli_no_repair_flag(tmp_path, cli):
     assert with_repair.returncode == without.returncode == 1
     assert "fix (verified): time_mixer.scale = 1" in with_repair.stdout
     assert "[repair]" not in without.stdout and "[remix]" in without.stdout
+
+
+def test_the_budget_counts_edits_so_the_same_input_gives_the_same_search():
+    reference, port, x = _pair(1)
+    with torch.no_grad():
+        port[2].bias.add_(torch.linspace(-1, 1, 8))  # outside the grammar: the search runs to its end
+    full = repair_site(_linear_site(port, reference, x), Budget(100_000))
+    again = repair_site(_linear_site(port, reference, x), Budget(100_000))
+    assert full.tried == again.tried > 20 and not full.exhausted
+    cut = repair_site(_linear_site(port, reference, x), Budget(7))
+    assert cut.tried == 7 and cut.exhausted
+    assert "stopped at its budget of edits; --repair-budget N raises it" in cut.ruled_out()
+    # the default grows with the place's size
+    assert Budget.for_modules([port]).edits > Budget.for_modules([port[0]]).edits
+
+
+def test_bisect_reports_are_identical_across_runs_and_honour_repair_budget():
+    reference, port, inputs = time_pair("remix")
+    first, second = bisect(reference, port, inputs), bisect(reference, port, inputs)
+    assert first.culprit.hints[0].message == second.culprit.hints[0].message
+    assert "edits tried" in first.culprit.hints[0].message
+    starved = bisect(reference, port, inputs, repair_budget=1, catalogue=False)
+    assert all(h.id != "repair" for h in starved.culprit.hints)
+    assert "1 edits over" in starved.render() and "budget" in starved.render()
 
 
 @pytest.mark.parametrize(("value", "label"), [(1000.0, "1000"), (0.18215, "0.18215 (SD VAE scaling factor)")])

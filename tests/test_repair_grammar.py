@@ -213,7 +213,7 @@ def test_each_edit_kind_is_found_and_verified_in_its_tier(case):
     tier, reference, port, inputs, extra = _case(case)
     site = site_of(port, reference, inputs, **extra)
     assert not site.compare(site.wanted, site.got).passed
-    outcome = repair_site(site, Budget(60), tiers=(tier,))
+    outcome = repair_site(site, Budget(100_000), tiers=(tier,))
     kinds = [(e.tier, e.kind) for e, _ in outcome.verified]
     assert (tier, KINDS[case]) in kinds, (kinds, outcome.ruled_out())
     edit, after = next((e, a) for e, a in outcome.verified if (e.tier, e.kind) == (tier, KINDS[case]))
@@ -231,7 +231,7 @@ def test_no_tier_claims_a_bug_outside_the_grammar(tier):
     port = Through(_copy(reference), after=lambda out: out + offset).eval()
     x = torch.randn(4, 8)
     site = site_of(port, reference, (x,), faithful=frozenset({"inner.0.weight"}))
-    outcome = repair_site(site, Budget(60), tiers=(tier,))
+    outcome = repair_site(site, Budget(100_000), tiers=(tier,))
     assert outcome.verified == [], [e.words for e, _ in outcome.verified]
     assert outcome.tried > 0 and "none verified" in outcome.ruled_out()
 

@@ -22,7 +22,6 @@ and ``constant-scale``, then the core hints of :func:`paritykit.compare.diagnose
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,7 @@ from paritykit.bisection.leaves import (
     replace_leaves,
     torch_equal,
 )
-from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
+from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import BisectReport, shown_name
 from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
 from paritykit.bisection.strategy import FullSearch, run_strategy
@@ -68,6 +67,7 @@ def bisect_traces(
     allow_masked: bool = False,
     all_culprits: bool = False,
     repair: bool = True,
+    repair_budget: int | None = None,
     catalogue: bool = True,
     float_floor: FloatFloor | None = None,
 ) -> BisectReport:
@@ -95,8 +95,7 @@ def bisect_traces(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
     searcher.float_floor = float_floor
-    started = time.perf_counter()
-    explain = RepairOptions(enabled=repair, catalogue=catalogue)
+    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     report = run_strategy(FullSearch(searcher), select_output=select_output, repair=explain, **options)
     if reference is not None and port is not None:
@@ -106,7 +105,6 @@ def bisect_traces(
         report.config_differences = config_differences(reference, port, pairs)
     if all_culprits and report.culprit is not None:
         ref_final = final_output("reference", ref_root.output_value(), select_output)
-        explain = with_budget(explain, time.perf_counter() - started)
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops, repair=explain)
     return report
 
@@ -256,6 +254,7 @@ def bisect(
     allow_masked: bool = False,
     all_culprits: bool = False,
     repair: bool = True,
+    repair_budget: int | None = None,
     catalogue: bool = True,
     float_floor: bool = True,
 ) -> BisectReport:
@@ -277,6 +276,8 @@ def bisect(
             ``culprits`` lists every independent one in execution order.
         repair: at each culprit, search the small edits of the port that make it match the reference and
             report the verified ones (``fix (verified)``); ``False`` is ``--no-repair``.
+        repair_budget: the edits the repair search may try at one culprit (``--repair-budget N``); default: a
+            count that grows with the culprit's size. Counted, not timed: the report is the same anywhere.
         catalogue: run the catalogue's detectors at each culprit (``False`` only to measure the repair
             search).
         float_floor: run both sides once more in float64 when float64 copies fit in memory, so a
@@ -318,6 +319,7 @@ def bisect(
         allow_masked=allow_masked,
         all_culprits=all_culprits,
         repair=repair,
+        repair_budget=repair_budget,
         catalogue=catalogue,
         float_floor=float_floor,
     )

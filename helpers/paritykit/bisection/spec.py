@@ -42,6 +42,7 @@ def bisect_spec(
     allow_masked: bool = False,
     all_culprits: bool = False,
     repair: bool = True,
+    repair_budget: int | None = None,
     float_floor: bool = True,
 ) -> BisectReport:
     r"""What ``paritykit bisect`` runs: a spec (both sides built here), or two trace folders (plus an optional
@@ -71,6 +72,7 @@ def bisect_spec(
         environment=environment,
         allow_masked=allow_masked,
         repair=repair,
+        repair_budget=repair_budget,
     )
     with torch.no_grad():
         if traces is not None:

@@ -26,7 +26,7 @@ from paritykit.bisection.align import Alignment
 from paritykit.bisection.findings import culprit_finding, first_divergence
 from paritykit.bisection.floor import FloatFloor, max_difference, precision_line, within
 from paritykit.bisection.leaves import final_output
-from paritykit.bisection.repair.culprit_sites import RepairOptions, with_budget
+from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import BisectReport, ModuleTest, Verdict
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import module_of
@@ -192,14 +192,9 @@ def run_strategy(
         environment: the report's environment stamp (default: this process's).
         allow_masked: accept the ``masked`` verdict (exit 0).
         repair: how the culprit is explained
-            (:class:`~paritykit.bisection.repair.culprit_sites.RepairOptions`); its time budget, when not
-            given, is about the time this search took (at least a few seconds).
+            (:class:`~paritykit.bisection.repair.culprit_sites.RepairOptions`), budgeted in edits.
     """
-    import time
-
     import torch
-
-    started = time.perf_counter()
 
     from paritykit.compare.tensors import compare_tensors
 
@@ -236,7 +231,7 @@ def run_strategy(
             located = located if located is not None else strategy.differing()
             verdict = "masked" if located is not None else verdict
         if located is not None and verdict != "match":
-            repair = with_budget(repair, time.perf_counter() - started)
+            repair = repair if repair is not None else RepairOptions()
             if located.through_inputs:  # nothing fails on its own inputs: there is nothing to repair there
                 repair = dataclasses.replace(repair, enabled=False)
             culprit = culprit_finding(

@@ -373,6 +373,7 @@ def zoom_bisect(
     run: Callable | None = None,
     allow_masked: bool = False,
     repair: bool = True,
+    repair_budget: int | None = None,
     catalogue: bool = True,
     float_floor: bool = True,
 ) -> Any:
@@ -403,7 +404,7 @@ def zoom_bisect(
     if float_floor:
         zoom.float_floor = FloatFloor(reason="levels zoom: no whole float64 run")
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
-    explain = RepairOptions(enabled=repair, catalogue=catalogue)
+    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget)
     return run_strategy(zoom, select_output=select_output, repair=explain, **options)
 
 

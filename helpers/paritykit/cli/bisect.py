@@ -113,6 +113,16 @@ your files).
     ),
 )
 @click.option(
+    "--repair-budget",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help=(
+        "Edits the repair search may try at each culprit (default: a count that grows with the culprit's "
+        "size). Counted, not timed: the same inputs give the same report on any machine."
+    ),
+)
+@click.option(
     "--float-floor/--no-float-floor",
     default=True,
     show_default=True,
@@ -174,6 +184,7 @@ def bisect(
     all_culprits,
     allow_masked,
     no_repair,
+    repair_budget,
     float_floor,
     reference_fn,
     port_fn,
@@ -233,6 +244,7 @@ def bisect(
         all_culprits=all_culprits,
         allow_masked=allow_masked,
         repair=not no_repair,
+        repair_budget=repair_budget,
         float_floor=float_floor,
     )
     if interface_map is not None:

@@ -11,6 +11,7 @@ Ids, roughly in rank order:
   shapes).
 - ``swapped-halves``: B is A with the halves (or k chunks) along one dim reordered (shift/scale order).
 - ``zeroed``: one side is all zeros (a branch disabled or scaled by 0).
+- ``saturation``: one side is the other clamped to ``[lo, hi]`` (an output clamp only one side has).
 - ``timestep-rounding``: differences only where values have a fractional part, one side rounded there.
 - ``bf16-cast`` / ``fp16-cast``: one side is the other rounded to that dtype, or only one side lies on its
   grid.
@@ -561,6 +562,48 @@ detect_bf16_cast = _make_cast_detector("bfloat16", "bf16-cast", None)
 detect_fp16_cast = _make_cast_detector("float16", "fp16-cast", "bfloat16")
 
 
+def detect_saturation(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
+    r"""One side is the other clamped: they agree inside ``[lo, hi]``, and where they differ the clamped side
+    sits at its own least or greatest value with the other beyond it (an output clamp to [-1, 1] that only one
+    implementation has)."""
+    import torch
+
+    tiny = 1e-6 * torch.clamp(x.abs(), min=1.0)
+    differ = (x - y).abs() > tiny
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    for src, dst, side in ((x, y, "B"), (y, x, "A")):
+        lo, hi = float(dst.min()), float(dst.max())
+        if not lo < hi:
+            continue
+        clamped = torch.clamp(src, lo, hi)
+        if not bool(((clamped - dst).abs() <= tiny).all()):
+            continue
+        # the differing values all sit at a bound, with the other side beyond it: nothing else explains them
+        at_bound = (dst[differ] == lo) | (dst[differ] == hi)
+        if not bool(at_bound.all()):
+            continue
+        # a bound is a clamp's only when several values were cut to it: one value at each end of a tensor is
+        # as well explained by rounding those two
+        cut = [int((dst[differ] == b).sum()) for b in (lo, hi)]
+        if any(0 < k < 2 for k in cut):
+            continue
+        other = "A" if side == "B" else "B"
+        bounds = [
+            f"{b} {_metric(v)}" for b, v, hit in (("min", lo, src < lo), ("max", hi, src > hi)) if hit.any()
+        ]
+        return Hint(
+            "saturation",
+            f"{side} = clamp({other}, {_metric(lo)}, {_metric(hi)}): the two agree inside that range and"
+            f" {side} is cut at its {' and '.join(bounds)} ({_count(n, 'value')}): one side clamps (or"
+            " saturates) where the other does not.",
+            {"clamped_side": side.lower(), "low": lo, "high": hi, "count": n},
+            score=0.95,
+        )
+    return None
+
+
 def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     r"""A and B differ only where values have a fractional part, and one side is the other rounded there."""
     import torch
@@ -570,6 +613,8 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     n = int(differ.sum())
     if n == 0:
         return None
+    if detect_saturation(x, y) is not None:
+        return None  # values cut at ±1 are integers too: a clamp, not a rounding
     xd, yd = x[differ], y[differ]
     if float((xd - yd).abs().max()) > 1.0 + 1e-9:
         return None
@@ -615,6 +660,7 @@ ELEMENTWISE: tuple[Callable[[torch.Tensor, torch.Tensor], Hint | None], ...] = (
     detect_offset,
     detect_bf16_cast,
     detect_fp16_cast,
+    detect_saturation,
     detect_timestep_rounding,
 )
 

@@ -4,7 +4,7 @@ that produce a differing input of an inline culprit), and how verified edits joi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paritykit.bisection.leaves import module_device
@@ -31,23 +31,13 @@ class RepairOptions:
     Args:
         enabled: run the repair search (``--no-repair`` turns it off).
         catalogue: run the catalogue's detectors (off only to measure the repair search alone).
-        budget: the time the search may take, shared by every site of one bisect.
+        budget: the edits the search may try at one culprit, shared by its sites (``--repair-budget N``);
+            None: :meth:`Budget.for_modules` over the sites, which grows with their size.
     """
 
     enabled: bool = True
     catalogue: bool = True
-    budget: Budget | None = field(default=None)
-
-
-def with_budget(options: RepairOptions | None, bisect_seconds: float) -> RepairOptions:
-    r"""``options`` (default: search on, catalogue on) with a time budget of about ``bisect_seconds``, unless
-    it has one already."""
-    import dataclasses
-
-    options = options if options is not None else RepairOptions()
-    if options.budget is not None:
-        return options
-    return dataclasses.replace(options, budget=Budget.like(bisect_seconds))
+    budget: int | None = None
 
 
 def culprit_site(searcher: Searcher, call: Record, port_call: Record | None) -> Site | None:
@@ -218,7 +208,6 @@ def repair_hints(
     """
     if not options.enabled or any(h.verified for h in hints):
         return list(hints)
-    budget = options.budget or Budget.like(0.0)
     outcomes: list[RepairOutcome] = []
     site = culprit_site(searcher, call, port_call)
     sites = [site] if site is not None else []
@@ -226,6 +215,10 @@ def repair_hints(
         sites += producer_sites(searcher, call, port_call)
     sites += extra_input_sites(searcher, call, port_call)
     sites += untestable_sites(searcher, call, port_call)
+    if options.budget is not None:
+        budget = Budget(options.budget)
+    else:
+        budget = Budget.for_modules([s.module for s in sites])
     with progress_bar() as progress:
         for s in sites:
             outcome = repair_site(s, budget, progress=progress)

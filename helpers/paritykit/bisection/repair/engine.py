@@ -1,11 +1,13 @@
 r"""The repair search: try the grammar's edits at a site, tier by tier, and keep only those that make the
-replay match the reference (``repair_site``); turn the outcome into hints (``RepairOutcome.hints``)."""
+replay match the reference (``repair_site``); turn the outcome into hints (``RepairOutcome.hints``).
+
+The search is budgeted in edits tried, never in seconds: the same input gives the same report on any machine
+and under any load."""
 
 from __future__ import annotations
 
 import copy
 import math
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,27 +27,34 @@ GENERATORS: dict[Tier, Callable[[Site, Any], Iterator[Edit]]] = {
     "uses": use_edits,
 }
 
-# the search's floor, in seconds, when the bisect itself took less (a tiny model still gets a real search)
-MIN_SECONDS = 3.0
-# a search longer than this shows a progress bar on stderr
+# a search longer than this (seconds) shows a progress bar on stderr
 PROGRESS_AFTER = 2.0
+# the edits a culprit's search may try: a base, and more for each parameter tensor and submodule of its sites
+# (the grammar's edits grow with them)
+BASE_EDITS = 600
+EDITS_PER_PART = 40
 
 
 @dataclass
 class Budget:
-    r"""Time left for the repair search of one bisect (shared by its sites)."""
+    r"""Edits left for the repair search at one culprit (shared by its sites)."""
 
-    seconds: float
-    started: float = field(default_factory=time.perf_counter)
+    edits: int
+    used: int = 0
 
     @classmethod
-    def like(cls, bisect_seconds: float) -> Budget:
-        r"""About the time of the bisect itself, at least :data:`MIN_SECONDS`."""
-        return cls(max(MIN_SECONDS, bisect_seconds))
+    def for_modules(cls, modules: Sequence[Any]) -> Budget:
+        r"""The default budget for sites holding ``modules``: :data:`BASE_EDITS`, plus
+        :data:`EDITS_PER_PART` for each parameter tensor and each submodule they hold."""
+        parts = sum(len(list(m.parameters())) + len(list(m.modules())) for m in modules)
+        return cls(BASE_EDITS + EDITS_PER_PART * parts)
 
     @property
     def left(self) -> bool:
-        return time.perf_counter() - self.started < self.seconds
+        return self.used < self.edits
+
+    def spend(self) -> None:
+        self.used += 1
 
 
 @dataclass
@@ -113,7 +122,7 @@ class RepairOutcome:
         )
         text += ", none verified"
         if self.exhausted:
-            text += " (stopped at its time budget)"
+            text += " (stopped at its budget of edits; --repair-budget N raises it)"
         if self.unspecific:
             text += (
                 f"; {len(self.unspecific)} rescaling edit(s) matched but so did other factors (the module is "
@@ -141,7 +150,7 @@ def repair_site(
     """
     import torch
 
-    budget = budget or Budget(MIN_SECONDS)
+    budget = budget or Budget.for_modules([site.module])
     outcome = RepairOutcome(site, site.before)
     if site.wanted and not site.failing():
         return outcome
@@ -237,6 +246,7 @@ def _search_tier(
         if here and edit.cost > here[0][0].cost:
             break  # every later edit of the tier is dearer still
         outcome.tried += 1
+        budget.spend()
         if progress is not None:
             progress.update(1)
         tried = _try(site, work, edit)
