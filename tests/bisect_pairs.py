@@ -261,9 +261,11 @@ class PortTime(nn.Module):
         self.time_mixer = PortTimeMix(control_scale**3 if bug == "remix" else 1.0)
         self.control_scale = control_scale
         self.time_out = nn.Linear(HIDDEN, HIDDEN)
+        self.bug = bug
 
     def forward(self, timestep):
-        emb = self.time_proj(timestep)
+        # "units": the port embeds t / 1000 where the research embeds t
+        emb = self.time_proj(timestep / 1000 if self.bug == "units" else timestep)
         base = self.time_embedding(emb)
         control = self.control_time_embedding(emb) * self.control_scale
         return self.time_out(self.time_mixer(control, base))

@@ -112,6 +112,15 @@ def sd3_sigmas(n: int, shift: float = 3.0, train_steps: int = TRAIN_STEPS) -> li
     return [_time_shift(t / train_steps, shift) for t in timesteps] + [0.0]
 
 
+def wan_unipc_sigmas(n: int, shift: float = 5.0, train_steps: int = TRAIN_STEPS) -> list[float]:
+    """Wan 2.1's research flow UniPC (wan/utils/fm_solvers_unipc.py, ``set_timesteps``): its training table
+    is ``1 - linspace(1, 1/T, T)`` reversed, so ``sigma_max = 1 - 1/T`` and ``sigma_min = 0``; the n sigmas
+    are ``linspace(sigma_max, sigma_min, n + 1)`` without the last, each shifted once, then a final 0."""
+    sigma_max, sigma_min = 1 - 1 / train_steps, 0.0
+    times = [sigma_max + (sigma_min - sigma_max) * i / n for i in range(n)]
+    return [_time_shift(t, shift) for t in times] + [0.0]
+
+
 def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
     """Flux's ``get_lin_function``: mu on the line through (256, base_shift) and (4096, max_shift)."""
     slope = (max_shift - base_shift) / (4096 - 256)

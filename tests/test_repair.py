@@ -143,6 +143,15 @@ def test_bisect_reports_are_identical_across_runs_and_honour_repair_budget():
     assert "1 edits over" in starved.render() and "budget" in starved.render()
 
 
+def test_a_timestep_in_other_units_is_named_as_such():
+    # the research embeds t, the port t / 1000: the verified input rescale says so, by the argument's name
+    reference, port, inputs = time_pair("units")
+    report = bisect(reference, port, inputs)
+    fix = report.culprit.hints[0]
+    assert fix.verified and "its input timestep is a timestep in other units" in fix.message
+    assert "t / 1000 (in [0, 1])" in fix.message and "multiplied by 1000 it matches" in fix.message
+
+
 @pytest.mark.parametrize(("value", "label"), [(1000.0, "1000"), (0.18215, "0.18215 (SD VAE scaling factor)")])
 def test_fitted_numbers_snap_to_simple_constants(value, label):
     assert snapped(value * 1.001)[0][1] == label

@@ -223,3 +223,39 @@ def test_cli_recordings_at_sizes_and_their_bad_input(tmp_path):
     ):
         bad = CliRunner().invoke(cli, ["schedule", ref, "--fit", FLOW])
         assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output, bad.output
+
+
+# ------------------------------------------------------------------------ closed forms read from the values
+
+
+def test_a_flow_schedule_given_as_timesteps_has_its_closed_form():
+    # SD3/Flux-style: linspace(1, 1/12, 12) shifted once by 3, recorded as timesteps t = 1000 σ
+    u = np.linspace(1, 1 / 12, 12)
+    shifted = [float(3 * v / (1 + 2 * v)) for v in u]
+    cmp = compare_schedules({"timesteps": [1000 * v for v in shifted]}, {"timesteps": [1000 * v for v in u]})
+    (hint,) = cmp.hints
+    assert (
+        "flow-matching, shifted (shift 3, unshifted t from 1 to 1/n; timesteps = 1000 × sigma)"
+        in hint.message
+    )
+    assert "Same family; differs in shift 3 (A) vs 1 (B); the rest of the form is the same" in hint.message
+
+
+def test_a_flow_unipc_starting_at_one_minus_one_over_t_is_a_closed_form_at_every_count():
+    from paritykit.schedule.families import sigma_family
+
+    family = sigma_family(R.wan_unipc_sigmas(STEPS))
+    assert family.name == "flow-matching, shifted" and family.params["shift"] == pytest.approx(5.0)
+    assert family.detail == "unshifted t from 1 − 1/1000 to (1 − 1/1000)/n"
+    for n in (7, 25, 50):  # the form holds at other step counts, as the research code computes them
+        assert family.generate(n) == pytest.approx(R.wan_unipc_sigmas(n), rel=1e-6)
+
+
+def test_flow_forms_must_not_be_read_into_other_families():
+    from paritykit.schedule.families import sigma_family
+
+    assert sigma_family(R.karras_sigmas(STEPS)).name == "Karras"
+    exponential = [float(v) for v in np.exp(np.linspace(np.log(0.9), np.log(0.01), STEPS))]
+    assert sigma_family(exponential).name == "exponential"
+    noisy = [v + (0.01 if i == 4 else 0.0) for i, v in enumerate(R.wan_unipc_sigmas(STEPS)[:-1])]
+    assert sigma_family(noisy) is None or not sigma_family(noisy).name.startswith("flow")

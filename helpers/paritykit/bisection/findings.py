@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from paritykit.base.inputs import is_tensor
+from paritykit.base.inputs import is_tensor, to_device
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.floor import FloatFloor, within
 from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layouts
@@ -349,3 +349,142 @@ def _culprit_context(
         subpairs=subpairs,
         reference_inputs=ref_inputs() if can_run else None,
     )
+
+
+def place_relations(
+    searcher: Searcher,
+    call: Record,
+    pair: tuple[Any, Any] | None = None,
+    verify: tuple[Any, Callable | None] | None = None,
+) -> list[Any]:
+    r"""How the port's tensor relates to the reference's at a located call
+    (:mod:`paritykit.bisection.value_relations`): its first differing output leaf as replayed on the
+    reference's inputs (or ``pair``, the two final outputs at the top level). A missing-term fit may use the
+    call's input tensors, its children's outputs and their products with a modulation vector among its inputs.
+
+    ``verify=(reference final output, select_output)``: each relation is undone at the call in a run of the
+    whole port (a forward hook), and ``verified`` says whether the port's final output then matches.
+    """
+    import torch
+
+    from paritykit.bisection.value_relations import relate
+
+    leaf = 0
+    if pair is None:
+        replayed = searcher.replays.get(call.name)
+        if replayed is None:
+            return []
+        ref_leaves, port_leaves = replayed
+        found = next(
+            (
+                (k, (r, p))
+                for k, ((_, r), (_, p)) in enumerate(zip(ref_leaves, port_leaves))
+                if is_tensor(r) and is_tensor(p) and (r.shape != p.shape or not torch.equal(r, p))
+            ),
+            None,
+        )
+        if found is None:
+            return []
+        leaf, pair = found
+    terms = _place_terms(searcher, call)
+    relations = relate(pair[0], pair[1], terms)
+    if verify is not None and call.parent is not None and not searcher.layouts.get(call.name):
+        for relation in relations:
+            relation.verified = _undone_matches(searcher, call, relation, leaf, terms, *verify)
+    return relations
+
+
+def _argument_names(searcher: Searcher, call: Record) -> list[str]:
+    import inspect
+
+    module = searcher.ref_modules.get(call.module)
+    try:
+        return list(inspect.signature(module.forward).parameters) if module is not None else []
+    except (TypeError, ValueError):
+        return []
+
+
+def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:
+    r"""The tensors captured at a call, by name: its inputs (named by its forward's arguments), its children's
+    outputs (``child <name>``), and each child output times each smaller input it broadcasts with (a
+    modulation gate)."""
+    import torch
+
+    names = _argument_names(searcher, call)
+    inputs: dict[str, Any] = {}
+    try:
+        leaves = flatten_tensors(call.call_inputs(), "input")
+    except Exception:  # a call captured without inputs: no terms from them
+        leaves = []
+    for path, tensor in leaves:
+        parts = path.split(".")[2:]
+        if path.startswith("input.0.") and parts and parts[0].isdigit() and int(parts[0]) < len(names):
+            parts[0] = names[int(parts[0])]
+        if tensor.is_floating_point():
+            inputs[".".join(parts) or path] = tensor
+    children: dict[str, Any] = {}
+    for record in searcher.ref_trace.records:
+        if record.parent == call.name and record.replayable:
+            outs = [t for _, t in flatten_tensors(record.output_value()) if t.is_floating_point()]
+            if outs:
+                children[f"{record.name.removeprefix(call.name + '.') or record.name}"] = outs[0]
+    terms = {**inputs, **children}
+    for child, out in children.items():
+        for name, gate in inputs.items():
+            if gate.numel() < out.numel():
+                try:
+                    terms[f"{name}·{child}"] = torch.broadcast_to(gate, out.shape) * out
+                except RuntimeError:
+                    continue
+    return terms
+
+
+def _undone_matches(
+    searcher: Searcher,
+    call: Record,
+    relation: Any,
+    leaf: int,
+    terms: dict[str, Any],
+    ref_final: Any,
+    select_output: Callable | None,
+) -> bool | None:
+    r"""Run the port with ``relation`` undone on the culprit's output leaf ``leaf``; whether its final output
+    then matches the reference's (None: it cannot be run: no undo, no port model, an output it cannot edit)."""
+    import torch
+
+    from paritykit.bisection.leaves import final_output
+    from paritykit.compare.tensors import compare_tensors
+
+    port_call = searcher.port_record(call)
+    port = searcher.port_modules.get("")
+    module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    root = searcher.port_trace.root
+    if relation.undo is None or port is None or module is None or root is None or not root.replayable:
+        return None
+
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and leaf == 0:
+            return relation.undo(output, terms)
+        if isinstance(output, (tuple, list)) and leaf < len(output) and is_tensor(output[leaf]):
+            edited = list(output)
+            edited[leaf] = relation.undo(output[leaf], terms)
+            return type(output)(edited) if isinstance(output, tuple) else edited
+        raise _CannotEdit
+
+    args, kwargs = to_device(root.call_inputs(), module_device(port))
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            output = port(*args, **kwargs)
+    except _CannotEdit:
+        return None
+    except Exception:  # the undone tensor does not fit the rest of the port: not verified
+        return False
+    finally:
+        handle.remove()
+    got = final_output("port", output, select_output)
+    return bool(compare_tensors(ref_final, got, atol=searcher.atol, rtol=searcher.rtol).passed)
+
+
+class _CannotEdit(Exception):
+    pass

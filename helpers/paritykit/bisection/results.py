@@ -76,6 +76,9 @@ class ModuleFinding:
     ops_note: str = ""
     # masked verdict: its captured outputs differ, but nothing aligned fails on identical inputs (see note)
     through_inputs: bool = False
+    # how the port's tensor relates to the reference's there, derived from the values
+    # (paritykit.bisection.value_relations.Relation)
+    relations: list[Any] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -96,6 +99,7 @@ class ModuleFinding:
             out["op"] = self.op.to_dict()
         if self.ops_note:
             out["ops_note"] = self.ops_note
+        out["relations"] = [r.to_dict() for r in self.relations]
         return out
 
 
@@ -363,6 +367,8 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> li
     for hint in f.hints:
         if hint.verified and hint.fix:
             lines.append(f"  fix (verified): {hint.fix}")
+    for relation in f.relations:
+        lines.append(f"  relation: {relation.line()}")
     for i, hint in enumerate(f.hints, 1):
         lines.append(f"  hint {i}: [{hint.id}] {hint.message}")
     if f.op is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
-from paritykit.bisection.findings import culprit_finding, first_divergence
+from paritykit.bisection.findings import culprit_finding, first_divergence, place_relations
 from paritykit.bisection.floor import FloatFloor, max_difference, precision_line, within
 from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.culprit_sites import RepairOptions
@@ -239,6 +239,13 @@ def run_strategy(
             )
             culprit.note = join_notes(culprit.note, located.note())
             culprit.through_inputs = located.through_inputs
+            at_top = culprit.test == "output"
+            culprit.relations = place_relations(
+                located.searcher,
+                located.call,
+                (ref_final, port_final) if at_top else None,
+                verify=(ref_final, select_output),
+            )
             _layer_order_hint(culprit, strategy.final_alignment())
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(

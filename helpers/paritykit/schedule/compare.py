@@ -243,11 +243,29 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 ScheduleHint(
                     "spacing" if kind == "timesteps" else "sigma-family",
                     kind,
-                    f"A follows {da}; B follows {db}.",
+                    f"A follows {da}; B follows {db}." + _differing_parameters(fa, fb),
                     keys,
                 )
             )
     return hints
+
+
+def _differing_parameters(fa: Family | None, fb: Family | None) -> str:
+    r"""Two closed forms of one family (flow matching shifted by 3 against 1): the parameters that differ and
+    the ones that agree, so the fix is one setting."""
+    if fa is None or fb is None or fa.name.split(",")[0] != fb.name.split(",")[0]:
+        return ""
+    differ = [
+        f"{key} {format_number(fa.params[key])} (A) vs {format_number(fb.params[key])} (B)"
+        for key in fa.params.keys() & fb.params.keys()
+        if abs(fa.params[key] - fb.params[key]) > 1e-6 * max(abs(fa.params[key]), 1e-12)
+    ]
+    same = (
+        "; the rest of the form is the same"
+        if fa.detail == fb.detail
+        else f"; also {fa.detail} vs {fb.detail}"
+    )
+    return f" Same family; differs in {', '.join(differ)}{same}." if differ else ""
 
 
 def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:

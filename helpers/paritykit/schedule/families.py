@@ -130,7 +130,19 @@ def _unshift(sigma: float, s: float) -> float:
     return sigma / (s - (s - 1) * sigma)
 
 
-def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str, Callable[[int], float]]:
+def flow_start(u_start: float, train_steps: int) -> str:
+    r"""Where a flow schedule's unshifted range starts, in words: 1, or ``1 − 1/T`` (the first sigma of the
+    training table ``1 − linspace(1, 1/T, T)``, where a research flow UniPC starts), or the number."""
+    if abs(u_start - 1) <= 1e-5:
+        return "1"
+    if abs(u_start - (1 - 1 / train_steps)) <= 1e-5:
+        return f"1 − 1/{train_steps}"
+    return format_number(u_start)
+
+
+def flow_end(
+    u_end: float, n: int, shift: float, train_steps: int, u_start: float = 1.0
+) -> tuple[str, Callable[[int], float]]:
     r"""Where a shifted flow schedule's *unshifted* linear range ends, as a rule for every step count.
 
     ``1/n``: ``linspace(1, 0, n + 1)`` without its final 0 (Flux's ``get_schedule``; diffusers' pipelines pass
@@ -138,7 +150,9 @@ def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str,
     table, which is then shifted again (SD3's reference sampler reads its end from that table; diffusers'
     ``FlowMatchEulerDiscreteScheduler.set_timesteps(n)`` with a static shift does the same). ``1/T``: the
     unshifted table's end. Else a fixed end."""
+    start = flow_start(u_start, train_steps)
     rules = (
+        (f"({start})/n", u_start / n, lambda m: u_start / m),
         ("1/n", 1 / n, lambda m: 1 / m),
         (f"shift(1/{train_steps}) (the shift applied twice)", _shift(1 / train_steps, shift), None),
         (f"1/{train_steps}", 1 / train_steps, None),
@@ -146,7 +160,9 @@ def flow_end(u_end: float, n: int, shift: float, train_steps: int) -> tuple[str,
     for name, value, rule in rules:
         if abs(shift - 1) < 1e-3 and name.startswith("shift("):
             continue  # an unshifted schedule cannot tell "shifted twice" from 1/T
-        if abs(u_end - value) <= 1e-3 * value:
+        if name.startswith("(") and abs(u_start - 1) <= 1e-5:
+            continue  # from 1, (1)/n is 1/n
+        if abs(u_end - value) <= 2e-4 * value:
             return name, rule or (lambda m, value=value: value)
     return format_number(u_end), lambda m: u_end
 
@@ -169,7 +185,9 @@ def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | N
     def lin(a: float, b: float, m: int) -> list[float]:
         return [a + (b - a) * i / (m - 1) for i in range(m)] if m > 1 else [a]
 
-    if abs(smax - 1) < 1e-5 and smax <= 1 + 1e-5:
+    # flow matching: sigma = shift(u, s) with u spaced linearly from u0 (1, or 1 − 1/T) to an end; s fitted by
+    # least squares over the linearity of the unshifted times
+    if 0.5 < smax <= 1 + 1e-5:
 
         def resid(log_s: float) -> float:
             return _linear_residual([_unshift(p, math.exp(log_s)) for p in pos])
@@ -177,22 +195,25 @@ def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | N
         log_s = _best(resid, [math.log(v) for v in (0.1, 0.3, 0.5, 1, 2, 3, 5, 8, 12, 20, 40)])
         if resid(log_s) <= FAMILY_FIT:
             s = math.exp(log_s)
-            end, end_at = flow_end(_unshift(smin, s), len(pos), s, train_steps)
+            u0 = _unshift(smax, s)
+            start = flow_start(u0, train_steps)
+            if start != format_number(u0):  # a named start: the exact value, not the fitted one
+                u0 = 1.0 if start == "1" else 1 - 1 / train_steps
+            end, end_at = flow_end(_unshift(smin, s), len(pos), s, train_steps, u0)
             if not end.startswith(
                 "shift("
             ):  # the unshifted times are known: solve each for the shift exactly
-                u = [1 + (end_at(len(pos)) - 1) * i / (len(pos) - 1) for i in range(len(pos))]
+                u = [u0 + (end_at(len(pos)) - u0) * i / (len(pos) - 1) for i in range(len(pos))]
                 each = [p * (1 - x) / (x * (1 - p)) for p, x in zip(pos, u) if 0 < x < 1 and p < 1]
                 if each and max(each) - min(each) <= 1e-6 * max(each):
                     s = sum(each) / len(each)
             s = round(s, 4) if abs(round(s, 4) - s) <= 1e-6 * s else s  # a float32 list carries ~1e-7
-            u0 = _unshift(smax, s)
 
             def generate(m: int) -> list[float]:
                 return [_shift(u, s) for u in lin(u0, end_at(m), m)] + zeros
 
             name = "flow-matching, shifted" if abs(s - 1) > 1e-3 else "flow-matching, linear"
-            return Family(name, {"shift": s}, generate, detail=f"unshifted t from 1 to {end}")
+            return Family(name, {"shift": s}, generate, detail=f"unshifted t from {start} to {end}")
     if _linear_residual([math.log(p) for p in pos]) <= FAMILY_FIT:
 
         def generate(m: int) -> list[float]:
@@ -215,8 +236,33 @@ def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | N
     return None
 
 
+def flow_timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
+    r"""A flow-matching schedule given as timesteps: ``t = scale · sigma`` with the sigmas one of
+    :func:`sigma_family`'s closed forms, ``scale`` the training length (timesteps in [0, T]) or 1 (a list
+    of sigmas read as timesteps)."""
+    if not ts or ts[0] <= 0:
+        return None
+    for scale in (float(train_steps), 1.0):
+        if abs(ts[0] / scale - 1) > 1e-5:
+            continue
+        family = sigma_family([t / scale for t in ts], train_steps)
+        if family is None or not family.name.startswith("flow"):
+            continue
+        inner = family.generate
+
+        def generate(m: int, inner=inner, scale=scale) -> list[float]:
+            return [scale * v for v in inner(m)] if inner is not None else []
+
+        unit = f"timesteps = {format_number(scale)} × sigma" if scale != 1.0 else "the values are sigmas"
+        detail = f"{family.detail}; {unit}" if family.detail else unit
+        return Family(family.name, dict(family.params), generate, detail=detail)
+    return None
+
+
 def family_of(kind: str, values: Sequence[float] | None, train_steps: int) -> Family | None:
     if values is None:
         return None
     values = dedupe(values)
-    return timestep_family(values, train_steps) if kind == "timesteps" else sigma_family(values, train_steps)
+    if kind == "timesteps":
+        return timestep_family(values, train_steps) or flow_timestep_family(values, train_steps)
+    return sigma_family(values, train_steps)

@@ -31,8 +31,9 @@ class RepairOptions:
     Args:
         enabled: run the repair search (``--no-repair`` turns it off).
         catalogue: run the catalogue's detectors (off only to measure the repair search alone).
-        budget: the edits the search may try at one culprit, shared by its sites (``--repair-budget N``);
-            None: :meth:`Budget.for_modules` over the sites, which grows with their size.
+        budget: the edits the search may try at one culprit, shared fairly by its sites
+            (``--repair-budget N``); None: :meth:`Budget.for_modules` of the culprit, which grows with its
+            size.
     """
 
     enabled: bool = True
@@ -215,13 +216,15 @@ def repair_hints(
         sites += producer_sites(searcher, call, port_call)
     sites += extra_input_sites(searcher, call, port_call)
     sites += untestable_sites(searcher, call, port_call)
-    if options.budget is not None:
-        budget = Budget(options.budget)
-    else:
-        budget = Budget.for_modules([s.module for s in sites])
+    # one budget for the culprit (--repair-budget N, else one that grows with the culprit's size), shared
+    # fairly: each site may spend what is left over the sites still to search, so the culprit's own search
+    # cannot starve its producers'
+    total = options.budget if options.budget is not None else Budget.for_modules([s.module for s in sites[:1]]).edits
     with progress_bar() as progress:
-        for s in sites:
+        for k, s in enumerate(sites):
+            budget = Budget(max(1, total // (len(sites) - k)))
             outcome = repair_site(s, budget, progress=progress)
+            total -= budget.used
             outcomes.append(outcome)
             if outcome.verified:
                 break

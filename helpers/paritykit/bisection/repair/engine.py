@@ -29,10 +29,14 @@ GENERATORS: dict[Tier, Callable[[Site, Any], Iterator[Edit]]] = {
 
 # a search longer than this (seconds) shows a progress bar on stderr
 PROGRESS_AFTER = 2.0
-# the edits a culprit's search may try: a base, and more for each parameter tensor and submodule of its sites
-# (the grammar's edits grow with them)
-BASE_EDITS = 600
-EDITS_PER_PART = 40
+# the edits a culprit's search may try: a base and more for each parameter tensor and submodule of its sites
+# (the grammar's edits grow with them), but no more than REPLAY_ELEMENTS weights replayed in all, so a whole
+# model's ten thousand edits, each a replay of the model, are not all tried; at least MIN_EDITS. Every number
+# here is read from the model, never from a clock: the same model gives the same search on any machine.
+BASE_EDITS = 1500
+EDITS_PER_PART = 8
+REPLAY_ELEMENTS = 30_000_000
+MIN_EDITS = 100
 
 
 @dataclass
@@ -44,10 +48,13 @@ class Budget:
 
     @classmethod
     def for_modules(cls, modules: Sequence[Any]) -> Budget:
-        r"""The default budget for sites holding ``modules``: :data:`BASE_EDITS`, plus
-        :data:`EDITS_PER_PART` for each parameter tensor and each submodule they hold."""
+        r"""The default budget for sites holding ``modules``: :data:`BASE_EDITS` plus :data:`EDITS_PER_PART`
+        for each parameter tensor and submodule, at most :data:`REPLAY_ELEMENTS` over their weight count,
+        at least :data:`MIN_EDITS`."""
         parts = sum(len(list(m.parameters())) + len(list(m.modules())) for m in modules)
-        return cls(BASE_EDITS + EDITS_PER_PART * parts)
+        elements = max(1, sum(p.numel() for m in modules for p in m.parameters()))
+        grown = BASE_EDITS + EDITS_PER_PART * parts
+        return cls(max(MIN_EDITS, min(grown, REPLAY_ELEMENTS // elements)))
 
     @property
     def left(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -334,11 +335,27 @@ def _input_edit(
     )
 
 
-def _input_names(leaves: list[tuple[str, Any]]) -> dict[str, str]:
-    r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, ``input 0`` for a
-    position."""
+def _input_names(leaves: list[tuple[str, Any]], module: Any = None) -> dict[str, str]:
+    r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, and for a position the
+    name its ``forward`` gives it (``input 0`` when the signature does not say)."""
+    import inspect
+
+    try:
+        parameters = [
+            p.name
+            for p in inspect.signature(module.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (AttributeError, TypeError, ValueError):
+        parameters = []
+    names = {}
     # paths are input.0.<position> for positional arguments, input.1.<keyword> for keywords
-    return {path: "input " + ".".join(path.split(".")[2:]) for path, _ in leaves}
+    for path, _ in leaves:
+        parts = path.split(".")[2:]
+        if path.startswith("input.0.") and parts and parts[0].isdigit() and int(parts[0]) < len(parameters):
+            parts[0] = parameters[int(parts[0])]
+        names[path] = "input " + ".".join(parts)
+    return names
 
 
 def _swap_inputs(pa: str, pb: str) -> Callable[[Tensors], Tensors]:
@@ -360,7 +377,7 @@ def _scaled_input(path: str, factor: float) -> Callable[[Tensors], Tensors]:
 def input_edits(site: Site, work: Any) -> Iterator[Edit]:
     r"""Input edits, cheapest first: swaps of two inputs, of two dims, of two halves, then rescales."""
     leaves = [(p, t) for p, t in flatten_tensors(site.inputs(), "input") if t.is_floating_point()]
-    names = _input_names(leaves)
+    names = _input_names(leaves, site.module)
     for (pa, ta), (pb, tb) in itertools.combinations(leaves, 2):
         if ta.shape == tb.shape and not bool((ta == tb).all()):
             yield _input_edit(
@@ -399,6 +416,10 @@ def input_edits(site: Site, work: Any) -> Iterator[Edit]:
         yield from _rescaled_input(site, work, path, names[path])
 
 
+# an input named as a time: a factor of 1000 on it is a timestep given in other units
+_TIMESTEP_NAME = re.compile(r"(^|_)(t|timesteps?|time|sigmas?|temb_t)$|timestep")
+
+
 def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edit]:
     r"""The input times a constant: a least-squares fit (exact for a module affine in it) snapped to a simple
     constant, then the simple constants themselves (for a module that is not: a timestep into sinusoids)."""
@@ -407,14 +428,27 @@ def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edi
     )
     plain = [(c, n) for c, n in simple_constants(site.sizes) if c not in (0.0, 1.0)]
 
+    leaf = dict(flatten_tensors(site.inputs(), "input")).get(path)
+    timestep_like = _TIMESTEP_NAME.search(name) is not None or (leaf is not None and leaf.ndim <= 1)
+
     def scaled(factor: float, label: str) -> Edit:
+        words = (
+            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply"
+            f" it by {label} (fix where it is computed, or the scale the reference applies)"
+        )
+        if timestep_like and factor in (1000.0, 0.001):
+            port_units = "t / 1000 (in [0, 1])" if factor == 1000.0 else "t × 1000 (in [0, 1000])"
+            words = (
+                f"{site.path()}: its {name} is a timestep in other units: the port computes with"
+                f" {port_units} where the reference computes with t; multiplied by {label} it matches (fix"
+                " where the port rescales it, or make both sides agree on the units)"
+            )
         return _input_edit(
             site,
             "rescale",
             name,
             _scaled_input(path, factor),
-            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply"
-            f" it by {label} (fix where it is computed, or the scale the reference applies)",
+            words,
             remake=lambda f: scaled(f, ""),
             factor=factor,
         )
@@ -476,7 +510,7 @@ def output_edits(site: Site, work: Any) -> Iterator[Edit]:
     every = flatten_tensors(site.inputs(), "input")
     seen = dict(every)
     inputs = [(p, t) for p, t in every if t.is_floating_point()]
-    names = _input_names(inputs)
+    names = _input_names(inputs, site.module)
     failing = [
         (i, j)
         for i, j in site.failing()

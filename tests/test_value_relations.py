@@ -1,0 +1,164 @@
+"""paritykit.bisection.value_relations: relations derived from the two tensors at a located place, each said
+in the tensor's own axes, and none where the values do not bear it out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paritykit.bisection.entry import bisect
+from paritykit.bisection.value_relations import (
+    index_map,
+    missing_term,
+    rearrangement,
+    relate,
+    scale,
+    sequence_rows,
+)
+from torch import nn
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ rearrangement
+
+
+def test_half_split_against_interleaved_pairs_is_a_sub_axis_exchange():
+    x = randn(1, 16, 8)
+    interleaved = x.view(1, 16, 2, 4).transpose(-1, -2).reshape(1, 16, 8)
+    relation = rearrangement(x, interleaved)
+    assert relation is not None and relation.residual == 0.0
+    assert "axis 2 (8) is read as (4 from axis 2, 2 from axis 2 (step 4))" in relation.words
+    assert "pairs interleaved on one side, halves on the other" in relation.words
+
+
+def test_a_patch_flattened_channels_last_names_the_exchanged_sub_axes():
+    patches = randn(1, 4, 3, 2, 2)  # (batch, tokens, channels, p, p)
+    channels_first = patches.reshape(1, 4, 12)
+    channels_last = patches.permute(0, 1, 3, 4, 2).reshape(1, 4, 12)
+    relation = rearrangement(channels_first, channels_last, axes=("batch", "tokens", "features"))
+    assert "features (12) is read as (4 from features, 3 from features (step 4))" in relation.words
+
+
+def test_heads_in_another_order_and_blocks_sorted_as_text():
+    x = randn(1, 16, 8)
+    heads = x.view(1, 16, 2, 4).flip(2).reshape(1, 16, 8)
+    assert "axis 2 (8) reordered: entries 0–3 ← 4–7, 4–7 ← 0–3" in rearrangement(x, heads).words
+    rows = randn(12, 5)
+    order = sorted(range(12), key=str)
+    words = rearrangement(rows, rows[order]).words
+    assert "axis 0 (12) reordered" in words and "sorted as text" in words
+
+
+def test_rearrangement_must_not_fire_without_exact_copies():
+    x = randn(4, 8)
+    assert rearrangement(x, x.clone()) is None  # the same places
+    assert rearrangement(x, x.flip(1) + 1e-6) is None  # values moved, then changed
+    assert rearrangement(x, randn(4, 8, seed=1)) is None
+    tied = torch.zeros(4, 8)
+    assert index_map(tied, tied.flip(0)) is None  # repeated values: no unique map to state
+
+
+# ------------------------------------------------------------------------------------------ sequence rows
+
+
+def test_a_token_on_one_side_only_and_concatenation_order():
+    image = randn(1, 16, 8)
+    with_token = torch.cat([randn(1, 1, 8, seed=2), image], dim=1)
+    relation = sequence_rows(image, with_token)
+    assert relation.words.startswith("along axis 1: port rows 0 are not in the reference")
+    assert "port rows 1–16 are reference rows 0–15" in relation.words
+    assert relation.evidence["extra"] == [0]
+    text = randn(1, 4, 8, seed=3)
+    swapped = sequence_rows(torch.cat([text, image], 1), torch.cat([image, text], 1))
+    assert "port rows 0–15 are reference rows 4–19, 16–19 are reference rows 0–3" in swapped.words
+    dropped = sequence_rows(image, image[:, 1:])
+    assert "reference rows 0 are not in the port (dropped)" in dropped.words
+
+
+def test_sequence_rows_must_not_fire_when_rows_were_recomputed():
+    x = randn(1, 16, 8)
+    assert sequence_rows(x, x.clone()) is None
+    assert sequence_rows(x, torch.cat([randn(1, 1, 8), x * 1.01], 1)) is None  # every row changed
+
+
+# ------------------------------------------------------------------------------------------ scale and terms
+
+
+@pytest.mark.parametrize(("factor", "label"), [(1000.0, "1000"), (0.001, "1/1000"), (8**-0.5, "1/√8")])
+def test_a_scale_snaps_to_its_constant(factor, label):
+    x = randn(4, 8)
+    relation = scale(x, x * factor)
+    assert relation is not None and relation.words == f"port = {label} × reference"
+
+
+def test_scale_must_not_fire_on_an_arbitrary_factor_or_noise():
+    x = randn(4, 8)
+    assert scale(x, x * 1.2345) is None
+    assert scale(x, x + 1e-7 * randn(4, 8, seed=1)) is None
+    assert scale(x, 1000 * x + 0.1 * randn(4, 8, seed=1)) is None
+
+
+def test_a_missing_or_extra_term_is_fitted_over_the_captured_tensors():
+    x, residual, gate = randn(2, 5, 8), randn(2, 5, 8, seed=1), randn(2, 1, 8, seed=2)
+    terms = {"hidden_states": residual, "gate": gate}
+    added = missing_term(x, x + residual, terms)
+    assert added.words.startswith("port = reference + hidden_states")
+    halved = missing_term(x, x - 0.5 * residual, terms)
+    assert halved.words.startswith("port = reference − 1/2·hidden_states")
+    # a broadcast term (one value per channel) is a term too
+    assert "gate" in missing_term(x, x + gate, terms).words
+
+
+def test_missing_term_must_not_fire_on_a_term_that_is_not_there():
+    x, residual = randn(2, 5, 8), randn(2, 5, 8, seed=1)
+    assert missing_term(x, x + 0.37 * residual, {"hidden_states": residual}) is None  # no simple constant
+    assert missing_term(x, x + randn(2, 5, 8, seed=4), {"hidden_states": residual}) is None
+    assert missing_term(x, x.clone(), {"hidden_states": residual}) is None
+
+
+def test_relate_on_equal_or_float_noise_tensors_says_nothing():
+    x = randn(3, 16, 8)
+    assert relate(x, x.clone()) == []
+    assert relate(x, x + 1e-7 * randn(3, 16, 8, seed=5), {"x": x}) == []
+    assert relate(x, x.double().float()) == []
+
+
+# ------------------------------------------------------------------------------------------ in a bisect
+
+
+class Block(nn.Module):
+    def __init__(self, residual_twice: bool = False):
+        super().__init__()
+        self.norm, self.lin, self.twice = nn.LayerNorm(8), nn.Linear(8, 8), residual_twice
+
+    def forward(self, x):
+        out = x + self.lin(self.norm(x))
+        return out + x if self.twice else out
+
+
+class Net(nn.Module):
+    def __init__(self, residual_twice: bool = False):
+        super().__init__()
+        self.inp, self.block, self.outp = nn.Linear(8, 8), Block(residual_twice), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.outp(self.block(self.inp(x)))
+
+
+def test_bisect_states_the_relation_at_the_culprit_and_none_on_a_faithful_port():
+    torch.manual_seed(0)
+    reference = Net().eval()
+    port = Net(residual_twice=True).eval()
+    port.load_state_dict(reference.state_dict())
+    inputs = ((randn(2, 5, 8),), {})
+    report = bisect(reference, port, inputs)
+    assert report.culprit.reference == "block"
+    assert [r.kind for r in report.culprit.relations] == ["term"]
+    assert "relation: port = reference + x: a term the port adds" in report.render()
+    assert report.to_dict()["culprit"]["relations"][0]["evidence"]["terms"] == ["x"]
+    faithful = Net().eval()
+    faithful.load_state_dict(reference.state_dict())
+    clean = bisect(reference, faithful, inputs)
+    assert clean.verdict == "match" and clean.culprit is None and "relation:" not in clean.render()
