@@ -105,18 +105,33 @@ def index_map(reference: Any, port: Any) -> Any | None:
 
 
 def rearrangement(reference: Any, port: Any, axes: Sequence[str] = ()) -> Relation | None:
-    r"""``port`` is ``reference``'s values in other places: the index map, in axes and sub-axes."""
+    r"""``port`` is ``reference``'s values in other places: the index map, in axes and sub-axes.
+
+    Tried in turn, each checked on the values to float tolerance (so a map computed in another summation
+    order, or a table whose values repeat, still reads): one axis read as two sub-axes in the other order
+    (halves against interleaved pairs); one axis's entries reordered (slices matched by value); and, when
+    every value is distinct, the exact index map: a permutation of sub-axes across axes, or a block of values
+    one side reshapes in another order (a patch's features flattened channels-last)."""
     import torch
 
+    if reference.numel() != port.numel() or reference.numel() < 2:
+        return None
+    names = list(axes) + [f"axis {d}" for d in range(len(axes), port.dim())]
+    tol = max(_tolerance(reference), _tolerance(port))
+    r, p = _float(reference), _float(port)
+    if tuple(reference.shape) == tuple(port.shape):
+        if float((r - p).abs().max()) <= tol:
+            return None
+        found = _exchanged_sub_axes(r, p, tol, names) or _reordered_axis(r, p, tol, names)
+        if found is not None:
+            words, undo = found
+            residual = float((undo(port, {}).double() - r).abs().max())
+            return Relation("rearrangement", words, residual, {"shape": list(port.shape)}, undo=undo)
     source = index_map(reference, port)
     if source is None or bool(torch.equal(source, torch.arange(source.numel()))):
         return None
-    names = list(axes) + [f"axis {d}" for d in range(len(axes), port.dim())]
-    # sub-axes exchanged is the more specific reading (a reshape taken in another order); else each axis's
-    # entries reordered on their own
     words = _sub_axes(source, tuple(reference.shape), tuple(port.shape), names)
-    if words is None and tuple(reference.shape) == tuple(port.shape):
-        words = _per_axis(source, tuple(port.shape), names)
+    words = words or _block_reading(source, tuple(reference.shape), tuple(port.shape), names)
     if words is None:
         return None
     ref_shape = tuple(reference.shape)
@@ -128,6 +143,123 @@ def rearrangement(reference: Any, port: Any, axes: Sequence[str] = ()) -> Relati
         return back.reshape(ref_shape)
 
     return Relation("rearrangement", words, 0.0, {"shape": list(port.shape)}, undo=undo)
+
+
+_LEAD = "the port holds the reference's values in other places: "
+
+
+def _exchanged_sub_axes(r: Any, p: Any, tol: float, names: list[str]) -> tuple[str, Any] | None:
+    r"""One axis of size ``a·b`` that the reference reads as ``(a, b)`` and the port as ``(b, a)``."""
+    for d, size in enumerate(r.shape):
+        for a in range(2, size):
+            if size % a or size // a < 2:
+                continue
+            b = size // a
+            moved = r.unflatten(d, (a, b)).transpose(d, d + 1).flatten(d, d + 1)
+            if float((moved - p).abs().max()) <= tol:
+                gloss = (
+                    ": pairs interleaved on one side, halves on the other"
+                    if 2 in (a, b)
+                    else ": one side reshapes that axis in the other order"
+                )
+
+                def undo(t: Any, _terms: dict, d=d, a=a, b=b) -> Any:
+                    return t.unflatten(d, (b, a)).transpose(d, d + 1).flatten(d, d + 1)
+
+                words = (
+                    f"{_LEAD}{names[d]} ({size}) is read as ({a}, {b}) in the reference and ({b}, {a}) in the"
+                    f" port{gloss}"
+                )
+                return words, undo
+    return None
+
+
+def _reordered_axis(r: Any, p: Any, tol: float, names: list[str]) -> tuple[str, Any] | None:
+    r"""One axis's entries in another order: each port slice along it matched to the reference slice equal to
+    it, the rest of the tensor in place."""
+    import torch
+
+    for d, size in enumerate(r.shape):
+        if size < 2:
+            continue
+        rs, ps = r.movedim(d, 0).flatten(1), p.movedim(d, 0).flatten(1)
+        distance = torch.cdist(ps, rs, p=math.inf)
+        best, order = distance.min(dim=1)
+        if float(best.max()) > tol or len(set(order.tolist())) != size:
+            continue
+        order_list = order.tolist()
+        if order_list == list(range(size)):
+            continue
+        index = order.clone()
+
+        def undo(t: Any, _terms: dict, d=d, index=index) -> Any:
+            back = torch.empty_like(index)
+            back[index] = torch.arange(len(index))
+            return t.index_select(d, back.to(t.device))
+
+        return f"{_LEAD}{names[d]} ({size}) reordered: " + _describe_order(order_list), undo
+    return None
+
+
+def _block_reading(
+    source: Any, ref_shape: tuple[int, ...], port_shape: tuple[int, ...], names: list[str]
+) -> str | None:
+    r"""The map keeps some digits of each position (the outer structure) and scrambles the rest: a block of
+    values one side reads in another shape. Said as the block's size and the axes it spans, with the two
+    readings when the block is a flat vector reshaped in two orders."""
+    import itertools
+
+    import torch
+
+    if ref_shape != port_shape:
+        return None
+    digits: list[tuple[int, int, int]] = []  # (axis, factor, stride within the flat index)
+    strides = [math.prod(port_shape[d + 1 :]) for d in range(len(port_shape))]
+    for d, size in enumerate(port_shape):
+        inner = strides[d]
+        for f in reversed(_prime_factors(size)):
+            digits.append((d, f, inner))
+            inner *= f
+    index = torch.arange(source.numel())
+    kept, moved = [], []
+    for d, f, stride in digits:
+        same = torch.equal(index // stride % f, source // stride % f)
+        (kept if same else moved).append((d, f, stride))
+    if not moved or len(moved) > 6:
+        return None
+    size = math.prod(f for _, f, _ in moved)
+    spans = sorted({d for d, _, _ in moved})
+    where = ", ".join(names[d] for d in spans)
+
+    def flat(position: Any, order: Sequence[tuple[int, int, int]]) -> Any:
+        out = torch.zeros_like(position)
+        for _, f, stride in order:
+            out = out * f + position // stride % f
+        return out
+
+    readings = ""
+    # the block as one flat vector: the reference reads it in one order of its digits, the port in another
+    for port_order in itertools.permutations(moved):
+        for ref_order in itertools.permutations(moved):
+            if ref_order == port_order:
+                continue
+            if torch.equal(flat(index, port_order), flat(source, ref_order)):
+                shape_p = tuple(f for _, f, _ in port_order)
+                shape_r = tuple(f for _, f, _ in ref_order)
+                readings = (
+                    f"; read as {_grouped(ref_order, names)} in the reference and {_grouped(port_order, names)}"
+                    f" in the port ({shape_r} against {shape_p}): one side flattens it in another order (a"
+                    " patch's features channels-last on one side)"
+                )
+                break
+        if readings:
+            break
+    return f"{_LEAD}within each block of {size} values spanning {where} the order differs{readings}"
+
+
+def _grouped(order: Sequence[tuple[int, int, int]], names: list[str]) -> str:
+    r"""A reading of a block's digits, as the axes they come from (``(axis 1, axis 2, axis 3)``)."""
+    return "(" + ", ".join(f"{names[d]}:{f}" for d, f, _ in order) + ")"
 
 
 def _per_axis(source: Any, shape: tuple[int, ...], names: list[str]) -> str | None:
@@ -153,6 +285,8 @@ def _per_axis(source: Any, shape: tuple[int, ...], names: list[str]) -> str | No
 
 def _describe_order(order: list[int]) -> str:
     r"""``port i ← reference j`` for the moved entries, as runs where they are contiguous."""
+    if order == list(range(len(order)))[::-1]:
+        return "reversed (entry i ← entry n − 1 − i)"
     runs = _runs(list(enumerate(order)))
     moved = [r for r in runs if r[0] != r[1]]
     if len(runs) <= 4 and all(length > 1 for _, _, length in runs):
@@ -421,6 +555,36 @@ def _coefficient(label: str, value: float) -> str:
     return "" if abs(abs(value) - 1.0) < 1e-12 else f"{label}·"
 
 
+def saturation(reference: Any, port: Any) -> Relation | None:
+    r"""One side is the other clamped to ``[lo, hi]`` (its own least and greatest values, each reached by
+    several values the other side has beyond it): an output clamp one implementation has."""
+    import torch
+
+    if tuple(reference.shape) != tuple(port.shape) or reference.numel() < 4:
+        return None
+    r, p = _float(reference), _float(port)
+    tol = max(_tolerance(reference), _tolerance(port))
+    for clamped, free, side, other in ((r, p, "reference", "port"), (p, r, "port", "reference")):
+        lo, hi = float(clamped.min()), float(clamped.max())
+        if not lo < hi or float((torch.clamp(free, lo, hi) - clamped).abs().max()) > tol:
+            continue
+        beyond = (free < lo - tol) | (free > hi + tol)
+        cut = [int(((free < lo - tol)).sum()), int((free > hi + tol).sum())]
+        if not bool(beyond.any()) or any(0 < k < 2 for k in cut):
+            continue
+        bounds = f"[{format_number(lo)}, {format_number(hi)}]"
+        undo = (lambda t, _terms, lo=lo, hi=hi: torch.clamp(t, lo, hi)) if side == "reference" else None
+        return Relation(
+            "saturation",
+            f"{side} = clamp({other}, {format_number(lo)}, {format_number(hi)}): the {side} clamps to {bounds}"
+            f" where the {other} does not ({int(beyond.sum())} values beyond)",
+            float((torch.clamp(free, lo, hi) - clamped).abs().max()),
+            {"clamped": side, "low": lo, "high": hi},
+            undo=undo,
+        )
+    return None
+
+
 def relate(
     reference: Any, port: Any, terms: dict[str, Any] | None = None, axes: Sequence[str] = ()
 ) -> list[Relation]:
@@ -437,6 +601,7 @@ def relate(
     found = []
     for relation in (
         rearrangement(reference, port, axes),
+        saturation(reference, port),
         sequence_rows(reference, port) if reference.shape != port.shape else None,
         scale(reference, port),
         missing_term(reference, port, terms or {}),

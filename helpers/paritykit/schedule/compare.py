@@ -14,6 +14,8 @@ defaults differ (``timestep_spacing``, ``steps_offset``, Karras sigmas, a flow-m
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,7 +267,14 @@ def _differing_parameters(fa: Family | None, fb: Family | None) -> str:
         if fa.detail == fb.detail
         else f"; also {fa.detail} vs {fb.detail}"
     )
-    return f" Same family; differs in {', '.join(differ)}{same}." if differ else ""
+    mu = ""
+    if "shift" in fa.params and "shift" in fb.params and min(fa.params["shift"], fb.params["shift"]) > 0:
+        # an exponential time shift (Flux's time_shift(mu, 1, t)) is this shift with mu = ln(shift)
+        mu = (
+            f" (as an exponential time shift: mu {format_number(math.log(fa.params['shift']))} vs"
+            f" {format_number(math.log(fb.params['shift']))})"
+        )
+    return f" Same family; differs in {', '.join(differ)}{mu}{same}." if differ else ""
 
 
 def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:

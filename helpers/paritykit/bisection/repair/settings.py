@@ -127,7 +127,9 @@ def _values_for(module: Any, name: str, value: Any) -> list[Any]:
             # a small positive float is usually an epsilon: every power of ten it could have been written as
             out += [10.0**-k for k in range(1, 13)]
         if isinstance(value, int):
-            out = [int(v) for v in out if float(v).is_integer()]
+            # an integer above 1 is a count or a size: 0 is no port's slip, and a 0 head count or head
+            # dimension divides by zero inside torch's C++ (the process dies, no exception to catch)
+            out = [int(v) for v in out if float(v).is_integer() and (v != 0 or value <= 1)]
         return [v for v in dict.fromkeys(out) if v != value]
     if isinstance(value, (tuple, list)) and 1 < len(value) <= 4 and len(set(map(repr, value))) == len(value):
         return [type(value)(p) for p in itertools.permutations(value) if list(p) != list(value)]
