@@ -160,7 +160,8 @@ def _culprit(reference: nn.Module, port: nn.Module, x: torch.Tensor) -> E.Culpri
         ref_out, port_out = reference(x), port(x)
 
     def check(fn):
-        out = fn(x.clone())
+        with torch.no_grad():
+            out = fn(x.clone())
         return bool(torch.allclose(out, ref_out, rtol=1.3e-6, atol=1e-5)), float((out - ref_out).abs().max())
 
     return E.Culprit(
@@ -342,6 +343,26 @@ class ResearchNorm(nn.LayerNorm):
 
 class PortNorm(ResearchNorm):
     pass
+
+
+class ResearchRotary(nn.Module):
+    """Research style: the rotary frequencies computed in __init__ and kept as a plain attribute."""
+
+    def __init__(self, dim: int = 8, theta: float = 10000.0):
+        super().__init__()
+        self.freqs = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[-2], dtype=torch.float32)[:, None] * self.freqs
+        return x * torch.cat([angles.cos(), angles.cos()], dim=-1)
+
+
+def test_state_set_in_init_that_forward_reads_is_compared_and_copied():
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(9))
+    (hint,) = E.module_config(_culprit(ResearchRotary(), ResearchRotary(theta=1e6), x))
+    assert hint.evidence["difference"]["kind"] == "state" and "state freqs" in hint.message
+    assert hint.verified is True and hint.fix.startswith("copy state")
+    assert E.module_config(_culprit(ResearchRotary(), ResearchRotary(), x)) == []
 
 
 def test_a_class_name_alone_is_no_setting():

@@ -162,3 +162,51 @@ def test_fitted_numbers_snap_to_simple_constants(value, label):
 def test_chunk_orders_cover_every_permutation_up_to_four_then_swaps():
     assert len(list(chunk_orders(3))) == 5 and len(list(chunk_orders(4))) == 23
     assert len(list(chunk_orders(6))) == 15  # pairs only beyond four chunks
+
+
+class QuickGELU(nn.Module):
+    """OpenAI CLIP's QuickGELU (x · sigmoid(1.702 x)) after the FFN's first projection, as research code has it."""
+
+    def __init__(self, proj: nn.Module):
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h * torch.sigmoid(1.702 * h)
+
+
+def test_a_string_setting_of_the_enclosing_diffusers_model_is_tried_over_its_values():
+    # the culprit, a FeedForward's activation, has no config: its model's activation_fn builds it, so that
+    # setting is the fix ("geglu-approximate" builds diffusers' ApproximateGELU, x · sigmoid(1.702 x))
+    import copy
+
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    port = DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        sample_size=8,
+        patch_size=2,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=10,
+        norm_num_groups=4,
+    ).eval()
+    with torch.no_grad():
+        for p in port.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    reference = copy.deepcopy(port)
+    ff = reference.transformer_blocks[0].ff
+    ff.net[0] = QuickGELU(ff.net[0].proj)
+    inputs = ((torch.randn(1, 4, 8, 8),), {"timestep": torch.tensor([10]), "class_labels": torch.tensor([1])})
+    report = bisect(reference, port, inputs)
+    assert report.culprit.port == "transformer_blocks.0.ff.net.0"
+    fix = report.culprit.hints[0]
+    assert fix.verified and "DiTTransformer2DModel(activation_fn='geglu-approximate')" in fix.fix
+    # a faithful port gets no such edit
+    same = copy.deepcopy(port)
+    assert bisect(same, port, inputs).verdict == "match"

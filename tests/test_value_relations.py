@@ -216,3 +216,57 @@ def test_correct_ports_of_the_split_get_no_relation(name):
     reference, port, inputs, _, _ = CLEAN[name]()
     report = bisect(reference, port, inputs)
     assert report.verdict == "match" and report.culprit is None and "relation:" not in report.render()
+
+
+# ------------------------------------------------------------------------------------------ transplant
+
+
+class RMSNorm(nn.Module):
+    """Research RMSNorm (Zhang & Sennrich 2019): x / rms(x) · weight, no centring."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * randn(dim, seed=11))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class CentredNorm(RMSNorm):
+    """The port's norm centres first: a LayerNorm without bias where the research has an RMSNorm."""
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class NormNet(nn.Module):
+    def __init__(self, norm: type = RMSNorm):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Linear(8, 8), norm(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.norm(self.inp(x)))
+
+
+def test_a_module_whose_code_differs_is_transplanted_and_its_first_differing_op_named():
+    torch.manual_seed(0)
+    reference = NormNet().eval()
+    port = NormNet(CentredNorm).eval()
+    port.load_state_dict(reference.state_dict())
+    report = bisect(reference, port, ((randn(2, 3, 8),), {}))
+    first = report.culprit.hints[0]
+    assert first.id == "transplant" and first.verified
+    assert "a copy of the reference's RMSNorm (norm) in place of the port's CentredNorm (norm)" in first.message
+    assert "the first port op whose result the reference never computes" in first.message
+    assert "Tensor.mean" in first.message
+    # a faithful port, and a culprit a setting explains, get no transplant
+    same = NormNet().eval()
+    same.load_state_dict(reference.state_dict())
+    assert bisect(reference, same, ((randn(2, 3, 8),), {})).culprit is None
+    torch.manual_seed(0)
+    eps_ref = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-6), nn.Linear(8, 8)).eval()
+    eps_port = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-2), nn.Linear(8, 8)).eval()
+    eps_port.load_state_dict(eps_ref.state_dict())
+    hints = bisect(eps_ref, eps_port, ((0.05 * randn(2, 3, 8),), {})).culprit.hints
+    assert all(h.id != "transplant" for h in hints)

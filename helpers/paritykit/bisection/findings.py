@@ -488,3 +488,75 @@ def _undone_matches(
 
 class _CannotEdit(Exception):
     pass
+
+
+def transplant_hint(
+    searcher: Searcher, call: Record, ref_final: Any, select_output: Callable | None
+) -> Any | None:
+    r"""At a replayed culprit whose settings and weights explain nothing: a copy of the aligned reference
+    module (its own weights, which the port's hold as aligned) put in the port module's place, called on the
+    port's own inputs, in a run of the whole port. When the port's output then matches, the module's own
+    computation is the cause: said with the first op whose result differs while its inputs agree (the two
+    sides' ops traced on the reference's inputs). None when the transplant cannot run or does not match."""
+    import copy
+
+    import torch
+
+    from paritykit.bisection.leaves import final_output
+    from paritykit.compare.diagnose import Hint
+    from paritykit.compare.tensors import compare_tensors
+
+    port_call = searcher.port_record(call)
+    ref_module = searcher.ref_modules.get(call.module)
+    port = searcher.port_modules.get("")
+    root = searcher.port_trace.root
+    module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    if ref_module is None or module is None or port is None or root is None or not root.replayable:
+        return None
+    if call.parent is None or not port_call.module:
+        return None  # the top level's own forward: nothing to transplant into
+    donor = copy.deepcopy(ref_module).to(module_device(module))
+
+    def hook(_module: Any, args: tuple, kwargs: dict, _output: Any) -> Any:
+        return donor(*args, **kwargs)
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        args, kwargs = to_device(root.call_inputs(), module_device(port))
+        with torch.no_grad():
+            output = port(*args, **kwargs)
+        matched = compare_tensors(
+            ref_final, final_output("port", output, select_output), atol=searcher.atol, rtol=searcher.rtol
+        ).passed
+    except Exception as exc:  # the reference module does not take the port's inputs: no transplant to claim
+        return None
+    finally:
+        handle.remove()
+    if not matched:
+        return None
+    ops = ""
+    adapted = searcher.adapt_inputs(call, port_call, module_device(module))
+    if adapted is not None:
+        try:
+            op = op_divergence(
+                ref_module, module, call.call_inputs(), adapted, atol=searcher.atol, rtol=searcher.rtol
+            )
+        except Exception:  # an op the logger cannot follow: the transplant still stands
+            op = None
+        if op is not None:
+            ops = (
+                f"; the first port op whose result the reference never computes (its inputs agree):"
+                f" {op.port_op}({op.port_args})"
+            )
+            if op.reference_op:
+                ops += f" (the reference's nearest: {op.reference_op}({op.reference_args}))"
+    words = (
+        f"transplant: a copy of the reference's {type(ref_module).__name__} ({shown(call.module)}) in place of"
+        f" the port's {type(module).__name__} ({shown(port_call.module)}), on the port's own inputs, makes the"
+        f" port's output match: the cause is that module's own computation{ops}"
+    )
+    return Hint("transplant", words, {"module": port_call.module}, score=0.99, verified=True)
+
+
+def shown(name: str) -> str:
+    return name or "(top level)"

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.bisection.align import Alignment
-from paritykit.bisection.findings import culprit_finding, first_divergence, place_relations
+from paritykit.bisection.findings import (
+    culprit_finding,
+    first_divergence,
+    place_relations,
+    transplant_hint,
+)
 from paritykit.bisection.floor import FloatFloor, max_difference, precision_line, within
 from paritykit.bisection.leaves import final_output
 from paritykit.bisection.repair.culprit_sites import RepairOptions
@@ -246,6 +251,11 @@ def run_strategy(
                 (ref_final, port_final) if at_top else None,
                 verify=(ref_final, select_output),
             )
+            first_hint = culprit.hints[0].id if culprit.hints else ""
+            if first_hint in ("no-signature", "unknown") and not any(h.verified for h in culprit.hints):
+                moved = transplant_hint(located.searcher, located.call, ref_final, select_output)
+                if moved is not None:
+                    culprit.hints.insert(0, moved)
             _layer_order_hint(culprit, strategy.final_alignment())
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(

@@ -105,6 +105,11 @@ class SettingDifference:
             )
         if self.kind == "parameter":
             return f"reference {what}has parameter {self.attr}, the port's is None"
+        if self.kind == "state":
+            return (
+                f"state {self.attr} (a tensor set in __init__ that forward reads): {self.reference_value}"
+                f" (reference) vs {self.port_value} (port)"
+            )
         return f"{self.kind} {self.attr}: {self.reference_value} (reference) vs {self.port_value} (port)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,10 +186,50 @@ def settings_diff(
                     "buffer",
                 )
             )
+    # tensors set in __init__ as plain attributes (research code keeps rotary tables so): constructed state
+    # the forward reads, compared by name like buffers
+    ref_state = _plain_tensors(reference)
+    for key, b in _plain_tensors(port).items():
+        a = ref_state.get(key)
+        if a is None or a.shape != b.shape or a.is_complex() != b.is_complex():
+            continue
+        if not torch.allclose(_comparable(a), _comparable(b), rtol=1e-6, atol=0.0):
+            out.append(
+                SettingDifference(
+                    reference_name,
+                    port_name,
+                    key,
+                    key,
+                    _tensor_summary(_comparable(a), key),
+                    _tensor_summary(_comparable(b), key),
+                    "state",
+                )
+            )
     for key, a in reference.named_parameters(recurse=False):
         if a is not None and key in port._parameters and port._parameters[key] is None:
             out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
     return out
+
+
+def _plain_tensors(module: Any) -> dict[str, Any]:
+    r"""A module's tensors held as plain attributes (not parameters, not buffers)."""
+    import torch
+
+    return {
+        k: v
+        for k, v in vars(module).items()
+        if not k.startswith("_") and isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+    }
+
+
+def _comparable(t: Any) -> Any:
+    return (torch_view_real(t) if t.is_complex() else t).double().cpu()
+
+
+def torch_view_real(t: Any) -> Any:
+    import torch
+
+    return torch.view_as_real(t.resolve_conj())
 
 
 def config_differences(

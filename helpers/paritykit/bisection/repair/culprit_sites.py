@@ -77,7 +77,24 @@ def culprit_site(searcher: Searcher, call: Record, port_call: Record | None) -> 
             reference, module, searcher.alignment.inside(call.module, port_call.module)
         ),
         held=held_parameters(reference, module),
+        ancestor=config_ancestor(searcher, port_call.module),
     )
+
+
+def config_ancestor(searcher: Searcher, name: str) -> tuple[Any, str, str] | None:
+    r"""For a port module with no config of its own, the nearest enclosing diffusers model (a ConfigMixin):
+    ``(model, its path, the module's path inside it)``; None when the module has a config or nothing
+    encloses it."""
+    module = searcher.port_modules.get(name)
+    if module is None or getattr(module, "config", None) is not None or not name:
+        return None
+    parts = name.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:k])
+        model = searcher.port_modules.get(path)
+        if isinstance(getattr(model, "config", None), dict) and hasattr(type(model), "from_config"):
+            return model, path, ".".join(parts[k:])
+    return None
 
 
 def producer_sites(searcher: Searcher, call: Record, port_call: Record | None) -> list[Site]:

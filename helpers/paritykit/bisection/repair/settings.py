@@ -40,7 +40,9 @@ Variant = tuple[dict[str, Any], Callable[[], Any], str]
 
 
 def setting_edits(site: Site, work: Any) -> Iterator[Edit]:
-    r"""Every attribute edit of the module and its submodules, then every one-setting rebuild."""
+    r"""Every attribute edit of the module and its submodules, then every one-setting rebuild, then each
+    string setting of the enclosing diffusers model tried over its values (the model rebuilt, its weights
+    reloaded, and the module taken from it)."""
     modules = list(work.named_modules())
     for sub, module in modules:
         yield from _attribute_edits(site, sub, module)
@@ -51,6 +53,50 @@ def setting_edits(site: Site, work: Any) -> Iterator[Edit]:
             continue
         for change, rebuilt, words in variants:
             yield _setting_edit(site, sub, change, rebuilt, words)
+    yield from _ancestor_edits(site, work)
+
+
+def _ancestor_edits(site: Site, work: Any) -> Iterator[Edit]:
+    r"""The string settings of the model enclosing the site (``activation_fn``, a norm type, …): a module
+    without a config of its own (a ``FeedForward``) is built from its model's, so that model is rebuilt with
+    each other value and the site's module taken from it."""
+    if site.ancestor is None or getattr(work, "config", None) is not None:
+        return
+    model, path, inner = site.ancestor
+    config = getattr(model, "config", None)
+    if not isinstance(config, dict) or not hasattr(type(model), "from_config"):
+        return
+    config = dict(config)
+
+    def part(change: dict) -> Any:
+        rebuilt = _from_config(model, {**config, **change})
+        try:
+            return rebuilt.get_submodule(inner) if rebuilt is not None else None
+        except AttributeError:
+            return None
+
+    identity = functools.partial(part, {})
+    if not _same_in_place(site, work, "", identity):
+        return
+    where = path or "(top level)"
+    for key, value in config.items():
+        if key.startswith("_") or not isinstance(value, str):
+            continue
+        for new in _values_for(model, key, value):
+            target = f"{where} config {key}"
+            yield ReplaceEdit(
+                tier="settings",
+                kind="model-setting",
+                target=target,
+                parameters={"key": key, "value": new, "was": value},
+                words=(
+                    f"{where}: {type(model).__name__}({key}={format_value(new)}) (now {format_value(value)});"
+                    f" {site.path()} is built from it"
+                ),
+                cost=cost_of("settings", "setting"),
+                sub="",
+                build=functools.partial(part, {key: new}),
+            )
 
 
 def _attribute_edits(site: Site, sub: str, module: Any) -> Iterator[Edit]:

@@ -47,6 +47,9 @@ class Site:
     # culprit | producer | untestable (an aligned child of the culprit no test could see)
     role: str = "culprit"
     sizes: tuple[int, ...] = field(default=())
+    # the nearest enclosing diffusers model (a ConfigMixin) when the module has no config of its own:
+    # (that model, its path, the module's path inside it); its string settings are tried by rebuilding it
+    ancestor: tuple[Any, str, str] | None = None
 
     def __post_init__(self) -> None:
         from paritykit.bisection.leaves import pair_layouts
