@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "helpers"))
 
 from paritykit.bisection.entry import bisect  # noqa: E402
 from paritykit.schedule.compare import compare_schedules  # noqa: E402
+
 from tests import reference_loops  # noqa: E402
 from tests.bisect_pairs import time_pair  # noqa: E402
 from tests.relation_pairs import CASES, CLEAN  # noqa: E402
@@ -106,8 +107,8 @@ def main() -> int:
     false = sum(r["false"] for r in rows + clean)
     clean_ok = sum(1 for r in clean if r["place"])
     lines = [
-        f"value-relations split: {bugs} bug cases of classes no catalogue detector names, {len(clean)} correct"
-        " ports; 1 torch thread",
+        f"value-relations split: {bugs} bug cases of classes no catalogue detector names, {len(clean)}"
+        " correct ports; 1 torch thread",
         "",
         "| split | place | cause in the first stated line | verified | false hints |",
         "|---|---|---|---|---|",

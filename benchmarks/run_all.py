@@ -16,7 +16,12 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     failed = []
-    surveys = [HERE / "diagnosis.py", HERE / "relations.py", HERE / "first_screen.py", HERE / "model_inputs.py"]
+    surveys = [
+        HERE / "diagnosis.py",
+        HERE / "relations.py",
+        HERE / "first_screen.py",
+        HERE / "model_inputs.py",
+    ]
     for script in [*sorted(HERE.glob("bench_*.py")), *surveys]:
         print(f"== {script.name}", flush=True)
         if subprocess.run([sys.executable, str(script)]).returncode != 0:

@@ -165,7 +165,8 @@ def test_chunk_orders_cover_every_permutation_up_to_four_then_swaps():
 
 
 class QuickGELU(nn.Module):
-    """OpenAI CLIP's QuickGELU (x · sigmoid(1.702 x)) after the FFN's first projection, as research code has it."""
+    """OpenAI CLIP's QuickGELU (x · sigmoid(1.702 x)) after the FFN's first projection, as research code
+    has it."""
 
     def __init__(self, proj: nn.Module):
         super().__init__()

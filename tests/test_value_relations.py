@@ -59,7 +59,9 @@ def test_an_unpatchify_reading_features_channels_first_is_a_block_read_in_anothe
     ref = tokens.reshape(1, 2, 2, 2, 2, 3).permute(0, 5, 1, 3, 2, 4).reshape(1, 3, 4, 4)
     port = tokens.reshape(1, 2, 2, 3, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, 3, 4, 4)
     relation = rearrangement(ref, port)
-    assert "within each block of 12 values spanning axis 1, axis 2, axis 3 the order differs" in relation.words
+    assert (
+        "within each block of 12 values spanning axis 1, axis 2, axis 3 the order differs" in relation.words
+    )
     assert "(2, 2, 3) against (3, 2, 2)" in relation.words
     assert torch.equal(relation.undo(port, {}), ref)
 
@@ -257,7 +259,9 @@ def test_a_module_whose_code_differs_is_transplanted_and_its_first_differing_op_
     report = bisect(reference, port, ((randn(2, 3, 8),), {}))
     first = report.culprit.hints[0]
     assert first.id == "transplant" and first.verified
-    assert "a copy of the reference's RMSNorm (norm) in place of the port's CentredNorm (norm)" in first.message
+    assert (
+        "a copy of the reference's RMSNorm (norm) in place of the port's CentredNorm (norm)" in first.message
+    )
     assert "the first port op whose result the reference never computes" in first.message
     assert "Tensor.mean" in first.message
     # a faithful port, and a culprit a setting explains, get no transplant

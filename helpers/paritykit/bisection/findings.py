@@ -449,7 +449,8 @@ def _undone_matches(
     select_output: Callable | None,
 ) -> bool | None:
     r"""Run the port with ``relation`` undone on the culprit's output leaf ``leaf``; whether its final output
-    then matches the reference's (None: it cannot be run: no undo, no port model, an output it cannot edit)."""
+    then matches the reference's (None: it cannot be run: no undo, no port model, an output it cannot
+    edit)."""
     import torch
 
     from paritykit.bisection.leaves import final_output
@@ -528,7 +529,7 @@ def transplant_hint(
         matched = compare_tensors(
             ref_final, final_output("port", output, select_output), atol=searcher.atol, rtol=searcher.rtol
         ).passed
-    except Exception as exc:  # the reference module does not take the port's inputs: no transplant to claim
+    except Exception:  # the reference module does not take the port's inputs: no transplant to claim
         return None
     finally:
         handle.remove()
@@ -551,9 +552,9 @@ def transplant_hint(
             if op.reference_op:
                 ops += f" (the reference's nearest: {op.reference_op}({op.reference_args}))"
     words = (
-        f"transplant: a copy of the reference's {type(ref_module).__name__} ({shown(call.module)}) in place of"
-        f" the port's {type(module).__name__} ({shown(port_call.module)}), on the port's own inputs, makes the"
-        f" port's output match: the cause is that module's own computation{ops}"
+        f"transplant: a copy of the reference's {type(ref_module).__name__} ({shown(call.module)}) in place"
+        f" of the port's {type(module).__name__} ({shown(port_call.module)}), on the port's own inputs, makes"
+        f" the port's output match: the cause is that module's own computation{ops}"
     )
     return Hint("transplant", words, {"module": port_call.module}, score=0.99, verified=True)
 

@@ -1,8 +1,8 @@
 r"""How the port's tensor relates to the reference's at a located place, derived from the two values.
 
 An expert at a culprit does not look a cause up; they ask how the two tensors relate. Each function here takes
-the reference's tensor ``R`` and the port's ``P`` (and, for a missing term, the tensors captured at that place)
-and states a relation only when it reproduces ``P`` from ``R`` to float precision, with its residual:
+the reference's tensor ``R`` and the port's ``P`` (and, for a missing term, the tensors captured at that
+place) and states a relation only when it reproduces ``P`` from ``R`` to float precision, with its residual:
 
 * :func:`rearrangement`: ``P`` holds exactly ``R``'s values in other places. The index map is derived (by
   sorting both) and said in the tensor's own axes and sub-axes: an axis whose entries are reordered (which to
@@ -247,7 +247,8 @@ def _block_reading(
                 shape_p = tuple(f for _, f, _ in port_order)
                 shape_r = tuple(f for _, f, _ in ref_order)
                 readings = (
-                    f"; read as {_grouped(ref_order, names)} in the reference and {_grouped(port_order, names)}"
+                    f"; read as {_grouped(ref_order, names)} in the reference and"
+                    f" {_grouped(port_order, names)}"
                     f" in the port ({shape_r} against {shape_p}): one side flattens it in another order (a"
                     " patch's features channels-last on one side)"
                 )
@@ -569,14 +570,15 @@ def saturation(reference: Any, port: Any) -> Relation | None:
         if not lo < hi or float((torch.clamp(free, lo, hi) - clamped).abs().max()) > tol:
             continue
         beyond = (free < lo - tol) | (free > hi + tol)
-        cut = [int(((free < lo - tol)).sum()), int((free > hi + tol).sum())]
+        cut = [int((free < lo - tol).sum()), int((free > hi + tol).sum())]
         if not bool(beyond.any()) or any(0 < k < 2 for k in cut):
             continue
         bounds = f"[{format_number(lo)}, {format_number(hi)}]"
         undo = (lambda t, _terms, lo=lo, hi=hi: torch.clamp(t, lo, hi)) if side == "reference" else None
         return Relation(
             "saturation",
-            f"{side} = clamp({other}, {format_number(lo)}, {format_number(hi)}): the {side} clamps to {bounds}"
+            f"{side} = clamp({other}, {format_number(lo)}, {format_number(hi)}): the {side} clamps to"
+            f" {bounds}"
             f" where the {other} does not ({int(beyond.sum())} values beyond)",
             float((torch.clamp(free, lo, hi) - clamped).abs().max()),
             {"clamped": side, "low": lo, "high": hi},

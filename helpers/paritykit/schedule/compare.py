@@ -15,7 +15,6 @@ defaults differ (``timestep_spacing``, ``steps_offset``, Karras sigmas, a flow-m
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any
 

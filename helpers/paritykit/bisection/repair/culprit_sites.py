@@ -236,7 +236,11 @@ def repair_hints(
     # one budget for the culprit (--repair-budget N, else one that grows with the culprit's size), shared
     # fairly: each site may spend what is left over the sites still to search, so the culprit's own search
     # cannot starve its producers'
-    total = options.budget if options.budget is not None else Budget.for_modules([s.module for s in sites[:1]]).edits
+    total = (
+        options.budget
+        if options.budget is not None
+        else Budget.for_modules([s.module for s in sites[:1]]).edits
+    )
     with progress_bar() as progress:
         for k, s in enumerate(sites):
             budget = Budget(max(1, total // (len(sites) - k)))
