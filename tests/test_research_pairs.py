@@ -110,6 +110,11 @@ def test_an_input_that_differs_is_never_taken_for_the_ports_own(wan_dit_pair):
     said = "dit.blocks.0 <-> dit.blocks.0 (port rotary_emb.0, rotary_emb.1 equal no reference argument"
     assert said in hint.message and "(reference freqs left unpaired)" in hint.message
     assert "computes that input in dit.rope (WanRotaryPosEmbed)" in hint.message
+    # and why: both sides' rotary tables read back from their values, the difference said first
+    assert hint.message.startswith(
+        "the rotary tables differ (reference dit.freqs, port dit.rope.freqs): θ 1.00e+04 (reference) vs 500"
+        " (port) in all 3 bands;"
+    )
     assert not any(h.id == "module-config" for h in report.culprit.hints), report.render()
     attention = next(t for t in report.tested if t.port == "dit.blocks.0.attn1")
     assert attention.status == "untestable"

@@ -351,10 +351,12 @@ def inline_reference_hints(
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
+        rotary, tables = _rotary_words(searcher, call, found.producers)
         message = (
-            f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
+            rotary
+            + f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
             f" the reference computes it inside {shown_name(call.name)}, inline or in a submodule without a"
-            " port counterpart (evidence: the port module's captured output is exactly that input)"
+            " port counterpart (evidence: the port module's captured output is exactly that input)" + tables
         )
     elif (feeder := _aligned_feeder(searcher, found)) is not None:
         hint_id = "inline-input"
@@ -751,3 +753,30 @@ def _same(a: Any, b: Any) -> bool:
     import torch
 
     return a is not None and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _rotary_words(searcher: Searcher, call: Record, producers: list[Any]) -> tuple[str, str]:
+    r"""When the port's producers and the reference culprit hold rotary tables: what differs (θ, bands,
+    layout, position scale), said first, and each side's form read back from the values, said last."""
+    from paritykit.bisection.rotary import rotary_difference, rotary_tables
+
+    reference = searcher.ref_modules.get(call.module)
+    if reference is None:
+        return "", ""
+    ref_tables = rotary_tables(reference)
+    port_tables = [
+        (f"{r.module}.{name}", form)
+        for r in producers
+        if (module := searcher.port_modules.get(r.module)) is not None
+        for name, form in rotary_tables(module)
+    ]
+    if not ref_tables or not port_tables:
+        return "", ""
+    (ref_name, ref_form), (port_name, port_form) = ref_tables[0], port_tables[0]
+    tables = f" (rotary tables read from their values: reference {ref_name} {ref_form.describe()}; port"
+    tables += f" {port_name} {port_form.describe()})"
+    differs = rotary_difference(ref_form, port_form)
+    if not differs:
+        return "", tables
+    lead = f"the rotary tables differ (reference {ref_name}, port {port_name}): {'; '.join(differs)}; "
+    return lead, tables

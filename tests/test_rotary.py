@@ -1,0 +1,78 @@
+"""paritykit.bisection.rotary: rotary tables read back into layout, bands, θ and position scale from their
+values; references written from the research code (Llama's precompute_freqs_cis, per-axis tables as video DiTs
+keep them), diffusers' own tables as the port side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.embeddings import get_1d_rotary_pos_embed
+from paritykit.bisection.rotary import read_rotary, rotary_difference, rotary_tables
+from torch import nn
+
+
+def freqs_cis(dim: int, end: int, theta: float = 10000.0, scale: float = 1.0) -> torch.Tensor:
+    """Llama's precompute_freqs_cis (facebookresearch/llama, model.py), positions scaled by ``scale``."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end).float() * scale
+    return torch.polar(torch.ones(end, dim // 2), torch.outer(t, freqs))
+
+
+def test_a_research_table_reads_back_its_theta_and_scale():
+    form = read_rotary(freqs_cis(16, 32))
+    assert form.layout == "complex" and len(form.bands) == 1
+    (band,) = form.bands
+    assert (band.first, band.last, band.theta, band.scale) == (0, 7, 10000.0, 1.0)
+    assert read_rotary(freqs_cis(16, 32, theta=1e6)).bands[0].theta == 1e6
+    assert read_rotary(freqs_cis(16, 32, scale=0.5)).bands[0].scale == 0.5
+
+
+@pytest.mark.parametrize(("interleave", "layout"), [(True, "interleaved"), (False, "halves")])
+def test_diffusers_cos_sin_tables_read_with_their_pairing(interleave, layout):
+    cos, sin = get_1d_rotary_pos_embed(16, 32, use_real=True, repeat_interleave_real=interleave)
+    form = read_rotary(torch.stack([cos, sin]))
+    assert form.layout == layout and form.bands[0].theta == 10000.0
+    research = read_rotary(freqs_cis(16, 32))
+    differs = rotary_difference(research, form)
+    # a complex table multiplies interleaved pairs: only the halves layout is another one
+    assert differs == ([] if interleave else ["layout: complex in the reference, halves in the port"])
+
+
+def test_per_axis_bands_and_what_differs_between_them():
+    video = torch.cat([freqs_cis(8, 32), freqs_cis(4, 32), freqs_cis(4, 32)], dim=1)
+    form = read_rotary(video)
+    assert [(b.first, b.last) for b in form.bands] == [(0, 3), (4, 5), (6, 7)]
+    other = read_rotary(torch.cat([freqs_cis(4, 32), freqs_cis(6, 32), freqs_cis(6, 32)], dim=1))
+    assert "band 0 owns frequencies 0–1 in the port, 0–3 in the reference" in rotary_difference(form, other)
+    theta = read_rotary(
+        torch.cat([freqs_cis(8, 32, 500.0), freqs_cis(4, 32, 500.0), freqs_cis(4, 32, 500.0)], 1)
+    )
+    assert rotary_difference(form, theta) == ["θ 1.00e+04 (reference) vs 500 (port) in all 3 bands"]
+
+
+def test_tables_are_found_on_modules_as_buffers_attributes_and_cos_sin_pairs():
+    class Research(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.freqs = (freqs_cis(8, 32), freqs_cis(4, 32))  # per-axis tuple, a plain attribute
+
+    class Port(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cos, sin = get_1d_rotary_pos_embed(8, 32, use_real=True, repeat_interleave_real=True)
+            self.register_buffer("freqs_cos", cos)
+            self.register_buffer("freqs_sin", sin)
+
+    ((name, form),) = rotary_tables(Research())
+    assert name == "freqs" and len(form.bands) == 2
+    ((name, form),) = rotary_tables(Port())
+    assert name == "freqs" and form.layout == "interleaved"
+
+
+def test_non_rotary_tensors_are_not_read_as_tables():
+    generator = torch.Generator().manual_seed(0)
+    assert read_rotary(torch.randn(32, 8, dtype=torch.complex64, generator=generator)) is None
+    assert read_rotary(torch.randn(2, 32, 8, generator=generator)) is None
+    noisy = freqs_cis(16, 32) * (1 + 0.05 * torch.randn(32, 8, generator=generator))
+    assert read_rotary(noisy) is None
+    assert rotary_tables(nn.Linear(4, 4)) == []
