@@ -55,7 +55,8 @@ class RotaryForm:
 
     def describe(self) -> str:
         parts = [
-            f"band {i}: {self.channels(b)}, θ {format_number(b.theta)}, position scale {format_number(b.scale)}"
+            f"band {i}: {self.channels(b)}, θ {format_number(b.theta)},"
+            f" position scale {format_number(b.scale)}"
             for i, b in enumerate(self.bands)
         ]
         return f"rotary table ({self.layout} layout; " + "; ".join(parts) + ")"
@@ -92,7 +93,8 @@ def _angles(table: Any) -> tuple[str, Any] | None:
 
 def read_rotary(table: Any) -> RotaryForm | None:
     r"""The rotary form of ``table`` (positions ``0 … N-1`` on its first axis), or None when it is not one:
-    every band's θ and scale are fitted from the frequencies and the table regenerated from them must agree."""
+    every band's θ and scale are fitted from the frequencies, and the table regenerated from them must
+    agree."""
     import torch
 
     found = _angles(table)
@@ -181,7 +183,8 @@ def rotary_difference(reference: RotaryForm, port: RotaryForm) -> list[str]:
     for i, (a, b) in enumerate(zip(reference.bands, port.bands)):
         if (a.first, a.last) != (b.first, b.last):
             out.append(
-                f"band {i} owns frequencies {b.first}–{b.last} in the port, {a.first}–{a.last} in the reference"
+                f"band {i} owns frequencies {b.first}–{b.last} in the port,"
+                f" {a.first}–{a.last} in the reference"
             )
         if not _close(a.theta, b.theta):
             out.append(f"band {i}: θ {format_number(a.theta)} (reference) vs {format_number(b.theta)} (port)")
