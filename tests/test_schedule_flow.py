@@ -262,3 +262,16 @@ def test_flow_forms_must_not_be_read_into_other_families():
     assert sigma_family(exponential).name == "exponential"
     noisy = [v + (0.01 if i == 4 else 0.0) for i, v in enumerate(R.wan_unipc_sigmas(STEPS)[:-1])]
     assert sigma_family(noisy) is None or not sigma_family(noisy).name.startswith("flow")
+
+
+def test_a_copied_list_is_labelled_as_holding_at_its_count_only(tmp_path):
+    # a reference that follows no closed form: passing its own list fits, but only at its own step count
+    ragged = {"sigmas": [1.0, 0.93, 0.71, 0.66, 0.31, 0.12, 0.0]}
+    fit = fit_scheduler(FLOW, ragged)
+    if fit.line is None:
+        pytest.skip("no set_timesteps call of this diffusers takes a sigma list")
+    assert fit.one_count_only and "(holds at 6 steps only" in fit.render()
+    # a closed form is checked at other counts: no such label
+    closed = fit_scheduler(FLOW, {"sigmas": R.sd3_sigmas(STEPS)})
+    assert closed.line is not None and not closed.one_count_only
+    assert "holds at" not in closed.render()

@@ -274,3 +274,10 @@ def test_a_module_whose_code_differs_is_transplanted_and_its_first_differing_op_
     eps_port.load_state_dict(eps_ref.state_dict())
     hints = bisect(eps_ref, eps_port, ((0.05 * randn(2, 3, 8),), {})).culprit.hints
     assert all(h.id != "transplant" for h in hints)
+
+
+def test_one_dimensional_and_scalar_tensors_are_handled():
+    a, b = torch.tensor([0.1785, 0.5487]), torch.tensor([0.4774, 0.4744])
+    assert relate(a, b) == []
+    assert "reordered" in rearrangement(a, a.flip(0)).words
+    assert relate(torch.tensor(1.0), torch.tensor(2.0)) == []

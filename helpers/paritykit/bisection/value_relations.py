@@ -182,7 +182,7 @@ def _reordered_axis(r: Any, p: Any, tol: float, names: list[str]) -> tuple[str, 
     for d, size in enumerate(r.shape):
         if size < 2:
             continue
-        rs, ps = r.movedim(d, 0).flatten(1), p.movedim(d, 0).flatten(1)
+        rs, ps = r.movedim(d, 0).reshape(size, -1), p.movedim(d, 0).reshape(size, -1)
         distance = torch.cdist(ps, rs, p=math.inf)
         best, order = distance.min(dim=1)
         if float(best.max()) > tol or len(set(order.tolist())) != size:
@@ -394,8 +394,10 @@ def sequence_rows(reference: Any, port: Any, axis: int | None = None) -> Relatio
     if len(differing) > 1:
         return None
     d = differing[0] if differing else (axis if axis is not None else 1)
-    r = _float(reference).movedim(d, 0).flatten(1)
-    p = _float(port).movedim(d, 0).flatten(1)
+    r = _float(reference).movedim(d, 0)
+    r = r.reshape(r.shape[0], -1)
+    p = _float(port).movedim(d, 0)
+    p = p.reshape(p.shape[0], -1)
     if r.shape[1] != p.shape[1] or r.shape[1] == 0:
         return None
     tol = max(_tolerance(reference), _tolerance(port))

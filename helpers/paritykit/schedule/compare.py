@@ -259,7 +259,7 @@ def _differing_parameters(fa: Family | None, fb: Family | None) -> str:
     differ = [
         f"{key} {format_number(fa.params[key])} (A) vs {format_number(fb.params[key])} (B)"
         for key in fa.params.keys() & fb.params.keys()
-        if abs(fa.params[key] - fb.params[key]) > 1e-6 * max(abs(fa.params[key]), 1e-12)
+        if abs(fa.params[key] - fb.params[key]) > 1e-4 * max(abs(fa.params[key]), 1e-12)
     ]
     same = (
         "; the rest of the form is the same"
@@ -273,7 +273,11 @@ def _differing_parameters(fa: Family | None, fb: Family | None) -> str:
             f" (as an exponential time shift: mu {format_number(math.log(fa.params['shift']))} vs"
             f" {format_number(math.log(fb.params['shift']))})"
         )
-    return f" Same family; differs in {', '.join(differ)}{mu}{same}." if differ else ""
+    if not differ:
+        if fa.detail == fb.detail:
+            return ""
+        return f" Same family and parameters; differs in its range: {fa.detail} (A) vs {fb.detail} (B)."
+    return f" Same family; differs in {', '.join(differ)}{mu}{same}."
 
 
 def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:

@@ -135,6 +135,12 @@ class FitResult:
         return ready_line(self.scheduler, self.fits[0].changes) if self.fits else None
 
     @property
+    def one_count_only(self) -> bool:
+        r"""The fix was checked at its own step count only (the reference follows no closed form, so nothing
+        says what it is at another count): a copied list, not a verified closed form."""
+        return bool(self.fits) and len(set(self.fits[0].counts_matched)) < 2
+
+    @property
     def call_line(self) -> str | None:
         r"""The ``set_timesteps`` call the fix needs, when it is not the plain ``set_timesteps(n)``."""
         if not self.fits or (self.fits[0].call == DEFAULT_CALL and not self.fits[0].mu):
@@ -157,6 +163,7 @@ class FitResult:
             "sizes": self.sizes,
             "reference": self.reference,
             "reference_families": self.reference_families,
+            "one_count_only": self.one_count_only,
             "fit": self.line,
             "call": self.call_line,
             "mu_rule": self.mu_rule,
@@ -199,6 +206,10 @@ class FitResult:
             lines.append(f"fix: {self.line}")
             if self.call_line:
                 lines.append(f"     {self.call_line}")
+            if self.one_count_only:
+                lines.append(
+                    f"     (holds at {self.steps} steps only: no closed form checks it at another count)"
+                )
             check = self.fits[0].step_check
             if check is not None:
                 lines.append(

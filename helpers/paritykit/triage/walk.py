@@ -271,9 +271,18 @@ class Triage:
         finding.details = {"compare": finding.details, "fit": fit.to_dict()}
         if fit.line:
             finding.fix = fit.line + (f"; {fit.call_line}" if fit.call_line else "")
-            finding.verified = True
+            # verified only as a closed form that holds at other step counts too; a list that fits the run's
+            # count alone is said so
+            finding.verified = not fit.one_count_only
+            if fit.one_count_only:
+                finding.fix += f" (holds at {fit.steps} steps only)"
             finding.evidence.append(
                 f"the fix reproduces the reference's timesteps: {fit.fits[0].residual_text()}"
+                + (
+                    f"; checked at {fit.steps} steps only (the reference follows no closed form)"
+                    if fit.one_count_only
+                    else f"; at {len(set(fit.fits[0].counts_matched))} step counts"
+                )
             )
         else:
             finding.evidence += [
