@@ -516,6 +516,8 @@ def transplant_hint(
         return None
     if call.parent is None or not port_call.module:
         return None  # the top level's own forward: nothing to transplant into
+    if not _same_parameters(ref_module, module):
+        return None  # the donor brings weights the port lacks: a match would not say the code differs
     donor = copy.deepcopy(ref_module).to(module_device(module))
 
     def hook(_module: Any, args: tuple, kwargs: dict, _output: Any) -> Any:
@@ -561,3 +563,23 @@ def transplant_hint(
 
 def shown(name: str) -> str:
     return name or "(top level)"
+
+
+def _same_parameters(reference: Any, port: Any) -> bool:
+    r"""Both modules hold the same parameters, value for value (names may differ): a transplant that then
+    matches shows that the code differs, not the weights or which parameters exist."""
+    import torch
+
+    ref = [p.detach() for p in reference.parameters()]
+    mine = [p.detach() for p in port.parameters()]
+    if len(ref) != len(mine):
+        return False
+    left = list(ref)
+    for p in mine:
+        k = next(
+            (i for i, r in enumerate(left) if r.shape == p.shape and torch.equal(r.cpu(), p.cpu())), None
+        )
+        if k is None:
+            return False
+        left.pop(k)
+    return True
