@@ -281,3 +281,42 @@ def test_one_dimensional_and_scalar_tensors_are_handled():
     assert relate(a, b) == []
     assert "reordered" in rearrangement(a, a.flip(0)).words
     assert relate(torch.tensor(1.0), torch.tensor(2.0)) == []
+
+
+# ------------------------------------------------------------------------------------------ pointwise maps
+
+
+@pytest.mark.parametrize(
+    ("name", "f"),
+    [
+        ("tanh", torch.tanh),
+        ("sigmoid", torch.sigmoid),
+        ("SiLU", torch.nn.functional.silu),
+        ("exp", torch.exp),
+    ],
+)
+def test_a_function_one_side_applies_once_more_is_named(name, f):
+    x = randn(4, 16)
+    (relation,) = relate(x, f(x))
+    assert relation.words.startswith(f"port = {name}(reference)")
+    (relation,) = relate(f(x), x)
+    assert relation.words.startswith(f"reference = {name}(port)")
+    assert torch.allclose(relation.undo(x, {}), f(x))  # the reference's side applied to the port's values
+
+
+def test_pointwise_maps_must_not_fire_on_look_alikes():
+    x = randn(4, 16)
+    assert relate(x, 1.3 * x + 0.1) == []
+    assert relate(x, torch.nn.functional.gelu(x) + 1e-3 * randn(4, 16, seed=3)) == []
+    t = 1000 * torch.rand(50, generator=torch.Generator().manual_seed(2))
+    assert [r.words.split(":")[0] for r in relate(t, t.round())] == ["port = round(reference)"]
+
+
+def test_the_first_differing_pair_gets_the_relation_of_its_captured_outputs():
+    reference, port, inputs, _, _ = CASES["joint-concat-order"]()
+    text = bisect(reference, port, inputs).render()
+    assert "first aligned module whose outputs differ: block.attn <-> block.attn" in text
+    assert (
+        "relation of the captured outputs there: the port holds the reference's values in other places:"
+        in text
+    )

@@ -65,6 +65,8 @@ def first_divergence(
             if not cmp.passed and floor is not None and within(cmp.max_abs, floor.of(record, other)):
                 continue
             if not cmp.passed:
+                from paritykit.bisection.value_relations import relate
+
                 return ModuleFinding(
                     record.name,
                     port_call,
@@ -74,6 +76,8 @@ def first_divergence(
                     cmp.cosine,
                     hints=list(cmp.hints),
                     confidence=pair.confidence,
+                    # how the captured outputs relate there (not replayed: the error may come with the inputs)
+                    relations=relate(a[i][1], b[j][1]),
                 )
     return None
 

@@ -283,6 +283,9 @@ class BisectReport:
                 f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; errors there may be inherited"
                 " from upstream)"
             )
+            same = self.culprit is not None and self.culprit.reference == f.reference
+            if not same:
+                lines += [f"  relation of the captured outputs there: {r.line()}" for r in f.relations]
         rows = [
             [shown_name(t.reference), shown_name(t.port), t.test, t.status, t.max_abs, t.cosine, t.note]
             for t in self.tested

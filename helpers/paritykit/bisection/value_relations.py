@@ -589,6 +589,65 @@ def saturation(reference: Any, port: Any) -> Relation | None:
     return None
 
 
+def _pointwise_functions() -> dict[str, tuple[Any, Any]]:
+    r"""Named elementwise maps a port applies once more or once less: ``name -> (f, inverse or None)``."""
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "tanh": (torch.tanh, lambda y: torch.atanh(y.clamp(-1 + 1e-7, 1 - 1e-7))),
+        "sigmoid": (torch.sigmoid, lambda y: torch.logit(y, eps=1e-7)),
+        "SiLU": (F.silu, None),
+        "GELU": (F.gelu, None),
+        "GELU (tanh)": (lambda x: F.gelu(x, approximate="tanh"), None),
+        "QuickGELU x·sigmoid(1.702x)": (lambda x: x * torch.sigmoid(1.702 * x), None),
+        "ReLU": (F.relu, None),
+        "softplus": (F.softplus, lambda y: torch.where(y > 20, y, torch.log(torch.expm1(y)))),
+        "exp": (torch.exp, lambda y: torch.log(y)),
+        "round": (torch.round, None),
+    }
+
+
+def pointwise_map(reference: Any, port: Any) -> Relation | None:
+    r"""One side is a named elementwise function of the other (``port = tanh(reference)``: an activation, an
+    exp or a rounding one side applies once more): the first function that reproduces it to tolerance."""
+    import torch
+
+    if tuple(reference.shape) != tuple(port.shape) or reference.numel() < 8:
+        return None
+    r, p = _float(reference), _float(port)
+    tol = max(_tolerance(reference), _tolerance(port), 1e-6)
+    if float((r - p).abs().max()) <= tol:
+        return None
+    for name, (f, inverse) in _pointwise_functions().items():
+        for src, dst, side, other in ((r, p, "port", "reference"), (p, r, "reference", "port")):
+            with torch.no_grad():
+                mapped = f(src)
+            residual = float((mapped - dst).abs().max())
+            if residual > tol:
+                continue
+            if side == "reference":
+
+                def undo(t: Any, _terms: dict, f=f) -> Any:
+                    return f(t)
+
+            elif inverse is not None:
+
+                def undo(t: Any, _terms: dict, inverse=inverse) -> Any:
+                    return inverse(t).to(t.dtype)
+
+            else:
+                undo = None
+            return Relation(
+                "pointwise",
+                f"{side} = {name}({other}): the {side} applies {name} to the {other}'s values once more",
+                residual,
+                {"function": name, "applied_by": side},
+                undo=undo,
+            )
+    return None
+
+
 def relate(
     reference: Any, port: Any, terms: dict[str, Any] | None = None, axes: Sequence[str] = ()
 ) -> list[Relation]:
@@ -606,6 +665,7 @@ def relate(
     for relation in (
         rearrangement(reference, port, axes),
         saturation(reference, port),
+        pointwise_map(reference, port),
         sequence_rows(reference, port) if reference.shape != port.shape else None,
         scale(reference, port),
         missing_term(reference, port, terms or {}),
