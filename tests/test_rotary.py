@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
-from paritykit.bisection.rotary import read_rotary, rotary_difference, rotary_tables
+from paritykit.bisection.rotary import read_rotary, rotary_difference, rotary_from_rotation, rotary_tables
 from torch import nn
 
 
@@ -76,3 +76,34 @@ def test_non_rotary_tensors_are_not_read_as_tables():
     noisy = freqs_cis(16, 32) * (1 + 0.05 * torch.randn(32, 8, generator=generator))
     assert read_rotary(noisy) is None
     assert rotary_tables(nn.Linear(4, 4)) == []
+
+
+def _rotate_halves(x, cos, sin):
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+def test_the_rotation_applied_to_q_reads_back_its_pairing_and_theta():
+    q = torch.randn(2, 3, 16, 8, generator=torch.Generator().manual_seed(1))  # (batch, heads, positions, dim)
+    cos, sin = get_1d_rotary_pos_embed(8, 16, theta=500.0, use_real=True, repeat_interleave_real=False)
+    form = rotary_from_rotation(q, _rotate_halves(q, cos, sin))
+    assert form.layout == "halves" and form.bands[0].theta == 500.0
+    # the research way: complex multiplication of interleaved pairs (Llama's apply_rotary_emb)
+    z = torch.view_as_complex(q.reshape(*q.shape[:-1], 4, 2).contiguous())
+    rotated = torch.view_as_real(z * freqs_cis(8, 16)).flatten(-2)
+    form = rotary_from_rotation(q, rotated)
+    assert form.layout == "interleaved" and form.bands[0].theta == 10000.0
+    # no rotation: a scaled q is none
+    assert rotary_from_rotation(q, 1.5 * q) is None
+
+
+def test_the_skills_relation_and_rotary_snippet_runs_and_prints_what_it_says(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "skills/parity-testing/references/workflow.md").read_text()
+    block = text.split("The same functions work on any two")[1].split("```python\n")[1].split("```")[0]
+    exec(compile(block, "workflow.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert "axis 2 (8) is read as (2, 4) in the reference and (4, 2) in the port" in printed[0]
+    assert printed[1].startswith("rotary table (complex layout; band 0: entries 0–3, θ 500")
+    assert printed[2] == "interleaved"

@@ -83,6 +83,10 @@ _EXPORTS: dict[str, str] = {
         "fit_module",
         "ModuleFit",
         "zoom_bisect",
+        "relate",
+        "read_rotary",
+        "rotary_from_rotation",
+        "rotary_difference",
     ),
     **exports_of(
         "paritykit.bisection.evidence",

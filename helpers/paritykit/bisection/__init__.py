@@ -32,6 +32,11 @@ EXPORTS = {
     "ModuleFit": "paritykit.bisection.module_fit",
     "bisect_spec": "paritykit.bisection.spec",
     "trace_spec": "paritykit.bisection.spec",
+    "relate": "paritykit.bisection.value_relations",
+    "Relation": "paritykit.bisection.value_relations",
+    "read_rotary": "paritykit.bisection.rotary",
+    "rotary_from_rotation": "paritykit.bisection.rotary",
+    "rotary_difference": "paritykit.bisection.rotary",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, EXPORTS)

@@ -259,3 +259,35 @@ def rotary_tables(module: Any, limit: int = 8) -> list[tuple[str, RotaryForm]]:
                 if len(found) >= limit:
                     return found
     return found
+
+
+def rotary_from_rotation(before: Any, after: Any) -> RotaryForm | None:
+    r"""The rotary form applied to ``before`` (q or k, ``(…, positions, head_dim)``) to give ``after``: each
+    channel pair's rotation angle per position, read for both pairings (interleaved pairs, halves), and the
+    pairing whose rotations keep every pair's length and agree over batch and heads read back by
+    :func:`read_rotary`. None when neither pairing is a rotation."""
+    import torch
+
+    b = before.detach().to("cpu", torch.float64)
+    a = after.detach().to("cpu", torch.float64)
+    if b.shape != a.shape or b.dim() < 2 or b.shape[-1] % 2:
+        return None
+    width = b.shape[-1]
+    for layout, split in (
+        ("interleaved", lambda t: (t[..., 0::2], t[..., 1::2])),
+        ("halves", lambda t: (t[..., : width // 2], t[..., width // 2 :])),
+    ):
+        zb = torch.complex(*split(b))
+        za = torch.complex(*split(a))
+        ratio = za / zb
+        if float((ratio.abs() - 1).abs().max()) > 1e-4:
+            continue  # a rotation keeps each pair's length
+        # one angle per (position, pair): the same over every batch entry and head
+        table = ratio.reshape(-1, *ratio.shape[-2:])
+        if float((table - table[:1]).abs().max()) > 1e-4:
+            continue
+        form = read_rotary(table[0])
+        if form is not None:
+            form.layout = layout
+            return form
+    return None
