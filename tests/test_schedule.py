@@ -428,3 +428,49 @@ def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
     check = dpm.rejected[0].step_check
     assert dpm.fits == [] and check is not None and not check.matched
     assert check.quantity is None and "differ in form" in check.explanation
+
+
+# ------------------------------------------------------------------------------------------ VP closed forms
+
+
+def _ddpm_sigmas(n, beta_start=0.00085, beta_end=0.012, kind="scaled_linear", spacing="leading", offset=1):
+    """DDPM's noise levels (Ho et al. 2020; Stable Diffusion's scaled-linear betas), read at a spacing's
+    timesteps as k-diffusion's discrete wrappers do (sigma = sqrt((1 - alphā) / alphā), interpolated)."""
+    import numpy as np
+
+    if kind == "scaled_linear":
+        betas = np.linspace(beta_start**0.5, beta_end**0.5, 1000) ** 2
+    else:
+        betas = np.linspace(beta_start, beta_end, 1000)
+    alphas = np.cumprod(1 - betas)
+    table = ((1 - alphas) / alphas) ** 0.5
+    if spacing == "leading":
+        ts = (np.arange(n) * (1000 // n))[::-1] + offset
+    else:
+        ts = np.round(np.arange(1000, 0, -1000 / n)) - 1
+    return [float(v) for v in np.interp(ts, np.arange(1000), table)] + [0.0]
+
+
+def test_vp_sigmas_read_back_their_betas_and_spacing_and_hold_at_other_counts():
+
+    family = sigma_family(_ddpm_sigmas(20))
+    assert family.name == "VP (DDPM) sigmas"
+    assert family.params == {"beta_start": 0.00085, "beta_end": 0.012}
+    assert family.detail == "scaled_linear betas, leading spacing, steps offset 1"
+    assert family.generate(37) == pytest.approx(_ddpm_sigmas(37), rel=1e-5)
+    linear = sigma_family(_ddpm_sigmas(20, 0.0001, 0.02, "linear", "trailing", 0))
+    assert (
+        linear.params == {"beta_start": 0.0001, "beta_end": 0.02}
+        and "linear betas, trailing" in linear.detail
+    )
+
+
+def test_two_vp_schedules_name_the_beta_that_differs():
+    cmp = compare_schedules({"sigmas": _ddpm_sigmas(20)}, {"sigmas": _ddpm_sigmas(20, beta_end=0.02)})
+    assert any("differs in beta_end 0.012 (A) vs 0.02 (B)" in h.message for h in cmp.hints), cmp.render()
+
+
+def test_vp_must_not_read_arbitrary_lists():
+
+    ragged = [14.6, 9.1, 7.7, 3.2, 2.9, 1.1, 0.7, 0.03]
+    assert sigma_family(ragged) is None

@@ -233,7 +233,107 @@ def sigma_family(sigmas: Sequence[float], train_steps: int = 1000) -> Family | N
             return [v**rho for v in lin(a, b, m)] + zeros
 
         return Family("Karras", {"rho": rho, "sigma_min": smin, "sigma_max": smax}, generate)
-    return None
+    return vp_sigma_family(pos, train_steps, tail)
+
+
+# ------------------------------------------------------------------------------------------ VP (DDPM) sigmas
+def vp_training_sigmas(beta_start: float, beta_end: float, kind: str, train_steps: int) -> list[float]:
+    r"""``sqrt((1 - ᾱ_t) / ᾱ_t)`` for t = 0 … T-1, with the betas ``linear`` (DDPM) or ``scaled_linear``
+    (Stable Diffusion: linear in sqrt(β))."""
+    import numpy as np
+
+    if kind == "scaled_linear":
+        betas = np.linspace(beta_start**0.5, beta_end**0.5, train_steps, dtype=np.float64) ** 2
+    else:
+        betas = np.linspace(beta_start, beta_end, train_steps, dtype=np.float64)
+    alphas = np.cumprod(1.0 - betas)
+    return list(((1 - alphas) / alphas) ** 0.5)
+
+
+def _vp_at(table: list[float], timesteps: list[float]) -> list[float]:
+    import numpy as np
+
+    return list(np.interp(timesteps, np.arange(len(table)), table))
+
+
+def vp_sigma_family(pos: Sequence[float], train_steps: int, tail: int = 0) -> Family | None:
+    r"""A VP (DDPM) schedule's sigmas: a beta schedule (``linear`` or ``scaled_linear``, β_start and β_end
+    fitted by least squares on log σ) read at the timesteps of a spacing (``leading`` / ``trailing`` /
+    ``linspace``, with an offset), each combination fitted and the best kept when it reproduces the list."""
+    n = len(pos)
+    if n < 3 or pos[0] < 1.0:
+        return None
+    logs = [math.log(p) for p in pos]
+    best: tuple[float, str, str, float, float, int] | None = None
+    for kind in ("scaled_linear", "linear"):
+        for spacing in ("leading", "trailing", "linspace"):
+            for offset in (0, 1):
+                timesteps = [min(t + offset, train_steps - 1) for t in spacing_lists(n, train_steps)[spacing]]
+
+                def squares(v: Sequence[float], kind=kind, timesteps=timesteps) -> float:
+                    got = _vp_at(
+                        vp_training_sigmas(math.exp(v[0]), math.exp(v[1]), kind, train_steps), timesteps
+                    )
+                    return sum((math.log(max(g, 1e-30)) - want) ** 2 for g, want in zip(got, logs))
+
+                lb0, lb1 = _nelder_mead(squares, [math.log(1e-3), math.log(1.2e-2)])
+                b0, b1 = _snap_beta(math.exp(lb0)), _snap_beta(math.exp(lb1))
+                got = _vp_at(vp_training_sigmas(b0, b1, kind, train_steps), timesteps)
+                residual = max(abs(math.log(max(g, 1e-30)) - want) for g, want in zip(got, logs))
+                if best is None or residual < best[0]:
+                    best = (residual, kind, spacing, b0, b1, offset)
+    if best is None or best[0] > 1e-3:
+        return None
+    residual, kind, spacing, b0, b1, offset = best
+    zeros = [0.0] * tail
+
+    def generate(m: int) -> list[float]:
+        ts = [min(t + offset, train_steps - 1) for t in spacing_lists(m, train_steps)[spacing]]
+        return _vp_at(vp_training_sigmas(b0, b1, kind, train_steps), ts) + zeros
+
+    detail = f"{kind} betas, {spacing} spacing" + (f", steps offset {offset}" if offset else "")
+    return Family("VP (DDPM) sigmas", {"beta_start": b0, "beta_end": b1}, generate, detail=detail)
+
+
+def _nelder_mead(f: Callable[[Sequence[float]], float], start: list[float], iters: int = 200) -> list[float]:
+    r"""A small Nelder–Mead minimiser (2 parameters here; no scipy at run time)."""
+    simplex = [list(start)] + [
+        [v + (0.5 if i == j else 0.0) for j, v in enumerate(start)] for i in range(len(start))
+    ]
+    values = [f(p) for p in simplex]
+    for _ in range(iters):
+        order = sorted(range(len(simplex)), key=values.__getitem__)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        centre = [sum(p[j] for p in simplex[:-1]) / (len(simplex) - 1) for j in range(len(start))]
+        worst = simplex[-1]
+        reflected = [c + (c - w) for c, w in zip(centre, worst)]
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = [c + 2 * (c - w) for c, w in zip(centre, worst)]
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = [c + 0.5 * (w - c) for c, w in zip(centre, worst)]
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (v - b) for b, v in zip(best, p)] for p in simplex[1:]]
+                values = [values[0]] + [f(p) for p in simplex[1:]]
+        if max(values) - min(values) < 1e-14:
+            break
+    return simplex[min(range(len(simplex)), key=values.__getitem__)]
+
+
+def _snap_beta(value: float) -> float:
+    r"""β as written in configs (0.00085, 0.012, 0.0001, 0.02) when within 0.5 % of one."""
+    for candidate in (float(f"{value:.2g}"), float(f"{value:.1g}")):
+        if abs(candidate - value) <= 5e-3 * value:
+            return candidate
+    return value
 
 
 def flow_timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
