@@ -126,6 +126,13 @@ class SettingDifference:
 
 
 def _tensor_summary(t: Any, name: str = "") -> str:
+    from paritykit.bisection.rotary import read_rotary
+
+    form = read_rotary(t) if t.dim() >= 2 else None
+    if form is not None:
+        return f"{form.describe()} shape {list(t.shape)}"
+    if t.is_complex():
+        t = torch_view_real(t)
     flat = t.detach().double().flatten()
     head = ", ".join(f"{float(v):.4g}" for v in flat[:3])
     text = f"[{head}{', …' if flat.numel() > 3 else ''}] shape {list(t.shape)}"
@@ -169,42 +176,29 @@ def settings_diff(
         (_, a), (attr, b) = ref_cfg[name], port_cfg[name]
         if not _same(a, b) and not (_names_class(a, reference) and _names_class(b, port)):
             out.append(SettingDifference(reference_name, port_name, name, attr, a, b))
-    ref_bufs = dict(reference.named_buffers(recurse=False))
-    for key, b in port.named_buffers(recurse=False):
-        a = ref_bufs.get(key)
-        if a is None or a.shape != b.shape or not (a.is_floating_point() and b.is_floating_point()):
-            continue
-        if not torch.allclose(a.double().cpu(), b.double().cpu(), rtol=1e-6, atol=0.0):
-            out.append(
-                SettingDifference(
-                    reference_name,
-                    port_name,
-                    key,
-                    key,
-                    _tensor_summary(a, key),
-                    _tensor_summary(b, key),
-                    "buffer",
+    # buffers, and tensors set in __init__ as plain attributes (research code keeps rotary tables so):
+    # constructed state the forward reads, compared by name
+    held = (
+        ("buffer", dict(reference.named_buffers(recurse=False)), dict(port.named_buffers(recurse=False))),
+        ("state", _plain_tensors(reference), _plain_tensors(port)),
+    )
+    for kind, ref_tensors, port_tensors in held:
+        for key, b in port_tensors.items():
+            a = ref_tensors.get(key)
+            if a is None or a.shape != b.shape or not _comparable_kinds(a, b):
+                continue
+            if not torch.allclose(_comparable(a), _comparable(b), rtol=1e-6, atol=0.0):
+                out.append(
+                    SettingDifference(
+                        reference_name,
+                        port_name,
+                        key,
+                        key,
+                        _tensor_summary(a, key),
+                        _tensor_summary(b, key),
+                        kind,
+                    )
                 )
-            )
-    # tensors set in __init__ as plain attributes (research code keeps rotary tables so): constructed state
-    # the forward reads, compared by name like buffers
-    ref_state = _plain_tensors(reference)
-    for key, b in _plain_tensors(port).items():
-        a = ref_state.get(key)
-        if a is None or a.shape != b.shape or a.is_complex() != b.is_complex():
-            continue
-        if not torch.allclose(_comparable(a), _comparable(b), rtol=1e-6, atol=0.0):
-            out.append(
-                SettingDifference(
-                    reference_name,
-                    port_name,
-                    key,
-                    key,
-                    _tensor_summary(_comparable(a), key),
-                    _tensor_summary(_comparable(b), key),
-                    "state",
-                )
-            )
     for key, a in reference.named_parameters(recurse=False):
         if a is not None and key in port._parameters and port._parameters[key] is None:
             out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
@@ -220,6 +214,11 @@ def _plain_tensors(module: Any) -> dict[str, Any]:
         for k, v in vars(module).items()
         if not k.startswith("_") and isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
     }
+
+
+def _comparable_kinds(a: Any, b: Any) -> bool:
+    r"""Both floating point, or both complex."""
+    return (a.is_floating_point() and b.is_floating_point()) or (a.is_complex() and b.is_complex())
 
 
 def _comparable(t: Any) -> Any:
