@@ -238,9 +238,10 @@ def test_a_flow_schedule_given_as_timesteps_has_its_closed_form():
         "flow-matching, shifted (shift 3, unshifted t from 1 to 1/n; timesteps = 1000 × sigma)"
         in hint.message
     )
-    assert "Same family; differs in shift 3 (A) vs 1 (B) (as an exponential time shift: mu 1.099 vs 0)" in (
+    assert "Same family; differs in shift 3 (A) vs 1 (B) (as an exponential time shift: mu 1.099 vs 0;" in (
         hint.message
     )
+    assert "as a linear one: mu 3 vs 1)" in hint.message
     assert hint.message.endswith("; the rest of the form is the same.")
 
 

@@ -268,10 +268,12 @@ def _differing_parameters(fa: Family | None, fb: Family | None) -> str:
     )
     mu = ""
     if "shift" in fa.params and "shift" in fb.params and min(fa.params["shift"], fb.params["shift"]) > 0:
-        # an exponential time shift (Flux's time_shift(mu, 1, t)) is this shift with mu = ln(shift)
+        # an exponential time shift (Flux's time_shift(mu, 1, t)) is this shift with mu = ln(shift); a linear
+        # one (diffusers' time_shift_type="linear") has mu = shift itself
         mu = (
             f" (as an exponential time shift: mu {format_number(math.log(fa.params['shift']))} vs"
-            f" {format_number(math.log(fb.params['shift']))})"
+            f" {format_number(math.log(fb.params['shift']))}; as a linear one: mu"
+            f" {format_number(fa.params['shift'])} vs {format_number(fb.params['shift'])})"
         )
     if not differ:
         if fa.detail == fb.detail:
