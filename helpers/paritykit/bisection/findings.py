@@ -410,9 +410,11 @@ def _argument_names(searcher: Searcher, call: Record) -> list[str]:
 
 def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:
     r"""The tensors captured at a call, by name: its inputs (named by its forward's arguments), its children's
-    outputs (``child <name>``), and each child output times each smaller input it broadcasts with (a
-    modulation gate)."""
+    outputs (``child <name>``), and each child output times each much smaller input it broadcasts with (a
+    modulation gate), at most ``MAX_TERMS`` in all."""
     import torch
+
+    from paritykit.bisection.value_relations import MAX_TERMS
 
     names = _argument_names(searcher, call)
     inputs: dict[str, Any] = {}
@@ -435,7 +437,8 @@ def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:
     terms = {**inputs, **children}
     for child, out in children.items():
         for name, gate in inputs.items():
-            if gate.numel() < out.numel():
+            # a modulation vector is small next to the output it gates (one value per channel or sample)
+            if gate.numel() * 4 <= out.numel() and len(terms) < MAX_TERMS:
                 try:
                     terms[f"{name}·{child}"] = torch.broadcast_to(gate, out.shape) * out
                 except RuntimeError:

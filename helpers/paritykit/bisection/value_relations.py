@@ -28,6 +28,11 @@ from paritykit.base.report import format_number
 
 # a relation holds when it reproduces P from R to within this share of P's scale, or float noise
 HOLDS = 1e-5
+# a missing-term fit reads at most MAX_TERMS captured tensors, and tries pairs of them only among MAX_PAIRED
+# terms of at most MAX_PAIRED_ELEMENTS values (each pair is a least-squares fit over the whole tensor)
+MAX_TERMS = 32
+MAX_PAIRED = 12
+MAX_PAIRED_ELEMENTS = 1_000_000
 SHOWN = 6  # entries of an index map shown before "…"
 
 
@@ -519,8 +524,10 @@ def missing_term(
             continue
         if float(column.abs().max()) > 0 and not any(torch.equal(column, c) for c in columns.values()):
             columns[name] = column
-    names = list(columns)
-    for count in (1, 2):
+    names = list(columns)[:MAX_TERMS]
+    # pairs of terms only while their fits stay cheap (a big place with many captured tensors: single terms)
+    counts = (1, 2) if len(names) <= MAX_PAIRED and difference.numel() <= MAX_PAIRED_ELEMENTS else (1,)
+    for count in counts:
         for chosen in itertools.combinations(names, count):
             basis = torch.stack([columns[n] for n in chosen], dim=1)
             fit = torch.linalg.lstsq(basis, difference.unsqueeze(1)).solution.flatten()
