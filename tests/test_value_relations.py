@@ -320,3 +320,13 @@ def test_the_first_differing_pair_gets_the_relation_of_its_captured_outputs():
         "relation of the captured outputs there: the port holds the reference's values in other places:"
         in text
     )
+
+
+def test_long_rows_are_matched_by_projection_then_checked_in_full():
+    x = randn(1, 256, 384)
+    rotated = torch.cat([x[:, 64:], x[:, :64]], 1)
+    assert "axis 1 (256) reordered: entries 0–191 ← 64–255, 192–255 ← 0–63" in relate(x, rotated)[0].words
+    assert [r.words for r in relate(x, x * 2**-0.5)] == ["port = 1/√2 × reference"]
+    near = rotated.clone()
+    near[0, 5, 7] += 1e-2  # one value off in one row: not a reordering
+    assert all(r.kind != "rearrangement" for r in relate(x, near))

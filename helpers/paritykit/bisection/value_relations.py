@@ -153,6 +153,21 @@ def rearrangement(reference: Any, port: Any, axes: Sequence[str] = ()) -> Relati
 _LEAD = "the port holds the reference's values in other places: "
 
 
+def _match_rows(ps: Any, rs: Any) -> tuple[Any, Any]:
+    r"""For each row of ``ps``, the nearest row of ``rs`` and the largest difference to it. Rows are first
+    matched on a seeded projection to 8 numbers (cheap on long rows), then compared in full."""
+    import torch
+
+    if ps.shape[1] > 8:
+        generator = torch.Generator().manual_seed(0)
+        projection = torch.randn(ps.shape[1], 8, generator=generator, dtype=ps.dtype)
+        candidates = torch.cdist(ps @ projection, rs @ projection).argmin(dim=1)
+    else:
+        candidates = torch.cdist(ps, rs).argmin(dim=1)
+    distance = (ps - rs[candidates]).abs().amax(dim=1)
+    return distance, candidates
+
+
 def _exchanged_sub_axes(r: Any, p: Any, tol: float, names: list[str]) -> tuple[str, Any] | None:
     r"""One axis of size ``a·b`` that the reference reads as ``(a, b)`` and the port as ``(b, a)``."""
     for d, size in enumerate(r.shape):
@@ -188,8 +203,7 @@ def _reordered_axis(r: Any, p: Any, tol: float, names: list[str]) -> tuple[str, 
         if size < 2:
             continue
         rs, ps = r.movedim(d, 0).reshape(size, -1), p.movedim(d, 0).reshape(size, -1)
-        distance = torch.cdist(ps, rs, p=math.inf)
-        best, order = distance.min(dim=1)
+        best, order = _match_rows(ps, rs)
         if float(best.max()) > tol or len(set(order.tolist())) != size:
             continue
         order_list = order.tolist()
@@ -232,6 +246,7 @@ def _block_reading(
         (kept if same else moved).append((d, f, stride))
     if not moved or len(moved) > 6:
         return None
+    readable = len(moved) <= 4 and source.numel() <= 4_000_000  # two readings tried over every value
     size = math.prod(f for _, f, _ in moved)
     spans = sorted({d for d, _, _ in moved})
     where = ", ".join(names[d] for d in spans)
@@ -244,7 +259,7 @@ def _block_reading(
 
     readings = ""
     # the block as one flat vector: the reference reads it in one order of its digits, the port in another
-    for port_order in itertools.permutations(moved):
+    for port_order in itertools.permutations(moved) if readable else ():
         for ref_order in itertools.permutations(moved):
             if ref_order == port_order:
                 continue
@@ -406,10 +421,7 @@ def sequence_rows(reference: Any, port: Any, axis: int | None = None) -> Relatio
     if r.shape[1] != p.shape[1] or r.shape[1] == 0:
         return None
     tol = max(_tolerance(reference), _tolerance(port))
-    distance = torch.cdist(p, r, p=math.inf) if hasattr(torch, "cdist") else None
-    if distance is None:
-        return None
-    best, match = distance.min(dim=1)
+    best, match = _match_rows(p, r)
     matched = best <= tol
     source = [int(j) if ok else -1 for j, ok in zip(match.tolist(), matched.tolist())]
     used = {j for j in source if j >= 0}
@@ -481,7 +493,8 @@ def scale(reference: Any, port: Any, sizes: Sequence[int] = ()) -> Relation | No
     if norm == 0.0:
         return None
     k = float(r @ p) / norm
-    near = snapped(k, sizes or tuple(reference.shape), rel=1e-3)
+    # √2 and 1/√2 (a residual sum rescaled) besides the sizes of the tensor
+    near = snapped(k, (*(sizes or tuple(reference.shape)), 2), rel=1e-3)
     if not near or near[0][0] in (0.0, 1.0):
         return None
     value, label = near[0]
@@ -531,7 +544,7 @@ def missing_term(
         for chosen in itertools.combinations(names, count):
             basis = torch.stack([columns[n] for n in chosen], dim=1)
             fit = torch.linalg.lstsq(basis, difference.unsqueeze(1)).solution.flatten()
-            snaps = [snapped(abs(float(c)), sizes or tuple(reference.shape), rel=1e-3) for c in fit]
+            snaps = [snapped(abs(float(c)), (*(sizes or tuple(reference.shape)), 2), rel=1e-3) for c in fit]
             if not all(snaps) or any(s[0][0] == 0.0 for s in snaps):
                 continue
             signs = [math.copysign(1.0, float(c)) for c in fit]
