@@ -569,22 +569,12 @@ def run_tiny(model_class: type, seed: int = 0) -> str | None:
             output = model(*args, **kwargs)
     except Exception as error:  # reported, not raised: the survey lists it
         return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
-    tensors = [t for t in _tensors(output) if t.is_floating_point()]
+    from paritykit.tracing.recording import tensor_leaves
+
+    leaves = tensor_leaves(output, "output")[0].values()
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
         return "the output holds no floating-point tensor"
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         return "the output is not finite"
     return None
-
-
-def _tensors(value: Any) -> Iterator[Any]:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict) or hasattr(value, "to_tuple"):
-        for item in value.values() if isinstance(value, dict) else value.to_tuple():
-            yield from _tensors(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)

@@ -3,8 +3,8 @@ reference's (a grammar over parameters, inputs, outputs and settings, cheapest f
 captured inputs, and keep only those that make the numbers agree. ``edits`` defines the edit classes, their
 cost table and the constants fitted numbers snap to; ``grammar`` generates the candidates of the parameter,
 input, output and use tiers, ``settings`` those of the settings tier; ``site`` says where the search runs;
-``engine`` runs it within a time budget; ``culprit_sites`` builds the sites at a culprit and joins the
-verified edits to the catalogue's hints."""
+``engine`` runs it within a budget counted in edits; ``culprit_sites`` builds the sites at a culprit and joins
+the verified edits to the catalogue's hints."""
 
 from paritykit.base.lazy import lazy_exports
 
