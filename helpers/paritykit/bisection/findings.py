@@ -14,7 +14,7 @@ from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layo
 from paritykit.bisection.mix_fits import culprit_hints
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.repair.culprit_sites import RepairOptions, repair_hints
-from paritykit.bisection.results import ModuleFinding, ModuleTest
+from paritykit.bisection.results import ModuleFinding, ModuleTest, shown_name
 from paritykit.bisection.searcher import Searcher, join_notes
 from paritykit.tracing.trace import call_name
 
@@ -560,16 +560,13 @@ def transplant_hint(
             )
             if op.reference_op:
                 ops += f" (the reference's nearest: {op.reference_op}({op.reference_args}))"
+    donor_name, port_name = shown_name(call.module), shown_name(port_call.module)
     words = (
-        f"transplant: a copy of the reference's {type(ref_module).__name__} ({shown(call.module)}) in place"
-        f" of the port's {type(module).__name__} ({shown(port_call.module)}), on the port's own inputs, makes"
-        f" the port's output match: the cause is that module's own computation{ops}"
+        f"transplant: a copy of the reference's {type(ref_module).__name__} ({donor_name}) in place of the"
+        f" port's {type(module).__name__} ({port_name}), on the port's own inputs, makes the port's output"
+        f" match: the cause is that module's own computation{ops}"
     )
     return Hint("transplant", words, {"module": port_call.module}, score=0.99, verified=True)
-
-
-def shown(name: str) -> str:
-    return name or "(top level)"
 
 
 def _same_parameters(reference: Any, port: Any) -> bool:

@@ -132,7 +132,7 @@ def _tensor_summary(t: Any, name: str = "") -> str:
     if form is not None:
         return f"{form.describe()} shape {list(t.shape)}"
     if t.is_complex():
-        t = torch_view_real(t)
+        t = _real_view(t)
     flat = t.detach().double().flatten()
     head = ", ".join(f"{float(v):.4g}" for v in flat[:3])
     text = f"[{head}{', …' if flat.numel() > 3 else ''}] shape {list(t.shape)}"
@@ -222,10 +222,10 @@ def _comparable_kinds(a: Any, b: Any) -> bool:
 
 
 def _comparable(t: Any) -> Any:
-    return (torch_view_real(t) if t.is_complex() else t).double().cpu()
+    return (_real_view(t) if t.is_complex() else t).double().cpu()
 
 
-def torch_view_real(t: Any) -> Any:
+def _real_view(t: Any) -> Any:
     import torch
 
     return torch.view_as_real(t.resolve_conj())
