@@ -330,3 +330,14 @@ def test_long_rows_are_matched_by_projection_then_checked_in_full():
     near = rotated.clone()
     near[0, 5, 7] += 1e-2  # one value off in one row: not a reordering
     assert all(r.kind != "rearrangement" for r in relate(x, near))
+
+
+def test_the_first_differing_input_of_an_inline_culprit_says_how_it_relates():
+    # a top-level culprit whose children all pass: the hint at the first differing input says how the two
+    # inputs relate there (a timestep in other units), not only where they differ
+    from tests.bisect_pairs import time_pair
+
+    reference, port, inputs = time_pair("units")
+    report = bisect(reference, port, inputs, repair=False)
+    (hint,) = [h for h in report.culprit.hints if h.id == "inline-input"]
+    assert "freq <-> time_proj (max_abs 998); there, port = 1/1000 × reference" in hint.message

@@ -348,6 +348,7 @@ def inline_reference_hints(
         f"the first aligned submodule whose inputs differ is {found.child.name} <-> {found.port_child.name} "
     )
     where += f"({found.unpaired})" if found.unpaired else f"(max_abs {format_number(cmp.max_abs)})"
+    where += _input_relation(found)
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
@@ -780,3 +781,20 @@ def _rotary_words(searcher: Searcher, call: Record, producers: list[Any]) -> tup
         return "", tables
     lead = f"the rotary tables differ (reference {ref_name}, port {port_name}): {'; '.join(differs)}; "
     return lead, tables
+
+
+def _input_relation(found: Any) -> str:
+    r"""How the port's differing input relates to the reference's (values moved, a scale such as a timestep
+    in other units, rows added), derived from the two captured values: one place, told apart by bug."""
+    import torch
+
+    from paritykit.bisection.value_relations import relate
+
+    a, b = found.reference_input, found.port_input
+    if found.unpaired or not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return ""
+    relations = relate(a, b)
+    if not relations:
+        return ""
+    return f"; there, {relations[0].words} (residual {format_number(relations[0].residual)})"
+
