@@ -797,4 +797,3 @@ def _input_relation(found: Any) -> str:
     if not relations:
         return ""
     return f"; there, {relations[0].words} (residual {format_number(relations[0].residual)})"
-

@@ -484,7 +484,7 @@ def _ranges(values: list[int]) -> str:
 
 def scale(reference: Any, port: Any, sizes: Sequence[int] = ()) -> Relation | None:
     r"""``port = k·reference`` for a constant ``k`` snapped to a simple or named constant."""
-    from paritykit.bisection.repair.edits import snapped
+    from paritykit.bisection.constants import snapped
 
     if tuple(reference.shape) != tuple(port.shape) or reference.numel() < 2:
         return None
@@ -520,7 +520,7 @@ def missing_term(
 
     import torch
 
-    from paritykit.bisection.repair.edits import snapped
+    from paritykit.bisection.constants import snapped
 
     if tuple(reference.shape) != tuple(port.shape):
         return None
