@@ -398,36 +398,21 @@ def place_relations(
     return relations
 
 
-def _argument_names(searcher: Searcher, call: Record) -> list[str]:
-    import inspect
-
-    module = searcher.ref_modules.get(call.module)
-    try:
-        return list(inspect.signature(module.forward).parameters) if module is not None else []
-    except (TypeError, ValueError):
-        return []
-
-
 def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:
     r"""The tensors captured at a call, by name: its inputs (named by its forward's arguments), its children's
     outputs (``child <name>``), and each child output times each much smaller input it broadcasts with (a
     modulation gate), at most ``MAX_TERMS`` in all."""
     import torch
 
+    from paritykit.bisection.relations import input_leaf_name
     from paritykit.bisection.value_relations import MAX_TERMS
 
-    names = _argument_names(searcher, call)
-    inputs: dict[str, Any] = {}
+    module = searcher.ref_modules.get(call.module)
     try:
         leaves = flatten_tensors(call.call_inputs(), "input")
     except Exception:  # a call captured without inputs: no terms from them
         leaves = []
-    for path, tensor in leaves:
-        parts = path.split(".")[2:]
-        if path.startswith("input.0.") and parts and parts[0].isdigit() and int(parts[0]) < len(names):
-            parts[0] = names[int(parts[0])]
-        if tensor.is_floating_point():
-            inputs[".".join(parts) or path] = tensor
+    inputs = {input_leaf_name(module, path): t for path, t in leaves if t.is_floating_point()}
     children: dict[str, Any] = {}
     for record in searcher.ref_trace.records:
         if record.parent == call.name and record.replayable:
@@ -460,17 +445,10 @@ def _undone_matches(
     edit)."""
     import torch
 
-    from paritykit.bisection.leaves import final_output
-    from paritykit.compare.tensors import compare_tensors
-
-    port_call = searcher.port_record(call)
-    port = searcher.port_modules.get("")
-    module = searcher.port_modules.get(port_call.module) if port_call is not None else None
-    root = searcher.port_trace.root
-    if relation.undo is None or port is None or module is None or root is None or not root.replayable:
+    if relation.undo is None:
         return None
 
-    def hook(_module: Any, _args: Any, output: Any) -> Any:
+    def hook(_module: Any, _args: Any, _kwargs: Any, output: Any) -> Any:
         if isinstance(output, torch.Tensor) and leaf == 0:
             return relation.undo(output, terms)
         if isinstance(output, (tuple, list)) and leaf < len(output) and is_tensor(output[leaf]):
@@ -479,14 +457,35 @@ def _undone_matches(
             return type(output)(edited) if isinstance(output, tuple) else edited
         raise _CannotEdit
 
+    return _port_matches_with(searcher, call, hook, ref_final, select_output)
+
+
+def _port_matches_with(
+    searcher: Searcher, call: Record, hook: Callable, ref_final: Any, select_output: Callable | None
+) -> bool | None:
+    r"""Run the whole port on its captured inputs with ``hook`` (a forward hook taking kwargs) replacing the
+    culprit's port module's output; whether the final output then matches the reference's. None when there
+    is nothing to run (no port model, no culprit module, no replayable inputs) or the hook cannot edit that
+    output; False when the edited output does not fit the rest of the port."""
+    import torch
+
+    from paritykit.bisection.leaves import final_output
+    from paritykit.compare.tensors import compare_tensors
+
+    port_call = searcher.port_record(call)
+    port = searcher.port_modules.get("")
+    module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    root = searcher.port_trace.root
+    if port is None or module is None or root is None or not root.replayable:
+        return None
     args, kwargs = to_device(root.call_inputs(), module_device(port))
-    handle = module.register_forward_hook(hook)
+    handle = module.register_forward_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
             output = port(*args, **kwargs)
     except _CannotEdit:
         return None
-    except Exception:  # the undone tensor does not fit the rest of the port: not verified
+    except Exception:  # the edited output does not fit the rest of the port, or the hook cannot run
         return False
     finally:
         handle.remove()
@@ -508,21 +507,13 @@ def transplant_hint(
     sides' ops traced on the reference's inputs). None when the transplant cannot run or does not match."""
     import copy
 
-    import torch
-
-    from paritykit.bisection.leaves import final_output
     from paritykit.compare.diagnose import Hint
-    from paritykit.compare.tensors import compare_tensors
 
     port_call = searcher.port_record(call)
     ref_module = searcher.ref_modules.get(call.module)
-    port = searcher.port_modules.get("")
-    root = searcher.port_trace.root
     module = searcher.port_modules.get(port_call.module) if port_call is not None else None
-    if ref_module is None or module is None or port is None or root is None or not root.replayable:
-        return None
-    if call.parent is None or not port_call.module:
-        return None  # the top level's own forward: nothing to transplant into
+    if ref_module is None or module is None or call.parent is None or not port_call.module:
+        return None  # nothing to transplant, or the top level's own forward: nothing to transplant into
     if not _same_parameters(ref_module, module):
         return None  # the donor brings weights the port lacks: a match would not say the code differs
     donor = copy.deepcopy(ref_module).to(module_device(module))
@@ -530,19 +521,8 @@ def transplant_hint(
     def hook(_module: Any, args: tuple, kwargs: dict, _output: Any) -> Any:
         return donor(*args, **kwargs)
 
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        args, kwargs = to_device(root.call_inputs(), module_device(port))
-        with torch.no_grad():
-            output = port(*args, **kwargs)
-        matched = compare_tensors(
-            ref_final, final_output("port", output, select_output), atol=searcher.atol, rtol=searcher.rtol
-        ).passed
-    except Exception:  # the reference module does not take the port's inputs: no transplant to claim
-        return None
-    finally:
-        handle.remove()
-    if not matched:
+    # the reference module not taking the port's inputs (False) is no transplant to claim, like a mismatch
+    if not _port_matches_with(searcher, call, hook, ref_final, select_output):
         return None
     ops = ""
     adapted = searcher.adapt_inputs(call, port_call, module_device(module))

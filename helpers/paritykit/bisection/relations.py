@@ -295,6 +295,16 @@ def argument_name(module: Any, path: str) -> str:
     return positional[index].name + found[2] if index < len(positional) else path
 
 
+def input_leaf_name(module: Any, path: str) -> str:
+    r"""An input leaf's path as :func:`~paritykit.bisection.leaves.flatten_tensors` names it under the prefix
+    ``input`` (``input.0.<position>…`` for a positional argument, ``input.1.<keyword>…``) in the words of
+    ``module``'s ``forward``: ``input.0.1`` -> ``timestep``, ``input.1.temb`` -> ``temb``; a position the
+    signature cannot name stays a number (``0``)."""
+    kind, _, rest = path.removeprefix("input.").partition(".")
+    named = argument_name(module, f"{'args' if kind == '0' else 'kwargs'}.{rest}")
+    return named.removeprefix("args.")
+
+
 def renamed(words: str, paths: list[str], name: Callable[[str], str]) -> str:
     r"""``words`` with each of ``paths`` and their parents (``args.3`` of ``args.3.0``: a list named whole),
     each whole and not inside a longer path, replaced by ``name(path)``."""

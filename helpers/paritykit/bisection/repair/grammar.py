@@ -24,6 +24,7 @@ from typing import Any
 
 from paritykit.base.report import format_value
 from paritykit.bisection.leaves import flatten_tensors, rebuild_leaves, torch_equal
+from paritykit.bisection.relations import input_leaf_name
 from paritykit.bisection.repair.edits import (
     Edit,
     OutputEdit,
@@ -338,24 +339,7 @@ def _input_edit(
 def _input_names(leaves: list[tuple[str, Any]], module: Any = None) -> dict[str, str]:
     r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, and for a position the
     name its ``forward`` gives it (``input 0`` when the signature does not say)."""
-    import inspect
-
-    try:
-        parameters = [
-            p.name
-            for p in inspect.signature(module.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (AttributeError, TypeError, ValueError):
-        parameters = []
-    names = {}
-    # paths are input.0.<position> for positional arguments, input.1.<keyword> for keywords
-    for path, _ in leaves:
-        parts = path.split(".")[2:]
-        if path.startswith("input.0.") and parts and parts[0].isdigit() and int(parts[0]) < len(parameters):
-            parts[0] = parameters[int(parts[0])]
-        names[path] = "input " + ".".join(parts)
-    return names
+    return {path: f"input {input_leaf_name(module, path)}" for path, _ in leaves}
 
 
 def _swap_inputs(pa: str, pb: str) -> Callable[[Tensors], Tensors]:
