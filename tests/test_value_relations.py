@@ -341,3 +341,47 @@ def test_the_first_differing_input_of_an_inline_culprit_says_how_it_relates():
     report = bisect(reference, port, inputs, repair=False)
     (hint,) = [h for h in report.culprit.hints if h.id == "inline-input"]
     assert "freq <-> time_proj (max_abs 998); there, port = 1/1000 × reference" in hint.message
+
+
+class Embed(nn.Module):
+    def __init__(self, register: bool):
+        super().__init__()
+        self.proj, self.register = nn.Linear(8, 8), register
+
+    def forward(self, x):
+        tokens = self.proj(x)
+        if self.register:  # a token of zeros prepended on one side only
+            tokens = torch.cat([torch.zeros_like(tokens[:, :1]), tokens], 1)
+        return tokens
+
+
+class TokenNet(nn.Module):
+    r"""A patch embedding, a mixing layer over the last five tokens and a head; ``register`` makes the
+    embedding prepend a token, which shifts the window the mixing reads."""
+
+    def __init__(self, register: bool = False):
+        super().__init__()
+        self.embed, self.mix, self.head = Embed(register), nn.Linear(5, 5), nn.Linear(8, 8)
+
+    def forward(self, x):
+        tokens = self.embed(x)
+        return self.head(self.mix(tokens[:, :5].transpose(1, 2)).transpose(1, 2))
+
+
+def test_an_untestable_child_gets_the_relation_of_its_captured_outputs():
+    torch.manual_seed(0)
+    reference = TokenNet().eval()
+    port = TokenNet(register=True).eval()
+    port.load_state_dict(reference.state_dict())
+    inputs = ((randn(2, 5, 8),), {})
+    report = bisect(reference, port, inputs)
+    assert [t.status for t in report.tested if t.reference == "embed"] == ["untestable"]
+    (row,) = [r for r in report.culprit.relations if "untestable" in r.words]
+    assert row.words.startswith("at embed <-> embed (untestable, captured outputs): along axis 1:")
+    assert "port rows 0 are not in the reference" in row.words
+    assert "added on the port's side" in row.words and row.verified is None
+    # a faithful port: nothing untestable, no relation
+    faithful = TokenNet().eval()
+    faithful.load_state_dict(reference.state_dict())
+    clean = bisect(reference, faithful, inputs)
+    assert clean.culprit is None and "untestable" not in clean.render()

@@ -398,6 +398,40 @@ def place_relations(
     return relations
 
 
+def untestable_relations(searcher: Searcher, call: Record, shown: int = 4) -> list[Any]:
+    r"""How the captured outputs of the located call's untestable aligned children relate (their outputs pair
+    in no order or layout, so no test compared them): each relation stated with its residual, not verified
+    (no replay reaches them one-to-one). A child whose pairing the weight conversion explains (a reordered
+    layout) is left out: its values differ by construction, not by a bug."""
+    from paritykit.bisection.value_relations import relate
+
+    found: list[Any] = []
+    for child in searcher.frontier(call):
+        result = searcher.results.get(child.name)
+        port_child = searcher.port_record(child)
+        pair = searcher.alignment.pair_of(child.module)
+        if result is None or result.status != "untestable" or port_child is None:
+            continue
+        if pair is None or pair.layout:
+            continue
+        ref_leaves = [(k, t) for k, t in child.outputs.items() if is_tensor(t)]
+        port_leaves = [(k, t) for k, t in port_child.outputs.items() if is_tensor(t)]
+        for (_, r), (_, p) in list(zip(ref_leaves, port_leaves))[:shown]:
+            relations = relate(r, p)
+            if relations:
+                for relation in relations:
+                    relation.words = (
+                        f"at {shown_name(child.name)} <-> {shown_name(port_child.name)} (untestable, captured"
+                        f" outputs): {relation.words}"
+                    )
+                    relation.undo = None
+                found += relations
+                break
+        if len(found) >= shown:
+            break
+    return found[:shown]
+
+
 def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:
     r"""The tensors captured at a call, by name: its inputs (named by its forward's arguments), its children's
     outputs (``child <name>``), and each child output times each much smaller input it broadcasts with (a

@@ -735,7 +735,9 @@ def _signature(ref_record: Record, ref_leaves: Leaves, port_record: Record, port
 
 
 def join_notes(*notes: str) -> str:
-    return "; ".join(n for n in notes if n)
+    r"""The notes joined by "; ", each said once (a note the next one starts with is left out)."""
+    kept = [n for n in notes if n]
+    return "; ".join(n for i, n in enumerate(kept) if not any(m.startswith(n) for m in kept[i + 1 :]))
 
 
 def _unpaired_shapes(ref_record: Record, port_record: Record) -> str:

@@ -28,6 +28,7 @@ from paritykit.bisection.findings import (
     first_divergence,
     place_relations,
     transplant_hint,
+    untestable_relations,
 )
 from paritykit.bisection.floor import FloatFloor, max_difference, precision_line, within
 from paritykit.bisection.leaves import final_output
@@ -250,7 +251,7 @@ def run_strategy(
                 located.call,
                 (ref_final, port_final) if at_top else None,
                 verify=(ref_final, select_output),
-            )
+            ) + untestable_relations(located.searcher, located.call)
             first_hint = culprit.hints[0].id if culprit.hints else ""
             if first_hint in ("no-signature", "unknown") and not any(h.verified for h in culprit.hints):
                 moved = transplant_hint(located.searcher, located.call, ref_final, select_output)
