@@ -107,3 +107,73 @@ def test_the_skills_relation_and_rotary_snippet_runs_and_prints_what_it_says(cap
     assert "axis 2 (8) is read as (2, 4) in the reference and (4, 2) in the port" in printed[0]
     assert printed[1].startswith("rotary table (complex layout; band 0: entries 0–3, θ 500")
     assert printed[2] == "interleaved"
+
+
+# ------------------------------------------------------------------------ tables passed down, in a bisect
+
+
+class RotaryAttention(nn.Module):
+    r"""q and k rotated by the table it is given: a complex table (the research side, Llama's
+    apply_rotary_emb) or diffusers' (cos, sin) tuple with interleaved pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x, rotary):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)  # (batch, heads, seq, dim)
+        if isinstance(rotary, tuple):
+            cos, sin = rotary
+            q, k = (
+                t * cos + torch.stack([-t[..., 1::2], t[..., 0::2]], -1).flatten(-2) * sin for t in (q, k)
+            )
+        else:
+            q, k = (
+                torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (4, 2))) * rotary).flatten(-2)
+                for t in (q, k)
+            )
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).flatten(-2))
+
+
+class RotaryNet(nn.Module):
+    r"""A DiT reduced to its rotary path: the table is computed inline in ``forward`` and passed down."""
+
+    def __init__(self, theta: float, diffusers_style: bool):
+        super().__init__()
+        self.attn, self.theta, self.diffusers_style = RotaryAttention(), theta, diffusers_style
+
+    def forward(self, x):
+        if self.diffusers_style:
+            rotary = get_1d_rotary_pos_embed(
+                8, x.shape[1], theta=self.theta, use_real=True, repeat_interleave_real=True
+            )
+        else:
+            rotary = freqs_cis(8, x.shape[1], theta=self.theta)
+        return self.attn(x, rotary)
+
+
+def test_tables_computed_inline_and_passed_down_are_read_and_their_theta_named():
+    from paritykit.bisection.entry import bisect
+
+    torch.manual_seed(0)
+    reference = RotaryNet(1e4, diffusers_style=False).eval()
+    port = RotaryNet(1e6, diffusers_style=True).eval()
+    port.load_state_dict(reference.state_dict())
+    inputs = ((torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3)),), {})
+    report = bisect(reference, port, inputs, repair=False)
+    assert report.culprit.reference == ""
+    # attention is untestable (a complex table against a (cos, sin) tuple): its arguments are read
+    assert [t.status for t in report.tested if t.reference == "attn"] == ["untestable"]
+    (relation,) = [r for r in report.culprit.relations if r.kind == "rotary"]
+    assert relation.words.startswith(
+        "the rotary tables passed to attn differ (reference rotary, port rotary.0, rotary.1): band 0:"
+        " θ 1.00e+04 (reference) vs 1.00e+06 (port); read from their values: reference rotary: rotary table"
+        " (complex layout;"
+    )
+    assert relation.residual < 1e-4 and relation.verified is None
+    # the same θ written the diffusers way: nothing about rotary is claimed
+    faithful = RotaryNet(1e4, diffusers_style=True).eval()
+    faithful.load_state_dict(reference.state_dict())
+    clean = bisect(reference, faithful, inputs, repair=False)
+    assert clean.verdict == "match" and "rotary table" not in clean.render()

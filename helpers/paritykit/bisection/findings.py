@@ -414,6 +414,9 @@ def untestable_relations(searcher: Searcher, call: Record, shown: int = 4) -> li
             continue
         if pair is None or pair.layout:
             continue
+        rotary = _rotary_arguments(searcher, child, port_child)
+        if rotary is not None:
+            found.append(rotary)
         ref_leaves = [(k, t) for k, t in child.outputs.items() if is_tensor(t)]
         port_leaves = [(k, t) for k, t in port_child.outputs.items() if is_tensor(t)]
         for (_, r), (_, p) in list(zip(ref_leaves, port_leaves))[:shown]:
@@ -430,6 +433,25 @@ def untestable_relations(searcher: Searcher, call: Record, shown: int = 4) -> li
         if len(found) >= shown:
             break
     return found[:shown]
+
+
+def _rotary_arguments(searcher: Searcher, child: Record, port_child: Record) -> Any:
+    r"""A relation naming how the rotary tables passed to an untestable call differ (θ, bands, layout,
+    position scale), each side's table read back from its captured values; None when either side passes
+    none or they agree."""
+    from paritykit.bisection.relations import named_inputs
+    from paritykit.bisection.rotary import compare_tables, rotary_in_leaves
+    from paritykit.bisection.value_relations import Relation
+
+    compared = compare_tables(
+        rotary_in_leaves(named_inputs(searcher.ref_modules.get(child.module), child)),
+        rotary_in_leaves(named_inputs(searcher.port_modules.get(port_child.module), port_child)),
+        f" passed to {shown_name(child.name)}",
+    )
+    if compared is None or not compared.lead:
+        return None
+    words = f"{compared.lead}; read from their values: {compared.forms}"
+    return Relation("rotary", words, compared.residual, {"differs": compared.differs})
 
 
 def _place_terms(searcher: Searcher, call: Record) -> dict[str, Any]:

@@ -349,15 +349,14 @@ def inline_reference_hints(
     )
     where += f"({found.unpaired})" if found.unpaired else f"(max_abs {format_number(cmp.max_abs)})"
     where += _input_relation(found)
+    rotary, tables = _rotary_words(searcher, call, found)
     if found.producers:
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
-        rotary, tables = _rotary_words(searcher, call, found.producers)
         message = (
-            rotary
-            + f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
+            f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
             f" the reference computes it inside {shown_name(call.name)}, inline or in a submodule without a"
-            " port counterpart (evidence: the port module's captured output is exactly that input)" + tables
+            " port counterpart (evidence: the port module's captured output is exactly that input)"
         )
     elif (feeder := _aligned_feeder(searcher, found)) is not None:
         hint_id = "inline-input"
@@ -379,6 +378,7 @@ def inline_reference_hints(
             f"{where}; no port module returns that input, so it is computed in the culprit's own forward "
             "before that submodule is called"
         )
+    message = rotary + message + tables
     hints = list(_fit_producers(searcher, call, port_call, found, before))
     hints.append(
         Hint(
@@ -756,31 +756,33 @@ def _same(a: Any, b: Any) -> bool:
     return a is not None and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _rotary_words(searcher: Searcher, call: Record, producers: list[Any]) -> tuple[str, str]:
-    r"""When the port's producers and the reference culprit hold rotary tables: what differs (θ, bands,
-    layout, position scale), said first, and each side's form read back from the values, said last."""
-    from paritykit.bisection.rotary import rotary_difference, rotary_tables
+def _rotary_words(searcher: Searcher, call: Record, found: InlineInput) -> tuple[str, str]:
+    r"""When both sides hold rotary tables, what differs (θ, bands, layout, position scale), said first, and
+    each side's form read back from the values, said last. The tables are read from the reference culprit's
+    and the port producers' held tensors, else from the differing child's captured arguments (tables computed
+    inline and passed down)."""
+    from paritykit.bisection.relations import named_inputs
+    from paritykit.bisection.rotary import compare_tables, rotary_in_leaves, rotary_tables
 
     reference = searcher.ref_modules.get(call.module)
-    if reference is None:
-        return "", ""
-    ref_tables = rotary_tables(reference)
+    ref_tables = rotary_tables(reference) if reference is not None and found.producers else []
     port_tables = [
         (f"{r.module}.{name}", form)
-        for r in producers
+        for r in found.producers
         if (module := searcher.port_modules.get(r.module)) is not None
         for name, form in rotary_tables(module)
     ]
+    where = ""
     if not ref_tables or not port_tables:
+        child, port_child = found.child, found.port_child
+        ref_tables = rotary_in_leaves(named_inputs(searcher.ref_modules.get(child.module), child))
+        port_tables = rotary_in_leaves(named_inputs(searcher.port_modules.get(port_child.module), port_child))
+        where = f" passed to {shown_name(found.child.name)}"
+    compared = compare_tables(ref_tables, port_tables, where)
+    if compared is None:
         return "", ""
-    (ref_name, ref_form), (port_name, port_form) = ref_tables[0], port_tables[0]
-    tables = f" (rotary tables read from their values: reference {ref_name} {ref_form.describe()}; port"
-    tables += f" {port_name} {port_form.describe()})"
-    differs = rotary_difference(ref_form, port_form)
-    if not differs:
-        return "", tables
-    lead = f"the rotary tables differ (reference {ref_name}, port {port_name}): {'; '.join(differs)}; "
-    return lead, tables
+    tables = f" (rotary tables{where} read from their values: {compared.forms})"
+    return (f"{compared.lead}; " if compared.lead else ""), tables
 
 
 def _input_relation(found: Any) -> str:

@@ -295,6 +295,12 @@ def argument_name(module: Any, path: str) -> str:
     return positional[index].name + found[2] if index < len(positional) else path
 
 
+def named_inputs(module: Any, record: Any) -> list[tuple[str, Any]]:
+    r"""A call's captured input leaves, each path said in ``module``'s ``forward`` words
+    (:func:`argument_name`)."""
+    return [(argument_name(module, path), t) for path, t in record.inputs.items()]
+
+
 def input_leaf_name(module: Any, path: str) -> str:
     r"""An input leaf's path as :func:`~paritykit.bisection.leaves.flatten_tensors` names it under the prefix
     ``input`` (``input.0.<position>…`` for a positional argument, ``input.1.<keyword>…``) in the words of

@@ -44,6 +44,8 @@ class RotaryForm:
 
     layout: str
     bands: list[Band] = field(default_factory=list)
+    # max |regenerated − read| over the table, as unit complex numbers (set by read_rotary)
+    error: float = 0.0
 
     def channels(self, band: Band) -> str:
         r"""The channels of a band in the table's own layout."""
@@ -130,9 +132,8 @@ def read_rotary(table: Any) -> RotaryForm | None:
         scale = float(torch.exp(logs.mean() - slope * idx.mean()))
         form.bands.append(Band(first, last, _snap_theta(math.exp(-slope * m)), _snap_scale(scale)))
     regenerated = _regenerate(form, positions)
-    if float((torch.exp(1j * regenerated) - torch.exp(1j * angles)).abs().max()) > AGREES * 10:
-        return None
-    return form
+    form.error = float((torch.exp(1j * regenerated) - torch.exp(1j * angles)).abs().max())
+    return form if form.error <= AGREES * 10 else None
 
 
 def _unwrap(values: Any) -> Any:
@@ -194,6 +195,35 @@ def rotary_difference(reference: RotaryForm, port: RotaryForm) -> list[str]:
                 " (port)"
             )
     return _merged(out, len(reference.bands))
+
+
+@dataclass
+class TablesDiffer:
+    r"""Two sides' rotary tables compared: ``lead`` says what differs (empty when nothing does), ``forms``
+    each side's form read back, ``residual`` the larger regeneration error of the two readings."""
+
+    lead: str
+    forms: str
+    residual: float
+    differs: list[str]
+
+
+def compare_tables(
+    reference: list[tuple[str, RotaryForm]], port: list[tuple[str, RotaryForm]], where: str = ""
+) -> TablesDiffer | None:
+    r"""The first table of each side (``(name, form)`` lists, as :func:`rotary_tables` and
+    :func:`rotary_in_leaves` give) compared; None when either side holds none."""
+    if not reference or not port:
+        return None
+    (ref_name, ref_form), (port_name, port_form) = reference[0], port[0]
+    differs = rotary_difference(ref_form, port_form)
+    lead = (
+        f"the rotary tables{where} differ (reference {ref_name}, port {port_name}): {'; '.join(differs)}"
+        if differs
+        else ""
+    )
+    forms = f"reference {ref_name}: {ref_form.describe()}; port {port_name}: {port_form.describe()}"
+    return TablesDiffer(lead, forms, max(ref_form.error, port_form.error), differs)
 
 
 def _merged(lines: list[str], bands: int) -> list[str]:
@@ -258,6 +288,34 @@ def rotary_tables(module: Any, limit: int = 8) -> list[tuple[str, RotaryForm]]:
                 found.append((f"{prefix}.{key}" if prefix else key, form))
                 if len(found) >= limit:
                     return found
+    return found
+
+
+def rotary_in_leaves(leaves: list[tuple[str, Any]], limit: int = 4) -> list[tuple[str, RotaryForm]]:
+    r"""The rotary tables among a call's captured arguments (``(name, tensor)`` leaves): complex tables, and
+    two neighbouring real leaves of one shape read as (cos, sin), as diffusers passes ``(cos, sin)`` tuples.
+    Singleton axes are dropped first, so ``(1, N, 1, D)`` reads as ``(N, D)``. At most ``limit``."""
+    import torch
+
+    def squeezed(t: Any) -> Any:
+        kept = [n for n in t.shape if n != 1]
+        return t.reshape(kept) if kept else t
+
+    tensors = [(k, squeezed(t)) for k, t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    found: list[tuple[str, RotaryForm]] = []
+    i = 0
+    while i < len(tensors) and len(found) < limit:
+        key, t = tensors[i]
+        form = read_rotary(t) if t.is_complex() and t.dim() >= 2 else None
+        step = 1
+        if form is None and t.is_floating_point() and i + 1 < len(tensors):
+            other_key, other = tensors[i + 1]
+            if other.is_floating_point() and other.shape == t.shape and t.dim() >= 2:
+                form = read_rotary(torch.stack([t, other]))
+                key, step = f"{key}, {other_key}", 2 if form is not None else 1
+        if form is not None:
+            found.append((key, form))
+        i += step
     return found
 
 
