@@ -233,3 +233,64 @@ def triage_spec(name: str, out_dir: str, force: bool, **options) -> None:
     NAME (a Python identifier) names the file: triage_NAME.py.
     """
     _generate("triage-spec", name, out_dir, force, **options)
+
+
+@new.command("diffusers-tests")
+@click.argument("name")
+@click.option(
+    "--model-class",
+    "model_class",
+    required=True,
+    metavar="CLASS",
+    help="The port's model class: a diffusers class name (WanTransformer3DModel) or MODULE:CLASS.",
+)
+@click.option(
+    "--reference",
+    metavar="MODULE:CALLABLE",
+    help=(
+        "Returns the reference model with its weights; called with the port's required inputs in the port's"
+        " forward order. With --pretrained it gives the slow test's expected slice."
+    ),
+)
+@click.option(
+    "--pretrained",
+    metavar="DIR",
+    help="The saved port (a save_pretrained folder): the slow test's model, and the config the tests shrink.",
+)
+@click.option(
+    "--hub-id",
+    "hub_id",
+    metavar="REPO",
+    help="What the slow test loads in the pull request instead of --pretrained (a Hub repository id).",
+)
+@click.option(
+    "--convert",
+    metavar="MODULE:FUNC",
+    help="convert(reference state_dict) -> port state_dict: checks that --pretrained holds the conversion.",
+)
+@click.option(
+    "--pipeline",
+    metavar="CLASS",
+    help="The port's pipeline class (name or MODULE:CLASS): also render its fast test with tiny components.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    metavar="DIR",
+    help=(
+        "The folder the tests/... files go into, e.g. your diffusers fork [default: a new folder"
+        " diffusers-tests-NAME]; nothing is written into a fork unless it is named here."
+    ),
+)
+@force_option
+def diffusers_tests(name: str, **options) -> None:
+    """The tests a diffusers pull request asks for: model tests on diffusers' tester mixins, a slow test
+    whose expected slice comes from the reference (never from the port), and a pipeline test.
+
+    NAME (snake_case) names the files: tests/models/<family>/test_models_<kind>_NAME.py and
+    tests/pipelines/NAME/test_NAME.py. Unlike the other templates this one runs torch: it builds the model,
+    runs the reference and measures both sides' float floor for the slow test's tolerance.
+    """
+    from paritykit.pack.diffusers_tests import generate_diffusers_tests
+
+    click.echo(generate_diffusers_tests(name, **options).render())

@@ -62,11 +62,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def tiny_config(model_class: type) -> dict[str, Any]:
-    r"""The overrides that shrink ``model_class``'s default config: one layer per stack, at most two heads
-    (the head dimension kept, widths that equal heads x head dim following), channel lists scaled so their
-    first entry is one norm group. Interface sizes (input channels, context width) are kept."""
-    defaults = init_defaults(model_class)
+def tiny_config(model_class: type, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    r"""The overrides that shrink ``model_class``'s default config (or ``base`` over it, a port's own
+    config): one layer per stack, at most two heads (the head dimension kept, widths that equal heads x head
+    dim following), channel lists scaled so their first entry is one norm group. Interface sizes (input
+    channels, context width) are kept."""
+    defaults = {
+        **init_defaults(model_class),
+        **{k: v for k, v in (base or {}).items() if not k.startswith("_")},
+    }
     overrides: dict[str, Any] = {}
     for name, value in defaults.items():
         if _LAYER_COUNT.search(name) and not _NOT_LAYER_COUNT.search(name):
