@@ -1,6 +1,6 @@
 """The port pair `paritykit new diffusers-tests` is tested on: Wan 2.1's research DiT (DiffSynth-Studio's
-``WanModel``, as published) with seeded weights, and diffusers' ``WanTransformer3DModel`` holding them moved by
-diffusers' own converter, saved with ``save_pretrained``. ``plant`` saves the port with one bug."""
+``WanModel``, as published) with seeded weights, and diffusers' ``WanTransformer3DModel`` holding them moved
+by diffusers' own converter, saved with ``save_pretrained``. ``plant`` saves the port with one bug."""
 
 from __future__ import annotations
 

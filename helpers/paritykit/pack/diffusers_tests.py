@@ -148,7 +148,8 @@ def generate_diffusers_tests(
     else:
         build = callable_from("--reference", reference) if isinstance(reference, str) else reference
         converter = callable_from("--convert", convert) if isinstance(convert, str) else convert
-        slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, reference, result)
+        shown = reference if isinstance(reference, str) else f"{build.__module__}:{build.__qualname__}"
+        slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, shown, result)
     files = {_model_test_path(cls, name): _render("model_test.py.j2", _model_context(cls, model, slow))}
     if pipeline is not None:
         pipeline_cls = _model_class(pipeline, what="--pipeline")
@@ -374,7 +375,7 @@ def _slow_test(
     pretrained: Path,
     hub_id: str | None,
     convert: Any,
-    reference_name: Any,
+    reference_name: str,
     result: DiffusersTests,
 ) -> dict[str, Any]:
     r"""The slow test's inputs, expected slice (from the reference) and tolerance (from the float floors)."""

@@ -1,0 +1,220 @@
+"""`paritykit new diffusers-tests`: the tests a diffusers pull request asks for, rendered for a port.
+
+The reference is Wan 2.1's research DiT as published (DiffSynth-Studio), the port diffusers'
+``WanTransformer3DModel`` holding its weights moved by diffusers' own converter
+(tests/diffusers_tests_pair.py).
+The generated files are run with pytest inside a diffusers source checkout (its tests/ and testing utilities,
+from the repository): PARITYKIT_DIFFUSERS_REPO names it, a work tree or a git directory; `make test` sets it
+to the fetched repository when the machine has one, and those tests skip without it. Generation itself, the
+slice's provenance and the file safety rules are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from paritykit.base.errors import ParityKitError
+from paritykit.pack.diffusers_tests import generate_diffusers_tests
+
+from tests.diffusers_tests_pair import build_reference, save_port
+
+REFERENCE = "tests.diffusers_tests_pair:build_reference"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    r"""A diffusers checkout's tests/ and pyproject.toml in a scratch folder (its own tests never change)."""
+    source = os.environ.get("PARITYKIT_DIFFUSERS_REPO", "")
+    if not source:
+        pytest.skip("no diffusers checkout: set PARITYKIT_DIFFUSERS_REPO to a work tree or git directory")
+    source_path = Path(source)
+    root = tmp_path_factory.mktemp("diffusers")
+    if (source_path / "tests" / "models" / "testing_utils").is_dir():
+        shutil.copytree(source_path / "tests", root / "tests")
+        shutil.copy(source_path / "pyproject.toml", root / "pyproject.toml")
+    else:
+        archive = subprocess.run(
+            ["git", f"--git-dir={source_path}", "archive", "HEAD", "tests", "pyproject.toml"],
+            capture_output=True,
+            check=True,
+        )
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved_port(tmp_path_factory) -> Path:
+    return save_port(tmp_path_factory.mktemp("port") / "transformer")
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)  # --reference names a module of this repository's tests package
+
+
+def run_pytest(root: Path, *args: str, slow: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RUN_SLOW")}
+    if slow:
+        env["RUN_SLOW"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def ruff(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ruff"), *args, "--config", str(root / "pyproject.toml")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+
+
+def slow_test_parts(path: Path) -> tuple[list[float], float, dict]:
+    r"""The expected slice, atol and inputs the generated slow test holds, read from its source: its
+    ``get_inputs`` run here as written."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Integration")]
+    values = {
+        n.targets[0].id: ast.literal_eval(n.value)
+        for n in cls.body
+        if isinstance(n, ast.Assign) and n.targets[0].id in ("expected_slice", "atol")
+    }
+    (get_inputs,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_inputs"]
+    namespace = {"torch": torch, "randn_tensor": randn_tensor, "torch_device": "cpu"}
+    exec(compile(ast.Module([get_inputs], []), str(path), "exec"), namespace)  # noqa: S102 - our own output
+    return values["expected_slice"], values["atol"], namespace["get_inputs"](None)
+
+
+def test_the_expected_slice_is_the_references_on_the_tests_own_inputs(tmp_path, saved_port):
+    result = generate_diffusers_tests(
+        "wan_ref", "WanTransformer3DModel", reference=REFERENCE, pretrained=saved_port, out_dir=tmp_path
+    )
+    (path,) = result.paths
+    assert path == tmp_path / "tests/models/transformers/test_models_transformer_wan_ref.py"
+    expected, atol, inputs = slow_test_parts(path)
+    # the research code run on the inputs the test draws gives the slice the file holds
+    reference = build_reference()
+    with torch.no_grad():
+        out = reference(
+            inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"]
+        ).flatten()
+    assert torch.tensor(expected).tolist() == torch.cat([out[:8], out[-8:]]).tolist()
+    # the tolerance comes from the measured float floors, and says so
+    text = path.read_text()
+    assert f"atol {atol:.2e}: 4 x (reference float floor " in text and 1e-7 < atol < 1e-4
+    assert "it was not taken from this port" in text
+    assert result.port_matches and "the port matches the reference's slice today" in result.render()
+
+
+def test_a_port_with_a_bug_gets_the_references_slice_and_a_warning(tmp_path):
+    planted = save_port(tmp_path / "planted", plant="eps")
+    result = generate_diffusers_tests(
+        "wan_bug", "WanTransformer3DModel", reference=REFERENCE, pretrained=planted, out_dir=tmp_path / "out"
+    )
+    expected, atol, inputs = slow_test_parts(result.paths[0])
+    from diffusers import WanTransformer3DModel
+
+    port = WanTransformer3DModel.from_pretrained(str(planted)).eval()
+    with torch.no_grad():
+        out = port(**inputs, return_dict=False)[0].flatten()
+    port_slice = torch.cat([out[:8], out[-8:]])
+    # never the port's values: the planted eps moves them past the tolerance
+    assert (port_slice - torch.tensor(expected)).abs().max() > atol
+    assert result.port_matches is False
+    assert result.render().startswith("warning: the port differs from the reference by ")
+
+
+def test_files_are_written_only_where_asked_and_never_over_a_file_without_force(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = generate_diffusers_tests("tiny", "UNet2DModel")
+    (path,) = result.paths
+    assert path == Path("diffusers-tests-tiny/tests/models/unets/test_models_unet_tiny.py")
+    assert "no slow test: it needs --reference" in result.render()
+    path.write_text("# the porter's edits\n")
+    with pytest.raises(ParityKitError, match="already exists; pass --force"):
+        generate_diffusers_tests("tiny", "UNet2DModel")
+    assert path.read_text() == "# the porter's edits\n"
+    generate_diffusers_tests("tiny", "UNet2DModel", force=True)
+    assert "class TestUNet2DModel(UNet2DModelTesterConfig, ModelTesterMixin):" in path.read_text()
+
+
+def test_bad_arguments_are_named(tmp_path, saved_port):
+    with pytest.raises(ParityKitError, match="NAME 'Wan'"):
+        generate_diffusers_tests("Wan", "WanTransformer3DModel", out_dir=tmp_path)
+    with pytest.raises(ParityKitError, match="--model-class NoSuch"):
+        generate_diffusers_tests("wan", "NoSuch", out_dir=tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ParityKitError, match=f"--pretrained {empty}: no config.json"):
+        generate_diffusers_tests("wan", "WanTransformer3DModel", reference=REFERENCE, pretrained=empty)
+    with pytest.raises(ParityKitError, match="--reference .*<lambda>: returned a str, not a model"):
+        generate_diffusers_tests(
+            "wan", "WanTransformer3DModel", reference=lambda: "no model", pretrained=saved_port
+        )
+    assert not list(tmp_path.glob("diffusers-tests-*")) and not (tmp_path / "tests").exists()
+
+
+# ------------------------------------------------------------------------------- inside a diffusers checkout
+
+
+def test_the_model_tests_pass_in_diffusers_and_the_slow_test_catches_a_planted_bug(checkout, tmp_path):
+    port = save_port(tmp_path / "transformer")
+    result = generate_diffusers_tests(
+        "wan_port", "WanTransformer3DModel", reference=REFERENCE, pretrained=port, out_dir=checkout
+    )
+    (path,) = result.paths
+    relative = str(path.relative_to(checkout))
+    assert ruff(checkout, "check", relative).returncode == 0
+    assert ruff(checkout, "format", "--check", relative).returncode == 0
+    run = run_pytest(checkout, relative, slow=True)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+    shown = run_pytest(checkout, relative, "-k", "Integration", "-rA", slow=True)
+    assert "PASSED" in shown.stdout and "test_output_matches_reference" in shown.stdout
+    # the same file, the saved port replaced by one with a planted bug: the slow test fails, and says why
+    shutil.rmtree(port)
+    save_port(port, plant="eps")
+    run = run_pytest(checkout, relative, "-k", "Integration", slow=True)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "from the reference's slice > atol" in run.stdout
+
+
+def test_the_pipeline_tests_pass_in_diffusers(checkout, tmp_path):
+    from diffusers import DiTTransformer2DModel
+
+    saved = tmp_path / "dit"
+    DiTTransformer2DModel(
+        out_channels=8, num_layers=2, num_attention_heads=4, attention_head_dim=16, sample_size=8
+    ).save_pretrained(str(saved))
+    result = generate_diffusers_tests(
+        "dit_port", "DiTTransformer2DModel", pipeline="DiTPipeline", pretrained=saved, out_dir=checkout
+    )
+    paths = [str(p.relative_to(checkout)) for p in result.paths]
+    assert paths == [
+        "tests/models/transformers/test_models_transformer_dit_port.py",
+        "tests/pipelines/dit_port/__init__.py",
+        "tests/pipelines/dit_port/test_dit_port.py",
+    ]
+    assert ruff(checkout, "check", *paths).returncode == 0
+    assert ruff(checkout, "format", "--check", *paths).returncode == 0
+    text = (checkout / paths[2]).read_text()
+    assert "self.assertEqual(tuple(output.shape), (1, 8, 8, 3))" in text and "expected_slice" not in text
+    run = run_pytest(checkout, paths[0], paths[2])
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout
