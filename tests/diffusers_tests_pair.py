@@ -29,3 +29,18 @@ def save_port(folder: str | Path, plant: str = "") -> Path:
                 module.eps = 1e-5
     port.save_pretrained(str(folder))
     return Path(folder)
+
+
+def pixart_inputs(config: dict) -> dict:
+    r"""PixArt-α's transformer inputs for ``config`` (what ``--inputs`` names): its forward takes the extra
+    conditions as ``added_cond_kwargs``, which no signature shapes."""
+    size = config["sample_size"]
+    return {
+        "hidden_states": torch.randn(1, config["in_channels"], size, size),
+        "encoder_hidden_states": torch.randn(1, 8, config["cross_attention_dim"]),
+        "timestep": torch.tensor([10]),
+        "added_cond_kwargs": {
+            "resolution": torch.tensor([[8.0 * size] * 2]),
+            "aspect_ratio": torch.tensor([[1.0]]),
+        },
+    }

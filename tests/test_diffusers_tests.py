@@ -182,11 +182,14 @@ def test_the_model_tests_pass_in_diffusers_and_the_slow_test_catches_a_planted_b
     relative = str(path.relative_to(checkout))
     assert ruff(checkout, "check", relative).returncode == 0
     assert ruff(checkout, "format", "--check", relative).returncode == 0
-    run = run_pytest(checkout, relative, slow=True)
+    run = run_pytest(checkout, relative, "-rA", slow=True)
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
-    shown = run_pytest(checkout, relative, "-k", "Integration", "-rA", slow=True)
-    assert "PASSED" in shown.stdout and "test_output_matches_reference" in shown.stdout
+    assert (
+        "PASSED tests/models/transformers/test_models_transformer_wan_port.py::TestWanTransformer3DModel"
+        in (run.stdout)
+    )
+    assert "Integration::test_output_matches_reference" in run.stdout.split("short test summary")[1]
     # the same file, the saved port replaced by one with a planted bug: the slow test fails, and says why
     shutil.rmtree(port)
     save_port(port, plant="eps")
@@ -218,3 +221,45 @@ def test_the_pipeline_tests_pass_in_diffusers(checkout, tmp_path):
     run = run_pytest(checkout, paths[0], paths[2])
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout
+
+
+# classes diffusers tests with its own configs, rendered from theirs shrunk; PixArt's added conditions come
+# from --inputs (no signature shapes them)
+CLASSES = {
+    "UNet2DModel": None,
+    "AutoencoderKL": None,
+    "SD3Transformer2DModel": None,
+    "CogVideoXTransformer3DModel": None,
+    "PixArtTransformer2DModel": "tests.diffusers_tests_pair:pixart_inputs",
+}
+
+
+def test_model_tests_rendered_for_a_set_of_classes_pass_in_diffusers(checkout):
+    paths = []
+    for i, (name, inputs) in enumerate(CLASSES.items()):
+        result = generate_diffusers_tests(f"set_{i}", name, inputs=inputs, out_dir=checkout)
+        paths += [str(p.relative_to(checkout)) for p in result.paths]
+    assert ruff(checkout, "check", *paths).returncode == 0
+    assert ruff(checkout, "format", "--check", *paths).returncode == 0
+    run = run_pytest(checkout, *paths)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout
+
+
+def test_inputs_given_by_a_function_are_rendered_by_kind(tmp_path):
+    def inputs():  # no config argument: called without one
+        return {
+            "sample": torch.randn(1, 3, 32, 32),
+            "timestep": torch.tensor([3.0]),
+            "class_labels": None,
+        }
+
+    (path,) = generate_diffusers_tests("given", "UNet2DModel", inputs=inputs, out_dir=tmp_path).paths
+    text = path.read_text()
+    assert '"sample": randn_tensor(\n                (1, 3, 32, 32),' in text  # noise of the tensor's shape
+    assert '"timestep": torch.tensor([3.0], dtype=torch.float32).to(torch_device),' in text  # its value
+    assert '"class_labels": None,' in text
+    with pytest.raises(ParityKitError, match="--inputs: sample is a list"):
+        generate_diffusers_tests("given", "UNet2DModel", inputs=lambda: {"sample": [1]}, out_dir=tmp_path)
+    with pytest.raises(ParityKitError, match="--inputs returned a str"):
+        generate_diffusers_tests("given", "UNet2DModel", inputs=lambda config: "x", out_dir=tmp_path)

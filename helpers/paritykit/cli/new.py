@@ -269,6 +269,14 @@ def triage_spec(name: str, out_dir: str, force: bool, **options) -> None:
     help="convert(reference state_dict) -> port state_dict: checks that --pretrained holds the conversion.",
 )
 @click.option(
+    "--inputs",
+    metavar="MODULE:FUNC",
+    help=(
+        "inputs(config) -> dict of the model's inputs, when they cannot be shaped from its signature; float"
+        " tensors are rendered as seeded noise of their shape."
+    ),
+)
+@click.option(
     "--pipeline",
     metavar="CLASS",
     help="The port's pipeline class (name or MODULE:CLASS): also render its fast test with tiny components.",

@@ -31,6 +31,7 @@ from paritykit.base.report import format_number
 
 SLICE = 8  # the expected slice: the first and the last SLICE values of the flattened output
 FLOOR_FACTOR = 4  # atol = FLOOR_FACTOR x (reference floor + port floor)
+FIXED_VALUES = 16  # an --inputs float tensor this small keeps its values (a timestep, a resolution)
 
 # tester mixins every model class gets, and those that depend on what the model supports
 _FAMILIES = (("Transformer", "transformers", "transformer"), ("UNet", "unets", "unet"))
@@ -99,6 +100,7 @@ class _Model:
     init: dict[str, Any]
     inputs: dict[str, Any]  # argument name -> spec (shaped_inputs.Noise / Fixed / dict / value)
     output_shape: tuple[int, ...]
+    checkpointed: list[str] = field(default_factory=list)
 
 
 def generate_diffusers_tests(
@@ -110,6 +112,7 @@ def generate_diffusers_tests(
     pretrained: str | os.PathLike | None = None,
     hub_id: str | None = None,
     convert: str | Any = None,
+    inputs: str | Any = None,
     out_dir: str | os.PathLike | None = None,
     force: bool = False,
 ) -> DiffusersTests:
@@ -130,6 +133,10 @@ def generate_diffusers_tests(
         hub_id: what the slow test loads in the pull request instead of ``pretrained`` (a Hub repository).
         convert: ``MODULE:CALLABLE`` or callable, ``convert(reference_state_dict) -> port state_dict``: when
             given, the saved port is checked to hold the converted reference weights.
+        inputs: ``MODULE:CALLABLE`` or callable, ``inputs(config) -> dict`` (or ``(args, kwargs)``): the
+            model's inputs for a config, when paritykit cannot shape them from the signature; called with the
+            tiny config for the fast tests and the saved one for the slow test, and rendered as seeded noise
+            of each float tensor's shape (more than 16 values), other tensors' values and plain values.
         out_dir: the folder the ``tests/…`` files go into; default ``diffusers-tests-<name>``.
         force: replace existing files.
     """
@@ -138,7 +145,8 @@ def generate_diffusers_tests(
     if not name.isidentifier() or name != name.lower():
         raise ParityKitError(f"NAME {name!r}: give a snake_case identifier (it names the test files)")
     cls = _model_class(model_class)
-    model = _tiny_model(cls, _saved_config(cls, pretrained))
+    make_inputs = callable_from("--inputs", inputs) if isinstance(inputs, str) else inputs
+    model = _tiny_model(cls, _saved_config(cls, pretrained), make_inputs)
     result = DiffusersTests()
     slow = None
     if reference is not None and pretrained is None:
@@ -149,7 +157,7 @@ def generate_diffusers_tests(
         build = callable_from("--reference", reference) if isinstance(reference, str) else reference
         converter = callable_from("--convert", convert) if isinstance(convert, str) else convert
         shown = reference if isinstance(reference, str) else f"{build.__module__}:{build.__qualname__}"
-        slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, shown, result)
+        slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, make_inputs, shown, result)
     files = {_model_test_path(cls, name): _render("model_test.py.j2", _model_context(cls, model, slow))}
     if pipeline is not None:
         pipeline_cls = _model_class(pipeline, what="--pipeline")
@@ -219,18 +227,77 @@ def _saved_config(cls: type, pretrained: str | os.PathLike | None) -> dict[str, 
     return {k: v for k, v in config.items() if k in accepted}
 
 
-def _tiny_model(cls: type, base: dict[str, Any] | None = None) -> _Model:
+def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = None) -> _Model:
     r"""The class built from its shrunk config (``base``, the port's own, over the class defaults), with the
     inputs it runs on and its output shape. The init dict holds what differs from the class defaults."""
-    from paritykit.tracing.shaped_inputs import build, init_defaults, input_layout, tiny_config
+    from paritykit.tracing.shaped_inputs import build, init_defaults, tiny_config
 
     defaults = init_defaults(cls)
     base = {k: v for k, v in (base or {}).items() if k in defaults and _differs(v, defaults[k])}
     init = {**base, **tiny_config(cls, base)}
-    layout = input_layout(cls, init)
     model = build(cls, {**defaults, **init}, "cpu").eval()
-    output = _run(model, _materialize(layout.values))
-    return _Model(cls, _import_from(cls), init, dict(layout.values), tuple(output.shape))
+    if len(getattr(model, "attn_processors", None) or {}) == 1:
+        # AttentionTesterMixin sets one processor fewer than the model has: a model with one needs two layers
+        init = {
+            k: 2 if v == 1 and "layers" in k and _differs(2, defaults.get(k)) else v for k, v in init.items()
+        }
+        model = build(cls, {**defaults, **init}, "cpu").eval()
+    specs = _input_specs(cls, {**defaults, **init}, inputs)
+    output = _run(model, _materialize(specs))
+    return _Model(cls, _import_from(cls), init, specs, tuple(output.shape), _checkpointed(model))
+
+
+def _input_specs(cls: type, config: dict[str, Any], inputs: Any) -> dict[str, Any]:
+    r"""How the test makes each input, by argument name: shaped for the class from its signature and
+    ``config`` (:func:`paritykit.tracing.shaped_inputs.input_layout`), or read from what ``inputs(config)``
+    returns (a dict, or (args, kwargs) named by ``forward``'s order): float tensors of more than
+    :data:`FIXED_VALUES` values become seeded noise of their shape, other tensors (timesteps, sizes, ids) their
+    values, dicts their items, anything else its literal."""
+    import torch
+
+    from paritykit.base.usercode import call_user
+    from paritykit.tracing.shaped_inputs import Fixed, Noise, input_layout
+
+    if inputs is None:
+        return dict(input_layout(cls, config).values)
+    try:
+        takes_config = bool(inspect.signature(inputs).parameters)
+    except (TypeError, ValueError):
+        takes_config = True
+    given = call_user(inputs, *([dict(config)] if takes_config else []), what="--inputs")
+    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], dict):
+        names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+        given = {**dict(zip(names, given[0])), **given[1]}
+    if not isinstance(given, dict):
+        raise ParityKitError(f"--inputs returned a {type(given).__name__}: return a dict or (args, kwargs)")
+
+    def spec(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.numel() > FIXED_VALUES:
+                return Noise(tuple(value.shape))
+            return Fixed(
+                tuple(value.flatten().tolist()), str(value.dtype).removeprefix("torch."), tuple(value.shape)
+            )
+        if isinstance(value, dict):
+            return {k: spec(f"{name}.{k}", v) for k, v in value.items()}
+        if isinstance(value, (int, float, str, bool, type(None))):
+            return value
+        raise ParityKitError(
+            f"--inputs: {name} is a {type(value).__name__}; give tensors, dicts or plain values"
+        )
+
+    return {k: spec(k, v) for k, v in given.items()}
+
+
+def _checkpointed(model: Any) -> list[str]:
+    r"""The classes of the submodules gradient checkpointing switches on (what
+    ``test_gradient_checkpointing_is_applied`` expects), empty when the model does not support it."""
+    if not getattr(model, "_supports_gradient_checkpointing", False):
+        return []
+    model.enable_gradient_checkpointing()
+    found = sorted({m.__class__.__name__ for m in model.modules() if hasattr(m, "gradient_checkpointing")})
+    model.disable_gradient_checkpointing()
+    return found
 
 
 def _differs(saved: Any, default: Any) -> bool:
@@ -363,7 +430,7 @@ def _model_context(cls: type, model: _Model, slow: dict | None) -> dict[str, Any
         "input_shape": input_shape,
         "output_shape": model.output_shape[1:],
         "mixins": _mixins(cls),
-        "checkpointing": bool(getattr(cls, "_supports_gradient_checkpointing", False)),
+        "checkpointed": ", ".join(f'"{name}"' for name in model.checkpointed),
         "slow": slow,
     }
 
@@ -375,6 +442,7 @@ def _slow_test(
     pretrained: Path,
     hub_id: str | None,
     convert: Any,
+    inputs: Any,
     reference_name: str,
     result: DiffusersTests,
 ) -> dict[str, Any]:
@@ -382,7 +450,6 @@ def _slow_test(
     import torch
 
     from paritykit.base.usercode import call_user
-    from paritykit.tracing.shaped_inputs import input_layout
 
     if not (pretrained / "config.json").is_file():
         raise ParityKitError(
@@ -401,8 +468,7 @@ def _slow_test(
     if convert is not None:
         converted = call_user(convert, dict(reference.state_dict()), what="--convert")
         _check_saved(port, converted, pretrained, result)
-    layout = input_layout(cls, dict(port.config))
-    specs = dict(layout.values)
+    specs = _input_specs(cls, dict(port.config), inputs)
     inputs = _materialize(specs, torch.Generator("cpu").manual_seed(0))
     required = [n for n, p in inspect.signature(cls.forward).parameters.items() if n != "self"]
     positional = [n for n in required if n in inputs and _is_required(cls, n)]
