@@ -20,7 +20,8 @@ from paritykit.cli import cli
 SKILLS = Path(__file__).resolve().parents[1] / "skills"
 README = SKILLS.parent / "README.md"
 DOCS = sorted(SKILLS.glob("*/SKILL.md")) + sorted(SKILLS.glob("*/references/*.md")) + [README]
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+# a fence at any indent (a code block inside a list item counts too)
+FENCE = re.compile(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
