@@ -44,3 +44,11 @@ def pixart_inputs(config: dict) -> dict:
             "aspect_ratio": torch.tensor([[1.0]]),
         },
     }
+
+
+def convert(state_dict: dict) -> dict:
+    r"""The reference's weights as the port holds them (what ``--convert`` names): diffusers' own Wan
+    converter on the research DiT's keys."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers({k.removeprefix("dit."): v for k, v in state_dict.items()})

@@ -103,7 +103,12 @@ def slow_test_parts(path: Path) -> tuple[list[float], float, dict]:
 
 def test_the_expected_slice_is_the_references_on_the_tests_own_inputs(tmp_path, saved_port):
     result = generate_diffusers_tests(
-        "wan_ref", "WanTransformer3DModel", reference=REFERENCE, pretrained=saved_port, out_dir=tmp_path
+        "wan_ref",
+        "WanTransformer3DModel",
+        reference=REFERENCE,
+        pretrained=saved_port,
+        convert="tests.diffusers_tests_pair:convert",
+        out_dir=tmp_path,
     )
     (path,) = result.paths
     assert path == tmp_path / "tests/models/transformers/test_models_transformer_wan_ref.py"
@@ -120,13 +125,34 @@ def test_the_expected_slice_is_the_references_on_the_tests_own_inputs(tmp_path, 
     assert f"atol {atol:.2e}: 4 x (reference float floor " in text and 1e-7 < atol < 1e-4
     assert "it was not taken from this port" in text
     assert result.port_matches and "the port matches the reference's slice today" in result.render()
+    assert "does not hold the converted reference weights" not in result.render()  # --convert agrees
+    assert f'pretrained_model_name_or_path = "{saved_port}"' in text
 
 
 def test_a_port_with_a_bug_gets_the_references_slice_and_a_warning(tmp_path):
     planted = save_port(tmp_path / "planted", plant="eps")
+
+    def stale(state_dict):  # a conversion that moves one tensor more than the saved port holds
+        from tests.diffusers_tests_pair import convert
+
+        converted = convert(state_dict)
+        converted["blocks.0.attn1.to_q.weight"] = converted["blocks.0.attn1.to_q.weight"] * 2
+        return converted
+
     result = generate_diffusers_tests(
-        "wan_bug", "WanTransformer3DModel", reference=REFERENCE, pretrained=planted, out_dir=tmp_path / "out"
+        "wan_bug",
+        "WanTransformer3DModel",
+        reference=REFERENCE,
+        pretrained=planted,
+        hub_id="org/wan-diffusers",
+        convert=stale,
+        out_dir=tmp_path / "out",
     )
+    assert 'pretrained_model_name_or_path = "org/wan-diffusers"' in result.paths[0].read_text()
+    assert (
+        f"warning: {planted} does not hold the converted reference weights (0 missing, 1 differ; first"
+        " blocks.0.attn1.to_q.weight)"
+    ) in result.render()
     expected, atol, inputs = slow_test_parts(result.paths[0])
     from diffusers import WanTransformer3DModel
 
