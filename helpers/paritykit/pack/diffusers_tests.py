@@ -251,8 +251,8 @@ def _input_specs(cls: type, config: dict[str, Any], inputs: Any) -> dict[str, An
     r"""How the test makes each input, by argument name: shaped for the class from its signature and
     ``config`` (:func:`paritykit.tracing.shaped_inputs.input_layout`), or read from what ``inputs(config)``
     returns (a dict, or (args, kwargs) named by ``forward``'s order): float tensors of more than
-    :data:`FIXED_VALUES` values become seeded noise of their shape, other tensors (timesteps, sizes, ids) their
-    values, dicts their items, anything else its literal."""
+    :data:`FIXED_VALUES` values become seeded noise of their shape, other tensors (timesteps, sizes, ids)
+    their values, dicts their items, anything else its literal."""
     import torch
 
     from paritykit.base.usercode import call_user
@@ -685,19 +685,10 @@ def _construct(cls: type, init: dict[str, Any], indent: str = " " * 8) -> str:
 
 # ------------------------------------------------------------------------------------------ rendering
 def _render(template: str, context: dict[str, Any]) -> str:
-    import jinja2
-
     from paritykit import __version__
+    from paritykit.pack.scaffold import template_environment
 
-    root = data_dir("templates") / "diffusers_tests"
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(root)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
+    env = template_environment(data_dir("templates") / "diffusers_tests")
     text = env.get_template(template).render(version=__version__, year=datetime.date.today().year, **context)
     compile(text, template, "exec")  # a template bug, not the user's: let it raise
     return text

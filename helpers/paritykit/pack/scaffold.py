@@ -214,7 +214,7 @@ PROVIDED = frozenset({"kind", "filename", "command", "run", "version", "snake", 
 def _templates(root: Path) -> dict[str, TemplateSpec]:
     from jinja2 import meta
 
-    env = _environment(root)
+    env = template_environment(root)
     specs = {}
     found = [(path, None) for path in root.glob(f"*{TEMPLATE_SUFFIX}")]
     for folder in root.iterdir():
@@ -408,7 +408,9 @@ class Generated:
         return "\n".join(str(path) for path in self.paths)
 
 
-def _environment(root: Path):
+def template_environment(root: Path):
+    r"""The jinja2 environment templates under ``root`` render in: strict about undefined names, no
+    autoescape, and the filters and globals the templates use."""
     import jinja2
 
     env = jinja2.Environment(
@@ -498,7 +500,7 @@ def render(
         # user's modules puts it on sys.path, so it runs from any folder
         root=Path(os.path.relpath(Path.cwd(), out_dir.resolve())).as_posix(),
     )
-    env = _environment(spec.path.parent)
+    env = template_environment(spec.path.parent)
     user_values = [str(value) for value in values.values() if value is not None]
     rendered = []
     for member, target in zip(spec.members, spec.filenames(name)):
