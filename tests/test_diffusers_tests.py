@@ -122,8 +122,9 @@ def test_the_expected_slice_is_the_references_on_the_tests_own_inputs(tmp_path, 
     assert torch.tensor(expected).tolist() == torch.cat([out[:8], out[-8:]]).tolist()
     # the tolerance comes from the measured float floors, and says so
     text = path.read_text()
-    assert f"atol {atol:.2e}: 4 x (reference float floor " in text and 1e-7 < atol < 1e-4
-    assert "it was not taken from this port" in text
+    comments = " ".join(line.strip()[2:] for line in text.splitlines() if line.strip().startswith("# "))
+    assert f"atol {atol:.2e}: 4 x (reference float floor " in comments and 1e-7 < atol < 1e-4
+    assert "it was not taken from this port" in comments
     assert result.port_matches and "the port matches the reference's slice today" in result.render()
     assert "does not hold the converted reference weights" not in result.render()  # --convert agrees
     assert f'pretrained_model_name_or_path = "{saved_port}"' in text
@@ -180,6 +181,42 @@ def test_files_are_written_only_where_asked_and_never_over_a_file_without_force(
     assert "class TestUNet2DModel(UNet2DModelTesterConfig, ModelTesterMixin):" in path.read_text()
 
 
+def test_pipelines_paritykit_cannot_build_offline_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ParityKitError) as found:
+        generate_diffusers_tests("flux", "FluxTransformer2DModel", pipeline="FluxPipeline", out_dir=tmp_path)
+    message = str(found.value)
+    assert message.startswith(
+        "--pipeline FluxPipeline: its text_encoder, tokenizer, text_encoder_2, tokenizer_2"
+    )
+    assert "come from transformers" in message and "\n" not in message
+    with pytest.raises(ParityKitError, match="--pipeline UNet2DModel: not a DiffusionPipeline"):
+        generate_diffusers_tests("x", "UNet2DModel", pipeline="UNet2DModel", out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_what_the_reference_was_given_is_said(tmp_path, saved_port):
+    class TakesAnything(torch.nn.Module):  # a wrapper whose forward takes the optional inputs as **kwargs
+        def __init__(self):
+            super().__init__()
+            self.inner = build_reference()
+
+        def forward(self, x, timestep, context, **kwargs):
+            self.seen = sorted(kwargs)
+            return self.inner(x, timestep, context)
+
+    reference = TakesAnything()
+    result = generate_diffusers_tests(
+        "wan_any",
+        "WanTransformer3DModel",
+        reference=lambda: reference,
+        pretrained=saved_port,
+        out_dir=tmp_path,
+    )
+    said = "the reference was called with hidden_states, timestep, encoder_hidden_states positionally"
+    assert said in result.render()
+    assert "not passed" not in result.render() and reference.seen == []  # Wan's inputs are all required
+
+
 def test_bad_arguments_are_named(tmp_path, saved_port):
     with pytest.raises(ParityKitError, match="NAME 'Wan'"):
         generate_diffusers_tests("Wan", "WanTransformer3DModel", out_dir=tmp_path)
@@ -193,7 +230,27 @@ def test_bad_arguments_are_named(tmp_path, saved_port):
         generate_diffusers_tests(
             "wan", "WanTransformer3DModel", reference=lambda: "no model", pretrained=saved_port
         )
+    with pytest.raises(ParityKitError, match="--convert returned a NoneType: return the port's state dict"):
+        generate_diffusers_tests(
+            "wan",
+            "WanTransformer3DModel",
+            reference=REFERENCE,
+            pretrained=saved_port,
+            convert=lambda sd: None,
+        )
+    with pytest.raises(ParityKitError, match=f"--pretrained {empty}: no config.json"):
+        generate_diffusers_tests(
+            "wan", "WanTransformer3DModel", pretrained=empty
+        )  # checked with no --reference
     assert not list(tmp_path.glob("diffusers-tests-*")) and not (tmp_path / "tests").exists()
+    ignored = generate_diffusers_tests(
+        "unused", "UNet2DModel", hub_id="org/x", convert=lambda sd: sd, out_dir=tmp_path / "unused"
+    )
+    assert (
+        "no slow test: it needs --reference (the expected slice comes from it) and --pretrained (the saved"
+        in (ignored.render())
+    )
+    assert "; --hub-id and --convert unused" in ignored.render()
 
 
 # ------------------------------------------------------------------------------- inside a diffusers checkout
@@ -240,11 +297,19 @@ def test_the_pipeline_tests_pass_in_diffusers(checkout, tmp_path):
         "tests/pipelines/dit_port/__init__.py",
         "tests/pipelines/dit_port/test_dit_port.py",
     ]
-    assert ruff(checkout, "check", *paths).returncode == 0
-    assert ruff(checkout, "format", "--check", *paths).returncode == 0
     text = (checkout / paths[2]).read_text()
     assert "self.assertEqual(tuple(output.shape), (1, 8, 8, 3))" in text and "expected_slice" not in text
-    run = run_pytest(checkout, paths[0], paths[2])
+    # an unconditional pipeline, no saved port: the UNet's unset sample size takes its input's
+    ddpm = generate_diffusers_tests("ddpm_port", "UNet2DModel", pipeline="DDPMPipeline", out_dir=checkout)
+    paths += [str(p.relative_to(checkout)) for p in ddpm.paths]
+    assert paths[3:] == [
+        "tests/models/unets/test_models_unet_ddpm_port.py",
+        "tests/pipelines/ddpm_port/__init__.py",
+        "tests/pipelines/ddpm_port/test_ddpm_port.py",
+    ]
+    assert ruff(checkout, "check", *paths).returncode == 0
+    assert ruff(checkout, "format", "--check", *paths).returncode == 0
+    run = run_pytest(checkout, *(p for p in paths if not p.endswith("__init__.py")))
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout
 

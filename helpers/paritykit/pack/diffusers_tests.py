@@ -27,6 +27,7 @@ from typing import Any
 
 from paritykit.base.data import data_dir
 from paritykit.base.errors import ParityKitError
+from paritykit.base.quiet import quiet_diffusers
 from paritykit.base.report import format_number
 
 SLICE = 8  # the expected slice: the first and the last SLICE values of the flattened output
@@ -37,23 +38,27 @@ FIXED_VALUES = 16  # an --inputs float tensor this small keeps its values (a tim
 _FAMILIES = (("Transformer", "transformers", "transformer"), ("UNet", "unets", "unet"))
 _FAMILIES += (("Autoencoder", "autoencoders", "autoencoder"), ("ControlNet", "controlnets", "controlnet"))
 
+_CONTEXT_WIDTHS = (
+    "cross_attention_dim",
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "text_dim",
+    "caption_channels",
+    "encoder_hid_dim",
+    "text_embed_dim",
+    "caption_projection_dim",
+)
+
 # dummy values for pipeline __call__ arguments, as diffusers' fast pipeline tests write them
 _CALL_VALUES: dict[str, str] = {
     "prompt": '"dance monkey"',
     "negative_prompt": '""',
     "class_labels": "[1]",
     "num_inference_steps": "2",
+    "batch_size": "1",
     "output_type": '"np"',
 }
 _BATCHED = ("prompt", "negative_prompt", "class_labels", "image")
-# transformers components: the tiny checkpoints diffusers' own tests load from the Hub
-_HUB_TINY = (
-    ("T5", "hf-internal-testing/tiny-random-t5"),
-    ("CLIPTextModelWithProjection", "hf-internal-testing/tiny-random-clip"),
-    ("CLIP", "hf-internal-testing/tiny-random-clip"),
-    ("Gemma", "hf-internal-testing/dummy-gemma"),
-    ("Qwen", "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration"),
-)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class _Model:
     inputs: dict[str, Any]  # argument name -> spec (shaped_inputs.Noise / Fixed / dict / value)
     output_shape: tuple[int, ...]
     checkpointed: list[str] = field(default_factory=list)
+    parameters: int = 0
 
 
 def generate_diffusers_tests(
@@ -144,31 +150,81 @@ def generate_diffusers_tests(
 
     if not name.isidentifier() or name != name.lower():
         raise ParityKitError(f"NAME {name!r}: give a snake_case identifier (it names the test files)")
+    if pretrained is not None and not (Path(pretrained) / "config.json").is_file():
+        raise ParityKitError(
+            f"--pretrained {pretrained}: no config.json there (save the port with save_pretrained)"
+        )
     cls = _model_class(model_class)
+    pipeline_cls = _model_class(pipeline, what="--pipeline") if pipeline is not None else None
+    if pipeline_cls is not None:
+        _check_pipeline(pipeline_cls)
     make_inputs = callable_from("--inputs", inputs) if isinstance(inputs, str) else inputs
-    model = _tiny_model(cls, _saved_config(cls, pretrained), make_inputs)
+    with quiet_diffusers():
+        model = _tiny_model(cls, _saved_config(cls, pretrained), make_inputs)
     result = DiffusersTests()
     slow = None
-    if reference is not None and pretrained is None:
-        result.notes.append("no slow test: it needs --pretrained (the saved port) besides --reference")
-    elif reference is None:
-        result.notes.append("no slow test: it needs --reference (the expected slice comes from it)")
+    unused = [flag for flag, value in (("--hub-id", hub_id), ("--convert", convert)) if value is not None]
+    if reference is None or pretrained is None:
+        needs = "--reference (the expected slice comes from it)" if reference is None else ""
+        needs += (" and " if needs else "") + ("--pretrained (the saved port)" if pretrained is None else "")
+        result.notes.append(
+            f"no slow test: it needs {needs}" + (f"; {' and '.join(unused)} unused" if unused else "")
+        )
     else:
         build = callable_from("--reference", reference) if isinstance(reference, str) else reference
         converter = callable_from("--convert", convert) if isinstance(convert, str) else convert
         shown = reference if isinstance(reference, str) else f"{build.__module__}:{build.__qualname__}"
-        slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, make_inputs, shown, result)
+        with quiet_diffusers():
+            slow = _slow_test(cls, build, Path(pretrained), hub_id, converter, make_inputs, shown, result)
+        if hub_id is None:
+            result.notes.append(
+                f"the slow test loads {pretrained}, a folder on this machine: give --hub-id for the pull"
+                " request"
+            )
+    result.notes.append(f"tiny {cls.__name__}: {model.parameters:,} parameters")
     files = {_model_test_path(cls, name): _render("model_test.py.j2", _model_context(cls, model, slow))}
-    if pipeline is not None:
-        pipeline_cls = _model_class(pipeline, what="--pipeline")
+    if pipeline_cls is not None:
         folder = Path("tests", "pipelines", name)
         files[folder / "__init__.py"] = ""
-        files[folder / f"test_{name}.py"] = _render(
-            "pipeline_test.py.j2", _pipeline_context(pipeline_cls, cls, model)
-        )
+        with quiet_diffusers():
+            context = _pipeline_context(pipeline_cls, cls, model, slow is not None)
+        files[folder / f"test_{name}.py"] = _render("pipeline_test.py.j2", context)
+    formatted = _ruff_format(files)
+    if not formatted:
+        result.notes.append("ruff not found: the files are not formatted; run `make style` in your fork")
     out = Path(out_dir) if out_dir is not None else Path(f"diffusers-tests-{name}")
     result.paths = _write(files, out, force)
     return result
+
+
+def _check_pipeline(pipeline_cls: type) -> None:
+    r"""A pipeline class whose components paritykit can build and run offline, or a one-line refusal."""
+    import typing
+
+    from diffusers import DiffusionPipeline
+
+    if not issubclass(pipeline_cls, DiffusionPipeline):
+        raise ParityKitError(f"--pipeline {pipeline_cls.__name__}: not a DiffusionPipeline")
+    try:
+        hints = typing.get_type_hints(pipeline_cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: read the raw ones
+        hints = {}
+    parameters = inspect.signature(pipeline_cls.__init__).parameters
+    foreign = [
+        name
+        for name, parameter in parameters.items()
+        if parameter.default is inspect.Parameter.empty
+        and any(
+            getattr(kind, "__module__", "").startswith(("transformers", "tokenizers"))
+            for kind in _kinds(hints.get(name, parameter.annotation))
+        )
+    ]
+    if foreign:
+        raise ParityKitError(
+            f"--pipeline {pipeline_cls.__name__}: its {', '.join(foreign)} come from transformers, which"
+            " paritykit cannot build and run offline; render the model tests without --pipeline and write the"
+            " pipeline test from a diffusers pipeline test of the same family"
+        )
 
 
 # --------------------------------------------------------------------------------------------- the model
@@ -227,24 +283,58 @@ def _saved_config(cls: type, pretrained: str | os.PathLike | None) -> dict[str, 
     return {k: v for k, v in config.items() if k in accepted}
 
 
+# widths of the conditioning a model reads (text, pooled text): shrunk to this when the model still runs
+SMALL_CONTEXT = 32
+
+
 def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = None) -> _Model:
     r"""The class built from its shrunk config (``base``, the port's own, over the class defaults), with the
-    inputs it runs on and its output shape. The init dict holds what differs from the class defaults."""
+    inputs it runs on and its output shape. The init dict holds what differs from the class defaults.
+
+    Beyond :func:`paritykit.tracing.shaped_inputs.tiny_config`: conditioning widths shrink to
+    :data:`SMALL_CONTEXT` when the model still runs so, a sample size left unset takes the input's (pipelines
+    read it), and a model with one attention layer gets two (``AttentionTesterMixin`` needs them)."""
     from paritykit.tracing.shaped_inputs import build, init_defaults, tiny_config
 
     defaults = init_defaults(cls)
     base = {k: v for k, v in (base or {}).items() if k in defaults and _differs(v, defaults[k])}
     init = {**base, **tiny_config(cls, base)}
+    context = {
+        k: SMALL_CONTEXT
+        for k, v in {**defaults, **init}.items()
+        if k in _CONTEXT_WIDTHS and isinstance(v, int) and not isinstance(v, bool) and v > SMALL_CONTEXT
+    }
+    if context:
+        try:
+            _built_and_run(cls, {**init, **context}, inputs)
+            init = {**init, **context}
+        except Exception:  # noqa: BLE001 - a model whose widths are tied elsewhere keeps its own
+            pass
     model = build(cls, {**defaults, **init}, "cpu").eval()
     if len(getattr(model, "attn_processors", None) or {}) == 1:
         # AttentionTesterMixin sets one processor fewer than the model has: a model with one needs two layers
         init = {
             k: 2 if v == 1 and "layers" in k and _differs(2, defaults.get(k)) else v for k, v in init.items()
         }
-        model = build(cls, {**defaults, **init}, "cpu").eval()
-    specs = _input_specs(cls, {**defaults, **init}, inputs)
-    output = _run(model, _materialize(specs))
-    return _Model(cls, _import_from(cls), init, specs, tuple(output.shape), _checkpointed(model))
+    model, specs, output = _built_and_run(cls, init, inputs)
+    if "sample_size" in defaults and {**defaults, **init}.get("sample_size") is None:
+        main = next(iter(specs.values()), None)
+        if getattr(main, "shape", None) is not None and len(main.shape) >= 4:
+            init["sample_size"] = int(main.shape[-1])
+            model, specs, output = _built_and_run(cls, init, inputs)
+    count = sum(p.numel() for p in model.parameters())
+    checkpointed = _checkpointed(model)
+    return _Model(cls, _import_from(cls), init, specs, tuple(output.shape), checkpointed, count)
+
+
+def _built_and_run(cls: type, init: dict[str, Any], inputs: Any) -> tuple[Any, dict[str, Any], Any]:
+    r"""(model, input specs, output) of ``cls`` built from ``init`` over its defaults and run once."""
+    from paritykit.tracing.shaped_inputs import build, init_defaults
+
+    config = {**init_defaults(cls), **init}
+    model = build(cls, config, "cpu").eval()
+    specs = _input_specs(cls, config, inputs)
+    return model, specs, _run(model, _materialize(specs))
 
 
 def _input_specs(cls: type, config: dict[str, Any], inputs: Any) -> dict[str, Any]:
@@ -352,12 +442,16 @@ def _first_tensor(output: Any) -> Any:
 
 
 def _model_test_path(cls: type, name: str) -> Path:
-    family, prefix = "transformers", "transformer"
+    r"""Where diffusers keeps the tests of ``cls``'s family: by the package its class lives in (``models/
+    autoencoders/…``), else by its name."""
+    module = cls.__module__.split(".")
+    for _, folder, word in _FAMILIES:
+        if folder in module:
+            return Path("tests", "models", folder, f"test_models_{word}_{name}.py")
     for marker, folder, word in _FAMILIES:
         if marker.lower() in cls.__name__.lower():
-            family, prefix = folder, word
-            break
-    return Path("tests", "models", family, f"test_models_{prefix}_{name}.py")
+            return Path("tests", "models", folder, f"test_models_{word}_{name}.py")
+    return Path("tests", "models", "transformers", f"test_models_transformer_{name}.py")
 
 
 def _mixins(cls: type) -> list[tuple[str, str]]:
@@ -449,6 +543,7 @@ def _slow_test(
     r"""The slow test's inputs, expected slice (from the reference) and tolerance (from the float floors)."""
     import torch
 
+    from paritykit import __version__
     from paritykit.base.usercode import call_user
 
     if not (pretrained / "config.json").is_file():
@@ -474,16 +569,24 @@ def _slow_test(
     positional = [n for n in required if n in inputs and _is_required(cls, n)]
 
     try:
-        named = set(inspect.signature(reference.forward).parameters)
+        signature = inspect.signature(reference.forward).parameters
     except (TypeError, ValueError):
-        named = set()
+        signature = {}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.values())
+    named = {k for k in inputs if k not in positional and (k in signature or takes_any)}
+    dropped = sorted(k for k in inputs if k not in positional and k not in named)
+    result.notes.append(
+        f"the reference was called with {', '.join(positional)} positionally"
+        + (f", {', '.join(sorted(named))} by name" if named else "")
+        + (f"; not passed (its forward has no such argument): {', '.join(dropped)}" if dropped else "")
+    )
 
     def call(model: Any, values: dict[str, Any], as_reference: bool) -> Any:
         if not as_reference:
             return _run(model, values)
         # the port's required inputs positionally, its optional ones by name where the reference has the name
         args = [values[n] for n in positional]
-        kwargs = {k: v for k, v in values.items() if k not in positional and k in named}
+        kwargs = {k: v for k, v in values.items() if k in named}
         with torch.no_grad():
             output = call_user(
                 lambda: model(*args, **kwargs), what=f"--reference {reference_name}: its forward"
@@ -523,13 +626,21 @@ def _slow_test(
         "inputs": {k: _input_expr(v, "generator", " " * 12, "torch.float32") for k, v in specs.items()},
         "expected": [repr(float(v)) for v in expected_slice],
         "atol": f"{atol:.2e}",
-        "why": why,
-        "reference": reference_name
-        if isinstance(reference_name, str)
-        else getattr(build, "__qualname__", "?"),
-        "date": datetime.date.today().isoformat(),
+        "comment": _comment(
+            f"The expected slice is the reference implementation's output ({reference_name}) on the"
+            f" inputs below, computed on CPU in float32 by paritykit {__version__} on"
+            f" {datetime.date.today()}; it was not taken from this port. The first and the last {SLICE}"
+            f" values of the flattened output. {why}."
+        ),
         "slice": SLICE,
     }
+
+
+def _comment(words: str, width: int = 112) -> list[str]:
+    r"""``words`` as the lines of a ``#`` comment in a class body (diffusers' 119 columns)."""
+    import textwrap
+
+    return textwrap.wrap(words, width - len("    # "))
 
 
 def _is_required(cls: type, name: str) -> bool:
@@ -567,8 +678,10 @@ def _check_saved(port: Any, converted: Any, pretrained: Path, result: DiffusersT
     import torch
 
     saved = port.state_dict()
-    if not isinstance(converted, dict):
+    if hasattr(converted, "state_dict"):
         converted = converted.state_dict()
+    if not isinstance(converted, dict):
+        raise ParityKitError(f"--convert returned a {type(converted).__name__}: return the port's state dict")
     missing = sorted(set(saved) - set(converted))
     differ = [k for k in saved if k in converted and not torch.equal(saved[k].float(), converted[k].float())]
     if missing or differ:
@@ -580,9 +693,22 @@ def _check_saved(port: Any, converted: Any, pretrained: Path, result: DiffusersT
 
 
 # ---------------------------------------------------------------------------------------- the pipeline
-def _pipeline_context(pipeline_cls: type, cls: type, model: _Model) -> dict[str, Any]:
-    r"""The pipeline test's components (the model built tiny, the rest from their classes), call arguments
-    and the shape its output has on them (run here on the same components)."""
+def _kinds(annotation: Any) -> list[Any]:
+    r"""The classes an annotation names: itself, or each member of a ``Union``/``Optional``."""
+    import typing
+
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) in (
+        typing.Union,
+        getattr(__import__("types"), "UnionType", None),
+    ):
+        return [a for a in args if a is not type(None)]
+    return [annotation]
+
+
+def _pipeline_context(pipeline_cls: type, cls: type, model: _Model, has_slow: bool) -> dict[str, Any]:
+    r"""The pipeline test's components (the model built tiny, the rest from their classes, optional ones
+    None), call arguments and the shape its output has on them (run here on the same components)."""
     import typing
 
     import torch
@@ -596,41 +722,34 @@ def _pipeline_context(pipeline_cls: type, cls: type, model: _Model) -> dict[str,
     imports = [model.source, _import_from(pipeline_cls)]
     components: dict[str, str] = {}
     built: dict[str, Any] = {}
-    hub: list[str] = []
     for pname, parameter in inspect.signature(pipeline_cls.__init__).parameters.items():
         if pname == "self" or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
             continue
-        kind = hints.get(pname, parameter.annotation)
-        if kind is cls or (isinstance(kind, type) and issubclass(cls, kind) and issubclass(kind, ModelMixin)):
+        kinds = [k for k in _kinds(hints.get(pname, parameter.annotation)) if isinstance(k, type)]
+        models = [k for k in kinds if issubclass(k, ModelMixin)]
+        schedulers = [k for k in kinds if k is KarrasDiffusionSchedulers or issubclass(k, SchedulerMixin)]
+        if any(issubclass(cls, k) for k in models):
             components[pname] = _construct(cls, model.init)
             built[pname] = cls(**model.init)
-        elif kind is KarrasDiffusionSchedulers or (
-            isinstance(kind, type) and issubclass(kind, SchedulerMixin)
-        ):
-            scheduler = DDIMScheduler if kind is KarrasDiffusionSchedulers else kind
+        elif parameter.default is not inspect.Parameter.empty:
+            if parameter.default is None and (models or kinds):
+                components[pname] = "None"
+                built[pname] = None
+        elif schedulers:
+            scheduler = DDIMScheduler if schedulers[0] is KarrasDiffusionSchedulers else schedulers[0]
             imports.append(_import_from(scheduler))
             components[pname] = f"{scheduler.__name__}()"
             built[pname] = scheduler()
-        elif isinstance(kind, type) and issubclass(kind, ModelMixin):
-            tiny = _tiny_model(kind)
-            imports.append(_import_from(kind))
-            components[pname] = _construct(kind, tiny.init)
-            built[pname] = kind(**tiny.init)
-        elif isinstance(kind, type) and kind.__module__.startswith("transformers"):
-            repo = next((r for marker, r in _HUB_TINY if marker in kind.__name__), None)
-            if repo is None:
-                raise ParityKitError(
-                    f"--pipeline {pipeline_cls.__name__}: no tiny checkpoint known for its {pname}"
-                    f" ({kind.__name__}); write get_dummy_components by hand"
-                )
-            imports.append(("transformers", kind.__name__))
-            components[pname] = f"{kind.__name__}.from_pretrained({_py(repo)})"
-            hub.append(pname)
-        elif parameter.default is inspect.Parameter.empty:
+        elif models:
+            tiny = _tiny_model(models[0])
+            imports.append(_import_from(models[0]))
+            components[pname] = _construct(models[0], tiny.init)
+            built[pname] = models[0](**tiny.init)
+        else:
             raise ParityKitError(
-                f"--pipeline {pipeline_cls.__name__}: its component {pname}"
-                f" ({getattr(kind, '__name__', kind)}) is not a diffusers model, scheduler or transformers"
-                " model; write get_dummy_components by hand"
+                f"--pipeline {pipeline_cls.__name__}: paritykit cannot build its component {pname}"
+                f" ({', '.join(getattr(k, '__name__', str(k)) for k in kinds) or 'no annotation'}); write"
+                " get_dummy_components by hand"
             )
     call = inspect.signature(pipeline_cls.__call__).parameters
     arguments = {k: v for k, v in _CALL_VALUES.items() if k in call}
@@ -639,39 +758,38 @@ def _pipeline_context(pipeline_cls: type, cls: type, model: _Model) -> dict[str,
             raise ParityKitError(
                 f"--pipeline {pipeline_cls.__name__}: no dummy value for its required argument {pname}"
             )
-    shape = None
-    if not hub:
-        torch.manual_seed(0)
-        pipe = pipeline_cls(**built)
-        pipe.set_progress_bar_config(disable=True)
-        values = {k: eval(v) for k, v in arguments.items()}  # noqa: S307 - our own literals above
-        values["generator"] = torch.Generator("cpu").manual_seed(0)
-        try:
-            out = pipe(**values)
-        except Exception as exc:  # noqa: BLE001 - said in one line, the porter's to fix
-            raise ParityKitError(
-                f"--pipeline {pipeline_cls.__name__}: it does not run on the tiny components"
-                f" ({type(exc).__name__}: {exc})"
-            ) from exc
-        images = out[0] if isinstance(out, tuple) else next(iter(out.values()))
-        shape = tuple(getattr(images, "shape", ()))
+    torch.manual_seed(0)
+    pipe = pipeline_cls(**built)
+    pipe.set_progress_bar_config(disable=True)
+    values = {k: eval(v) for k, v in arguments.items()}  # noqa: S307 - our own literals above
+    values["generator"] = torch.Generator("cpu").manual_seed(0)
+    try:
+        out = pipe(**values)
+    except Exception as exc:  # noqa: BLE001 - said in one line, the porter's to fix
+        raise ParityKitError(
+            f"--pipeline {pipeline_cls.__name__}: it does not run on the tiny components"
+            f" and the call arguments it renders, {', '.join(arguments)}"
+            f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); when a config value is"
+            " missing, --pretrained makes the tests shrink the port's own config"
+        ) from exc
+    images = out[0] if isinstance(out, tuple) else next(iter(out.values()))
+    shape = tuple(getattr(images, "shape", ()))
     optional = ["num_inference_steps", "num_images_per_prompt", "generator", "latents", "output_type"]
     optional.append("return_dict")
     missing = sorted(n for n in optional if n not in call)
     return {
         "pipeline": pipeline_cls.__name__,
-        "imports": _import_lines([i for i in imports if i[0] != "transformers"]),
-        "third_party": _import_lines([i for i in imports if i[0] == "transformers"]),
+        "imports": _import_lines(imports),
         "components": components,
         # models in eval mode, as diffusers' tests put them (a label embedding drops labels at random in
         # training)
-        "models": sorted(k for k, v in built.items() if isinstance(v, torch.nn.Module)) + hub,
+        "models": sorted(k for k, v in built.items() if isinstance(v, torch.nn.Module)),
         "arguments": arguments,
         "params": _py(sorted(k for k in arguments if k not in optional)),
         "batch_params": _py(sorted(k for k in _BATCHED if k in arguments)),
         "missing_optional": missing,
-        "shape": _py(shape) if shape is not None else None,
-        "hub": hub,
+        "shape": _py(shape),
+        "has_slow": has_slow,
     }
 
 
@@ -692,6 +810,35 @@ def _render(template: str, context: dict[str, Any]) -> str:
     text = env.get_template(template).render(version=__version__, year=datetime.date.today().year, **context)
     compile(text, template, "exec")  # a template bug, not the user's: let it raise
     return text
+
+
+def _ruff_format(files: dict[Path, str]) -> bool:
+    r"""Format each file in place as diffusers' ``make style`` would (ruff, line length 119, double quotes);
+    False when no ruff is installed (the files stay as rendered)."""
+    import shutil
+    import subprocess
+
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        ruff = find_ruff_bin()
+    except (ImportError, FileNotFoundError):
+        ruff = shutil.which("ruff")
+    if ruff is None:
+        return False
+    for path, text in files.items():
+        if not text:
+            continue
+        done = subprocess.run(
+            [ruff, "format", "--line-length", "119", "--stdin-filename", path.name, "-"],
+            input=text,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:  # a template bug, not the user's: say what ruff said
+            raise RuntimeError(f"ruff could not format the rendered {path}: {done.stderr.strip()}")
+        files[path] = done.stdout
+    return True
 
 
 def _write(files: dict[Path, str], out: Path, force: bool) -> list[Path]:
