@@ -57,7 +57,8 @@ def new(ctx: click.Context, show_list: bool) -> None:
     Order of work: config-diff first, then a component-test per component, a pipeline-stub with
     named checkpoints (pipeline-stub --modular: the modular file set), and stage-test (encode, decode,
     denoise). When a whole pipeline does not match, triage-spec: `paritykit triage` names the place; when a
-    module does not, bisect-spec: `paritykit bisect` names the submodule.
+    module does not, bisect-spec: `paritykit bisect` names the submodule. Once parity is shown,
+    diffusers-tests renders the tests of the pull request (it runs the model and the reference).
     """
     if show_list:
         click.echo(template_list())
