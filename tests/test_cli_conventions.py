@@ -485,7 +485,7 @@ BAD_INPUT = [
             "--pretrained",
             "adir",
         ],
-        ["--reference"],
+        ["--pretrained", "adir"],
         False,
     ),
     # skills
