@@ -34,20 +34,9 @@ SLICE = 8  # the expected slice: the first and the last SLICE values of the flat
 FLOOR_FACTOR = 4  # atol = FLOOR_FACTOR x (reference floor + port floor)
 FIXED_VALUES = 16  # an --inputs float tensor this small keeps its values (a timestep, a resolution)
 
-# tester mixins every model class gets, and those that depend on what the model supports
+# (class-name marker, folder under tests/models, word in the file name) of each model family
 _FAMILIES = (("Transformer", "transformers", "transformer"), ("UNet", "unets", "unet"))
 _FAMILIES += (("Autoencoder", "autoencoders", "autoencoder"), ("ControlNet", "controlnets", "controlnet"))
-
-_CONTEXT_WIDTHS = (
-    "cross_attention_dim",
-    "joint_attention_dim",
-    "pooled_projection_dim",
-    "text_dim",
-    "caption_channels",
-    "encoder_hid_dim",
-    "text_embed_dim",
-    "caption_projection_dim",
-)
 
 # dummy values for pipeline __call__ arguments, as diffusers' fast pipeline tests write them
 _CALL_VALUES: dict[str, str] = {
@@ -294,7 +283,7 @@ def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = Non
     Beyond :func:`paritykit.tracing.shaped_inputs.tiny_config`: conditioning widths shrink to
     :data:`SMALL_CONTEXT` when the model still runs so, a sample size left unset takes the input's (pipelines
     read it), and a model with one attention layer gets two (``AttentionTesterMixin`` needs them)."""
-    from paritykit.tracing.shaped_inputs import build, init_defaults, tiny_config
+    from paritykit.tracing.shaped_inputs import CONTEXT_WIDTHS, build, init_defaults, tiny_config
 
     defaults = init_defaults(cls)
     base = {k: v for k, v in (base or {}).items() if k in defaults and _differs(v, defaults[k])}
@@ -302,7 +291,10 @@ def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = Non
     context = {
         k: SMALL_CONTEXT
         for k, v in {**defaults, **init}.items()
-        if k in _CONTEXT_WIDTHS and isinstance(v, int) and not isinstance(v, bool) and v > SMALL_CONTEXT
+        if k in (*CONTEXT_WIDTHS, "pooled_projection_dim")
+        and isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > SMALL_CONTEXT
     }
     if context:
         try:

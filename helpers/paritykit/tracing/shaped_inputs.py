@@ -217,7 +217,8 @@ def _channels(config: dict) -> list[int]:
     return list(dict.fromkeys(found + [3, 4]))
 
 
-_CONTEXT_WIDTH = (
+# config keys naming the width of the conditioning a model reads (text embeddings)
+CONTEXT_WIDTHS = (
     "cross_attention_dim",
     "joint_attention_dim",
     "text_dim",
@@ -233,7 +234,7 @@ _CONTEXT_WIDTH = (
 
 def _contexts(config: dict) -> list[int]:
     found = []
-    for name in _CONTEXT_WIDTH:
+    for name in CONTEXT_WIDTHS:
         value = config.get(name)
         if isinstance(value, (tuple, list)) and value and _is_int(value[0]):
             value = value[0]
