@@ -177,3 +177,79 @@ def test_tables_computed_inline_and_passed_down_are_read_and_their_theta_named()
     faithful.load_state_dict(reference.state_dict())
     clean = bisect(reference, faithful, inputs, repair=False)
     assert clean.verdict == "match" and "rotary table" not in clean.render()
+
+
+# ------------------------------------------------------------------- rotations applied inside a culprit
+
+
+class ResearchRotaryAttention(nn.Module):
+    r"""Attention that builds its rotary table in ``forward`` with θ written in the code (no setting, buffer
+    or argument holds it), the research way: Llama's complex multiply on (batch, seq, heads, dim)."""
+
+    theta = 1e4
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def rotate(self, q, k):
+        table = freqs_cis(8, q.shape[1], theta=self.theta)[:, None]
+        q, k = (
+            torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (4, 2))) * table).flatten(-2)
+            for t in (q, k)
+        )
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).unbind(2)  # each (batch, seq, heads, dim)
+        q, k = self.rotate(q, k)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+        return self.out(o.transpose(1, 2).flatten(-2))
+
+
+class PortRotaryAttention(ResearchRotaryAttention):
+    r"""The same attention rotating the diffusers way: ``apply_rotary_emb`` with a (cos, sin) table on
+    (batch, heads, seq, dim), its θ written in the code too."""
+
+    theta = 1e6
+
+    def rotate(self, q, k):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        rotary = get_1d_rotary_pos_embed(8, q.shape[1], theta=self.theta, use_real=True)
+        return tuple(apply_rotary_emb(t.transpose(1, 2), rotary) for t in (q, k))
+
+
+class SameThetaAttention(PortRotaryAttention):
+    theta = 1e4
+
+
+class InlineRotaryNet(nn.Module):
+    def __init__(self, attention: type):
+        super().__init__()
+        self.proj, self.attn = nn.Linear(16, 16), attention()
+
+    def forward(self, x):
+        return self.attn(self.proj(x))
+
+
+def test_rotations_applied_inside_a_culprit_are_read_from_q_and_k_and_their_theta_named():
+    from paritykit.bisection.entry import bisect
+
+    torch.manual_seed(0)
+    reference = InlineRotaryNet(ResearchRotaryAttention).eval()
+    port = InlineRotaryNet(PortRotaryAttention).eval()
+    port.load_state_dict(reference.state_dict())
+    inputs = ((torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(5)),), {})
+    report = bisect(reference, port, inputs, repair=False)
+    assert report.culprit.reference == "attn"
+    (relation,) = [r for r in report.culprit.relations if r.kind == "rotary"]
+    assert relation.words.startswith(
+        "the rotary rotations applied inside attn differ: band 0: θ 1.00e+04 (reference) vs 1.00e+06 (port);"
+        " read from q and k before and after rotation: reference rotary table (interleaved layout;"
+    )
+    # the same θ on both sides, written the other way: the port matches and nothing about rotary is said
+    same = InlineRotaryNet(SameThetaAttention).eval()
+    same.load_state_dict(reference.state_dict())
+    clean = bisect(reference, same, inputs, repair=False)
+    assert clean.verdict == "match" and "rotary" not in clean.render()

@@ -435,6 +435,40 @@ def untestable_relations(searcher: Searcher, call: Record, shown: int = 4) -> li
     return found[:shown]
 
 
+def rotation_relations(searcher: Searcher, call: Record) -> list[Any]:
+    r"""At a replayed culprit: the rotary rotations each side applies inside it (q and k before and after,
+    read from the ops' values on the reference's inputs, :func:`paritykit.bisection.rotary.rotations_inside`)
+    and what differs between them, as a relation; empty when either side applies none or they agree."""
+    from paritykit.bisection.rotary import rotary_difference, rotations_inside
+    from paritykit.bisection.value_relations import Relation
+
+    port_call = searcher.port_record(call)
+    ref_module = searcher.ref_modules.get(call.module)
+    port_module = searcher.port_modules.get(port_call.module) if port_call is not None else None
+    result = searcher.results.get(call.name)
+    if ref_module is None or port_module is None or result is None or result.test != "replay":
+        return []
+    adapted = searcher.adapt_inputs(call, port_call, module_device(port_module))
+    if adapted is None:
+        return []
+    try:
+        ref_forms = rotations_inside(ref_module, *call.call_inputs())
+        port_forms = rotations_inside(port_module, *adapted)
+    except Exception:  # an op the logger cannot follow: nothing read, nothing said
+        return []
+    if not ref_forms or not port_forms:
+        return []
+    reference, port = ref_forms[0], port_forms[0]
+    differs = rotary_difference(reference, port)
+    if not differs:
+        return []
+    words = (
+        f"the rotary rotations applied inside {shown_name(call.name)} differ: {'; '.join(differs)}; read from"
+        f" q and k before and after rotation: reference {reference.describe()}, port {port.describe()}"
+    )
+    return [Relation("rotary", words, max(reference.error, port.error), {"differs": differs})]
+
+
 def _rotary_arguments(searcher: Searcher, child: Record, port_child: Record) -> Any:
     r"""A relation naming how the rotary tables passed to an untestable call differ (θ, bands, layout,
     position scale), each side's table read back from its captured values; None when either side passes

@@ -319,6 +319,79 @@ def rotary_in_leaves(leaves: list[tuple[str, Any]], limit: int = 4) -> list[tupl
     return found
 
 
+def rotations_inside(
+    module: Any, args: tuple, kwargs: dict, recent: int = 8, largest: int = 4_000_000
+) -> list[RotaryForm]:
+    r"""The rotary rotations ``module`` applies while it runs on ``(args, kwargs)``, read from its ops' values
+    as they are computed (a ``TorchFunctionMode``): each op result that is a rotation of one of the
+    ``recent`` earlier tensors of its shape (q or k before and after the rotary embedding), by
+    :func:`rotary_from_rotation` with the positions on the second or third axis from the end; one per
+    distinct form, in the order they were applied. Tensors over ``largest`` values are not read, and no more
+    than ``recent`` are kept per shape."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from paritykit.bisection.leaves import flatten_tensors
+
+    def usable(t: Any) -> bool:
+        # positions on the second or third axis from the end, at least three of them
+        return (
+            isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dim() >= 3
+            and t.shape[-1] % 2 == 0
+            and max(t.shape[-3:-1]) >= 3
+            and t.numel() <= largest
+        )
+
+    earlier: dict[tuple[int, ...], list[Any]] = {}
+    found: dict[str, RotaryForm] = {}
+
+    def keep(tensor: Any) -> None:
+        kept = earlier.setdefault(tuple(tensor.shape), [])
+        kept.append(tensor.detach().clone())
+        del kept[:-recent]
+
+    def pair_lengths(t: Any) -> tuple[Any, Any]:
+        t = t.float()
+        half = t.shape[-1] // 2
+        return t[..., 0::2] ** 2 + t[..., 1::2] ** 2, t[..., :half] ** 2 + t[..., half:] ** 2
+
+    def read(after: Any) -> None:
+        lengths = pair_lengths(after)
+        for before in reversed(earlier.get(tuple(after.shape), [])):
+            if torch.equal(before, after):
+                continue
+            # a rotation keeps every pair's length in one of the two pairings: a cheap test first
+            if not any(
+                torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(pair_lengths(before), lengths)
+            ):
+                continue
+            form = rotary_from_rotation(before, after)
+            if form is None and after.dim() >= 4:
+                form = rotary_from_rotation(before.transpose(-2, -3), after.transpose(-2, -3))
+            if form is not None:
+                found.setdefault(form.describe(), form)
+                return
+
+    class Rotations(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for _, tensor in flatten_tensors((args, kwargs)):
+                if usable(tensor):
+                    keep(tensor)
+            out = func(*args, **kwargs)
+            for _, tensor in flatten_tensors(out):
+                if usable(tensor):
+                    read(tensor)
+                    keep(tensor)
+            return out
+
+    with torch.no_grad(), Rotations():
+        module(*args, **kwargs)
+    return list(found.values())
+
+
 def rotary_from_rotation(before: Any, after: Any) -> RotaryForm | None:
     r"""The rotary form applied to ``before`` (q or k, ``(…, positions, head_dim)``) to give ``after``: each
     channel pair's rotation angle per position, read for both pairings (interleaved pairs, halves), and the

@@ -27,6 +27,7 @@ from paritykit.bisection.findings import (
     culprit_finding,
     first_divergence,
     place_relations,
+    rotation_relations,
     transplant_hint,
     untestable_relations,
 )
@@ -251,7 +252,10 @@ def run_strategy(
                 located.call,
                 (ref_final, port_final) if at_top else None,
                 verify=(ref_final, select_output),
-            ) + untestable_relations(located.searcher, located.call)
+            )
+            if not any(h.verified for h in culprit.hints):  # a verified fix already says it; this costs a run
+                culprit.relations += rotation_relations(located.searcher, located.call)
+            culprit.relations += untestable_relations(located.searcher, located.call)
             first_hint = culprit.hints[0].id if culprit.hints else ""
             if first_hint in ("no-signature", "unknown") and not any(h.verified for h in culprit.hints):
                 moved = transplant_hint(located.searcher, located.call, ref_final, select_output)
