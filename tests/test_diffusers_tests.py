@@ -256,85 +256,83 @@ def test_bad_arguments_are_named(tmp_path, saved_port):
 # ------------------------------------------------------------------------------- inside a diffusers checkout
 
 
-def test_the_model_tests_pass_in_diffusers_and_the_slow_test_catches_a_planted_bug(checkout, tmp_path):
-    port = save_port(tmp_path / "transformer")
-    result = generate_diffusers_tests(
-        "wan_port", "WanTransformer3DModel", reference=REFERENCE, pretrained=port, out_dir=checkout
-    )
-    (path,) = result.paths
-    relative = str(path.relative_to(checkout))
-    assert ruff(checkout, "check", relative).returncode == 0
-    assert ruff(checkout, "format", "--check", relative).returncode == 0
-    run = run_pytest(checkout, relative, "-rA", slow=True)
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
-    assert (
-        "PASSED tests/models/transformers/test_models_transformer_wan_port.py::TestWanTransformer3DModel"
-        in (run.stdout)
-    )
-    assert "Integration::test_output_matches_reference" in run.stdout.split("short test summary")[1]
-    # the same file, the saved port replaced by one with a planted bug: the slow test fails, and says why
-    shutil.rmtree(port)
-    save_port(port, plant="eps")
-    run = run_pytest(checkout, relative, "-k", "Integration", slow=True)
-    assert run.returncode == 1, run.stdout[-3000:]
-    assert "from the reference's slice > atol" in run.stdout
-
-
-def test_the_pipeline_tests_pass_in_diffusers(checkout, tmp_path):
-    from diffusers import DiTTransformer2DModel
-
-    saved = tmp_path / "dit"
-    DiTTransformer2DModel(
-        out_channels=8, num_layers=2, num_attention_heads=4, attention_head_dim=16, sample_size=8
-    ).save_pretrained(str(saved))
-    result = generate_diffusers_tests(
-        "dit_port", "DiTTransformer2DModel", pipeline="DiTPipeline", pretrained=saved, out_dir=checkout
-    )
-    paths = [str(p.relative_to(checkout)) for p in result.paths]
-    assert paths == [
-        "tests/models/transformers/test_models_transformer_dit_port.py",
-        "tests/pipelines/dit_port/__init__.py",
-        "tests/pipelines/dit_port/test_dit_port.py",
-    ]
-    text = (checkout / paths[2]).read_text()
-    assert "self.assertEqual(tuple(output.shape), (1, 8, 8, 3))" in text and "expected_slice" not in text
-    # an unconditional pipeline, no saved port: the UNet's unset sample size takes its input's
-    ddpm = generate_diffusers_tests("ddpm_port", "UNet2DModel", pipeline="DDPMPipeline", out_dir=checkout)
-    paths += [str(p.relative_to(checkout)) for p in ddpm.paths]
-    assert paths[3:] == [
-        "tests/models/unets/test_models_unet_ddpm_port.py",
-        "tests/pipelines/ddpm_port/__init__.py",
-        "tests/pipelines/ddpm_port/test_ddpm_port.py",
-    ]
-    assert ruff(checkout, "check", *paths).returncode == 0
-    assert ruff(checkout, "format", "--check", *paths).returncode == 0
-    run = run_pytest(checkout, *(p for p in paths if not p.endswith("__init__.py")))
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout
-
-
-# classes diffusers tests with its own configs, rendered from theirs shrunk; PixArt's added conditions come
-# from --inputs (no signature shapes them)
+# classes diffusers tests with its own configs, rendered from their defaults shrunk; PixArt's added
+# conditions come from --inputs (no signature shapes them)
 CLASSES = {
-    "UNet2DModel": None,
-    "AutoencoderKL": None,
     "SD3Transformer2DModel": None,
-    "CogVideoXTransformer3DModel": None,
     "PixArtTransformer2DModel": "tests.diffusers_tests_pair:pixart_inputs",
 }
 
 
-def test_model_tests_rendered_for_a_set_of_classes_pass_in_diffusers(checkout):
-    paths = []
-    for i, (name, inputs) in enumerate(CLASSES.items()):
-        result = generate_diffusers_tests(f"set_{i}", name, inputs=inputs, out_dir=checkout)
-        paths += [str(p.relative_to(checkout)) for p in result.paths]
-    assert ruff(checkout, "check", *paths).returncode == 0
-    assert ruff(checkout, "format", "--check", *paths).returncode == 0
-    run = run_pytest(checkout, *paths)
+@pytest.fixture(scope="module")
+def rendered(checkout, tmp_path_factory) -> dict:
+    r"""Every file rendered into the checkout, then one pytest run over all of them (slow tests on): the Wan
+    port with its slow test, the DiT and DDPM pipelines, and the set of classes above."""
+    from diffusers import DiTTransformer2DModel
+
+    scratch = tmp_path_factory.mktemp("ports")
+    port = save_port(scratch / "transformer")
+    wan = generate_diffusers_tests(
+        "wan_port", "WanTransformer3DModel", reference=REFERENCE, pretrained=port, out_dir=checkout
+    )
+    DiTTransformer2DModel(
+        out_channels=8, num_layers=2, num_attention_heads=4, attention_head_dim=16, sample_size=8
+    ).save_pretrained(str(scratch / "dit"))
+    dit = generate_diffusers_tests(
+        "dit_port",
+        "DiTTransformer2DModel",
+        pipeline="DiTPipeline",
+        pretrained=scratch / "dit",
+        out_dir=checkout,
+    )
+    # an unconditional pipeline, no saved port: the UNet's unset sample size takes its input's
+    ddpm = generate_diffusers_tests("ddpm_port", "UNet2DModel", pipeline="DDPMPipeline", out_dir=checkout)
+    rest = [
+        generate_diffusers_tests(f"set_{i}", name, inputs=inputs, out_dir=checkout)
+        for i, (name, inputs) in enumerate(CLASSES.items())
+    ]
+    paths = [str(p.relative_to(checkout)) for r in (wan, dit, ddpm, *rest) for p in r.paths]
+    run = run_pytest(checkout, *(p for p in paths if not p.endswith("__init__.py")), "-rA", slow=True)
+    return {"port": port, "paths": paths, "run": run, "wan": str(wan.paths[0].relative_to(checkout))}
+
+
+def test_every_rendered_file_follows_diffusers_ruff_settings(checkout, rendered):
+    assert ruff(checkout, "check", *rendered["paths"]).returncode == 0
+    assert ruff(checkout, "format", "--check", *rendered["paths"]).returncode == 0
+
+
+def test_the_rendered_tests_pass_in_diffusers(rendered):
+    run = rendered["run"]
     assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout
+    assert " passed" in run.stdout and "failed" not in run.stdout
+    summary = run.stdout.split("short test summary")[1]
+    for path in rendered["paths"]:
+        if not path.endswith("__init__.py"):
+            assert f"PASSED {path}::" in summary, path  # every file ran and passed tests
+    assert "TestWanTransformer3DModelIntegration::test_output_matches_reference" in summary
+    assert rendered["paths"][1:7] == [
+        "tests/models/transformers/test_models_transformer_dit_port.py",
+        "tests/pipelines/dit_port/__init__.py",
+        "tests/pipelines/dit_port/test_dit_port.py",
+        "tests/models/unets/test_models_unet_ddpm_port.py",
+        "tests/pipelines/ddpm_port/__init__.py",
+        "tests/pipelines/ddpm_port/test_ddpm_port.py",
+    ]
+
+
+def test_the_pipeline_test_claims_a_shape_and_no_values(checkout, rendered):
+    text = (checkout / "tests/pipelines/dit_port/test_dit_port.py").read_text()
+    assert "self.assertEqual(tuple(output.shape), (1, 8, 8, 3))" in text and "expected_slice" not in text
+
+
+def test_the_slow_test_fails_on_a_port_with_a_planted_bug(checkout, rendered):
+    # the same file, the saved port replaced by one with a planted bug: the slow test fails, and says why
+    port = rendered["port"]
+    shutil.rmtree(port)
+    save_port(port, plant="eps")
+    run = run_pytest(checkout, rendered["wan"], "-k", "Integration", slow=True)
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "from the reference's slice > atol" in run.stdout
 
 
 def test_inputs_given_by_a_function_are_rendered_by_kind(tmp_path):
