@@ -473,15 +473,10 @@ def _rotary_arguments(searcher: Searcher, child: Record, port_child: Record) -> 
     r"""A relation naming how the rotary tables passed to an untestable call differ (θ, bands, layout,
     position scale), each side's table read back from its captured values; None when either side passes
     none or they agree."""
-    from paritykit.bisection.relations import named_inputs
-    from paritykit.bisection.rotary import compare_tables, rotary_in_leaves
+    from paritykit.bisection.module_fit import passed_tables
     from paritykit.bisection.value_relations import Relation
 
-    compared = compare_tables(
-        rotary_in_leaves(named_inputs(searcher.ref_modules.get(child.module), child)),
-        rotary_in_leaves(named_inputs(searcher.port_modules.get(port_child.module), port_child)),
-        f" passed to {shown_name(child.name)}",
-    )
+    compared = passed_tables(searcher, child, port_child)
     if compared is None or not compared.lead:
         return None
     words = f"{compared.lead}; read from their values: {compared.forms}"

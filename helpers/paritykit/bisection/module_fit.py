@@ -761,8 +761,7 @@ def _rotary_words(searcher: Searcher, call: Record, found: InlineInput) -> tuple
     each side's form read back from the values, said last. The tables are read from the reference culprit's
     and the port producers' held tensors, else from the differing child's captured arguments (tables computed
     inline and passed down)."""
-    from paritykit.bisection.relations import named_inputs
-    from paritykit.bisection.rotary import compare_tables, rotary_in_leaves, rotary_tables
+    from paritykit.bisection.rotary import compare_tables, rotary_tables
 
     reference = searcher.ref_modules.get(call.module)
     ref_tables = rotary_tables(reference) if reference is not None and found.producers else []
@@ -773,16 +772,29 @@ def _rotary_words(searcher: Searcher, call: Record, found: InlineInput) -> tuple
         for name, form in rotary_tables(module)
     ]
     where = ""
-    if not ref_tables or not port_tables:
-        child, port_child = found.child, found.port_child
-        ref_tables = rotary_in_leaves(named_inputs(searcher.ref_modules.get(child.module), child))
-        port_tables = rotary_in_leaves(named_inputs(searcher.port_modules.get(port_child.module), port_child))
+    if ref_tables and port_tables:
+        compared = compare_tables(ref_tables, port_tables)
+    else:
+        compared = passed_tables(searcher, found.child, found.port_child)
         where = f" passed to {shown_name(found.child.name)}"
-    compared = compare_tables(ref_tables, port_tables, where)
     if compared is None:
         return "", ""
     tables = f" (rotary tables{where} read from their values: {compared.forms})"
     return (f"{compared.lead}; " if compared.lead else ""), tables
+
+
+def passed_tables(searcher: Searcher, child: Record, port_child: Record) -> Any:
+    r"""The rotary tables passed to an aligned call on each side (its captured arguments, named by each
+    side's ``forward``), compared (:func:`paritykit.bisection.rotary.compare_tables`); None when a side passes
+    none."""
+    from paritykit.bisection.relations import named_inputs
+    from paritykit.bisection.rotary import compare_tables, rotary_in_leaves
+
+    return compare_tables(
+        rotary_in_leaves(named_inputs(searcher.ref_modules.get(child.module), child)),
+        rotary_in_leaves(named_inputs(searcher.port_modules.get(port_child.module), port_child)),
+        f" passed to {shown_name(child.name)}",
+    )
 
 
 def _input_relation(found: Any) -> str:

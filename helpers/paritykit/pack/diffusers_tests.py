@@ -188,25 +188,15 @@ def generate_diffusers_tests(
 
 def _check_pipeline(pipeline_cls: type) -> None:
     r"""A pipeline class whose components paritykit can build and run offline, or a one-line refusal."""
-    import typing
-
     from diffusers import DiffusionPipeline
 
     if not issubclass(pipeline_cls, DiffusionPipeline):
         raise ParityKitError(f"--pipeline {pipeline_cls.__name__}: not a DiffusionPipeline")
-    try:
-        hints = typing.get_type_hints(pipeline_cls.__init__)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: read the raw ones
-        hints = {}
-    parameters = inspect.signature(pipeline_cls.__init__).parameters
     foreign = [
         name
-        for name, parameter in parameters.items()
+        for name, parameter, kinds in _components(pipeline_cls)
         if parameter.default is inspect.Parameter.empty
-        and any(
-            getattr(kind, "__module__", "").startswith(("transformers", "tokenizers"))
-            for kind in _kinds(hints.get(name, parameter.annotation))
-        )
+        and any(getattr(kind, "__module__", "").startswith(("transformers", "tokenizers")) for kind in kinds)
     ]
     if foreign:
         raise ParityKitError(
@@ -262,7 +252,7 @@ def _import_lines(names: list[tuple[str, str]]) -> list[str]:
 
 def _saved_config(cls: type, pretrained: str | os.PathLike | None) -> dict[str, Any]:
     r"""The saved port's config (``--pretrained``), the values the tiny test config shrinks; empty without."""
-    if pretrained is None or not (Path(pretrained) / "config.json").is_file():
+    if pretrained is None:
         return {}
     try:
         config = dict(cls.load_config(str(pretrained)))
@@ -283,7 +273,7 @@ def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = Non
     Beyond :func:`paritykit.tracing.shaped_inputs.tiny_config`: conditioning widths shrink to
     :data:`SMALL_CONTEXT` when the model still runs so, a sample size left unset takes the input's (pipelines
     read it), and a model with one attention layer gets two (``AttentionTesterMixin`` needs them)."""
-    from paritykit.tracing.shaped_inputs import CONTEXT_WIDTHS, build, init_defaults, tiny_config
+    from paritykit.tracing.shaped_inputs import CONTEXT_WIDTHS, init_defaults, tiny_config
 
     defaults = init_defaults(cls)
     base = {k: v for k, v in (base or {}).items() if k in defaults and _differs(v, defaults[k])}
@@ -302,13 +292,13 @@ def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = Non
             init = {**init, **context}
         except Exception:  # noqa: BLE001 - a model whose widths are tied elsewhere keeps its own
             pass
-    model = build(cls, {**defaults, **init}, "cpu").eval()
+    model, specs, output = _built_and_run(cls, init, inputs)
     if len(getattr(model, "attn_processors", None) or {}) == 1:
         # AttentionTesterMixin sets one processor fewer than the model has: a model with one needs two layers
         init = {
             k: 2 if v == 1 and "layers" in k and _differs(2, defaults.get(k)) else v for k, v in init.items()
         }
-    model, specs, output = _built_and_run(cls, init, inputs)
+        model, specs, output = _built_and_run(cls, init, inputs)
     if "sample_size" in defaults and {**defaults, **init}.get("sample_size") is None:
         main = next(iter(specs.values()), None)
         if getattr(main, "shape", None) is not None and len(main.shape) >= 4:
@@ -421,16 +411,12 @@ def _run(model: Any, inputs: dict[str, Any]) -> Any:
 
 
 def _first_tensor(output: Any) -> Any:
-    import torch
+    from paritykit.tracing.recording import output_tensor
 
-    while not isinstance(output, torch.Tensor):
-        if isinstance(output, dict):
-            output = next(iter(output.values()))
-        elif isinstance(output, (tuple, list)) and output:
-            output = output[0]
-        else:
-            raise ParityKitError(f"the model returned a {type(output).__name__} holding no tensor")
-    return output
+    found = output_tensor(output)
+    if found is None:
+        raise ParityKitError(f"the model returned a {type(output).__name__} holding no tensor")
+    return found
 
 
 def _model_test_path(cls: type, name: str) -> Path:
@@ -538,11 +524,7 @@ def _slow_test(
     from paritykit import __version__
     from paritykit.base.usercode import call_user
 
-    if not (pretrained / "config.json").is_file():
-        raise ParityKitError(
-            f"--pretrained {pretrained}: no config.json there (save the port with save_pretrained)"
-        )
-    try:
+    try:  # pretrained holds a config.json: checked before anything ran
         port = cls.from_pretrained(str(pretrained), torch_dtype=torch.float32).eval()
     except Exception as exc:  # noqa: BLE001 - a folder that does not load is the user's to fix
         raise ParityKitError(f"--pretrained {pretrained}: {cls.__name__} cannot load it ({exc})") from exc
@@ -685,39 +667,41 @@ def _check_saved(port: Any, converted: Any, pretrained: Path, result: DiffusersT
 
 
 # ---------------------------------------------------------------------------------------- the pipeline
-def _kinds(annotation: Any) -> list[Any]:
-    r"""The classes an annotation names: itself, or each member of a ``Union``/``Optional``."""
+def _components(pipeline_cls: type) -> list[tuple[str, Any, list[Any]]]:
+    r"""Each component ``pipeline_cls.__init__`` takes: (name, parameter, the classes its annotation names:
+    itself, or each member of a ``Union``/``Optional``)."""
+    import types
     import typing
 
-    args = typing.get_args(annotation)
-    if args and typing.get_origin(annotation) in (
-        typing.Union,
-        getattr(__import__("types"), "UnionType", None),
-    ):
-        return [a for a in args if a is not type(None)]
-    return [annotation]
+    try:
+        hints = typing.get_type_hints(pipeline_cls.__init__)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: read the raw ones
+        hints = {}
+    found = []
+    for name, parameter in inspect.signature(pipeline_cls.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+            continue
+        annotation = hints.get(name, parameter.annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        else:
+            kinds = [annotation]
+        found.append((name, parameter, kinds))
+    return found
 
 
 def _pipeline_context(pipeline_cls: type, cls: type, model: _Model, has_slow: bool) -> dict[str, Any]:
     r"""The pipeline test's components (the model built tiny, the rest from their classes, optional ones
     None), call arguments and the shape its output has on them (run here on the same components)."""
-    import typing
-
     import torch
     from diffusers import DDIMScheduler, ModelMixin, SchedulerMixin
     from diffusers.schedulers import KarrasDiffusionSchedulers
 
-    try:
-        hints = typing.get_type_hints(pipeline_cls.__init__)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to the raw ones
-        hints = {}
     imports = [model.source, _import_from(pipeline_cls)]
     components: dict[str, str] = {}
     built: dict[str, Any] = {}
-    for pname, parameter in inspect.signature(pipeline_cls.__init__).parameters.items():
-        if pname == "self" or parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
-            continue
-        kinds = [k for k in _kinds(hints.get(pname, parameter.annotation)) if isinstance(k, type)]
+    for pname, parameter, annotated in _components(pipeline_cls):
+        kinds = [k for k in annotated if isinstance(k, type)]
         models = [k for k in kinds if issubclass(k, ModelMixin)]
         schedulers = [k for k in kinds if k is KarrasDiffusionSchedulers or issubclass(k, SchedulerMixin)]
         if any(issubclass(cls, k) for k in models):
