@@ -37,17 +37,22 @@ def pair(port_act):
     return reference.eval(), port.eval(), [torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) * 3]
 
 
-def test_an_activation_far_above_its_floor_is_masked_whatever_its_alignment():
-    # the tanh GELU is 5e-4 off, the output 6e-6: hidden. Aligned on weak evidence (order and shape alone, low
-    # confidence), a difference was no evidence; far above its measured float floor, it is.
+class TanhGelu(torch.nn.Module):
+    """diffusers-style: the tanh GELU as its own class, so nothing but order pairs it with the reference's."""
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _weak(port_act):
+    """The activation pair forced to low confidence (aligned on order and shape alone)."""
     import dataclasses
 
     from paritykit.bisection.align import Alignment, align_modules
-    from paritykit.bisection.entry import bisect_traces
     from paritykit.bisection.floor import measure
     from paritykit.tracing.trace import capture
 
-    reference, port, inputs = pair(torch.nn.GELU(approximate="tanh"))
+    reference, port, inputs = pair(port_act)
     with torch.no_grad(), capture(reference) as ref_trace:
         reference(*inputs)
     with torch.no_grad(), capture(port) as port_trace:
@@ -58,14 +63,36 @@ def test_an_activation_far_above_its_floor_is_masked_whatever_its_alignment():
         unaligned_reference=found.unaligned_reference,
         unaligned_port=found.unaligned_port,
     )
-    search = dict(reference=reference, port=port, alignment=weak)
     floor = measure(reference, port, (tuple(inputs), {}), (tuple(inputs), {}))
-    report = bisect_traces(ref_trace, port_trace, float_floor=floor, **search)
+    return (ref_trace, port_trace), dict(reference=reference, port=port, alignment=weak), floor, found
+
+
+def test_an_activation_far_above_its_floor_is_masked_and_a_weak_pair_is_a_lead_not_the_culprit():
+    # the tanh GELU is 5e-4 off, the output 6e-6: hidden. Aligned on weak evidence (order and shape alone, low
+    # confidence), a difference was no evidence; far above its measured float floor, it is: masked. A pair by
+    # order alone is named the culprit only when a verified fix confirms it by value.
+    from paritykit.bisection.align import Alignment
+    from paritykit.bisection.entry import bisect_traces
+
+    traces, search, floor, _ = _weak(torch.nn.GELU(approximate="tanh"))
+    report = bisect_traces(*traces, float_floor=floor, **search)
     assert report.output.passed  # hidden at the output
     assert report.verdict == "masked", report.render()
-    assert report.culprit.port == "net_1" and report.culprit.confidence == "low"
+    # one class on both sides, and the setting fix verifies: the pair is confirmed by value
+    assert report.culprit.port == "net_1" and report.culprit.hints[0].verified
     # measured, not assumed: without the floor the same low-confidence pair is no evidence
-    assert bisect_traces(ref_trace, port_trace, **search).verdict == "match"
+    assert bisect_traces(*traces, **search).verdict == "match"
+
+    # another class on the port's side, no fix that verifies: the output matches and nothing confidently
+    # aligned fails, so the verdict is match; the weak pair's failure is still said, as a lead
+    traces, search, floor, found = _weak(TanhGelu())
+    report = bisect_traces(*traces, float_floor=floor, **search)
+    assert report.verdict == "match" and report.culprit is None, report.render()
+    assert [(c.port, c.status) for c in report.candidates] == [("net_1", "fail")]
+    assert "lead: reference act <-> port net_1 fails on identical inputs" in report.render()
+    # named by the user (--map), the same pair is the culprit
+    named = bisect_traces(*traces, float_floor=floor, **{**search, "alignment": Alignment(pairs=found.pairs)})
+    assert named.verdict == "masked" and named.culprit.port == "net_1"
 
 
 def test_a_correct_port_is_a_clean_match_with_the_floor():
@@ -93,25 +120,86 @@ def test_floor_measurements():
     assert not far_above(0.0, 0.0)
 
 
-def test_a_model_that_cannot_run_in_float64_says_why():
-    class Float32Only(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(4, 4)
+class Float32Only(torch.nn.Module):
+    """Research code that hard-codes float32 (``.float()`` on its inputs): no float64 run."""
 
-        def forward(self, x):
-            if self.proj.weight.dtype != torch.float32:
-                raise TypeError("this model runs in float32 only")
-            return self.proj(x)
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
 
+    def forward(self, x):
+        if self.proj.weight.dtype != torch.float32:
+            raise TypeError("this model runs in float32 only")
+        return self.proj(x)
+
+
+def test_a_reference_that_cannot_run_in_float64_is_measured_on_rounded_inputs_and_says_so():
     model = Float32Only()
     x = torch.randn(2, 4)
-    floor = measure(model, model, ((x,), {}), ((x,), {}))
-    assert not floor.measured and "does not run in float64 (TypeError: this model runs in float32 only)" in (
-        floor.reason
+    floor = measure(model, torch.nn.Linear(4, 4), ((x,), {}), ((x,), {}))
+    assert floor.measured and floor.ref64 is None and floor.ref_moved is not None
+    assert floor.port64 is not None  # the port's own float64 run is kept
+    assert (
+        floor.reason == "the reference does not run in float64 (TypeError: this model runs in float32 only)"
     )
-    report = bisect(model, Float32Only(), [x])
-    assert report.float_floor.startswith("replays only: the reference does not run in float64")
+    port = Float32Only()
+    port.load_state_dict(model.state_dict())
+    report = bisect(model, port, [x])
+    assert report.verdict == "match", report.render()
+    state = "measured on the reference's rounded inputs only (it does not run in float64 (TypeError: this model"
+    assert report.float_floor.startswith(state)
+    assert f"float floor: {state}" in report.render()  # the text report says it, not only the JSON
+
+
+def test_a_port_that_cannot_run_in_float64_is_named_as_the_port():
+    reference = torch.nn.Linear(4, 4)
+    floor = measure(reference, Float32Only(), ((torch.randn(2, 4),), {}), ((torch.randn(2, 4),), {}))
+    assert floor.ref64 is not None and floor.port64 is None
+    assert floor.reason.startswith("the port does not run in float64")
+
+
+class Table(torch.nn.Module):
+    """A sinusoid table of the timestep, then a projection; ``dtype`` is the precision the table is kept in."""
+
+    def __init__(self, dtype=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(16, 16)
+        self.dtype = dtype
+
+    def forward(self, t):
+        freqs = torch.exp(-torch.arange(8, dtype=t.dtype) / 8 * 9.2)
+        angles = t[:, None] * freqs[None]
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        if self.dtype is not None:
+            table = table.to(self.dtype).to(t.dtype)
+        return self.proj(table)
+
+
+class Embedder(torch.nn.Module):
+    def __init__(self, dtype=None):
+        super().__init__()
+        self.table = Table(dtype)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, t):
+        return self.out(self.table(t))
+
+
+def test_a_port_computing_in_lower_precision_is_the_difference_not_its_excuse():
+    # the port rounds its table to bfloat16: a difference of ~1e-3 that the port's own (large) float32 error
+    # must not excuse. The floor is the reference's error, so the table is the culprit.
+    t = [torch.tensor([999.0, 500.0, 10.0, 3.0])]
+    reference, port = Embedder(), Embedder(torch.bfloat16)
+    port.load_state_dict(reference.state_dict())
+    report = bisect(reference, port, t)
+    assert report.verdict == "diverge" and not report.precision, report.render()
+    assert report.culprit.port == "table", report.render()
+    # and a correct port of the same model matches
+    same = Embedder()
+    same.load_state_dict(reference.state_dict())
+    assert bisect(reference, same, t).verdict == "match"
 
 
 class Lookup(torch.nn.Module):
@@ -162,3 +250,21 @@ def test_the_floor_runs_on_clean_inputs_and_only_where_a_run_repeats():
 
     floor = measure(Noisy(), Noisy(), ((x[0],), {}), ((x[0],), {}), outputs=(x[0], x[0]))
     assert not floor.measured and "does not reproduce its own output" in floor.reason
+
+
+def test_a_spec_reference_without_float64_is_named_as_the_reference(tmp_path):
+    # through a SPEC every forward is guarded by user-code naming: the float64 copy of the reference must be
+    # named the reference's (it was once "the port model's forward raised")
+    from paritykit.bisection.spec import bisect_spec
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(
+        "import torch\n"
+        "from tests.test_floor import Float32Only\n"
+        "def build_reference():\n    return Float32Only()\n"
+        "def build_port():\n    return Float32Only()\n"
+        "def make_inputs():\n    return (torch.ones(2, 4),), {}\n"
+    )
+    report = bisect_spec(spec)
+    assert "it does not run in float64 (TypeError: this model runs in float32 only)" in report.float_floor
+    assert "port" not in report.float_floor  # only the reference's runs make the floor

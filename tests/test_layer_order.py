@@ -5,6 +5,7 @@ that keeps the order is not."""
 from __future__ import annotations
 
 import pytest
+import torch
 from paritykit.forensics.conversion.layer_order import layer_orders, reordered
 
 from tests.research import PortDenoise, ResearchDenoise, wan_dit_pair_built
@@ -92,7 +93,7 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     assert "the tensor its name implies" not in text and "forward code" not in text
     assert report.culprit.hints[0].id == "layer-order"
     fed = [h for h in report.culprit.hints if h.id == "inline-input"]
-    assert fed and "the port feeds it the output of dit.blocks.3, which is aligned with the reference's" in (
+    assert fed and "the port feeds it the output of dit.blocks.3, aligned with the reference's" in (
         fed[0].message
     )
     # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
@@ -112,3 +113,40 @@ def test_a_reversed_store_is_a_renumbering_and_call_order_decides_the_claim():
     # the port calls its layers in the order of the reference layers they hold: consistent, no claim
     held_order = [f"blocks.{i}" for i in sorted(range(12), key=lambda i: text.index_map[i])]
     assert with_calls(text, ref_calls, held_order).calls_differ is False
+
+
+class Stack(torch.nn.Module):
+    """Twelve residual blocks of one kind: a research model whose checkpoint is read block by block."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(12)
+        )
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("levels", ["full", "zoom"])
+def test_bisect_leads_with_the_layer_order_at_every_level_setting(levels):
+    # shards loaded in text order, bisected by levels or whole: the layer order leads the report either way
+    from paritykit.bisection.entry import bisect
+
+    torch.manual_seed(0)
+    reference, port = Stack(), Stack()
+    text = sorted(range(12), key=str)
+    port.load_state_dict(
+        {
+            (f"blocks.{text.index(int(k.split('.')[1]))}." + k.split(".", 2)[2] if k.startswith("blocks") else k): v
+            for k, v in reference.state_dict().items()
+        }
+    )
+    report = bisect(reference, port, [torch.randn(2, 8)], levels=levels)
+    assert report.verdict == "diverge"
+    lines = report.render().splitlines()
+    assert lines[1].startswith("layer order: the port's blocks are the reference's blocks in another order")
+    assert report.culprit is None or report.culprit.confidence != "low"

@@ -19,6 +19,7 @@ what follows hides it at the output (``masked``), whatever its alignment confide
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from paritykit.base.report import format_number
 if TYPE_CHECKING:
     from paritykit.tracing.trace import Record, Trace
 
-# a difference within this multiple of the larger side's float32 error is float noise
+# a difference within this multiple of the reference's float32 error is float noise
 NOISE = 4.0
 # a difference this many times the floor or more is a real one, whatever the alignment's confidence
 FAR = 100.0
@@ -52,6 +53,10 @@ def as_float64(value: Any) -> Any:
     return map_tensors(value, widen)
 
 
+# each float64 copy -> the module it copies, so user code told "which side is this model" can say
+_ORIGINALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def float64_copy(module: Any) -> Any:
     r"""A float64 copy of ``module`` (parameters and floating-point buffers; the original is untouched).
     diffusers' warning that some modules should stay in float32 is silenced: the copy is meant to be
@@ -59,7 +64,17 @@ def float64_copy(module: Any) -> Any:
     from paritykit.base.quiet import quiet_diffusers
 
     with quiet_diffusers():
-        return copy.deepcopy(module).double()
+        widened = copy.deepcopy(module).double()
+    _ORIGINALS[widened] = module
+    return widened
+
+
+def original_of(module: Any) -> Any:
+    r"""The module a :func:`float64_copy` was made from; ``module`` itself for any other."""
+    try:
+        return _ORIGINALS.get(module, module)
+    except TypeError:  # not weakly referenceable: not a copy of ours
+        return module
 
 
 def max_difference(a: Any, b: Any) -> float | None:
@@ -120,16 +135,21 @@ def rounded_inputs(value: Any, seed: int = 0) -> Any:
 def module_floor(module: Any, args: tuple, kwargs: dict, outputs: list[tuple[str, Any]]) -> float | None:
     r"""``module``'s float32 error on these inputs: the larger distance of its float32 ``outputs`` from a
     float64 copy's on the same inputs in float64, and from its own outputs on the inputs moved by one
-    rounding step. ``None`` when a run fails (an op without a float64 kernel)."""
+    rounding step. A run that fails (an op without a float64 kernel, code that hard-codes ``.float()``)
+    leaves the other; ``None`` when neither runs."""
     from paritykit.bisection.leaves import flatten_tensors
 
-    try:
-        out64 = flatten_tensors(float64_copy(module)(*as_float64(args), **as_float64(kwargs)))
-        moved_args, moved_kwargs = rounded_inputs((args, kwargs))
-        moved = flatten_tensors(module(*moved_args, **moved_kwargs))
-    except Exception:
-        return None
-    errors = [e for e in (leaves_error(outputs, out64), leaves_error(outputs, moved)) if e is not None]
+    moved_args, moved_kwargs = rounded_inputs((args, kwargs))
+    errors = []
+    for run in (
+        lambda: float64_copy(module)(*as_float64(args), **as_float64(kwargs)),
+        lambda: module(*moved_args, **moved_kwargs),
+    ):
+        try:
+            errors.append(leaves_error(outputs, flatten_tensors(run())))
+        except Exception:
+            continue
+    errors = [e for e in errors if e is not None]
     return max(errors) if errors else None
 
 
@@ -146,9 +166,11 @@ def far_above(difference: float | None, floor: float | None) -> bool:
 
 @dataclass
 class FloatFloor:
-    r"""Both sides' float64 runs, captured: the float32 error of any captured call on either side.
+    r"""Both sides' float64 runs and rounded-inputs runs, captured: the float32 error of any captured call on
+    either side. The floor is the reference's (:meth:`of`).
 
-    ``reason`` says why there is no floor (``ref64``/``port64`` are ``None`` then)."""
+    ``reason`` says why a run is missing: why there is no floor at all (every run ``None``), or which side's
+    float64 run failed (its rounded-inputs run is then that side's only measure)."""
 
     ref64: Trace | None = None
     port64: Trace | None = None
@@ -159,7 +181,8 @@ class FloatFloor:
 
     @property
     def measured(self) -> bool:
-        return self.ref64 is not None and self.port64 is not None
+        r"""Whether the reference's float32 error was measured (the floor), by either run."""
+        return self.ref64 is not None or self.ref_moved is not None
 
     def side_error(self, record: Record, side: str, what: str = "outputs") -> float | None:
         r"""One side's float32 error at one captured call (its ``outputs`` or ``inputs``): the larger of its
@@ -178,10 +201,9 @@ class FloatFloor:
         return max(errors) if errors else None
 
     def of(self, ref_record: Record, port_record: Record, what: str = "outputs") -> float | None:
-        r"""The floor at a pair of calls: the larger of the two sides' float32 errors there."""
-        errors = [self.side_error(ref_record, "reference", what), self.side_error(port_record, "port", what)]
-        errors = [e for e in errors if e is not None]
-        return max(errors) if len(errors) == 2 else None
+        r"""The floor at a pair of calls: the reference's float32 error there. ``port_record`` is not read:
+        the port's error is never the floor."""
+        return self.side_error(ref_record, "reference", what)
 
     def errors(self, ref_record: Record, port_record: Record) -> tuple[float | None, float | None]:
         return self.side_error(ref_record, "reference"), self.side_error(port_record, "port")
@@ -229,10 +251,10 @@ def measure(
     from paritykit.tracing.trace import capture
 
     ok, why = fits_twice(reference, port)
-    if not ok:
-        return FloatFloor(reason=why)
     call = run or (lambda model, args, kwargs: model(*args, **kwargs))
-    traces, moved = [], []
+    wide: list[Trace | None] = []
+    moved: list[Trace | None] = []
+    reasons = [] if ok else [why]
     sides = (("reference", reference, ref_call), ("port", port, port_call))
     for index, (side, model, (args, kwargs)) in enumerate(sides):
         if outputs is not None:
@@ -243,31 +265,66 @@ def measure(
                     reason=f"the {side} run again does not reproduce its own output (randomness inside its"
                     " forward, or inputs it edits in place): what moves is not rounding"
                 )
+        trace = None
+        if ok:
+            try:
+                model64 = float64_copy(model)
+                with torch.no_grad(), capture(model64) as trace:
+                    call(model64, *as_float64(map_tensors((args, kwargs), lambda t: t.clone())))
+            except Exception as exc:
+                trace = None
+                reasons.append(f"the {side} does not run in float64 ({first_line(_own(exc))})")
+        wide.append(trace)
         try:
-            model64 = float64_copy(model)
-            with torch.no_grad(), capture(model64) as trace:
-                call(model64, *as_float64(map_tensors((args, kwargs), lambda t: t.clone())))
             with torch.no_grad(), capture(model) as rounded:
                 call(model, *rounded_inputs(map_tensors((args, kwargs), lambda t: t.clone())))
         except Exception as exc:
-            return FloatFloor(reason=f"the {side} does not run in float64 ({first_line(exc)})")
-        traces.append(trace)
+            rounded = None
+            reasons.append(f"the {side} does not run on rounded inputs ({first_line(_own(exc))})")
         moved.append(rounded)
-    return FloatFloor(traces[0], traces[1], ref_moved=moved[0], port_moved=moved[1])
+    return FloatFloor(wide[0], wide[1], reason="; ".join(reasons), ref_moved=moved[0], port_moved=moved[1])
+
+
+def _own(exc: BaseException) -> BaseException:
+    r"""The exception the model raised, without the user-code wrapper a SPEC run adds (the same words
+    whether the run came through a SPEC or not)."""
+    from paritykit.base.errors import UserCodeError
+
+    return exc.__cause__ if isinstance(exc, UserCodeError) and exc.__cause__ is not None else exc
 
 
 def precision_line(
     difference: float, floor: float, where: str, errors: tuple[float | None, float | None]
 ) -> str:
-    r"""One line naming where the two sides differ most in precision."""
-    ref_error, port_error = errors
+    r"""One line: the difference at ``where`` against the reference's float32 error there (the floor), with
+    the port's own error when measured and which side computes in higher precision."""
+    _, port_error = errors
     line = (
-        f"float noise: {where} differs by {format_number(difference)}; float32 error there"
-        f" {format_number(floor)} (reference {format_number(ref_error)}, port {format_number(port_error)})"
+        f"float noise: {where} differs by {format_number(difference)}; the reference's float32 error there"
+        f" {format_number(floor)}"
     )
-    if ref_error is not None and port_error is not None:
-        if ref_error * NOISE < port_error:
-            line += "; the reference computes it in higher precision than the port"
-        elif port_error * NOISE < ref_error:
+    if port_error is not None:
+        line += f" (the port's {format_number(port_error)})"
+        if port_error * NOISE < floor:
             line += "; the port computes it in higher precision than the reference"
     return line
+
+
+# the floor's state when every run it asks for ran: the one state a text report need not repeat
+FLOOR_MEASURED = "measured: the reference run again in float64 and on rounded inputs"
+
+
+def floor_state(floor: FloatFloor | None) -> str:
+    r"""How the floor was measured, in words for the report: ``off``; the whole reference run again (in
+    float64 and on rounded inputs, or on rounded inputs only, with why); or only at failing replays, with
+    why there is no whole run. Only the reference's runs make the floor, so only their failures are said."""
+    if floor is None:
+        return "off"
+    own = [r for r in floor.reason.split("; ") if r and not r.startswith("the port ")]
+    if floor.ref64 is not None and floor.ref_moved is not None:
+        return FLOOR_MEASURED
+    if floor.ref_moved is not None:
+        why = own[0].removeprefix("the reference ") if own else "has no float64 run"
+        return f"measured on the reference's rounded inputs only (it {why})"
+    reason = "; ".join(own) or floor.reason
+    return f"replays only: {reason}" if reason else "replays only"

@@ -323,6 +323,25 @@ def _aligned_feeder(searcher: Searcher, found: InlineInput) -> Any:
     return None
 
 
+def _feeder_words(searcher: Searcher, found: InlineInput, feeder: Record, held: str) -> str:
+    r"""What the reference feeds the same child, measured: the output of ``held`` too (then the difference
+    comes with that output, whatever its cause), or something else (the wiring differs)."""
+    ref_feeder = next((r for r in searcher.ref_trace.records if r.module == held), None)
+    if ref_feeder is None:
+        return "the reference's own input there was not captured as any module's output"
+    if _returns(ref_feeder, found.reference_input):
+        test = searcher.results.get(ref_feeder.name)
+        how = f" ({held} <-> {feeder.name} {test.status}s on identical inputs)" if test is not None else ""
+        return (
+            f"the reference feeds it {shown_name(held)}'s output too (compared exactly): the wiring agrees,"
+            f" and the difference arrives with that output{how}"
+        )
+    return (
+        f"the reference feeds it something other than {shown_name(held)}'s output (compared exactly): the"
+        " port wires this call to another input than the reference does"
+    )
+
+
 def inline_reference_hints(
     searcher: Searcher, call: Record, port_call: Record | None, before: float | None
 ) -> list[Any]:
@@ -360,12 +379,9 @@ def inline_reference_hints(
         )
     elif (feeder := _aligned_feeder(searcher, found)) is not None:
         hint_id = "inline-input"
-        held = searcher.alignment.reference_of(feeder.module)
-        message = (
-            f"{where}; the port feeds it the output of {feeder.name}, which is aligned with the reference's"
-            f" {shown_name(held or '')}: the port's calls are wired in another order or to other inputs than"
-            " the reference's"
-        )
+        held = searcher.alignment.reference_of(feeder.module) or ""
+        message = f"{where}; the port feeds it the output of {feeder.name}, aligned with the reference's"
+        message += f" {shown_name(held)}: " + _feeder_words(searcher, found, feeder, held)
     elif found.untested:
         hint_id = "inline-input"
         message = (

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
 from paritykit.bisection.align import Alignment, Confidence
+from paritykit.bisection.floor import FLOOR_MEASURED
 
 # how one aligned call was tested: replayed on the reference's inputs, judged from both sides' captured inputs
 # and outputs (an error jump), or from the final output alone
@@ -154,6 +155,8 @@ class BisectReport:
     output: Any
     alignment: Alignment
     tested: list[ModuleTest] = field(default_factory=list)
+    # failing pairs aligned on order and output shape alone: leads, never named the culprit
+    candidates: list[ModuleTest] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
     # every independent culprit in execution order (``all_culprits=True``); else just ``[culprit]``
     culprits: list[ModuleFinding] = field(default_factory=list)
@@ -232,6 +235,7 @@ class BisectReport:
             "spec_command": self.spec_command,
             "alignment": {"by": al["by"], "pairs": al["pairs"]},
             "tested": [t.to_dict() for t in self.tested],
+            "candidates": [t.to_dict() for t in self.candidates],
             "culprits": [c.to_dict() for c in self.culprits],
             "output_after_substitution": _comparison_summary(self.output_after),
             "matches_after_substitution": (
@@ -253,6 +257,8 @@ class BisectReport:
             lines.append(f"layer order: {order.words()}; aligned by the tensors each layer holds")
         if self.precision:
             lines.append(self.precision)
+        if self.float_floor not in ("", "off", FLOOR_MEASURED):
+            lines.append(f"float floor: {self.float_floor}")
         if out.get("status") == "shape_mismatch":
             lines.append(
                 f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"
@@ -271,7 +277,10 @@ class BisectReport:
             for i, finding in enumerate(self.culprits, 1):
                 lines += _render_finding(f"culprit {i}", finding, self._holds_reordered(finding))
         elif self.culprit:
-            lines += _render_finding("culprit", self.culprit, self._holds_reordered(self.culprit))
+            leads = sum(1 for t in self.candidates if _inside(t.reference, self.culprit.reference))
+            lines += _render_finding("culprit", self.culprit, self._holds_reordered(self.culprit), leads)
+        for test in self.candidates:
+            lines.append(_lead_line(test, self.alignment))
         if self.all_note:
             lines.append(self.all_note)
         if not self.culprit and self.verdict == "diverge":
@@ -325,11 +334,8 @@ class BisectReport:
 # how a culprit was found, in words: a jump never ran the module, so it is labelled as such
 _FOUND_BY = {"jump": "capture, not replayed", "replay": "replay", "output": "the final output"}
 
-# evidence ids that explain an inline culprit by something other than its forward code
-_NOT_FORWARD_CODE = frozenset({"weights", "module-config", "attention-scale", "norm-eps"})
 
-
-def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> list[str]:
+def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads: int = 0) -> list[str]:
     low = "" if f.confidence == "high" else f", {f.confidence} confidence"
     lines = [
         f"{label}: reference {shown_name(f.reference)}  <->  port {shown_name(f.port)}",
@@ -339,32 +345,27 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> li
             f"cosine {format_number(f.cosine, 6)}"
         ),
     ]
+    passed = f"its {f.children_passed} aligned submodule call(s) pass on identical inputs"
     if f.inline and reordered:
         lines.append(
-            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, each layer on the inputs"
-            " of the reference layer it holds: the layers are called in another order (the layer order above)"
+            f"  inline: {passed}, each layer on the inputs of the reference layer it holds; the layers are"
+            " called in another order (the layer order above)"
         )
+    elif f.inline and any(h.verified for h in f.hints):
+        lines.append(f"  inline: {passed}; the verified fix below makes it match")
+    elif f.inline and leads:
+        lines.append(f"  inline: {passed}; {leads} paired by order only fail (the leads below)")
     elif f.inline and any(h.id in ("module-fit", "inline-reference") for h in f.hints):
-        lines.append(
-            f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the difference enters"
-            " through a port module the reference has no module for (it computes that step inline): see the"
-            " hints"
-        )
+        lines.append(f"  inline: {passed}; the hints follow the first differing input to where it is made")
     elif f.inline:
         lines.append(
-            f"  inline: its {f.children_passed} aligned submodule call(s) all pass, so the difference is in"
-            " this module's own forward code, not in a submodule"
-            if not any(h.id in _NOT_FORWARD_CODE for h in f.hints)
-            else (
-                f"  inline: its {f.children_passed} aligned submodule call(s) all pass; the hints below name"
-                " the difference (settings or weights this module holds, which replaying its children cannot"
-                " see)"
-            )
+            f"  inline: {passed}, the module itself does not: the difference is made outside those calls (its"
+            " own forward code, submodules no pair covers, or weights and settings it uses directly)"
         )
     elif f.through_inputs:
         lines.append("  its captured outputs differ, but it passes on the reference's inputs: see the note")
-    elif f.children_passed == 0:
-        lines.append("  no aligned submodules: the module's own computation or configuration differs")
+    elif f.children_passed == 0 and f.test == "replay":
+        lines.append("  no aligned submodules; it fails on identical inputs (its weights, settings or code)")
     if f.note:
         lines.append(f"  note: {f.note}")
     for hint in f.hints:
@@ -379,6 +380,28 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False) -> li
     elif f.ops_note:
         lines.append(f"  {f.ops_note}")
     return lines
+
+
+def _lead_line(test: ModuleTest, alignment: Alignment) -> str:
+    r"""A failing pair aligned with low confidence, said as a lead: what was measured and how weakly the two
+    were paired."""
+    pair = alignment.pair_of(module_of_call(test.reference))
+    how = (
+        "by order and output shape only"
+        if pair is None or pair.how == "order"
+        else f"by {pair.how} that carry no identifying values"
+    )
+    on = "on identical inputs" if test.test == "replay" else "on captured inputs that agree"
+    return (
+        f"lead: reference {shown_name(test.reference)} <-> port {shown_name(test.port)} fails {on} (max_abs"
+        f" {format_number(test.max_abs)}), but the two were paired {how}: not named the culprit; --map"
+        " naming the pair tests it as one"
+    )
+
+
+def _inside(name: str, parent: str) -> bool:
+    r"""Whether call ``name`` is inside module ``parent`` (every call is inside the top level, ``""``)."""
+    return not parent or name.startswith(parent + ".")
 
 
 def module_of_call(name: str) -> str:

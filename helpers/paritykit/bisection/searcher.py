@@ -185,6 +185,8 @@ class Searcher:
         self.rtol = rtol
         self.ratio = ratio
         self.results: dict[str, ModuleTest] = {}
+        # failing pairs aligned on order and shape alone: leads the report lists, never the culprit
+        self.candidates: list[ModuleTest] = []
         self.why_not_replayed: dict[str, str] = {}
         # What the tests found out, by call name: written by the tests (replay, jump, and replayed_outputs
         # for a culprit whose passing replay was not kept) and by inherit, never by a comparison.
@@ -494,9 +496,7 @@ class Searcher:
             self.layouts[ref_record.name] = orders
         floor, noise = None, ""
         if not cmp.passed and self.float_floor is not None:
-            floor, noise = self._replay_floor(
-                ref_record, port_record, pairing, ref_out, port_out, cmp.max_abs
-            )
+            floor, noise = self._replay_floor(ref_record, ref_out, cmp.max_abs)
         passed = cmp.passed or bool(noise)
         if not passed:
             # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
@@ -534,34 +534,21 @@ class Searcher:
         )
 
     def _replay_floor(
-        self,
-        ref_record: Record,
-        port_record: Record,
-        pairing: InputPairing | None,
-        ref_out: Leaves,
-        port_out: Leaves,
-        difference: float | None,
+        self, ref_record: Record, ref_out: Leaves, difference: float | None
     ) -> tuple[float | None, str]:
-        r"""Both modules' float32 error on the replayed inputs, and the note saying the difference is float
-        noise when it is within :data:`~paritykit.bisection.floor.NOISE` times the larger."""
+        r"""The reference module's float32 error on the replayed inputs (the floor: the port's is never
+        its excuse), and the note saying the difference is float noise when it is within
+        :data:`~paritykit.bisection.floor.NOISE` times it."""
         ref_module = self.ref_modules.get(ref_record.module)
-        port_module = self.port_modules.get(port_record.module)
-        if ref_module is None or port_module is None:
-            return None, ""
-        adapted = self.adapt_inputs(ref_record, port_record, module_device(port_module), pairing=pairing)
-        if adapted is None or not fits_twice(ref_module, port_module)[0]:
+        if ref_module is None or not fits_twice(ref_module)[0]:
             return None, ""
         ref_inputs = to_device(ref_record.call_inputs(), module_device(ref_module))
-        ref_error = module_floor(ref_module, *ref_inputs, ref_out)
-        port_error = module_floor(port_module, *adapted, port_out)
-        if ref_error is None or port_error is None:
-            return None, ""
-        floor = max(ref_error, port_error)
-        if not within(difference, floor):
+        floor = module_floor(ref_module, *ref_inputs, ref_out)
+        if floor is None or not within(difference, floor):
             return floor, ""
         return floor, (
-            f"float noise: differs by {format_number(difference)}, float32 error there {format_number(floor)}"
-            f" (reference {format_number(ref_error)}, port {format_number(port_error)})"
+            f"float noise: differs by {format_number(difference)}, the reference's float32 error there"
+            f" {format_number(floor)}"
         )
 
     def jump(self, ref_record: Record, port_record: Record) -> ModuleTest:
@@ -641,19 +628,45 @@ class Searcher:
         return found if found is not None else (record, passed)
 
     def _failing_below(self, record: Record) -> tuple[tuple[Record, int] | None, int]:
-        # Untestable children (no aligned partner to replay) are looked through, not counted as passed.
+        # Untestable children (no aligned partner to replay) are looked through, not counted as passed; so are
+        # failing pairs aligned on order and shape alone (low confidence): a lead, never the culprit.
         passed = 0
         for child in self.frontier(record):
             result = self.test(child)
-            if result.status == "fail":
+            if result.status == "fail" and self.confident(child):
                 return self.descend(child), passed
-            if result.status == "untestable":
+            if result.status == "fail" or result.status == "untestable":
+                if result.status == "fail":
+                    self.lead(child)
                 found, _ = self._failing_below(child)
                 if found is not None:
                     return found, passed
             else:
                 passed += 1
         return None, passed
+
+    def confident(self, record: Record, strict: bool = False) -> bool:
+        r"""Whether ``record``'s pair may be named the culprit: aligned by names, a map or informative
+        weights (not ``low`` confidence); unless ``strict``, also a low-confidence pair of one module class on
+        both sides (two LayerNorms of fresh ones, in the same place). Two classes paired by order and shape
+        alone (a block against a norm) never are, unless a verified fix confirms them by value."""
+        pair = self.alignment.pair_of(record.module)
+        if pair is None:
+            return False
+        if pair.confidence != "low":
+            return True
+        port_record = self.port_record(record)
+        return not strict and port_record is not None and port_record.type == record.type
+
+    def passed_below(self, record: Record) -> int:
+        r"""How many of ``record``'s nearest aligned calls passed their tests."""
+        return sum(1 for child in self.frontier(record) if self.test(child).status == "pass")
+
+    def lead(self, record: Record) -> None:
+        r"""Keep a failing low-confidence pair as a lead (once)."""
+        result = self.test(record)
+        if result not in self.candidates:
+            self.candidates.append(result)
 
     def masking(self) -> bool:
         """Whether a failing test sits on a pair aligned with medium or high confidence, or differs far above
@@ -722,9 +735,28 @@ class Searcher:
         shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is
         a candidate, deepest first; the first that also fails on identical inputs is the culprit."""
         for record in self.differing_calls():
-            if self.test(record).status == "fail":
+            result = self.test(record)
+            if result.status != "fail":
+                continue
+            if self.confident(record):
                 return self.descend(record)
+            self.lead(record)
+            found, _ = self._failing_below(record)
+            if found is not None:
+                return found
+            # the nearest confidently aligned call above the lead holds the difference
+            above = self.confident_ancestor(record)
+            return above, self.passed_below(above)
         return None
+
+    def confident_ancestor(self, record: Record) -> Record:
+        r"""The nearest call above ``record`` aligned with more than low confidence, else the top-level
+        call."""
+        by_name = {r.name: r for r in self.ref_trace.records}
+        parent = by_name.get(record.parent) if record.parent is not None else None
+        while parent is not None and parent.parent is not None and not self.confident(parent, strict=True):
+            parent = by_name.get(parent.parent)
+        return parent if parent is not None else self.ref_trace.root
 
 
 def _signature(ref_record: Record, ref_leaves: Leaves, port_record: Record, port_leaves: Leaves) -> tuple:

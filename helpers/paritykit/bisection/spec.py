@@ -16,12 +16,12 @@ from paritykit.base.errors import ParityKitError
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp
 from paritykit.base.usercode import Spec, call_user, load_spec
 from paritykit.bisection.entry import bisect_traces, capture_and_bisect
-from paritykit.bisection.floor import FloatFloor
+from paritykit.bisection.floor import FloatFloor, original_of
 from paritykit.bisection.results import BisectReport
 
 
 def _side_of(model: Any, reference: Any) -> str:
-    return "reference" if model is reference else "port"
+    return "reference" if original_of(model) is reference else "port"
 
 
 def _run_forward(spec: Spec, model: Any, side: str, args: tuple, kwargs: dict) -> Any:

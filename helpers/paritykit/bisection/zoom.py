@@ -153,6 +153,9 @@ class ZoomSearch:
                 return found
         return None
 
+    def candidates(self) -> list[ModuleTest]:
+        return [c for level in self.levels for c in level.searcher.candidates]
+
     def tested(self) -> list[ModuleTest]:
         seen: dict[str, ModuleTest] = {}
         for level in self.levels:
@@ -167,6 +170,7 @@ class ZoomSearch:
             pairs=list(self.alignment.pairs),
             unaligned_reference=[n for n in self.unaligned[0] if n not in refs],
             unaligned_port=[n for n in self.unaligned[1] if n not in ports],
+            layer_orders=self.alignment.layer_orders,
         )
 
     def describe(self, environment: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +186,9 @@ class ZoomSearch:
         ports = {p.port for p in self.alignment.pairs}
         pairs: list[AlignedPair] = list(self.alignment.pairs)
         pairs += [p for p in found.pairs if p.reference not in refs and p.port not in ports]
-        self.alignment = Alignment(pairs=pairs)
+        # the layer orders are read from the whole models' weights: the first level's hold for every level
+        orders = self.alignment.layer_orders or found.layer_orders
+        self.alignment = Alignment(pairs=pairs, layer_orders=orders)
         for names, new in zip(self.unaligned, (found.unaligned_reference, found.unaligned_port)):
             names += [n for n in new if n not in names]
         return self.alignment
@@ -230,9 +236,12 @@ class ZoomSearch:
         passed = 0
         for child in level.searcher.frontier(record):
             result = level.searcher.test(child)
-            if result.status == "fail":
+            if result.status == "fail" and level.searcher.confident(child):
                 return self.descend(level, child), passed
-            if result.status == "untestable":
+            if result.status == "fail" or result.status == "untestable":
+                # a pair aligned on order alone is a lead, looked through like an untestable one
+                if result.status == "fail":
+                    level.searcher.lead(child)
                 # look inside, as a full capture would: a failing call below counts, a pass proves nothing
                 if self.can_enter(level, child):
                     inner = self.enter(level, child)

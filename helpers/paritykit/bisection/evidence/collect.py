@@ -1,5 +1,5 @@
 r"""All evidence at a culprit, ranked: the registry of detectors (``EVIDENCE``), :func:`culprit_evidence`, and
-the plain ``no-signature`` hint that lists what was ruled out when no detector finds anything."""
+the plain ``no-signature`` hint that lists what was checked when no detector finds anything."""
 
 from __future__ import annotations
 
@@ -74,30 +74,27 @@ def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint
 
 
 def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> Hint:
-    r"""The plain statement when no detector has evidence, with what was ruled out and what could not run."""
+    r"""The plain statement when no detector has evidence: what was measured, which checks ran without a
+    match and which could not run. It names no cause: an unmatched check is no proof of anything."""
     ruled_out = [*ran, "tensor signatures"]
     checked_all = (
         c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
     )
-    if checked_all and c.layouts:
+    if checked_all:
         message = (
-            "no known signature; module config is identical and every parameter holds the tensor of the"
-            f" reference module it is aligned with, some through a layout op ({', '.join(c.layouts[:3])}): if"
-            " that layout is not what the port's forward expects, it is the cause; otherwise the forward code"
-            " differs"
+            "no detector matched; measured: the module settings compared are equal, and every parameter holds"
+            " the values of the aligned reference module's parameter"
         )
-    elif checked_all:
-        message = (
-            "no known signature; module config and weights are identical (every parameter holds the tensor of"
-            " the reference module it is aligned with), so the forward code differs"
-        )
+        if c.layouts:
+            message += f", some through a layout op ({', '.join(c.layouts[:3])})"
     elif c.reference is None or c.port is None:
         message = (
-            "no known signature in the output tensors; module objects were not available, so configuration "
-            "and weights were not checked"
+            "no detector matched the output tensors; the module objects were not available, so settings and"
+            " weights were not compared"
         )
     else:
-        message = "no known signature; not every check could run, so the cause is unknown"
-    message += f" (ruled out: {', '.join([*ran, 'tensor signatures (casts, transposes, scales, offsets)'])}"
+        message = "no detector matched; not every check could run"
+    checked = [*ran, "tensor signatures (casts, transposes, scales, offsets)"]
+    message += f" (checked without a match: {', '.join(checked)}"
     message += f"; could not run: {', '.join(failed)})" if failed else ")"
     return Hint("no-signature", message, {"ruled_out": ruled_out, "not_run": list(failed)}, score=0.1)
