@@ -184,7 +184,9 @@ def test_jump_ratio_separates_made_errors_from_inherited_ones(tmp_path):
     assert report.culprit.port == "transformer_blocks.0.norm1" and report.culprit.test == "jump"
     assert "inputs agree within tolerance" in report.culprit.note
     assert next(t for t in report.candidates if t.port == "transformer_blocks.0").status == "fail"
-    assert "lead: reference blocks.0 <-> port transformer_blocks.0 fails on captured inputs" in report.render()
+    assert (
+        "lead: reference blocks.0 <-> port transformer_blocks.0 fails on captured inputs" in report.render()
+    )
 
     searcher = Searcher(rt, pt, align_modules(reference, port, rt, pt), atol=None, rtol=None, ratio=10.0)
     downstream = searcher.test(rt["head"])  # the last Linear only carries the error it is given

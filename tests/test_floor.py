@@ -147,7 +147,9 @@ def test_a_reference_that_cannot_run_in_float64_is_measured_on_rounded_inputs_an
     port.load_state_dict(model.state_dict())
     report = bisect(model, port, [x])
     assert report.verdict == "match", report.render()
-    state = "measured on the reference's rounded inputs only (it does not run in float64 (TypeError: this model"
+    state = (
+        "measured on the reference's rounded inputs only (it does not run in float64 (TypeError: this model"
+    )
     assert report.float_floor.startswith(state)
     assert f"float floor: {state}" in report.render()  # the text report says it, not only the JSON
 
@@ -160,7 +162,7 @@ def test_a_port_that_cannot_run_in_float64_is_named_as_the_port():
 
 
 class Table(torch.nn.Module):
-    """A sinusoid table of the timestep, then a projection; ``dtype`` is the precision the table is kept in."""
+    """A sinusoid table of the timestep, then a projection; ``dtype``: the precision the table is kept in."""
 
     def __init__(self, dtype=None):
         super().__init__()

@@ -141,7 +141,11 @@ def test_bisect_leads_with_the_layer_order_at_every_level_setting(levels):
     text = sorted(range(12), key=str)
     port.load_state_dict(
         {
-            (f"blocks.{text.index(int(k.split('.')[1]))}." + k.split(".", 2)[2] if k.startswith("blocks") else k): v
+            (
+                f"blocks.{text.index(int(k.split('.')[1]))}." + k.split(".", 2)[2]
+                if k.startswith("blocks")
+                else k
+            ): v
             for k, v in reference.state_dict().items()
         }
     )
