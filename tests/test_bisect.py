@@ -542,3 +542,49 @@ def test_ops_says_why_when_it_names_no_op():
     assert report.culprit.ops_note.startswith("--ops: not traced: the culprit is the top level")
     assert report.culprit.ops_note in report.render()
     assert not bisect(Inline(1.0), Inline(1.5), [torch.randn(2, 4)]).culprit.ops_note  # not asked: silent
+
+
+class FusedAttention(torch.nn.Module):
+    """Research attention: one fused qkv projection, read as (3, heads, dim) in one reshape."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        out = torch.softmax(q @ k.transpose(-1, -2) / 4**0.5, dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, 8)
+
+
+class SplitAttention(torch.nn.Module):
+    """The port: split projections, each read as (heads, dim); ``scale`` is the softmax's."""
+
+    def __init__(self, fused: FusedAttention, scale: float):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(8, 8) for _ in range(3))
+        for i, layer in enumerate((self.to_q, self.to_k, self.to_v)):
+            layer.weight.data = fused.qkv.weight.data[8 * i : 8 * (i + 1)].clone()
+            layer.bias.data = fused.qkv.bias.data[8 * i : 8 * (i + 1)].clone()
+        self.scale = scale
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).reshape(b, n, 2, 4).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        out = torch.softmax(q @ k.transpose(-1, -2) * self.scale, dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, 8)
+
+
+def test_ops_pairs_split_projections_with_a_fused_one_by_value():
+    # the port's to_q result is chunk 0 of the reference's fused qkv: the same values, never the first
+    # differing op; the scale is
+    from paritykit.bisection.ops import op_divergence
+
+    torch.manual_seed(0)
+    reference = FusedAttention()
+    x = torch.randn(2, 5, 8)
+    found = op_divergence(reference, SplitAttention(reference, 1 / 4), ((x,), {}), ((x,), {}))
+    assert found is not None and "linear" not in found.port_op, found.port_op
+    assert "mul" in found.port_op and "0.25" in found.port_args
+    assert op_divergence(reference, SplitAttention(reference, 0.5), ((x,), {}), ((x,), {})) is None

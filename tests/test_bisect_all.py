@@ -72,6 +72,10 @@ def test_all_lists_every_culprit_in_execution_order_and_says_the_output_then_mat
     assert report.culprit.reference == "blocks.0.mlp.1"  # the first culprit, as without --all
     assert report.output_after is not None and report.output_after.passed
     assert all(c.hints for c in report.culprits)  # each culprit carries its own evidence
+    # a culprit found with others substituted says which: its numbers are measured with them in place
+    later = {c.reference: c.note for c in report.culprits}
+    assert "measured with the reference's outputs in place of blocks.0.mlp.1" in later["blocks.1.mlp.1"]
+    assert "measured with" not in later["blocks.0.mlp.1"]
     data = json.loads(to_json(report.to_dict()))
     assert [c["reference"] for c in data["culprits"]] == [n for n, _ in names]
     assert data["culprit"]["reference"] == "blocks.0.mlp.1" and data["matches_after_substitution"] is True

@@ -119,3 +119,15 @@ def test_versions_read_from_dist_info_folders_agree_with_importlib_metadata():
     for name in ("torch", "diffusers", "numpy", "k-diffusion"):
         assert _package_version(name) == metadata.version(name)
     assert _package_version("no-such-distribution-here") is None
+
+
+def test_a_cosine_that_is_not_one_never_reads_as_one():
+    from paritykit.base.report import format_cosine
+
+    assert format_cosine(1.0) == "1" and format_cosine(None) == "-"
+    assert format_cosine(0.9813892123) == "0.9813892"
+    for value in (0.99999994, 0.9999999999, 1 - 3e-13, 0.9999):
+        text = format_cosine(value)
+        assert text != "1" and not text.startswith("1.0"), text
+        assert float(text.replace("1 - ", "")) != 1.0 or text.startswith("1 - ")
+    assert format_cosine(0.5) == "0.5" and format_cosine(-0.3) == "-0.3"

@@ -52,6 +52,54 @@ def test_schedule_spacing_is_fitted_and_the_fix_verified(tmp_path):
     assert "--fit DDIMScheduler" in finding.command
 
 
+def test_conditioning_of_another_length_is_a_difference_never_a_rule_out(tmp_path):
+    # the port pads its prompt embedding with zero rows: the rows both have agree, the lengths do not. That is
+    # measured at the conditioning, never "ruled out" for agreeing on the common rows
+    report = run(tmp_path, ["cond-padded"], vae=False)
+    (finding,) = report.findings
+    assert (finding.place, finding.call) == ("conditioning", 0), report.render()
+    assert "differ in length along axis 1: the first 3 there agree; the port's other 2 are all zero" in (
+        finding.summary
+    )
+    assert not any(n.place == "conditioning" for n in report.ruled_out)
+    # a clean port says what was compared: shapes, every element, every call
+    clean = run(tmp_path, vae=False)
+    (note,) = [n for n in clean.ruled_out if n.place == "conditioning"] or [None]
+    assert note is None or "agree element by element at all 5 calls" in note.text
+
+
+def test_the_verdict_is_the_results_and_differences_inside_a_matching_run_are_no_causes():
+    from paritykit.triage.report import Finding, TriageReport
+
+    def report(passed, findings, all_causes=False):
+        return TriageReport(
+            spec="s.py",
+            findings=findings,
+            ruled_out=[],
+            not_checked=[],
+            curve=[],
+            calls=(3, 3),
+            result={"passed": passed, "max_abs": 1e-6, "cosine": 1.0},
+            all_causes=all_causes,
+            out_dir=None,
+        )
+
+    inside = [Finding("denoiser", 0, "the batch halves are in the other order")]
+    matching = report(True, inside)
+    assert matching.verdict == "match" and matching.exit_code == 0
+    text = matching.render()
+    assert text.startswith(
+        "verdict: match (the results agree within tolerance; inside the run 1 place differ"
+    )
+    assert "1. inside the run, denoiser at call 0" in text and "cause" not in text
+    differing = report(False, inside * 3, all_causes=True)
+    assert differing.exit_code == 1 and "3 places differ, each checked on its own" in differing.render()
+    assert "independent" not in differing.render()
+    first = report(False, inside).render()
+    assert "(the first place that differs; --all checks every place on its own)" in first
+    assert report(True, []).verdict == "match" and report(False, []).verdict == "differ"
+
+
 def test_conditioning_cast_before_the_denoiser(tmp_path):
     report = run(tmp_path, ["cond-bf16"])
     (finding,) = report.findings
@@ -261,7 +309,7 @@ def test_a_file_that_cannot_be_written_leaves_its_finding_without_a_command(tmp_
 
 def test_a_masked_module_is_the_cause_only_where_the_run_saw_its_output_differ():
     from paritykit.bisection import bisect
-    from paritykit.triage.walk import module_differs
+    from paritykit.triage.measures import module_differs
 
     from tests.test_bisect_all import masked_vit, vit_output
 

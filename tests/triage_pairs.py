@@ -29,6 +29,8 @@ BUGS = (
     # schedule: DDIMScheduler's default "leading" spacing where the reference uses trailing
     "spacing-leading",
     "cond-bf16",  # conditioning: the port hands the denoiser its prompt embedding in bfloat16
+    # conditioning: the port pads the prompt embedding with two zero rows (the reference pads nothing)
+    "cond-padded",
     "double-call",  # call structure: the port calls its denoiser twice per step (guidance halves, unbatched)
     "norm-eps",  # denoiser: one GroupNorm of the port's UNet built with eps 1e-3
     "v-prediction",  # update: the port's scheduler reads the output as v where the model predicts epsilon
@@ -85,6 +87,8 @@ class Pair:
         noise = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32)
         scheduler = scheduler or self.port_scheduler()
         cond = self.cond.bfloat16().float() if "cond-bf16" in self.bugs else self.cond
+        if "cond-padded" in self.bugs:
+            cond = torch.cat([cond, cond.new_zeros(1, 2, cond.shape[-1])], dim=1)
         if "double-call" in self.bugs:
             scheduler.set_timesteps(steps)
             latents = noise.float()

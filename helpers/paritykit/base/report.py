@@ -128,6 +128,19 @@ def format_number(value: Any, digits: int = 3, exponent_digits: int | None = Non
     return f"{value:.{digits - 1 if exponent_digits is None else exponent_digits}e}"
 
 
+def format_cosine(value: Any) -> str:
+    r"""A cosine similarity with as many digits as it takes to differ from 1 when it is not 1 (a table row
+    with max_abs 1.46 never shows cosine ``1``): ``0.9813892``, ``0.99999994``, ``1 - 2.0e-14``; ``1`` only
+    when exact."""
+    if not isinstance(value, float) or not math.isfinite(value) or value == 1.0:
+        return format_number(value)
+    gap = 1.0 - value
+    if gap < 1e-10:
+        return f"1 - {gap:.1e}"
+    digits = max(7, math.ceil(-math.log10(gap)) + 2) if gap < 0.1 else 4
+    return f"{value:.{digits}f}".rstrip("0").rstrip(".")
+
+
 def format_value(value: Any) -> str:
     r"""A setting's value as a porter writes it in code: a float to six significant digits (``1e-06``,
     ``0.176777``), anything else as its ``repr`` (``'gelu'``, ``True``, ``(1, 0)``)."""

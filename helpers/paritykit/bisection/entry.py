@@ -41,7 +41,7 @@ from paritykit.bisection.leaves import (
     torch_equal,
 )
 from paritykit.bisection.repair.culprit_sites import RepairOptions
-from paritykit.bisection.results import BisectReport, shown_name
+from paritykit.bisection.results import BisectReport, ModuleFinding, shown_name
 from paritykit.bisection.searcher import JUMP_RATIO, Searcher, join_notes
 from paritykit.bisection.strategy import FullSearch, run_strategy
 from paritykit.tracing.trace import module_of
@@ -112,6 +112,26 @@ def bisect_traces(
 # ------------------------------------------------------------------------------------- every culprit (--all)
 
 MAX_CULPRITS = 8
+
+
+def _after_substitution(found: ModuleFinding, before: list[ModuleFinding]) -> None:
+    r"""A culprit found with the earlier ones given the reference's outputs: said so in its note, and its
+    setting hints about modules inside those culprits dropped (what they name is already substituted)."""
+    done = [c.port for c in before if c.port]
+
+    def substituted(path: str) -> bool:
+        return any(path == d or path.startswith(d + ".") for d in done)
+
+    kept = []
+    for hint in found.hints:
+        differences = hint.evidence.get("differences") if isinstance(hint.evidence, dict) else None
+        about = [d.get("port", "") for d in differences or [] if isinstance(d, dict)]
+        if hint.id == "module-config" and about and all(substituted(path) for path in about):
+            continue
+        kept.append(hint)
+    found.hints = kept
+    names = ", ".join(shown_name(c.reference) for c in before)
+    found.note = join_notes(f"measured with the reference's outputs in place of {names}", found.note)
 
 
 def every_culprit(
@@ -185,7 +205,9 @@ def every_culprit(
                     call, passed = hidden
                 if call.name in {c.reference for c in report.culprits}:
                     break
-                report.culprits.append(culprit_finding(again, call, passed, output, ops=ops, repair=repair))
+                found = culprit_finding(again, call, passed, output, ops=ops, repair=repair)
+                _after_substitution(found, report.culprits)
+                report.culprits.append(found)
             report.tested += [t for t in again.results.values() if t.reference not in searcher.results]
     finally:
         for handle in handles:

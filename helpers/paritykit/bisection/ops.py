@@ -99,11 +99,16 @@ def op_divergence(
     ref_ops = _log_ops(ref_module, *ref_call)
     port_ops = _log_ops(port_module, *port_call)
     known: dict[tuple, list[tuple[str, str, Any]]] = {}
+    # the same values by every shape but the last dim: a fused projection's result (qkv) holds the split
+    # ones' (to_q) as chunks of its last dim, and the other way round
+    by_rows: dict[tuple, list[Any]] = {}
     for _, tensor in flatten_tensors(ref_call):
         known.setdefault(tuple(tensor.shape), []).append(("input", "", tensor))
     for name, args, _, outs in ref_ops:
         for _, value in outs:
             known.setdefault(tuple(value.shape), []).append((name, args, value))
+            if value.dim():
+                by_rows.setdefault(tuple(value.shape[:-1]), []).append(value)
 
     def agrees(a: Any, b: Any) -> bool:
         if not (a.is_floating_point() and b.is_floating_point()):
@@ -119,6 +124,23 @@ def op_divergence(
         first, second = a.chunk(2, dim=-1)
         return agrees(torch.cat([second, first], dim=-1), b)
 
+    def fused(value: Any) -> bool:
+        """``value`` is a chunk of a fused reference result, or fuses reference results, on its last dim."""
+        if not value.dim() or not value.is_floating_point():
+            return False
+        width = value.shape[-1]
+        for ref_value in by_rows.get(tuple(value.shape[:-1]), []):
+            other = ref_value.shape[-1]
+            if other > width and other % width == 0 and ref_value.is_floating_point():
+                if any(agrees(chunk, value) for chunk in ref_value.split(width, dim=-1)):
+                    return True
+        for parts in (2, 3, 4):
+            if width % parts == 0 and width > parts:
+                chunks = value.split(width // parts, dim=-1)
+                if all(any(agrees(r, c) for _, _, r in known.get(tuple(c.shape), [])) for c in chunks):
+                    return True
+        return False
+
     off: set[int] = set()
     for index, (name, args, inputs, outs) in enumerate(port_ops):
         if any(id(t) in off for t in inputs):
@@ -129,6 +151,8 @@ def op_divergence(
         for _, value in outs:
             candidates = known.get(tuple(value.shape), [])
             if any(agrees(ref_value, value) or swapped(ref_value, value) for _, _, ref_value in candidates):
+                continue
+            if fused(value):
                 continue
             best = None
             for ref_name, ref_args, ref_value in candidates:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
+from paritykit.base.report import DEFAULT_LIMIT, format_cosine, format_number, render_table
 from paritykit.bisection.align import Alignment, Confidence
 from paritykit.bisection.floor import FLOOR_MEASURED
 
@@ -251,7 +251,7 @@ class BisectReport:
         out = _comparison_summary(self.output) or {}
         lines = [
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
-            f"cosine {format_number(out.get('cosine'), 6)})"
+            f"cosine {format_cosine(out.get('cosine'))})"
         ]
         for order in self.reordered_layers():
             lines.append(f"layer order: {order.words()}; aligned by the tensors each layer holds")
@@ -296,7 +296,15 @@ class BisectReport:
             if not same:
                 lines += [f"  relation of the captured outputs there: {r.line()}" for r in f.relations]
         rows = [
-            [shown_name(t.reference), shown_name(t.port), t.test, t.status, t.max_abs, t.cosine, t.note]
+            [
+                shown_name(t.reference),
+                shown_name(t.port),
+                t.test,
+                t.status,
+                t.max_abs,
+                format_cosine(t.cosine),
+                t.note,
+            ]
             for t in self.tested
         ]
         if rows:
@@ -342,7 +350,7 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads
         (
             f"  aligned by {f.how_aligned}{low}; found by {_FOUND_BY.get(f.test, f.test)};"
             f" max_abs {format_number(f.max_abs)}, "
-            f"cosine {format_number(f.cosine, 6)}"
+            f"cosine {format_cosine(f.cosine)}"
         ),
     ]
     passed = f"its {f.children_passed} aligned submodule call(s) pass on identical inputs"

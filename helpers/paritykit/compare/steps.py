@@ -24,7 +24,7 @@ from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.files import check_sides, refuse_overwriting_an_input, same_path_warning, save_figure
-from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
+from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_cosine, format_number, render_table
 
 # --- growth classification thresholds (quoted by `paritykit steps --help`)
 # -------------------------------------
@@ -309,7 +309,7 @@ class StepCurve:
             headers += ["sigma", "1/sigma", "max_abs*sigma"]
         rows = []
         for p in self.points:
-            row = [str(p.step), p.status, p.max_abs, p.mean_abs, p.cosine]
+            row = [str(p.step), p.status, p.max_abs, p.mean_abs, format_cosine(p.cosine)]
             if with_sigma:
                 row += [p.sigma, p.inv_sigma, p.max_abs_times_sigma]
             rows.append(row)

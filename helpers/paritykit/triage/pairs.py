@@ -4,10 +4,10 @@ triage's tolerance; the relative error shown per call."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.base.report import format_number
+from paritykit.base.report import format_cosine, format_number
 from paritykit.tracing.recording import Call
 from paritykit.triage.roles import Roles, argument, latents, output, pair_conditioning, timestep
 
@@ -56,6 +56,10 @@ class CallComparison:
     # the port's timestep over the reference's, when the two give one schedule in other units (1000 for
     # [0, 1] against [0, 1000]: :func:`timestep_units`)
     t_scale: float = 1.0
+    # conditioning arguments no argument of the other side pairs with: a length that differs (measured on
+    # the part both have), and the arguments of one side only
+    unpaired: list[str] = field(default_factory=list)
+    one_sided: list[str] = field(default_factory=list)
 
     @property
     def latents_match(self) -> bool:
@@ -68,7 +72,9 @@ class CallComparison:
 
     @property
     def conditioning_match(self) -> bool:
-        return all(c.passed for _, _, c in self.conditioning)
+        r"""Every paired conditioning input agrees, and no two differ in length (a padding that differs is
+        a difference, not something to skip)."""
+        return all(c.passed for _, _, c in self.conditioning) and not self.unpaired
 
     @property
     def inputs_match(self) -> bool:
@@ -116,6 +122,12 @@ def compare_call(
         (r, p, compare(argument(ref, r), argument(port, p), tol, f"call {index} {r} / {p}"))
         for r, p in pair_conditioning(ref, rr, port, pr)
     ]
+    paired = {r for r, _, _ in conditioning}, {p for _, p, _ in conditioning}
+    unpaired, one_sided = unpaired_conditioning(
+        [(r, argument(ref, r)) for r in rr.conditioning if r not in paired[0]],
+        [(p, argument(port, p)) for p in pr.conditioning if p not in paired[1]],
+        tol,
+    )
     er, ep = output(ref), output(port)
     out = (
         compare(er, ep, tol, f"call {index} output")
@@ -132,13 +144,51 @@ def compare_call(
         conditioning,
         out,
         t_scale,
+        unpaired,
+        one_sided,
     )
+
+
+def unpaired_conditioning(
+    ref: list[tuple[str, Any]], port: list[tuple[str, Any]], tol: Tolerance
+) -> tuple[list[str], list[str]]:
+    r"""The conditioning arguments left unpaired, measured: ``(differences, alone)``. A reference argument
+    and a port one of its rank that differ along one axis only (a padded or truncated sequence) are compared
+    on the part both have: a difference. Each other one is said alone, with its shape (a mask or a length
+    passed by one side only is no difference by itself)."""
+    differences, used, compared = [], set(), set()
+    for r, a in ref:
+        for p, b in port:
+            axes = [i for i in range(a.dim()) if a.shape[i] != b.shape[i]] if a.dim() == b.dim() else []
+            if p in used or len(axes) != 1:
+                continue
+            used.add(p)
+            axis, n = axes[0], min(a.shape[axes[0]], b.shape[axes[0]])
+            common = compare(a.narrow(axis, 0, n), b.narrow(axis, 0, n).to(a.dtype), tol, f"{r} / {p}")
+            longer, extra = ("reference", a) if a.shape[axis] > n else ("port", b)
+            rest = extra.narrow(axis, n, extra.shape[axis] - n)
+            agree = "agree" if common.passed else f"differ (max_abs {format_number(common.max_abs)})"
+            tail = (
+                "all zero"
+                if bool((rest == 0).all())
+                else f"not zero (max |value| {format_number(float(rest.abs().max()))})"
+            )
+            more = extra.shape[axis] - n
+            differences.append(
+                f"reference {r} {tuple(a.shape)} and port {p} {tuple(b.shape)} differ in length along axis"
+                f" {axis}: the first {n} there {agree}; the {longer}'s other {more} are {tail}"
+            )
+            compared.add(r)
+            break
+    alone = [f"reference {r} {tuple(a.shape)}" for r, a in ref if r not in compared]
+    alone += [f"port {p} {tuple(b.shape)}" for p, b in port if p not in used]
+    return differences, alone
 
 
 def comparison_evidence(comparison: Any) -> list[str]:
     r"""A tensor comparison's numbers and its diagnoses, one line each."""
     lines = [
-        f"max_abs {format_number(comparison.max_abs)}, cosine {format_number(comparison.cosine, 7)}, "
+        f"max_abs {format_number(comparison.max_abs)}, cosine {format_cosine(comparison.cosine)}, "
         f"{format_number(comparison.mismatch_fraction)} of elements outside tolerance"
     ]
     lines += [hint.render() for hint in comparison.hints[:3]]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from paritykit.base.report import DEFAULT_LIMIT, format_number, render_table
+from paritykit.base.report import DEFAULT_LIMIT, format_cosine, format_number, render_table
 
 # the places a sampling pipeline can part from its reference, in the order the data flows through them
 Place = Literal[
@@ -122,9 +122,11 @@ class CallError:
 
 @dataclass
 class TriageReport:
-    r"""``verdict`` is ``match`` (every call, the decoder and the result agree) or ``differ``; ``findings``
-    list the causes, first difference first (every independent one with ``all_causes``); ``ruled_out`` the
-    places checked and found to agree; ``not_checked`` what could not be, with why."""
+    r"""``verdict`` is the result's: ``match`` when the two results agree within tolerance, whatever differs
+    inside the run (those places are then measurements, never causes), else ``differ``. ``findings`` list the
+    places that differ, first difference first (with ``all_causes``, every place, each checked on its own on
+    the reference's inputs: how many independent causes there are is not claimed); ``ruled_out`` the places
+    compared whole and found to agree; ``not_checked`` what could not be, or was only partly, with why."""
 
     spec: str
     findings: list[Finding]
@@ -140,12 +142,18 @@ class TriageReport:
     spec_written: str = ""
 
     @property
+    def result_matches(self) -> bool:
+        return self.result.get("passed") is True
+
+    @property
     def verdict(self) -> Verdict:
-        return "differ" if self.findings else "match"
+        if self.result_matches:
+            return "match"
+        return "differ" if self.findings or self.result.get("passed") is False else "match"
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.findings else 0
+        return 1 if self.verdict == "differ" else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -170,16 +178,23 @@ class TriageReport:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         head = f"verdict: {self.verdict}"
-        if self.findings:
-            head += f" ({len(self.findings)} cause{'s' if len(self.findings) > 1 else ''}"
-            head += ", every independent one)" if self.all_causes else ", the first; --all for every one)"
+        places = f"{len(self.findings)} place{'s' if len(self.findings) > 1 else ''}"
+        if self.findings and self.verdict == "match":
+            head += f" (the results agree within tolerance; inside the run {places} differ, listed below)"
+        elif self.findings:
+            head += (
+                f" ({places} differ, each checked on its own)"
+                if self.all_causes
+                else " (the first place that differs; --all checks every place on its own)"
+            )
         lines = [
             head,
             f"denoiser calls: reference {self.calls[0]}, port {self.calls[1]}; {_result_text(self.result)}",
         ]
         for number, f in enumerate(self.findings, 1):
             where = f" at call {f.call}" if f.call is not None else ""
-            lines.append(f"{number}. {f.place}{where}: {f.summary}")
+            inside = "inside the run, " if self.verdict == "match" else ""
+            lines.append(f"{number}. {inside}{f.place}{where}: {f.summary}")
             lines += [f"     {e}" for e in f.evidence]
             if f.fix:
                 lines.append(f"     fix ({'verified' if f.verified else 'not verified'}): {f.fix}")
@@ -214,5 +229,5 @@ def _result_text(result: dict[str, Any]) -> str:
         return f"results not compared: {result['error']}"
     return (
         f"result {'matches' if result.get('passed') else 'differs'} "
-        f"(max_abs {format_number(result.get('max_abs'))}, cosine {format_number(result.get('cosine'))})"
+        f"(max_abs {format_number(result.get('max_abs'))}, cosine {format_cosine(result.get('cosine'))})"
     )

@@ -18,8 +18,20 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
-from paritykit.tracing.recording import Call, batch_of, in_form_of
+from paritykit.tracing.recording import Call
 from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
+from paritykit.triage.measures import (
+    bisect_finding,
+    first_tensor,
+    head,
+    identity,
+    masked_words,
+    module_differs,
+    repeats,
+    runs,
+    unclamped_affine,
+    with_first_tensor,
+)
 from paritykit.triage.pairs import (
     Tolerance,
     compare,
@@ -38,7 +50,6 @@ from paritykit.triage.roles import (
     roles_of,
     timestep,
     with_reference_values,
-    with_values,
 )
 from paritykit.triage.sides import SideRun
 
@@ -123,7 +134,7 @@ class Triage:
     def first_difference(self) -> None:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
         differs is the cause; after the last call, the decoder."""
-        if None not in self.t_ref and None not in self.t_port and _repeats(self.t_ref, self.t_port):
+        if None not in self.t_ref and None not in self.t_port and repeats(self.t_ref, self.t_port):
             return self.schedule()  # calls that cannot be paired one to one
         for pair in self.pairs:
             i = pair.index
@@ -213,7 +224,7 @@ class Triage:
             units = f" ({self.t_units}: compared and replayed ×{self.t_scale:g})" if self.t_units else ""
             self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}")
             return
-        repeated = _repeats(t_ref, t_port)
+        repeated = repeats(t_ref, t_port)
         if repeated:
             side, times = repeated
             self.findings.append(
@@ -225,8 +236,8 @@ class Triage:
                     "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
                     "reference's halves",
                     evidence=[
-                        f"reference {_head(t_ref)}",
-                        f"port      {_head(t_port)}",
+                        f"reference {head(t_ref)}",
+                        f"port      {head(t_port)}",
                         "the timesteps agree once the repeats are collapsed",
                     ],
                 )
@@ -235,8 +246,8 @@ class Triage:
         first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
         comparison = compare_schedules(t_ref, t_port)
         evidence = [
-            f"reference {_head(t_ref)}",
-            f"port      {_head(t_port)}",
+            f"reference {head(t_ref)}",
+            f"port      {head(t_port)}",
             *(h.message for h in getattr(comparison, "hints", [])[:3]),
         ]
         finding = Finding(
@@ -286,31 +297,51 @@ class Triage:
             )
         else:
             finding.evidence += [
-                f"no config of {type(scheduler).__name__} reproduces them",
+                f"none of the {fit.searched} configs and set_timesteps calls of {type(scheduler).__name__}"
+                " tried reproduces them (schedule --fit lists them)",
                 *fit.differences[:3],
             ]
 
     # ----------------------------------------------------------------------------------- 3. conditioning
     def conditioning(self) -> None:
-        pair = self.pairs[0] if self.pairs else None
-        if pair is None or not pair.conditioning:
+        r"""Every call's conditioning inputs, paired by shape and compared whole; two that differ in length
+        only are compared on the part both have, and the difference in length is the finding."""
+        if not self.pairs or not any(p.conditioning or p.unpaired for p in self.pairs):
             self.skip("conditioning", "no conditioning inputs paired between the two denoisers")
             return
-        bad = [(r, p, c) for r, p, c in pair.conditioning if not c.passed]
-        if not bad:
-            self.rule_out("conditioning", ", ".join(f"{r} / {p}" for r, p, _ in pair.conditioning) + " agree")
-            return
-        r, p, c = bad[0]
-        self.findings.append(
-            Finding(
-                "conditioning",
-                0,
-                f"the denoiser's conditioning input {r} (port: {p}) differs before any "
-                "denoiser computation: the text encoder, the prompt's embedding or its packing",
-                evidence=comparison_evidence(c),
-                **command_and_files(self.commands.compare(0, r, p)),
-            )
+        for pair in self.pairs:
+            if pair.unpaired:
+                self.findings.append(
+                    Finding(
+                        "conditioning",
+                        pair.index,
+                        f"a conditioning input differs in length at call {pair.index}: " + pair.unpaired[0],
+                        evidence=pair.unpaired[1:],
+                    )
+                )
+                return
+            bad = [(r, p, c) for r, p, c in pair.conditioning if not c.passed]
+            if bad:
+                r, p, c = bad[0]
+                self.findings.append(
+                    Finding(
+                        "conditioning",
+                        pair.index,
+                        f"the denoiser's conditioning input {r} (port: {p}) differs at call {pair.index},"
+                        " before any denoiser computation",
+                        evidence=comparison_evidence(c),
+                        **command_and_files(self.commands.compare(pair.index, r, p)),
+                    )
+                )
+                return
+        first = self.pairs[0]
+        shapes = ", ".join(f"{r} / {p} {tuple(c.shape_a)}" for r, p, c in first.conditioning)
+        self.rule_out(
+            "conditioning",
+            f"{shapes} are equal in shape and agree element by element at all {len(self.pairs)} calls",
         )
+        if first.one_sided:
+            self.skip("conditioning", "passed by one side only, not compared: " + ", ".join(first.one_sided))
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
@@ -326,10 +357,10 @@ class Triage:
         if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
-                f"the port's module matches the reference's on call {call}'s inputs" + _masked_words(report),
+                f"the port's module matches the reference's on call {call}'s inputs" + masked_words(report),
             )
             return
-        finding = _bisect_finding("denoiser", call, report)
+        finding = bisect_finding("denoiser", call, report)
         if not self.pairs[call].inputs_match:
             finding.evidence.insert(
                 0, f"the port's own call-{call} inputs differ; it was fed the reference's"
@@ -409,11 +440,19 @@ class Triage:
         if self._update_in_lockstep():
             return
         checked = [i for i in comparable if fits[i][0] is not None and fits[i][0].exact and fits[i][1].exact]
-        if checked:
-            self.rule_out(
+        words = (
+            "each side's update is an exact linear rule of its latents and outputs, and the two rules agree"
+            f" at {len(checked)} of {len(self.pairs)} recorded calls"
+        )
+        if checked and len(checked) == len(self.pairs):
+            self.rule_out("update", words)
+        elif checked:
+            # a rule-out covers every update or none: the calls left out may hold the difference
+            missed = [i for i in range(len(self.pairs)) if i not in checked]
+            self.skip(
                 "update",
-                f"each side's update is an exact linear rule of its latents and outputs, and the two rules"
-                f" agree at {len(checked)} of {len(self.pairs)} recorded calls (those whose timesteps agree)",
+                f"{words}; not compared at calls {runs(missed)} (timesteps differ there, or a"
+                " side's update is not an exact linear rule)",
             )
         else:
             self.skip("update", "no step with the same timesteps on both sides and an exact linear rule")
@@ -564,7 +603,7 @@ class Triage:
             self.skip("decoder", "a side's vae() module was never called during its run")
             return
         ref_call, port_call = self.ref.decoder_calls[-1], self.port.decoder_calls[-1]
-        zr, zp = _first_tensor(ref_call), _first_tensor(port_call)
+        zr, zp = first_tensor(ref_call), first_tensor(port_call)
         same_input = (
             zr is not None
             and zp is not None
@@ -573,7 +612,7 @@ class Triage:
         )
         if not same_input and zr is not None and zp is not None:
             fit = fit_affine(zp, zr, per_channel=True)
-            if fit is not None and fit.exact and not _identity(fit):
+            if fit is not None and fit.exact and not identity(fit):
                 self.findings.append(
                     Finding(
                         "decoder input",
@@ -604,13 +643,13 @@ class Triage:
                     )
                 )
                 return
-        mapped = _with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
+        mapped = with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
         if mapped is None:
             self.skip("decoder", "the two decoders' inputs cannot be paired (shapes differ)")
             return
         report = self._bisect(self.ref.vae, self.port.vae, ref_call, mapped)
         if module_differs(report, same_input and not self._same_output(ref_call, port_call)):
-            finding = _bisect_finding("decoder", None, report)
+            finding = bisect_finding("decoder", None, report)
             if not same_input:
                 finding.evidence.insert(0, "the port's decoder was fed the reference's decoder input")
             finding.command, finding.files = self.commands.bisect(
@@ -621,7 +660,7 @@ class Triage:
                 self.post_processing(ref_call, port_call)
             return
         self.rule_out(
-            "decoder", "the port's module matches on the reference's decoder input" + _masked_words(report)
+            "decoder", "the port's module matches on the reference's decoder input" + masked_words(report)
         )
         self.post_processing(ref_call, port_call)
 
@@ -650,8 +689,8 @@ class Triage:
     def post_processing(self, ref_call: Call, port_call: Call) -> None:
         r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is
         not clamped; the two maps compared."""
-        fr = _unclamped_affine(self.ref.result, output(ref_call))
-        fp = _unclamped_affine(self.port.result, output(port_call))
+        fr = unclamped_affine(self.ref.result, output(ref_call))
+        fp = unclamped_affine(self.port.result, output(port_call))
         if fr is None or fp is None:
             self.skip("post-processing", "a result is not laid out like its decoder's output")
             return
@@ -709,112 +748,3 @@ class Triage:
                 )
             )
         return rows
-
-
-def _repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
-    r"""``("reference" | "port", k)`` when that side's timesteps are the other's with each one repeated ``k``
-    times in a row (a denoiser called once per guidance half); ``None`` otherwise."""
-    for side, many, once in (("reference", t_ref, t_port), ("port", t_port, t_ref)):
-        if not once or len(many) <= len(once) or len(many) % len(once):
-            continue
-        k = len(many) // len(once)
-        if all(many[i * k + j] == once[i] for i in range(len(once)) for j in range(k)):
-            return side, k
-    return None
-
-
-def _head(values: list[float | None], count: int = 6) -> str:
-    shown = ", ".join(format_number(v, 6) for v in values[:count])
-    return f"[{shown}{', …' if len(values) > count else ''}] ({len(values)})"
-
-
-def _first_tensor(call: Call) -> Any:
-    return next((v for v in map(batch_of, call.named.values()) if v is not None), None)
-
-
-def _with_first_tensor(call: Call, value: Any) -> tuple[tuple, dict] | None:
-    if value is None:
-        return None
-    name = next((k for k, v in call.named.items() if batch_of(v) is not None), None)
-    if name is None or tuple(batch_of(call.named[name]).shape) != tuple(value.shape):
-        return None
-    return with_values(call, {name: in_form_of(call.named[name], value)})
-
-
-def _unclamped_affine(result: Any, decoded: Any) -> Any:
-    r"""``result ≈ a · decoded + b`` over the elements strictly between the result's own extremes (a clamp to
-    [0, 1] leaves its clipped elements at them); ``None`` when the shapes differ or too few are left."""
-    import torch
-
-    from paritykit.triage.fits import fit_linear
-
-    if decoded is None or tuple(result.shape) != tuple(decoded.shape):
-        return None
-    r = result.detach().double()
-    inside = (r > r.min()) & (r < r.max())
-    if int(inside.sum()) < 16:
-        return None
-    values = decoded.detach().double()[inside]
-    return fit_linear(r[inside], {"decoder output": values, "offset": torch.ones_like(values)})
-
-
-def module_differs(report: Any, seen_differing: bool) -> bool:
-    r"""Whether a module's bisect on one call's inputs puts the place's difference in that module, for every
-    place that bisects a module (the denoiser, the decoder).
-
-    Args:
-        report: the module's :class:`~paritykit.bisection.results.BisectReport`.
-        seen_differing: whether the recorded run saw this module's output differ while its inputs agreed.
-
-    Returns:
-        ``diverge``: yes; ``match``: no; ``masked`` (the output within bisect's tolerance while a submodule
-        inside fails on identical inputs): yes when the run saw the output differ (the submodule explains
-        it), no otherwise, and the rule-out line says what was masked (:func:`_masked_words`).
-    """
-    if report.verdict == "masked":
-        return seen_differing
-    return report.verdict != "match"
-
-
-def _masked_words(report: Any) -> str:
-    if report.verdict != "masked":
-        return ""
-    inside = report.culprit or report.first_output_divergence
-    where = f" ({inside.port or '(top)'})" if inside is not None else ""
-    return f" (bisect: masked: a submodule{where} differs beyond tolerance inside it, not at its output)"
-
-
-def _identity(fit: Any) -> bool:
-    scale, *shifts = fit.coefficients
-    return abs(scale - 1) < 1e-6 and all(abs(s) < 1e-6 for s in shifts)
-
-
-def _bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
-    culprit = report.culprit or report.first_output_divergence
-    if culprit is None:
-        return Finding(
-            place,
-            call,
-            f"the port's {place} differs ({report.verdict}) but no module was named",
-            details=report.to_dict(),
-        )
-    hints = list(culprit.hints)
-    verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
-    first = hints[0].render() if hints else (culprit.note or "no cause named")
-    evidence = [
-        (
-            f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
-            f" ({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine"
-            f" {format_number(culprit.cosine, 7)})"
-        ),
-        f"first hint: {first}",
-    ]
-    return Finding(
-        place,
-        call,
-        f"module {culprit.port or '(top)'} of the port computes something else",
-        evidence=evidence,
-        fix=verified.fix if verified else None,
-        verified=verified is not None,
-        details=report.to_dict(),
-    )

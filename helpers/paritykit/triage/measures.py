@@ -1,0 +1,134 @@
+r"""What triage's walk measures between two recorded calls, outside the walk itself: repeated timesteps, the
+decoder's input put in a call, a result's map from its decoder output, how a module's bisect reads at a place,
+and the finding a bisect becomes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paritykit.base.report import format_cosine, format_number
+from paritykit.tracing.recording import Call, batch_of, in_form_of
+from paritykit.triage.report import Finding, Place
+from paritykit.triage.roles import with_values
+
+
+def repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
+    r"""``("reference" | "port", k)`` when that side's timesteps are the other's with each one repeated ``k``
+    times in a row (a denoiser called once per guidance half); ``None`` otherwise."""
+    for side, many, once in (("reference", t_ref, t_port), ("port", t_port, t_ref)):
+        if not once or len(many) <= len(once) or len(many) % len(once):
+            continue
+        k = len(many) // len(once)
+        if all(many[i * k + j] == once[i] for i in range(len(once)) for j in range(k)):
+            return side, k
+    return None
+
+
+def runs(indices: list[int]) -> str:
+    r"""Call indices as runs: ``0-3, 7, 9-10``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def head(values: list[float | None], count: int = 6) -> str:
+    shown = ", ".join(format_number(v, 6) for v in values[:count])
+    return f"[{shown}{', …' if len(values) > count else ''}] ({len(values)})"
+
+
+def first_tensor(call: Call) -> Any:
+    return next((v for v in map(batch_of, call.named.values()) if v is not None), None)
+
+
+def with_first_tensor(call: Call, value: Any) -> tuple[tuple, dict] | None:
+    if value is None:
+        return None
+    name = next((k for k, v in call.named.items() if batch_of(v) is not None), None)
+    if name is None or tuple(batch_of(call.named[name]).shape) != tuple(value.shape):
+        return None
+    return with_values(call, {name: in_form_of(call.named[name], value)})
+
+
+def unclamped_affine(result: Any, decoded: Any) -> Any:
+    r"""``result ≈ a · decoded + b`` over the elements strictly between the result's own extremes (a clamp to
+    [0, 1] leaves its clipped elements at them); ``None`` when the shapes differ or too few are left."""
+    import torch
+
+    from paritykit.triage.fits import fit_linear
+
+    if decoded is None or tuple(result.shape) != tuple(decoded.shape):
+        return None
+    r = result.detach().double()
+    inside = (r > r.min()) & (r < r.max())
+    if int(inside.sum()) < 16:
+        return None
+    values = decoded.detach().double()[inside]
+    return fit_linear(r[inside], {"decoder output": values, "offset": torch.ones_like(values)})
+
+
+def module_differs(report: Any, seen_differing: bool) -> bool:
+    r"""Whether a module's bisect on one call's inputs puts the place's difference in that module, for every
+    place that bisects a module (the denoiser, the decoder).
+
+    Args:
+        report: the module's :class:`~paritykit.bisection.results.BisectReport`.
+        seen_differing: whether the recorded run saw this module's output differ while its inputs agreed.
+
+    Returns:
+        ``diverge``: yes; ``match``: no; ``masked`` (the output within bisect's tolerance while a submodule
+        inside fails on identical inputs): yes when the run saw the output differ (the submodule explains
+        it), no otherwise, and the rule-out line says what was masked (:func:`_masked_words`).
+    """
+    if report.verdict == "masked":
+        return seen_differing
+    return report.verdict != "match"
+
+
+def masked_words(report: Any) -> str:
+    if report.verdict != "masked":
+        return ""
+    inside = report.culprit or report.first_output_divergence
+    where = f" ({inside.port or '(top)'})" if inside is not None else ""
+    return f" (bisect: masked: a submodule{where} differs beyond tolerance inside it, not at its output)"
+
+
+def identity(fit: Any) -> bool:
+    scale, *shifts = fit.coefficients
+    return abs(scale - 1) < 1e-6 and all(abs(s) < 1e-6 for s in shifts)
+
+
+def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
+    culprit = report.culprit or report.first_output_divergence
+    if culprit is None:
+        return Finding(
+            place,
+            call,
+            f"the port's {place} differs ({report.verdict}) but no module was named",
+            details=report.to_dict(),
+        )
+    hints = list(culprit.hints)
+    verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
+    first = hints[0].render() if hints else (culprit.note or "no cause named")
+    evidence = [
+        (
+            f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
+            f" ({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine"
+            f" {format_cosine(culprit.cosine)})"
+        ),
+        f"first hint: {first}",
+    ]
+    fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
+    return Finding(
+        place,
+        call,
+        f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); first differing"
+        f" module: {culprit.port or '(top level)'}",
+        evidence=evidence,
+        fix=verified.fix if verified else None,
+        verified=verified is not None,
+        details=report.to_dict(),
+    )
