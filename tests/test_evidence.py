@@ -531,3 +531,36 @@ def test_inner_activation_must_not_fire_without_a_different_function_of_the_same
     assert E.inner_activation(_culprit(_mlp(QuickGELUActivation()), port, x)) == []
     # a parameterless culprit belongs to E.activation
     assert E.inner_activation(_culprit(nn.GELU(), nn.SiLU(), x)) == []
+
+
+class QuickGeluProjection(nn.Module):
+    """Research code's ``ApproximateGELU``: a projection and x * sigmoid(1.702 x) of its output, inline."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        x = self.proj(x)
+        return x * torch.sigmoid(1.702 * x)
+
+
+def test_a_fused_activation_is_named_by_the_diffusers_class_that_computes_it_and_verified():
+    # the port built diffusers' tanh GELU where the research computes quick-GELU after the same projection:
+    # the fix is diffusers' own ApproximateGELU holding the projection, verified by replay, never code
+    from diffusers.models.activations import GELU
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(QuickGeluProjection(8, 32), nn.Linear(32, 8))
+    port = nn.Sequential(GELU(8, 32, approximate="tanh"), nn.Linear(32, 8))
+    port.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 8) * 3
+    report = bisect(reference, port, [x])
+    assert report.culprit.port == "0", report.render()
+    hint = next(h for h in report.culprit.hints if h.id == "activation")
+    assert hint.verified and "diffusers.models.activations.ApproximateGELU(8, 32, bias=True)" in hint.fix
+    assert "computes quick-GELU of its projection's output" in hint.message and "code" not in hint.message
+    # must not fire: the same function on both sides
+    same = nn.Sequential(GELU(8, 32, approximate="tanh"), nn.Linear(32, 8))
+    same.load_state_dict(port.state_dict())
+    assert bisect(port, same, [x]).verdict == "match"

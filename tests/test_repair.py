@@ -219,3 +219,21 @@ def test_a_string_setting_of_the_enclosing_diffusers_model_is_tried_over_its_val
     # a faithful port gets no such edit
     same = copy.deepcopy(port)
     assert bisect(same, port, inputs).verdict == "match"
+
+
+def test_the_repair_progress_bar_stays_off_when_stderr_is_captured():
+    # an agent reads `2>&1`: a redrawn bar there is kilobytes of noise before the verdict
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from paritykit.bisection.repair.engine import PROGRESS_AFTER, progress_bar\n"
+        "with progress_bar(3) as bar:\n"
+        "    time.sleep(PROGRESS_AFTER + 0.2)\n"
+        "    for _ in range(3):\n"
+        "        bar.update(1)\n"
+        "print(bar.disable)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "True" and "repair search" not in run.stderr, run.stderr

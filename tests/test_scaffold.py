@@ -430,6 +430,26 @@ def executed(tmp_path_factory):
                 "pretrained": "saved_wan",
             },
         ),
+        (
+            "component-test",
+            "rope",
+            {
+                "reference": "scaffold_parts:build_reference_rope",
+                "diffusers": "UNet2DModel",
+                "convert": "scaffold_parts:convert_rope",
+                "inputs": "scaffold_parts:rope_inputs",
+            },
+        ),
+        (
+            "component-test",
+            "ropeslip",
+            {
+                "reference": "scaffold_parts:build_reference_rope",
+                "diffusers": "UNet2DModel",
+                "convert": "scaffold_parts:convert_rope_slip",
+                "inputs": "scaffold_parts:rope_inputs",
+            },
+        ),
         ("stage-test", "tiny", stages),
         ("stage-test", "buggy", {**stages, "reference": "scaffold_parts:run_reference_with_decode_bug"}),
         (
@@ -515,6 +535,13 @@ def test_component_test_passes_on_a_faithful_port(executed):
     # a conversion that returns the model itself needs no saved config; the saved test skips until one exists
     assert _outcome(executed, "test_module_fresh") == "passed", executed["messages"].get("test_module_fresh")
     assert _outcome(executed, "test_module_saved") == "skipped"
+
+
+def test_a_complex_rotary_buffer_keeps_its_dtype_and_the_test_tells_the_slip_from_the_port(executed):
+    # the reference holds its rotary table as a complex buffer: cast wholesale to float32 it would lose the
+    # imaginary part and the correct port would fail; cast real tensors only, the port passes, the slip fails
+    assert _outcome(executed, "test_rope_fresh") == "passed", executed["messages"].get("test_rope_fresh")
+    assert _outcome(executed, "test_ropeslip_fresh") == "failed"
 
 
 def test_component_test_fails_readably_on_one_perturbed_weight(executed):

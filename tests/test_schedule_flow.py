@@ -271,8 +271,57 @@ def test_a_copied_list_is_labelled_as_holding_at_its_count_only(tmp_path):
     fit = fit_scheduler(FLOW, ragged)
     if fit.line is None:
         pytest.skip("no set_timesteps call of this diffusers takes a sigma list")
-    assert fit.one_count_only and "(holds at 6 steps only" in fit.render()
+    assert fit.one_count_only and "(checked at the recorded 6 steps only" in fit.render()
     # a closed form is checked at other counts: no such label
     closed = fit_scheduler(FLOW, {"sigmas": R.sd3_sigmas(STEPS)})
     assert closed.line is not None and not closed.one_count_only
     assert "holds at" not in closed.render()
+
+
+def _qwen_exercise_recordings(folder):
+    r"""A regression case from a port exercise written from DiffSynth-Studio's Qwen-Image sampler, that
+    nobody here tuned on: the research schedule (mu from its own rule at 768 tokens, a terminal stretch to
+    0.02), recorded once per guidance half; the port's FlowMatchEulerDiscreteScheduler left at FLUX's
+    base/max shift keys, called as diffusers' flow pipelines call it, and its model given t in [0, 1]."""
+    import json
+
+    from paritykit.schedule.fit import mu_rule
+
+    from tests.research import research_module
+
+    flow = research_module("diffsynth", "diffusion/flow_match.py")
+    _, timesteps = flow.FlowMatchScheduler.set_timesteps_qwen_image(8, dynamic_shift_len=768)
+    (folder / "ref.json").write_text(json.dumps({"timesteps": [float(t) for t in timesteps for _ in (0, 1)]}))
+    config = {"use_dynamic_shifting": True, "shift_terminal": 0.02, "time_shift_type": "exponential"}
+    port = FlowMatchEulerDiscreteScheduler(**config)
+    port.set_timesteps(sigmas=np.linspace(1.0, 1 / 8, 8), mu=mu_rule(dict(port.config), 768))
+    recorded = [float(t) / 1000 for t in port.timesteps for _ in (0, 1)]
+    (folder / "port.json").write_text(json.dumps({"timesteps": recorded}))
+    return dict(port.config)
+
+
+def test_a_dynamic_shift_is_fitted_with_the_ports_own_call_and_says_what_it_checked(tmp_path):
+    config = _qwen_exercise_recordings(tmp_path)
+    fit = fit_scheduler(
+        "FlowMatchEulerDiscreteScheduler",
+        str(tmp_path / "ref.json"),
+        base_config=config,
+        port=str(tmp_path / "port.json"),
+        seq_len=768,
+    )
+    best = fit.fits[0]
+    # the port's pipeline call is kept, and the mu that reproduces the research is its own rule's at 8192/0.9
+    assert best.call.name == "sigmas-linspace" and not fit.pasted, fit.render()
+    assert abs(next(iter(best.mu.values())) - (0.5 + 0.4 * 512 / 7936)) < 1e-4
+    assert any(
+        n.startswith("mu: the reference's schedule needs 0.5258") and "0.586667" in n for n in fit.notes
+    )
+    # one recording cannot say what the reference does at another count: said, never claimed
+    assert fit.one_count_only and fit.extrapolated
+    text = fit.render()
+    assert "8 (recorded); 7, 13, 20 (the closed form read from the recording" in text
+    assert "checked at the recorded 8 steps only" in text and "REF_SIGMAS" not in text.split("fix:")[1]
+    # without the port's run two calls reproduce the recording and part elsewhere: said, no choice claimed
+    alone = fit_scheduler("FlowMatchEulerDiscreteScheduler", str(tmp_path / "ref.json"), base_config=config)
+    assert alone.ambiguous and alone.one_count_only
+    assert "one recorded count cannot tell them apart" in alone.render()

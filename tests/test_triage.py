@@ -114,6 +114,19 @@ def test_calls_that_cannot_be_paired_are_said_so_not_blamed_on_the_schedule(tmp_
     assert finding.fix is None and report.result["passed"]  # the same result: only the calls differ
 
 
+def test_a_schedule_that_differs_is_read_once_per_step_when_one_side_calls_twice_per_step(tmp_path):
+    # the port calls its denoiser once per guidance half and steps another spacing: the count is not the
+    # difference (5 steps each), the timesteps are, compared once per step
+    report = run(tmp_path, ["double-call", "spacing-leading"], vae=False)
+    finding = report.findings[0]
+    assert finding.place == "schedule", report.render()
+    assert "(5 steps on both sides; the reference calls its denoiser 1 time(s) per step, the port 2" in (
+        finding.summary
+    )
+    assert finding.verified and 'timestep_spacing="trailing"' in finding.fix
+    assert "a different step count" not in report.render()
+
+
 def test_a_denoiser_module_is_bisected_on_the_calls_inputs(tmp_path):
     report = run(tmp_path, ["norm-eps"])
     (finding,) = report.findings
@@ -138,8 +151,8 @@ def test_the_decoder_is_bisected_on_its_recorded_call(tmp_path):
     report = run(tmp_path, ["decoder-groups"])
     (finding,) = report.findings
     assert finding.place == "decoder" and finding.fix == "mid_block.resnets.0.norm1.num_groups = 32"
-    first = report.ruled_out[0]
-    assert (first.place, first.check) == ("denoiser", "calls") and "every call (5)" in first.text
+    calls = next(n for n in report.ruled_out if n.place == "denoiser")
+    assert calls.check == "calls" and "every call (5)" in calls.text
 
 
 def test_the_latents_scaling_before_the_decoder_is_fitted(tmp_path, cli):
@@ -405,3 +418,21 @@ def test_triage_without_a_spec_file_from_callables(tmp_path, monkeypatch):
     kept = written.read_text()
     rerun = CliRunner().invoke(cli, ["triage", *names])
     assert rerun.exit_code == 2 and "exists and differs" in rerun.output and written.read_text() == kept
+
+
+@pytest.mark.parametrize("bugs", [(), ("norm-eps",)], ids=["clean", "norm-eps"])
+def test_latents_packed_into_tokens_are_compared_through_the_packing(tmp_path, bugs):
+    # the port keeps its latents as 2x2-patch tokens: the same values rearranged, read as an exact index map,
+    # never a difference in itself; every call is compared in the reference's layout
+    from tests.triage_pairs import write_packed_spec
+
+    report = triage_spec(write_packed_spec(tmp_path, bugs), out=tmp_path / "out")
+    noise = next(n for n in report.ruled_out if n.place == "initial noise")
+    assert "hold the reference's (1, 4, 8, 8) values rearranged" in noise.text
+    assert all(row.latents is not None for row in report.curve)
+    if not bugs:
+        assert report.verdict == "match" and not report.findings, report.render()
+    else:
+        (finding,) = report.findings
+        assert finding.place == "denoiser" and finding.call == 0, report.render()
+        assert "first differing module: unet.down_blocks.1.resnets.0.norm1" in finding.summary

@@ -267,3 +267,61 @@ def write_unit_spec(folder, bugs=()):
     path = folder / "unit_spec.py"
     path.write_text(UNIT_SPEC_TEXT.format(bugs=set(bugs)))
     return path
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    r"""(B, C, H, W) latents as (B, H/2·W/2, C·4) tokens: 2×2 patches, channels first in each token."""
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+
+
+def unpack(x: torch.Tensor, h: int = 8, w: int = 8) -> torch.Tensor:
+    b, _, d = x.shape
+    c = d // 4
+    return x.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+class PackedDenoiser(torch.nn.Module):
+    r"""A transformer-style port's denoiser: it takes and returns packed tokens (the UNet inside unpacks)."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ):
+        return pack(
+            self.unet(unpack(hidden_states), timestep, encoder_hidden_states=encoder_hidden_states).sample
+        )
+
+
+class PackedPair(Pair):
+    r"""The pair whose port keeps its latents packed into tokens from the first draw to the last step."""
+
+    def __init__(self, bugs: set[str]):
+        super().__init__(bugs, vae=False)
+        self.packed = PackedDenoiser(self.port_unet)
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = pack(torch.randn(1, 4, 8, 8))
+        for t in scheduler.timesteps:
+            out = self.packed(latents, t, self.cond)
+            latents = scheduler.step(out, t, latents, return_dict=False)[0]
+        return unpack(latents)
+
+
+PACKED_SPEC_TEXT = (
+    SPEC_TEXT.replace("import Pair", "import PackedPair")
+    .replace("Pair({bugs!r}, vae={vae!r})", "PackedPair({bugs!r})")
+    .replace("return PAIR.port_unet", "return PAIR.packed")
+)
+
+
+def write_packed_spec(folder, bugs=()):
+    r"""A triage SPEC for :class:`PackedPair` with ``bugs`` planted."""
+    path = folder / "packed_spec.py"
+    path.write_text(PACKED_SPEC_TEXT.format(bugs=set(bugs)))
+    return path

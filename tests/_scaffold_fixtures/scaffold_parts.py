@@ -272,3 +272,68 @@ def _reference(_checkpoints, seed, num_inference_steps, prompt, decode_scale_bug
         scale = 1.0 if decode_scale_bug else vae.config.scaling_factor
         images = vae.decode(latents / scale).sample
     return (images / 2 + 0.5).clamp(0, 1)
+
+
+# --- a research block with a complex rotary table (a buffer), against a port rotating with cos/sin ---
+def _angles(positions: int, dim: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return torch.outer(torch.arange(positions, dtype=torch.float64), freqs)
+
+
+class ComplexRopeBlock(torch.nn.Module):
+    r"""Research style: q from a projection, normed, rotated by a complex table held as a buffer."""
+
+    def __init__(self, dim: int = 16, positions: int = 8):
+        super().__init__()
+        torch.manual_seed(3)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        angles = _angles(positions, dim, 1e4).float()
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.norm(self.proj(x))
+        pairs = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs_cis).flatten(-2).type_as(x)
+
+
+class CosSinRopeBlock(torch.nn.Module):
+    r"""The port: the same projection and norm, rotated with real cos/sin tables; ``norm_first=False`` is the
+    slip of rotating before the norm."""
+
+    def __init__(self, dim: int = 16, positions: int = 8, norm_first: bool = True):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        angles = _angles(positions, dim, 1e4).float()
+        self.register_buffer("cos", angles.cos().repeat_interleave(2, -1), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat_interleave(2, -1), persistent=False)
+        self.norm_first = norm_first
+
+    def rotate(self, q: torch.Tensor) -> torch.Tensor:
+        rotated = torch.stack([-q[..., 1::2], q[..., 0::2]], dim=-1).flatten(-2)
+        return q * self.cos + rotated * self.sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        return self.rotate(self.norm(q)) if self.norm_first else self.norm(self.rotate(q))
+
+
+def build_reference_rope() -> ComplexRopeBlock:
+    return ComplexRopeBlock()
+
+
+def convert_rope(state_dict: dict) -> CosSinRopeBlock:
+    port = CosSinRopeBlock()
+    port.load_state_dict({k: v for k, v in state_dict.items() if k != "freqs_cis"})
+    return port
+
+
+def convert_rope_slip(state_dict: dict) -> CosSinRopeBlock:
+    port = CosSinRopeBlock(norm_first=False)
+    port.load_state_dict({k: v for k, v in state_dict.items() if k != "freqs_cis"})
+    return port
+
+
+def rope_inputs():
+    return (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),), {}

@@ -385,15 +385,12 @@ def inline_reference_hints(
     elif found.untested:
         hint_id = "inline-input"
         message = (
-            f"{where}; no port module returns that input, and {', '.join(found.untested)} before it could not"
-            " be tested one-to-one, so the difference comes from there or from the culprit's own forward"
+            f"{where}; no captured port module call returns that input exactly, and"
+            f" {', '.join(found.untested)} before it could not be tested one-to-one"
         )
     else:
         hint_id = "inline-input"
-        message = (
-            f"{where}; no port module returns that input, so it is computed in the culprit's own forward "
-            "before that submodule is called"
-        )
+        message = f"{where}; no captured port module call returns that input exactly"
     message = rotary + message + tables
     hints = list(_fit_producers(searcher, call, port_call, found, before))
     hints.append(

@@ -94,8 +94,9 @@ your files).
     "all_culprits",
     is_flag=True,
     help=(
-        "After each culprit, give it the reference's output in the port and search again: every "
-        "independent culprit in execution order, and whether the output then matches."
+        "After each culprit, give it the reference's output in the port and search again: the culprits "
+        "in execution order, each saying what was substituted when it was found, and whether the output "
+        "then matches."
     ),
 )
 @click.option(

@@ -61,6 +61,21 @@ from paritykit.cli._common import emit, json_option, limit_option
     ),
 )
 @click.option(
+    "--port-run",
+    "port_run",
+    metavar="FOLDER",
+    help=(
+        "With --fit: the port's own recorded run; the set_timesteps call (and mu) that reproduces it with"
+        " --config is how the port's pipeline calls its scheduler, and the fit keeps that call."
+    ),
+)
+@click.option(
+    "--seq-len",
+    "seq_len",
+    type=click.IntRange(min=1),
+    help="With --fit --port-run and a dynamically shifting --config: the run's image size in latent tokens.",
+)
+@click.option(
     "--num-train-timesteps",
     type=click.IntRange(min=1),
     default=1000,
@@ -70,7 +85,18 @@ from paritykit.cli._common import emit, json_option, limit_option
 @json_option
 @limit_option
 def schedule(
-    ref, port, fit_class, config, steps, step_check, image_seq_len, num_train_timesteps, as_json, limit
+    ref,
+    port,
+    fit_class,
+    config,
+    steps,
+    step_check,
+    image_seq_len,
+    port_run,
+    seq_len,
+    num_train_timesteps,
+    as_json,
+    limit,
 ):
     from paritykit.schedule.compare import compare_schedules
     from paritykit.schedule.fit import fit_scheduler
@@ -87,6 +113,8 @@ def schedule(
             base_config=config,
             step_check=check,
             image_seq_len=sizes,
+            port=port_run,
+            seq_len=seq_len,
         )
     else:
         if not port:
@@ -96,6 +124,8 @@ def schedule(
             ("--steps", steps),
             ("--step-check", step_check),
             ("--image-seq-len", image_seq_len),
+            ("--port-run", port_run),
+            ("--seq-len", seq_len),
         ):
             if value is not None:
                 raise ParityKitError(f"{name}: only with --fit")

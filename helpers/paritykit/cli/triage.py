@@ -18,8 +18,9 @@ from paritykit.cli._common import emit, json_option, limit_option
         " tensor), reference_denoiser() and port_denoiser() (the modules those runs call each step), and"
         " optionally reference_vae() / port_vae() (the decoder modules), port_scheduler() (for the schedule"
         " fit), TOLERANCE and SEED. `paritykit new triage-spec NAME` writes one.\n\nWith --all every place is"
-        " checked on its own, the port's modules fed the reference's values at that point, so independent"
-        " bugs are all named in one run.\n\nExit 0 match, 1 differ, 2 on bad input."
+        " checked on its own, the port's modules fed the reference's values at that point; it counts the"
+        " places that differ, never causes. The verdict is the result's: a run whose result matches is a"
+        " match, and what differs inside it is listed.\n\nExit 0 match, 1 differ, 2 on bad input."
     )
 )
 @click.argument("spec", metavar="[SPEC.py]", required=False)
@@ -42,7 +43,12 @@ from paritykit.cli._common import emit, json_option, limit_option
 @click.option(
     "--port-scheduler", metavar="MODULE:FUNCTION", help="No SPEC file: returns the port's scheduler object."
 )
-@click.option("--all", "all_causes", is_flag=True, help="Name every independent cause, not only the first.")
+@click.option(
+    "--all",
+    "all_causes",
+    is_flag=True,
+    help="Check every place on its own, not only up to the first that differs.",
+)
 @click.option(
     "--out",
     default="triage-out",

@@ -12,7 +12,7 @@ EXPORTS = {
     "family_of": "paritykit.schedule.families",
     "ScheduleComparison": "paritykit.schedule.compare",
     "compare_schedules": "paritykit.schedule.compare",
-    "FitResult": "paritykit.schedule.fit",
+    "FitResult": "paritykit.schedule.fit_result",
     "fit_scheduler": "paritykit.schedule.fit",
 }
 

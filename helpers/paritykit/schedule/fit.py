@@ -9,13 +9,13 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
-from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
+from paritykit.base.report import format_number
 from paritykit.schedule.families import family_of, lists_close, sigma_family
+from paritykit.schedule.fit_result import Candidate, FitResult
 from paritykit.schedule.load import (
     KINDS,
     OTHER_COUNTS,
@@ -23,6 +23,7 @@ from paritykit.schedule.load import (
     Schedule,
     load_schedule,
     load_sized,
+    per_step,
 )
 from paritykit.schedule.schedulers import (
     DEFAULT_CALL,
@@ -35,210 +36,11 @@ from paritykit.schedule.schedulers import (
     lists_of,
     make_scheduler,
     python_literal,
-    ready_line,
     resolve_scheduler,
     schedule_matches,
     scheduler_lists,
 )
-from paritykit.schedule.step_check import StepCheck, run_step_check
-
-# a fit whose worst relative error is at most this is float32 rounding of the reference: "exact"
-EXACT_RTOL = 1e-6
-
-
-@dataclass
-class Candidate:
-    r"""A config change (relative to the base config), the ``set_timesteps`` call, and how they fared.
-
-    ``residual``: per kind, ``(max_abs, max_rel)`` over every count (and size) checked; ``mu``: the ``mu``
-    passed per image size when the config shifts dynamically.
-    """
-
-    changes: dict[str, Any]
-    call: Call = DEFAULT_CALL
-    counts_matched: list[int] = field(default_factory=list)
-    failures: dict[Any, str] = field(default_factory=dict)
-    step_check: StepCheck | None = None
-    residual: dict[str, tuple[float, float]] = field(default_factory=dict)
-    mu: dict[int | None, float] = field(default_factory=dict)
-    distance: float = math.inf
-
-    @property
-    def exact(self) -> bool:
-        return all(rel <= EXACT_RTOL for _, rel in self.residual.values())
-
-    def absorb(self, match: Match) -> None:
-        for kind, (a, r) in match.residual.items():
-            old = self.residual.get(kind, (0.0, 0.0))
-            self.residual[kind] = (max(old[0], a), max(old[1], r))
-
-    def residual_text(self) -> str:
-        if not self.residual:
-            return ""
-        worst_abs = max(a for a, _ in self.residual.values())
-        worst_rel = max(r for _, r in self.residual.values())
-        where = "; ".join(
-            f"{k} {format_number(a)} abs, {format_number(r)} rel" for k, (a, r) in self.residual.items()
-        )
-        if self.exact:
-            return f"exact (float32 rounding: {where})"
-        return f"fits within {format_number(worst_rel)} relative ({format_number(worst_abs)} abs; {where})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "changes": self.changes,
-            "call": self.call.text,
-            "counts_matched": self.counts_matched,
-            "failures": {str(k): v for k, v in self.failures.items()},
-            "residual": {k: {"max_abs": a, "max_rel": r} for k, (a, r) in self.residual.items()},
-            "exact": self.exact if self.residual else None,
-            "mu": {str(k): v for k, v in self.mu.items()},
-            "step_check": self.step_check.to_dict() if self.step_check else None,
-        }
-
-
-@dataclass
-class FitResult:
-    r"""What ``paritykit schedule REF --fit CLASS`` reports.
-
-    ``fits`` hold the (config, call) pairs whose lists match at every count checked (and whose step matches,
-    when checked), plainest first; ``rejected`` the ones that matched at the requested count but not at
-    another, or whose step differs. With no fit, ``nearest`` is the closest candidate, ``differences`` name
-    what still differs, and ``elsewhere`` the other scheduler classes that reproduce the reference.
-    ``exit_code`` 0 when a fit was found, else 1.
-    """
-
-    scheduler: str
-    steps: int
-    counts: list[int]
-    reference: str
-    reference_families: dict[str, str]
-    fits: list[Candidate]
-    rejected: list[Candidate]
-    searched: int
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    step_checked: bool = False
-    sizes: list[int] = field(default_factory=list)
-    mu_rule: str | None = None
-    nearest: Candidate | None = None
-    differences: list[str] = field(default_factory=list)
-    elsewhere: list[str] = field(default_factory=list)
-    environment: dict[str, Any] = field(default_factory=environment_stamp)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.fits else 1
-
-    @property
-    def line(self) -> str | None:
-        return ready_line(self.scheduler, self.fits[0].changes) if self.fits else None
-
-    @property
-    def one_count_only(self) -> bool:
-        r"""The fix was checked at its own step count only (the reference follows no closed form, so nothing
-        says what it is at another count): a copied list, not a verified closed form."""
-        return bool(self.fits) and len(set(self.fits[0].counts_matched)) < 2
-
-    @property
-    def call_line(self) -> str | None:
-        r"""The ``set_timesteps`` call the fix needs, when it is not the plain ``set_timesteps(n)``."""
-        if not self.fits or (self.fits[0].call == DEFAULT_CALL and not self.fits[0].mu):
-            return None
-        best = self.fits[0]
-        text = best.call.text
-        if best.mu:
-            mu = self.mu_rule or format_number(next(iter(best.mu.values())), 6)
-            head, _, comment = text.partition("  #")
-            inner = head[len("set_timesteps(") : -1]
-            inner = "num_inference_steps=n" if inner == "n" else inner
-            text = f"set_timesteps({inner}, mu={mu})" + (f"  #{comment}" if comment else "")
-        return f"pipe.scheduler.{text}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "scheduler": self.scheduler,
-            "steps": self.steps,
-            "counts": self.counts,
-            "sizes": self.sizes,
-            "reference": self.reference,
-            "reference_families": self.reference_families,
-            "one_count_only": self.one_count_only,
-            "fit": self.line,
-            "call": self.call_line,
-            "mu_rule": self.mu_rule,
-            "fits": [c.to_dict() for c in self.fits],
-            "rejected": [c.to_dict() for c in self.rejected],
-            "nearest": self.nearest.to_dict() if self.nearest else None,
-            "differences": self.differences,
-            "elsewhere": self.elsewhere,
-            "searched": self.searched,
-            "warnings": self.warnings,
-            "notes": self.notes,
-            "step_checked": self.step_checked,
-            "environment": self.environment,
-        }
-
-    def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
-        lines = [f"reference: {self.reference} ({self.steps} steps)"]
-        lines += [f"  {k}: {v}" for k, v in self.reference_families.items()]
-        lines.append(
-            f"searched {self.searched} configs and set_timesteps calls of {self.scheduler}; step counts"
-            " checked: "
-            + ", ".join(map(str, self.counts))
-            + (f"; image_seq_len checked: {', '.join(map(str, self.sizes))}" if self.sizes else "")
-        )
-        rows = []
-        for c in [*self.fits, *self.rejected]:
-            status = "fits" if c in self.fits else "rejected"
-            why = "; ".join(f"at {n}: {w}" for n, w in c.failures.items())
-            if c.step_check is not None and not c.step_check.matched:
-                why = "; ".join(filter(None, [why, c.step_check.explanation]))
-            rows.append([status, _change_text(c), ",".join(map(str, c.counts_matched)), why])
-        if rows:
-            lines.append(
-                render_table(["", "config change / call", "matches at", "why not"], rows, limit=limit)
-            )
-        lines += [f"note: {n}" for n in self.notes]
-        lines += [f"warning: {w}" for w in self.warnings]
-        if self.line:
-            lines.append(f"fit: {self.fits[0].residual_text()}")
-            lines.append(f"fix: {self.line}")
-            if self.call_line:
-                lines.append(f"     {self.call_line}")
-            if self.one_count_only:
-                lines.append(
-                    f"     (holds at {self.steps} steps only: no closed form checks it at another count)"
-                )
-            check = self.fits[0].step_check
-            if check is not None:
-                lines.append(
-                    f"step: {check.steps_checked} updates match the reference's"
-                    + (f" ({check.explanation})" if check.explanation else "")
-                )
-            return "\n".join(lines)
-        lines.append(f"no config or set_timesteps call of {self.scheduler} reproduces the reference")
-        if self.nearest is not None:
-            lines.append(
-                f"nearest: {_change_text(self.nearest)} (worst relative error "
-                f"{format_number(self.nearest.distance)} at {self.steps} steps)"
-            )
-            lines += [f"  still differs: {d}" for d in self.differences]
-        lines += [f"  elsewhere: {e}" for e in self.elsewhere]
-        return "\n".join(lines)
-
-
-def _change_text(c: Candidate) -> str:
-    text = ", ".join(f"{k}={python_literal(v)}" for k, v in c.changes.items()) or "(base)"
-    if c.call != DEFAULT_CALL:
-        text += f"; {c.call.text.partition('  #')[0]}"
-    if c.mu:
-        text += "; mu " + ", ".join(
-            (f"{format_number(v, 6)} at seq {k}" if k is not None else format_number(v, 6))
-            for k, v in c.mu.items()
-        )
-    return text
-
+from paritykit.schedule.step_check import run_step_check
 
 # --- the search space: known keys, each with its bounded set of values
 # -----------------------------------------
@@ -295,6 +97,77 @@ def _mu(config: dict[str, Any], ref: Schedule | None) -> float | None:
     return shift if config.get("time_shift_type") == "linear" else math.log(shift)
 
 
+def _port_call(
+    cls: type, base: dict[str, Any], port: Any, calls: list[Call], seq_len: int | None
+) -> tuple[Call | None, float | None]:
+    r"""The plain ``set_timesteps`` call (and ``mu``) with which ``base`` reproduces the port's own recorded
+    schedule: how the port's pipeline calls its scheduler. A dynamically shifting config needs ``seq_len``:
+    the call is the one whose ``mu`` is the config's rule at that size (several calls reproduce one count).
+    ``(None, None)`` when none does, or no port, or the call cannot be told."""
+    if port is None:
+        return None, None
+    try:
+        recorded, _ = per_step(load_schedule(port))
+    except ParityKitError:
+        return None, None
+    train_steps = int(base.get("num_train_timesteps", 1000))
+    if "shift" in accepted_keys(cls) and _timesteps_only(recorded, train_steps):
+        if max(recorded.timesteps) <= 1:  # a model called at t = sigma (in [0, 1]): the values are the sigmas
+            recorded = dataclasses.replace(recorded, timesteps=[t * train_steps for t in recorded.timesteps])
+        recorded = _with_flow_sigmas(recorded, train_steps)
+    n = recorded.steps
+    rule = mu_rule(base, seq_len) if base.get("use_dynamic_shifting") else None
+    if base.get("use_dynamic_shifting") and rule is None:
+        return None, None
+    for call in (c for c in calls if c.rank < 3):
+        mu = _search_mu(cls, base, recorded, n, call)
+        if rule is not None and (mu is None or abs(mu - rule) > 1e-3):
+            continue
+        if _try(cls, base, recorded, n, call, rule if rule is not None else mu).ok:
+            return call, rule if rule is not None else mu
+    return None, None
+
+
+def mu_rule(config: dict[str, Any], seq_len: int | None) -> float | None:
+    r"""The ``mu`` a flow pipeline computes from a scheduler config at ``seq_len`` latent tokens: linear from
+    ``base_shift`` at ``base_image_seq_len`` to ``max_shift`` at ``max_image_seq_len``; ``None`` without a
+    size or those keys."""
+    keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+    if seq_len is None or any(config.get(k) is None for k in keys):
+        return None
+    b_len, m_len, b_shift, m_shift = (float(config[k]) for k in keys)
+    if m_len == b_len:
+        return None
+    return b_shift + (m_shift - b_shift) * (seq_len - b_len) / (m_len - b_len)
+
+
+def _search_mu(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, call: Call) -> float | None:
+    r"""The ``mu`` whose ``set_timesteps`` lists come closest to ``ref``'s, searched directly (golden
+    section over -3..6). The scheduler applies its own time-shift type and terminal stretch, so a reference
+    read as another shifted grid still gets the ``mu`` that reproduces it; ``None`` when none comes near."""
+    if not config.get("use_dynamic_shifting") or ref is None or not (ref.sigmas or ref.timesteps):
+        return None
+    golden = (math.sqrt(5) - 1) / 2
+
+    def distance(mu: float) -> float:
+        return _try(cls, config, ref, n, call, mu).distance
+
+    lo, hi = -3.0, 6.0
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    fa, fb = distance(a), distance(b)
+    for _ in range(60):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - golden * (hi - lo)
+            fa = distance(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + golden * (hi - lo)
+            fb = distance(b)
+    mu = (lo + hi) / 2
+    return mu if math.isfinite(distance(mu)) else None
+
+
 @functools.lru_cache(maxsize=256)
 def _flow_shift(sigmas: tuple[float, ...]) -> float | None:
     fam = sigma_family(sigmas)
@@ -335,6 +208,8 @@ def fit_scheduler(
     step_check: Any = None,
     image_seq_len: Sequence[int] | None = None,
     explain: bool = True,
+    port: Any = None,
+    seq_len: int | None = None,
 ) -> FitResult:
     r"""Search ``cls``'s config and its ``set_timesteps`` call for what reproduces ``reference``.
 
@@ -360,6 +235,13 @@ def fit_scheduler(
             checks every step of a multistep or second-order sampler); ``True`` uses the reference SPEC.
         image_seq_len: the image sizes (latent tokens) a size-dependent SPEC is fitted at (two or more).
         explain: when nothing fits, name the nearest candidate's differences and try the sibling classes.
+        port: the port's own recorded schedule (anything :func:`load_schedule` reads). The ``set_timesteps``
+            call (and ``mu``) that reproduces it with the base config is how the port's pipeline calls its
+            scheduler: a fix keeps that call, and the two ``mu`` are stated side by side.
+        seq_len: the run's image size in latent tokens. With ``port`` and a dynamically shifting base config,
+            the call whose ``mu`` is the config's own rule at this size (``base_shift`` to ``max_shift`` over
+            ``base_image_seq_len`` to ``max_image_seq_len``) is the port's: several calls reproduce one step
+            count, the rule tells them apart.
 
     Returns:
         A :class:`FitResult`; ``line`` is the ready fix, e.g.
@@ -374,6 +256,7 @@ def fit_scheduler(
         isinstance(reference, Mapping) and reference and all(isinstance(k, int) for k in reference)
     )
     ref = load_sized(reference) if sized_recordings else load_schedule(reference)
+    ref, repeats = per_step(ref) if ref.generator is None else (ref, 1)
     flow_note = None
     if "shift" in keys and _timesteps_only(ref, train_steps):
         ref = _with_flow_sigmas(ref, train_steps)
@@ -396,6 +279,11 @@ def fit_scheduler(
         kind: fam for kind in KINDS if (fam := family_of(kind, ref_n.get(kind), train_steps)) is not None
     }
     notes = [flow_note] if flow_note else []
+    if repeats > 1:
+        notes.append(
+            f"the reference recorded each value {repeats} times in a row (a denoiser call per guidance half):"
+            " read once per step"
+        )
     if ref.generator is None and not families:
         notes.append("the reference follows no known closed form: configs are checked at its own count only")
     counts = _validation_counts(steps, train_steps) if (ref.generator or families) else [steps]
@@ -419,6 +307,14 @@ def fit_scheduler(
         config = {k: v for part in combo for k, v in part.items()}
         configs.append((config, config_changes(config, keys, base)))
     calls = calls_for(cls, keys, ref_n)
+    port_call, port_mu = _port_call(cls, base, port, calls, seq_len)
+    if port_call is not None:
+        calls = [c for c in calls if c.name == port_call.name or c.rank >= 3]
+        said = f" with mu {format_number(port_mu, 4)}" if port_mu is not None else ""
+        how = port_call.text.partition("  #")[0] or "set_timesteps(n)"
+        notes.append(
+            f"the port's own run is reproduced by its config and {how}{said}: the fit keeps that call"
+        )
     seen: dict[str, Candidate] = {}
     matched_here: list[Candidate] = []
     # the reference's own lists are the last resort: tried only when no config fits with a plainer call
@@ -432,7 +328,7 @@ def fit_scheduler(
                     continue
                 cand = seen[tag] = Candidate(dict(changes), call)
                 full = {**base, **config}
-                mu = _mu(full, ref_n)
+                mu = _search_mu(cls, full, ref_n, steps, call) if call.rank < 3 else _mu(full, ref_n)
                 if full.get("use_dynamic_shifting") and mu is None:
                     continue
                 match = _try(cls, full, ref_n, steps, call, mu)
@@ -458,6 +354,16 @@ def fit_scheduler(
             if not cand.failures:
                 break
         (rejected if cand.failures else fits).append(cand)
+    if ref.generator is None and not ref.recorded_sizes:
+        # one recording decides only its own count: a candidate exact there that leaves the closed form read
+        # from it elsewhere still reproduces everything measured. With no fit that follows the form (the
+        # port's own call kept), it is the fit, said to be checked at the recorded count only
+        for cand in [c for c in rejected if c.exact and all(isinstance(k, int) for k in c.failures)]:
+            cand.departs = dict(cand.failures)
+            if not fits:
+                cand.failures = {}
+                rejected.remove(cand)
+                fits.append(cand)
     fits = _minimal(fits)
     result = FitResult(
         cls.__name__,
@@ -470,7 +376,18 @@ def fit_scheduler(
         len(seen),
         notes=notes,
         sizes=[s for s in sizes if s is not None],
+        recorded_counts=ref.generator is not None,
     )
+    needed = next(iter(fits[0].mu.values()), None) if fits else None
+    if port_mu is not None and needed is not None and seq_len is not None and abs(needed - port_mu) > 1e-6:
+        b_len, m_len = base.get("base_image_seq_len"), base.get("max_image_seq_len")
+        b_shift, m_shift = base.get("base_shift"), base.get("max_shift")
+        result.notes.append(
+            f"mu: the reference's schedule needs {format_number(needed, 5)} at image_seq_len {seq_len}; the"
+            f" port's config gives {format_number(port_mu, 5)} there (base_shift {b_shift} + (max_shift"
+            f" {m_shift} - base_shift) * ({seq_len} - base_image_seq_len {b_len}) / (max_image_seq_len"
+            f" {m_len} - base_image_seq_len)): those four keys set it"
+        )
     if fits and fits[0].mu and len(fits[0].mu) >= 2:
         _mu_as_function_of_size(result, cls, keys, base, ref, counts)
     if step_check is not None and step_check is not False:
@@ -513,7 +430,7 @@ def _validate(
     for size in sizes:
         mu = cand.mu.get(size)
         if config.get("use_dynamic_shifting") and size not in cand.mu:
-            mu = _mu(config, _reference_at(ref, counts[0], variant, size))
+            mu = _search_mu(cls, config, _reference_at(ref, counts[0], variant, size), counts[0], cand.call)
             if mu is None:
                 cand.failures[f"seq {size}"] = "no flow shift fitted at this size"
                 continue

@@ -88,6 +88,32 @@ def dedupe(values: Sequence[float]) -> list[float]:
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
+def repeated(values: Sequence[float] | None) -> int:
+    r"""``k`` when every value comes ``k`` times in a row (``k`` > 1: a denoiser called once per guidance
+    half at each step); 1 otherwise."""
+    if not values or len(values) < 2:
+        return 1
+    runs = [1]
+    for previous, value in zip(values, values[1:]):
+        if value == previous:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs[0] if runs[0] > 1 and len(set(runs)) == 1 else 1
+
+
+def per_step(schedule: Schedule) -> tuple[Schedule, int]:
+    r"""``schedule`` with each recorded value kept once when every one repeats ``k`` times (a denoiser called
+    once per guidance half), and ``k``; the schedule itself and 1 otherwise."""
+    import dataclasses
+
+    k = max(repeated(schedule.timesteps), repeated(schedule.sigmas))
+    if k == 1:
+        return schedule, 1
+    once = {key: getattr(schedule, key)[::k] for key in ("timesteps", "sigmas") if getattr(schedule, key)}
+    return dataclasses.replace(schedule, **once), k
+
+
 def _floats(value: Any, what: str) -> tuple[list[float], bool]:
     r"""The values of one list as floats, and whether they were stored as integers; an empty list or one
     holding NaN or an infinity is refused, naming ``what``."""

@@ -198,8 +198,9 @@ def _aligned(ref: Schedule, got: dict[str, list[float]], kind: str) -> tuple[lis
     if want is None or kind not in got:
         return None
     have = got[kind]
-    if len(have) != len(want) and len(dedupe(have)) != len(have):
-        have, want = dedupe(have), dedupe(want)  # one model call per list entry vs per step
+    if len(have) != len(want) and (len(dedupe(have)) != len(have) or len(dedupe(want)) != len(want)):
+        # one model call per list entry vs per step, or a denoiser called twice per step (guidance halves)
+        have, want = dedupe(have), dedupe(want)
     if kind == "sigmas" and len(have) == len(want) + 1:
         have = have[: len(want)]  # a recorded loop sees no final sigma
     return have, want

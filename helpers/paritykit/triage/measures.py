@@ -24,6 +24,18 @@ def repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
     return None
 
 
+def per_step_calls(t_ref: list[float], t_port: list[float]) -> tuple[int, int] | None:
+    r"""``(k_ref, k_port)`` when the two sides call their denoiser a different number of times per step
+    (each side's timesteps come in runs of ``k``: one call per guidance half) over the same number of steps,
+    whatever the values; ``None`` otherwise."""
+    from paritykit.schedule.load import repeated
+
+    k_ref, k_port = repeated(t_ref), repeated(t_port)
+    if k_ref == k_port or len(t_ref) // k_ref != len(t_port) // k_port:
+        return None
+    return k_ref, k_port
+
+
 def runs(indices: list[int]) -> str:
     r"""Call indices as runs: ``0-3, 7, 9-10``."""
     runs: list[list[int]] = []

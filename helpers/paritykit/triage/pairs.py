@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.report import format_cosine, format_number
-from paritykit.tracing.recording import Call
+from paritykit.tracing.recording import Call, batch_of, output_tensor
 from paritykit.triage.roles import Roles, argument, latents, output, pair_conditioning, timestep
 
 
@@ -193,3 +193,98 @@ def comparison_evidence(comparison: Any) -> list[str]:
     ]
     lines += [hint.render() for hint in comparison.hints[:3]]
     return lines
+
+
+@dataclass
+class Rearrangement:
+    r"""The port's latents hold the reference's values rearranged (2×2 patches packed into tokens, channels
+    last): an index map read from the first call's latents, exact, so every tensor of the port's latents shape
+    can be read in the reference's layout and the other way round. ``index``: ``port.flatten()[index]`` is
+    ``reference.flatten()``."""
+
+    ref_shape: tuple[int, ...]
+    port_shape: tuple[int, ...]
+    index: Any
+
+    @classmethod
+    def read(cls, reference: Any, port: Any) -> Rearrangement | None:
+        r"""The map between two tensors of one size holding the same values: a patch packing (spatial dims
+        cut into patches, the patches' values along the last dim in some order, tokens in row order) checked
+        element by element; else, when every value is distinct, the map the values alone give. ``None`` when
+        no map reproduces the port's tensor, or the shapes are already equal."""
+        import torch
+
+        if reference is None or port is None or tuple(reference.shape) == tuple(port.shape):
+            return None
+        if reference.numel() != port.numel() or not reference.is_floating_point():
+            return None
+        a, b = reference.detach().reshape(-1), port.detach().reshape(-1).to(reference.dtype)
+        for index in _packings(tuple(reference.shape), tuple(port.shape)):
+            if torch.equal(a[index], b):
+                inverse = torch.empty_like(index)
+                inverse[index] = torch.arange(index.numel())
+                return cls(tuple(reference.shape), tuple(port.shape), inverse)
+        sorted_a, order_a = torch.sort(a)
+        sorted_b, order_b = torch.sort(b)
+        if not torch.equal(sorted_a, sorted_b) or bool((sorted_a[1:] == sorted_a[:-1]).any()):
+            return None
+        index = torch.empty_like(order_a)
+        index[order_a] = order_b
+        return cls(tuple(reference.shape), tuple(port.shape), index)
+
+    def to_reference(self, tensor: Any) -> Any:
+        r"""A tensor of the port's latents shape in the reference's layout; anything else as it is."""
+        if tensor is None or tuple(tensor.shape) != self.port_shape:
+            return tensor
+        return tensor.reshape(-1)[self.index.to(tensor.device)].reshape(self.ref_shape)
+
+    def to_port(self, tensor: Any) -> Any:
+        r"""A tensor of the reference's latents shape in the port's layout; anything else as it is."""
+        if tensor is None or tuple(tensor.shape) != self.ref_shape:
+            return tensor
+        out = tensor.new_empty(tensor.numel())
+        out[self.index.to(tensor.device)] = tensor.reshape(-1)
+        return out.reshape(self.port_shape)
+
+    def words(self) -> str:
+        return (
+            f"the port's latents {self.port_shape} hold the reference's {self.ref_shape} values rearranged"
+            " (an exact index map read from the first call's latents): every tensor of those shapes is"
+            " compared in the reference's layout"
+        )
+
+    def view(self, call: Call, roles: Roles) -> Call:
+        r"""``call`` with its latents argument and its output in the reference's layout, for comparing."""
+        named = dict(call.named)
+        if roles.latents in named and batch_of(named[roles.latents]) is not None:
+            named[roles.latents] = self.to_reference(batch_of(named[roles.latents]))
+        found = output_tensor(call.output)
+        mapped = self.to_reference(found)
+        return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
+
+
+def _packings(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> Any:
+    r"""Index tensors ``i`` such that ``reference.flatten()[i]`` is the reference packed into
+    ``port_shape``: ``(B, C, *spatial)`` against ``(B, tokens, features)``, each spatial dim cut into
+    patches of 1, 2 or 4, the tokens in row order, the features the channel and patch axes in any order."""
+    import itertools
+
+    import torch
+
+    if len(ref_shape) < 3 or len(port_shape) != 3 or ref_shape[0] != port_shape[0]:
+        return
+    batch, channels, spatial = ref_shape[0], ref_shape[1], ref_shape[2:]
+    tokens, features = port_shape[1], port_shape[2]
+    base = torch.arange(batch * channels * math.prod(spatial)).reshape(ref_shape)
+    for patches in itertools.product((1, 2, 4), repeat=len(spatial)):
+        if any(n % q for n, q in zip(spatial, patches)):
+            continue
+        grid = [n // q for n, q in zip(spatial, patches)]
+        if math.prod(grid) != tokens or channels * math.prod(patches) != features:
+            continue
+        split = [batch, channels] + [x for n, q in zip(grid, patches) for x in (n, q)]
+        cut = base.reshape(split)
+        token_axes = [2 + 2 * k for k in range(len(spatial))]
+        inner = [1] + [3 + 2 * k for k in range(len(spatial))]
+        for order in itertools.permutations(inner):
+            yield cut.permute(0, *token_axes, *order).reshape(-1)

@@ -114,17 +114,25 @@ class Commands:
         ]
         return shlex.join(["paritykit", "compare", *map(str, paths)]), files
 
-    def schedule(self, scheduler: Any = None) -> Built:
+    def schedule(self, scheduler: Any = None, seq_len: int | None = None) -> Built:
         r"""``paritykit schedule`` of both recordings, or with the port's scheduler its ``--fit`` from the
-        reference's recording (its config written beside them)."""
+        reference's recording (its config written beside them), with the port's run and its size."""
         if self.folders is None:
             return None, []
         if scheduler is None:
             return shlex.join(["paritykit", "schedule", *map(str, self.folders)]), []
-        config = self.out_dir / "port_scheduler.json"
-        text = json.dumps(dict(scheduler.config), indent=2, default=str)
         words = ["paritykit", "schedule", str(self.folders[0]), "--fit", type(scheduler).__name__]
-        return shlex.join([*words, "--config", str(config)]), [ReproduceFile(config, "text", text)]
+        words += [*self.config_words(scheduler), "--port-run", str(self.folders[1])]
+        words += ["--seq-len", str(seq_len)] if seq_len is not None else []
+        return shlex.join(words), [self.config_file(scheduler)]
+
+    def config_file(self, scheduler: Any) -> ReproduceFile:
+        r"""The port's scheduler config, written beside the recordings for the commands that read it."""
+        text = json.dumps(dict(scheduler.config), indent=2, default=str)
+        return ReproduceFile(self.out_dir / "port_scheduler.json", "text", text)
+
+    def config_words(self, scheduler: Any) -> list[str]:
+        return ["--config", str(self.out_dir / "port_scheduler.json")]
 
     def steps(self) -> Built:
         r"""``paritykit steps`` over both recordings' outputs."""

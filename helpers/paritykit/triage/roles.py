@@ -7,6 +7,7 @@ encoder_hidden_states`` in diffusers), so roles come from names first, then from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,15 +88,19 @@ def with_reference_values(
     *,
     timestep_too: bool = True,
     t_scale: float = 1.0,
+    layout: Callable[[Any], Any] | None = None,
 ) -> tuple[tuple, dict]:
     r"""The port's call with the reference's latents, conditioning and (when ``timestep_too`` and both sides
     give one) timestep in place of its own: what the port's module computes on the reference's inputs. The
-    timestep is converted to the port's units by ``t_scale`` (1000 when the reference gives it in [0, 1])."""
+    timestep is converted to the port's units by ``t_scale`` (1000 when the reference gives it in [0, 1]);
+    latents laid out another way by ``layout`` (the reference's values into the port's packing)."""
     import torch
 
     swap: dict[str, Any] = {}
     if ref_roles.latents and port_roles.latents:
         mine, theirs = latents(port, port_roles), latents(ref, ref_roles)
+        if layout is not None and tuple(mine.shape) != tuple(theirs.shape):
+            theirs = layout(theirs)
         if tuple(mine.shape) == tuple(theirs.shape):
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], theirs)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):

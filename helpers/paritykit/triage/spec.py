@@ -38,8 +38,8 @@ def triage_spec(
 
     Args:
         spec_path: the triage SPEC (``paritykit new triage-spec`` writes one).
-        all_causes: go on past the first cause: each place is then checked on its own, the port's modules fed
-            the reference's values at that point, so independent bugs are all named.
+        all_causes: go on past the first place that differs: each place is then checked on its own, the
+            port's modules fed the reference's values at that point.
         out: folder for the recordings (``reference_calls/``, ``port_calls/``, the ``record_loop`` format) and
             the files the reproduce commands read; ``None`` writes nothing.
         seed: torch's global seed before each side runs (default: the SPEC's ``SEED``, else 0).

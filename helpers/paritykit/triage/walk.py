@@ -11,11 +11,10 @@ file: each finding carries the command that reproduces it and the files that com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import shlex
 from typing import Any
 
-from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call
@@ -27,12 +26,14 @@ from paritykit.triage.measures import (
     identity,
     masked_words,
     module_differs,
+    per_step_calls,
     repeats,
     runs,
     unclamped_affine,
     with_first_tensor,
 )
 from paritykit.triage.pairs import (
+    Rearrangement,
     Tolerance,
     compare,
     compare_call,
@@ -51,6 +52,7 @@ from paritykit.triage.roles import (
     timestep,
     with_reference_values,
 )
+from paritykit.triage.schedule_checks import ScheduleChecks
 from paritykit.triage.sides import SideRun
 
 THE_REFERENCES = "the reference's"
@@ -62,19 +64,34 @@ def command_and_files(built: Built) -> dict[str, Any]:
     return {"command": command, "files": files}
 
 
-class Triage:
+class Triage(ScheduleChecks):
     r"""The comparison of two recorded runs; :meth:`report` walks the places."""
 
     def __init__(
         self, spec: Spec, tol: Tolerance, ref: SideRun, port: SideRun, commands: Commands, all_causes: bool
     ):
-        self.spec, self.tol, self.ref, self.port = spec, tol, ref, port
+        self.spec, self.tol, self.ref = spec, tol, ref
         self.commands, self.folders, self.all_causes = commands, commands.folders, all_causes
         self.findings: list[Finding] = []
         self.ruled_out: list[Note] = []
         self.not_checked: list[Note] = []
         self.ref_roles = [roles_of(c) for c in ref.calls]
         self.port_roles = [roles_of(c) for c in port.calls]
+        # the port's run as recorded (replays feed its modules), and as compared: its latents read in the
+        # reference's layout when they hold the reference's values rearranged (packed latents)
+        self.port_run = self.port = port
+        self.layout = None
+        if ref.calls and port.calls:
+            self.layout = Rearrangement.read(
+                latents(ref.calls[0], self.ref_roles[0]), latents(port.calls[0], self.port_roles[0])
+            )
+        if self.layout is not None:
+            layout = self.layout
+            self.port = dataclasses.replace(
+                port,
+                calls=[layout.view(c, r) for c, r in zip(port.calls, self.port_roles)],
+                result=layout.to_reference(port.result),
+            )
         n = min(len(ref.calls), len(port.calls))
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
         self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
@@ -82,7 +99,7 @@ class Triage:
         self.t_scale, self.t_units = timestep_units(self.t_ref, self.t_port)
         self.pairs = [
             compare_call(
-                i, ref.calls[i], self.ref_roles[i], port.calls[i], self.port_roles[i], tol, self.t_scale
+                i, ref.calls[i], self.ref_roles[i], self.port.calls[i], self.port_roles[i], tol, self.t_scale
             )
             for i in range(n)
         ]
@@ -113,8 +130,8 @@ class Triage:
                 Finding(
                     "result",
                     None,
-                    "the results differ while every check above agrees: the difference is outside what"
-                    f" was recorded ({self._coverage()})",
+                    "the results differ, and no place the walk compared differs (the 'not checked' lines say"
+                    f" what it could not compare; {self._coverage()})",
                     evidence=result.get("evidence", []),
                 )
             )
@@ -134,12 +151,14 @@ class Triage:
     def first_difference(self) -> None:
         r"""The walk: at each call its timestep, conditioning and latents, then its output; the first that
         differs is the cause; after the last call, the decoder."""
-        if None not in self.t_ref and None not in self.t_port and repeats(self.t_ref, self.t_port):
+        if None not in self.t_ref and None not in self.t_port and per_step_calls(self.t_ref, self.t_port):
             return self.schedule()  # calls that cannot be paired one to one
         for pair in self.pairs:
             i = pair.index
             if i == 0 and not pair.latents_match:
                 return self.noise()
+            if i == 0:
+                self.noise()  # the first call's latents agree: said, with the layout they were read in
             if not pair.timestep_match:
                 return self.schedule()
             if not pair.conditioning_match:
@@ -184,7 +203,8 @@ class Triage:
             self.findings.append(Finding("initial noise", 0, summary, evidence=[pair.latents_note]))
             return
         if pair.latents_match:
-            self.rule_out("initial noise", "the first call's latents agree")
+            laid_out = f" ({self.layout.words()})" if self.layout is not None else ""
+            self.rule_out("initial noise", f"the first call's latents agree{laid_out}")
             return
         evidence = comparison_evidence(pair.latents)
         fit = fit_affine(xp, xr)
@@ -222,9 +242,19 @@ class Triage:
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
             units = f" ({self.t_units}: compared and replayed ×{self.t_scale:g})" if self.t_units else ""
-            self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}")
+            # what was compared is the timesteps the denoiser saw; the noise levels each update uses (betas,
+            # alphas, sigmas) reach it only through the update, which its own check compares
+            self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}", check="timesteps")
             return
-        repeated = repeats(t_ref, t_port)
+        structure = per_step_calls(t_ref, t_port)
+        if structure is not None:
+            k_ref, k_port = structure
+            t_ref, t_port = t_ref[::k_ref], t_port[::k_port]
+            scale, _ = timestep_units(t_ref, t_port)
+        repeated = repeats(self.t_ref, self.t_port)
+        if structure is not None and all(same_timestep(r * scale, p) for r, p in zip(t_ref, t_port)):
+            side, times = ("reference", k_ref // k_port) if k_ref > k_port else ("port", k_port // k_ref)
+            repeated = repeated or (side, times)
         if repeated:
             side, times = repeated
             self.findings.append(
@@ -243,7 +273,21 @@ class Triage:
                 )
             )
             return
-        first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
+        if structure is not None:
+            first = next(
+                (i for i, (r, p) in enumerate(zip(t_ref, t_port)) if not same_timestep(r * scale, p)), 0
+            )
+            where = (
+                f"the timesteps differ from step {first} ({len(t_ref)} steps on both sides; the reference"
+                f" calls its denoiser {k_ref} time(s) per step, the port {k_port}: compared once per step)"
+            )
+            first = first * k_ref
+        else:
+            first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
+            where = (
+                f"the timesteps differ from call {first} "
+                f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)"
+            )
         comparison = compare_schedules(t_ref, t_port)
         evidence = [
             f"reference {head(t_ref)}",
@@ -253,54 +297,18 @@ class Triage:
         finding = Finding(
             "schedule",
             first,
-            f"the timesteps differ from call {first} "
-            f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)",
+            where,
             evidence=evidence,
             **command_and_files(
-                self.commands.schedule(self.port_scheduler if self.spec.has("port_scheduler") else None)
+                self.commands.schedule(
+                    self.port_scheduler if self.spec.has("port_scheduler") else None,
+                    self.layout.port_shape[1] if self.layout is not None else None,
+                )
             ),
             details=comparison.to_dict(),
         )
         self._fit_schedule(finding)
         self.findings.append(finding)
-
-    def _fit_schedule(self, finding: Finding) -> None:
-        if not self.spec.has("port_scheduler"):
-            self.skip("schedule", "the SPEC defines no port_scheduler()", check="fit")
-            return
-        if self.folders is None:
-            self.skip("schedule", "no recordings were written (out=None)", check="fit")
-            return
-        from paritykit.schedule import fit_scheduler
-
-        scheduler = self.port_scheduler
-        try:
-            fit = fit_scheduler(type(scheduler), str(self.folders[0]), base_config=dict(scheduler.config))
-        except ParityKitError as exc:
-            finding.evidence.append(f"schedule fit not run: {exc}")
-            return
-        finding.details = {"compare": finding.details, "fit": fit.to_dict()}
-        if fit.line:
-            finding.fix = fit.line + (f"; {fit.call_line}" if fit.call_line else "")
-            # verified only as a closed form that holds at other step counts too; a list that fits the run's
-            # count alone is said so
-            finding.verified = not fit.one_count_only
-            if fit.one_count_only:
-                finding.fix += f" (holds at {fit.steps} steps only)"
-            finding.evidence.append(
-                f"the fix reproduces the reference's timesteps: {fit.fits[0].residual_text()}"
-                + (
-                    f"; checked at {fit.steps} steps only (the reference follows no closed form)"
-                    if fit.one_count_only
-                    else f"; at {len(set(fit.fits[0].counts_matched))} step counts"
-                )
-            )
-        else:
-            finding.evidence += [
-                f"none of the {fit.searched} configs and set_timesteps calls of {type(scheduler).__name__}"
-                " tried reproduces them (schedule --fit lists them)",
-                *fit.differences[:3],
-            ]
 
     # ----------------------------------------------------------------------------------- 3. conditioning
     def conditioning(self) -> None:
@@ -349,9 +357,14 @@ class Triage:
         call 0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
-        ref_call, port_call = self.ref.calls[call], self.port.calls[call]
+        ref_call, port_call = self.ref.calls[call], self.port_run.calls[call]
         mapped = with_reference_values(
-            ref_call, self.ref_roles[call], port_call, self.port_roles[call], t_scale=self.t_scale
+            ref_call,
+            self.ref_roles[call],
+            port_call,
+            self.port_roles[call],
+            t_scale=self.t_scale,
+            layout=self.layout.to_port if self.layout is not None else None,
         )
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
         if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
@@ -370,6 +383,13 @@ class Triage:
 
     def _bisect(self, reference: Any, port: Any, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Any:
         from paritykit.bisection import bisect
+        from paritykit.tracing.recording import output_tensor
+
+        layout = self.layout
+
+        def select(side: str, value: Any) -> Any:  # the port's output read in the reference's layout
+            found = output_tensor(value)
+            return layout.to_reference(found) if side == "port" and layout is not None else found
 
         # a module on one call's inputs is held to bisect's own per-dtype tolerances, or the SPEC's
         return bisect(
@@ -377,6 +397,7 @@ class Triage:
             port,
             (ref_call.args, ref_call.kwargs),
             port_inputs=lambda a, k: port_inputs,
+            select_output=select if layout is not None else None,
             atol=self.spec.tolerance.get("atol"),
             rtol=self.spec.tolerance.get("rtol"),
         )
@@ -469,6 +490,10 @@ class Triage:
             # update's, and replaying it here would blame the update for it
             self.skip("update", "not replayed in lockstep with port_scheduler(): the timesteps differ")
             return False
+        noisy = self._stochastic_reference()
+        if noisy:
+            self.skip("update", f"not replayed in lockstep with port_scheduler(): {noisy}")
+            return False
         if not self._scheduler_steps_the_run():
             self.skip(
                 "update",
@@ -504,42 +529,6 @@ class Triage:
         )
         self._check_step(self.findings[-1])
         return True
-
-    def _check_step(self, finding: Finding) -> None:
-        r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
-        over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces
-        every update is verified."""
-        if not self.spec.has("port_scheduler") or self.folders is None:
-            return
-        from paritykit.schedule import fit_scheduler
-
-        scheduler = self.port_scheduler
-        reference = str(self.folders[0])
-        try:
-            fit = fit_scheduler(
-                type(scheduler), reference, base_config=dict(scheduler.config), step_check=reference
-            )
-        except ParityKitError as exc:
-            finding.evidence.append(f"step check not run: {exc}")
-            return
-        check = fit.fits[0].step_check if fit.fits else None
-        if check is not None and check.matched and fit.fits[0].changes:
-            finding.fix, finding.verified = fit.line, True
-            finding.evidence.append(
-                f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
-                f"updates: {check.explanation}"
-            )
-        else:
-            why = (
-                fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""
-            )
-            finding.evidence.append(
-                "no step key of the port's scheduler reproduces the reference's updates"
-                + (f": {why}" if why else "")
-            )
-        finding.command = shlex.join(
-            ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__, "--step-check", reference]
-        )
 
     def _scheduler_steps_the_run(self) -> bool:
         r"""Whether ``port_scheduler()`` set to the run's step count gives the timesteps the port's run

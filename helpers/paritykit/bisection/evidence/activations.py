@@ -66,13 +66,24 @@ def _single_input(c: Culprit) -> Any:
     return tensors[0] if len(tensors) == 1 else None
 
 
+# diffusers' projection-and-activation classes by the function they compute on their projection's output:
+# the class, and its constructor's words (dim_in, dim_out, bias filled in)
+_DIFFUSERS_ACTIVATIONS = {
+    "quick-GELU": ("ApproximateGELU", "ApproximateGELU({i}, {o}, bias={b})"),
+    "exact GELU": ("GELU", "GELU({i}, {o}, bias={b})"),
+    "tanh-GELU": ("GELU", "GELU({i}, {o}, approximate='tanh', bias={b})"),
+    "SiLU": ("LinearActivation", "LinearActivation({i}, {o}, bias={b}, activation='silu')"),
+}
+
+
 def activation(c: Culprit) -> list[Hint]:
     r"""``activation``: for parameterless modules, name the known function each side computes on its input;
-    for modules with parameters, :func:`inner_activation`."""
+    for a projection and its activation in one module, :func:`fused_activation`; for other modules with
+    parameters, :func:`inner_activation`."""
     if c.reference is None or c.port is None:
         return []
     if any(True for _ in c.reference.parameters()) or any(True for _ in c.port.parameters()):
-        return inner_activation(c)  # an MLP: look for the activation inside it
+        return fused_activation(c) or inner_activation(c)  # an MLP: look for the activation inside it
     x = _single_input(c)
     if x is None:
         return []
@@ -179,3 +190,69 @@ def inner_activation(c: Culprit) -> list[Hint]:
             )
         ]
     return []
+
+
+def _projection(module: Any) -> Any:
+    r"""The one ``Linear`` a projection-and-activation module holds (``proj``), or ``None``."""
+    import torch
+
+    children = list(module.children())
+    return children[0] if len(children) == 1 and isinstance(children[0], torch.nn.Linear) else None
+
+
+def fused_activation(c: Culprit) -> list[Hint]:
+    r"""``activation`` in a module that is one projection and an activation of its output (research code's
+    ``ApproximateGELU``, diffusers' ``GELU``): the function each side applies to its projection's output,
+    read from the values; when they differ, the diffusers class that computes the reference's function,
+    holding the port's projection, is put in the port module's place and verified by replay."""
+    import copy
+
+    ref_proj, port_proj = _projection(c.reference), _projection(c.port)
+    if ref_proj is None or port_proj is None or c.run_reference is None or c.run_port is None:
+        return []
+    ref_inner = [out for name, _x, out in _leaf_calls(c.reference, c.run_reference, False) if name]
+    port_inner = [out for name, _x, out in _leaf_calls(c.port, c.run_port, False) if name]
+    if len(ref_inner) != 1 or len(port_inner) != 1:
+        return []
+    ref_names, ref_err = identify_function(ref_inner[0], c.reference_output)
+    port_names, port_err = identify_function(port_inner[0], c.port_output)
+    if not ref_names or not port_names or set(ref_names) & set(port_names):
+        return []
+    message = (
+        f"reference {c.reference_path()} computes {ref_names[0]} of its projection's output (relative error"
+        f" {ref_err:.1e}), port {c.port_path()} computes {port_names[0]} ({port_err:.1e}) (evidence: each"
+        " side's output refitted from its own projection's output)"
+    )
+    hint = Hint(
+        "activation",
+        message,
+        {
+            "reference": ref_names,
+            "port": port_names,
+            "reference_fit": ref_err,
+            "port_fit": port_err,
+            # a class put in the port module's place: a change of code, after any setting that does the same
+            "code_change": True,
+        },
+        score=0.9,
+    )
+    found = _DIFFUSERS_ACTIVATIONS.get(ref_names[0])
+    if found is None:
+        hint.message += f"; diffusers has no projection class for {ref_names[0]} here (not verified)"
+        return [hint]
+    import diffusers.models.activations as activations
+
+    name, words = found
+    bias = port_proj.bias is not None
+    dims = {"i": port_proj.in_features, "o": port_proj.out_features, "b": bias}
+    if name == "LinearActivation":
+        replacement = activations.LinearActivation(dims["i"], dims["o"], bias=bias, activation="silu")
+    elif name == "GELU":
+        approximate = "tanh" if ref_names[0] == "tanh-GELU" else "none"
+        replacement = activations.GELU(dims["i"], dims["o"], approximate=approximate, bias=bias)
+    else:
+        replacement = getattr(activations, name)(dims["i"], dims["o"], bias=bias)
+    replacement.proj = copy.deepcopy(port_proj)
+    replacement.to(port_proj.weight.device, port_proj.weight.dtype)
+    hint.fix = f"{c.port_path()} = diffusers.models.activations.{words.format(**dims)} holding its proj"
+    return [verify_hint(c, lambda: replacement.eval(), hint)]

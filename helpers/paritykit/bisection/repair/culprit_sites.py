@@ -224,11 +224,17 @@ def repair_hints(
     catalogue hint naming the same fix is marked verified instead of repeating it; the plain "unknown" hint
     goes, or, when nothing verifies, says what the search covered.
     """
-    if not options.enabled or any(h.verified for h in hints):
+    if not options.enabled or any(h.verified and not h.evidence.get("code_change") for h in hints):
         return list(hints)
     outcomes: list[RepairOutcome] = []
     site = culprit_site(searcher, call, port_call)
     sites = [site] if site is not None else []
+    if any(h.verified for h in hints):
+        # a verified fix that changes code (a module class put in place of the port's): a setting of the
+        # port that does the same is the smaller fix, so only the settings are searched, at the culprit
+        found = repair_site(site, Budget(options.budget or 400), tiers=("settings",)) if site else None
+        settings = found.hints() if found is not None and found.verified else []
+        return [*settings, *hints]
     if inline:
         sites += producer_sites(searcher, call, port_call)
     sites += extra_input_sites(searcher, call, port_call)

@@ -321,7 +321,17 @@ def _same_leaves(a: list, b: list) -> bool:
 
 
 def progress_bar(total: int | None = None) -> Any:
-    r"""A tqdm bar on stderr that appears only when the search runs longer than :data:`PROGRESS_AFTER`."""
+    r"""A tqdm bar on stderr that appears only when the search runs longer than :data:`PROGRESS_AFTER`, and
+    only on a terminal: a reader of captured output (an agent's ``2>&1``) gets no redrawn bar lines."""
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="repair search", unit="edit", delay=PROGRESS_AFTER, leave=False)
+    return tqdm(
+        total=total,
+        desc="repair search",
+        unit="edit",
+        delay=PROGRESS_AFTER,
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )

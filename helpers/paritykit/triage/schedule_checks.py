@@ -1,0 +1,124 @@
+r"""The schedule's and the update's checks that run the port's scheduler: its config fitted to the
+reference's recorded timesteps (``schedule --fit``), and its ``step()`` replayed on the reference's recorded
+calls (``--step-check``). A mixin of :class:`paritykit.triage.walk.Triage`, which holds the runs they read."""
+
+from __future__ import annotations
+
+import shlex
+
+from paritykit.base.errors import ParityKitError
+from paritykit.base.report import format_number
+from paritykit.triage.report import Finding
+
+
+class ScheduleChecks:
+    r"""The checks of :class:`~paritykit.triage.walk.Triage` that fit or step the port's scheduler."""
+
+    def _fit_schedule(self, finding: Finding) -> None:
+        if not self.spec.has("port_scheduler"):
+            self.skip("schedule", "the SPEC defines no port_scheduler()", check="fit")
+            return
+        if self.folders is None:
+            self.skip("schedule", "no recordings were written (out=None)", check="fit")
+            return
+        from paritykit.schedule import fit_scheduler
+
+        scheduler = self.port_scheduler
+        seq_len = self.layout.port_shape[1] if self.layout is not None else None
+        try:
+            fit = fit_scheduler(
+                type(scheduler),
+                str(self.folders[0]),
+                base_config=dict(scheduler.config),
+                port=str(self.folders[1]),
+                seq_len=seq_len,
+            )
+        except ParityKitError as exc:
+            finding.evidence.append(f"schedule fit not run: {exc}")
+            return
+        finding.details = {"compare": finding.details, "fit": fit.to_dict()}
+        finding.evidence += [n for n in fit.notes if n.startswith(("the port's own run", "mu: "))]
+        if fit.line:
+            finding.fix = fit.line + (f"; {fit.call_line}" if fit.call_line else "")
+            if fit.pasted:
+                finding.fix = "replaces the schedule with the reference's list: " + finding.fix
+            # verified: the recorded run reproduced, as a configuration of the port's own scheduler (a pasted
+            # list reproduces anything); a fix checked at the recorded count only says so
+            finding.verified = not fit.pasted
+            if fit.one_count_only:
+                finding.fix += f" (checked at the recorded {fit.steps} steps only)"
+            others = sorted(set(fit.fits[0].counts_matched) - {fit.steps})
+            finding.evidence.append(
+                f"the fix reproduces the reference's recorded {fit.steps} steps:"
+                f" {fit.fits[0].residual_text()}"
+                + (f"; {fit.why_one_count()}" if fit.one_count_only else "")
+                + (
+                    f"; at {', '.join(map(str, others))} steps it follows the closed form read from the"
+                    " recording (the reference was not run there)"
+                    if others and fit.extrapolated
+                    else (f"; and at {', '.join(map(str, others))} steps" if others else "")
+                )
+            )
+        else:
+            finding.evidence += [
+                f"none of the {fit.searched} configs and set_timesteps calls of {type(scheduler).__name__}"
+                " tried reproduces them (schedule --fit lists them)",
+                *fit.differences[:3],
+            ]
+
+    def _stochastic_reference(self) -> str:
+        r"""Why the reference's update cannot be replayed, when it adds what no replay reproduces: at every
+        step where it can be fitted, its next latents are no exact linear rule of its latents and model
+        output (sampler noise, eta > 0, an SDE); empty otherwise."""
+        fits = [self._update_fits(i)[0] for i in range(len(self.pairs))]
+        fitted = [f for f in fits if f is not None]
+        if not fitted or any(f.exact for f in fitted):
+            return ""
+        worst = max(f.residual for f in fitted)
+        return (
+            "the reference's update is no exact linear rule of its latents and model output at any of"
+            f" {len(fitted)} steps (residual up to {format_number(worst)}): it adds what a replay cannot"
+            " reproduce, such as sampler noise (eta > 0, an SDE)"
+        )
+
+    def _check_step(self, finding: Finding) -> None:
+        r"""With the port's scheduler: its ``step()`` replayed in lockstep with the reference's recorded calls
+        over the keys that change only the update (``schedule --fit --step-check``); a fix that reproduces
+        every update is verified."""
+        if not self.spec.has("port_scheduler") or self.folders is None:
+            return
+        noisy = self._stochastic_reference()
+        if noisy:
+            finding.evidence.append(f"step check not run: {noisy}")
+            return
+        from paritykit.schedule import fit_scheduler
+
+        scheduler = self.port_scheduler
+        reference = str(self.folders[0])
+        try:
+            fit = fit_scheduler(
+                type(scheduler), reference, base_config=dict(scheduler.config), step_check=reference
+            )
+        except ParityKitError as exc:
+            finding.evidence.append(f"step check not run: {exc}")
+            return
+        check = fit.fits[0].step_check if fit.fits else None
+        if check is not None and check.matched and fit.fits[0].changes:
+            finding.fix, finding.verified = fit.line, True
+            finding.evidence.append(
+                f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
+                f"updates: {check.explanation}"
+            )
+        else:
+            why = (
+                fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""
+            )
+            finding.evidence.append(
+                "no step key of the port's scheduler reproduces the reference's updates"
+                + (f": {why}" if why else "")
+            )
+        words = ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__]
+        finding.command = shlex.join(
+            [*words, *self.commands.config_words(scheduler), "--step-check", reference]
+        )
+        finding.files.append(self.commands.config_file(scheduler))
