@@ -120,8 +120,9 @@ def test_a_schedule_that_differs_is_read_once_per_step_when_one_side_calls_twice
     report = run(tmp_path, ["double-call", "spacing-leading"], vae=False)
     finding = report.findings[0]
     assert finding.place == "schedule", report.render()
-    assert "(5 steps on both sides; the reference calls its denoiser 1 time(s) per step, the port 2" in (
-        finding.summary
+    assert (
+        "(5 values on both sides once repeats are collapsed: the reference calls its denoiser 1 time(s)"
+        in (finding.summary)
     )
     assert finding.verified and 'timestep_spacing="trailing"' in finding.fix
     assert "a different step count" not in report.render()

@@ -203,7 +203,7 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 ScheduleHint(
                     "count",
                     kind,
-                    f"A has {len(a)} values, B {len(b)}: a different step count or a different final step.",
+                    f"A has {len(a)} values, B {len(b)}; neither is the other with values added at its end.",
                 )
             )
     elif len(a) > 1:
