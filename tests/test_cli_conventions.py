@@ -1034,3 +1034,35 @@ def test_json_puts_the_same_answer_first(tmp_path):
     assert list(payload)[1:4] == ["verdict", "passed", "answer"]
     text = run_cli("compare", tmp_path / "a.safetensors", tmp_path / "b.safetensors").stdout
     assert payload["answer"][0] == text.splitlines()[0] and payload["answer"][0].startswith("verdict: ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bisect", "nope.py"],
+        ["schedule", "nope.json", "--fit", "DDIMScheduler"],
+        ["schedule", "256=nope.json,1024=nope2.json", "--fit", "FlowMatchEulerDiscreteScheduler"],
+        ["weights", "map", "a.safetensors", "b.safetensors"],
+        ["weights", "diff", "a.safetensors", "b.safetensors"],
+        ["compare", "a.pt", "b.pt"],
+        ["steps", "a", "b"],
+        ["images", "a.png", "b.png"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_a_missing_path_is_one_line_before_torch_is_imported(tmp_path, args):
+    # an agent's typo costs a fraction of a second, not torch's import
+    code = (
+        "import sys\n"
+        "from paritykit.cli import main\n"
+        f"sys.argv = ['paritykit', *{args!r}]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1] == "exit 2 False", run.stderr
+    assert len(lines) == 2 and lines[0].startswith("paritykit: error: "), run.stderr
+    assert lines[0].endswith("': no such file or folder")

@@ -45,6 +45,7 @@ COMMANDS = (
     "pipeline-stub --modular",
     "stage-test",
     "triage-spec",
+    "diffusers-tests",
 )
 
 
@@ -118,6 +119,10 @@ def _render_all(out: Path) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------- rendering, linting
 def test_list_shows_every_template_with_one_line(cli):
+    # every `paritykit new` subcommand is listed, the rendered sets too (diffusers-tests was once missing)
+    from paritykit.cli.new import new
+
+    assert {c.split()[0] for c in COMMANDS} == set(new.commands)
     result = cli("new", "--list")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()

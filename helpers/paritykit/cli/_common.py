@@ -37,6 +37,18 @@ map_option = click.option(
 )
 
 
+def require_paths(*named: tuple[str, Any]) -> None:
+    r"""One line naming the first ``(argument, path)`` whose path does not exist, said before any heavy
+    import (a missing file is reported in a fraction of a second, not after torch loads)."""
+    import os
+
+    from paritykit.base.errors import ParityKitError
+
+    for name, path in named:
+        if path is not None and not os.path.exists(path):
+            raise ParityKitError(f"{name} {str(path)!r}: no such file or folder")
+
+
 def note_same_path(a: Any, b: Any) -> None:
     r"""Say (on stderr, so JSON stays clean) when a two-path command was given one path twice: everything
     then agrees by construction, which is no evidence about a port."""

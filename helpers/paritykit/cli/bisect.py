@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from paritykit.base.errors import ParityKitError
-from paritykit.cli._common import emit, json_option, limit_option, map_option
+from paritykit.cli._common import emit, json_option, limit_option, map_option, require_paths
 
 SPEC_HELP = """
 \b
@@ -196,6 +196,7 @@ def bisect(
     as_json,
     limit,
 ):
+    require_paths(("SPEC", spec), *((("--traces", t) for t in traces) if traces else ()))
     from paritykit.base.naming import parse_map_options
     from paritykit.bisection.spec import bisect_spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path
+from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path, require_paths
 
 
 @click.command()
@@ -33,6 +33,7 @@ def compare(a, b, atol, rtol, maps, only, broadcast, as_json, limit) -> None:
     |a-b| <= atol + rtol*|b| everywhere. Prints a table, then the first divergence and its likely causes.
     Exit 0 all pass, 1 any fail / shape mismatch / one-sided name, 2 bad input.
     """
+    require_paths(("A", a), ("B", b))
     from paritykit.compare.sets import compare_paths
 
     report = compare_paths(a, b, atol=atol, rtol=rtol, maps=maps, only=only, broadcast=broadcast)

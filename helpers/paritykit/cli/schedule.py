@@ -4,11 +4,12 @@ reference."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import click
 
 from paritykit.base.errors import ParityKitError
-from paritykit.cli._common import emit, json_option, limit_option
+from paritykit.cli._common import emit, json_option, limit_option, require_paths
 
 
 @click.command(
@@ -98,6 +99,13 @@ def schedule(
     as_json,
     limit,
 ):
+    sized = not Path(ref).exists() and re.fullmatch(r"\d+=[^,]+(,\d+=[^,]+)*", ref)
+    require_paths(
+        *((("REF", ref),) if not sized else (("REF", path.split("=", 1)[1]) for path in ref.split(","))),
+        ("PORT", port),
+        ("--config", config),
+        ("--port-run", port_run),
+    )
     from paritykit.schedule.compare import compare_schedules
     from paritykit.schedule.fit import fit_scheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, note_same_path
+from paritykit.cli._common import emit, json_option, limit_option, note_same_path, require_paths
 
 # the thresholds live in paritykit.compare.steps; quoted here without importing torch or matplotlib
 _GROWTH_HELP = (
@@ -41,6 +41,7 @@ _GROWTH_HELP = (
 @json_option
 @limit_option
 def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
+    require_paths(("A", a), ("B", b))
     from paritykit.compare.steps import step_curve
 
     curve = step_curve(a, b, key=key, sigmas=sigmas, atol=atol, rtol=rtol, plot=plot_path)
@@ -84,6 +85,7 @@ def steps(a, b, key, sigmas, plot_path, atol, rtol, as_json, limit):
 @json_option
 @limit_option
 def images(a, b, out, psnr_min, range_a, range_b, as_json, limit):
+    require_paths(("A", a), ("B", b))
     from paritykit.compare.images import compare_images
 
     result = compare_images(a, b, psnr_min=psnr_min, out=out, value_range=(range_a, range_b))

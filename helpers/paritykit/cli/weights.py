@@ -11,7 +11,7 @@ import os
 
 import click
 
-from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path
+from paritykit.cli._common import emit, json_option, limit_option, map_option, note_same_path, require_paths
 
 # name -> (module:attribute, one-line help shown without importing the module)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -86,6 +86,7 @@ def diff(a, b, keys_only, metric, group_by, maps, plot, quiet, as_json, limit) -
       paritykit weights diff a.ckpt b.safetensors --map
       '^cond_stage_model\\.transformer\\.(?!text_model)=cond_stage_model.transformer.text_model.'
     """
+    require_paths(("A", a), ("B", b))
     from paritykit.base.naming import parse_map_options
     from paritykit.forensics.weights import plot_weights_diff, weights_diff
 

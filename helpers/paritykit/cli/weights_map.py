@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from paritykit.base.errors import ParityKitError
-from paritykit.cli._common import emit, json_option, limit_option, note_same_path
+from paritykit.cli._common import emit, json_option, limit_option, note_same_path, require_paths
 
 
 @click.command("map")
@@ -69,6 +69,7 @@ def weights_map(
             f"--emit-rules {str(emit_rules_path)!r} already exists; pass --force to overwrite it"
         )
 
+    require_paths(("SOURCE", source), ("TARGET", target))
     from paritykit.forensics.conversion.emit import emit_rules
     from paritykit.forensics.conversion.matching import infer_conversion_map
 

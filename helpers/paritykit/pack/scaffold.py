@@ -240,11 +240,22 @@ def _templates(root: Path) -> dict[str, TemplateSpec]:
     return specs
 
 
+# what `paritykit new` renders besides the one-file templates: a set computed from running the model
+RENDERED_SETS = {
+    "diffusers-tests": (
+        "The model, pipeline and slow tests a diffusers pull request asks for, in diffusers' own layout; the"
+        " slow test's expected slice is the reference's output (runs the model and the reference)."
+    ),
+}
+
+
 def template_list(directory: Path | None = None) -> str:
-    r"""One line per template: the command that selects it and its summary (``paritykit new --list``)."""
-    specs = templates(directory)
-    width = max((len(spec.command) for spec in specs.values()), default=0)
-    return "\n".join(f"{spec.command.ljust(width)}  {spec.summary}" for spec in specs.values())
+    r"""One line per template, and per set ``paritykit new`` renders (:data:`RENDERED_SETS`): the command
+    that selects it and its summary (``paritykit new --list``)."""
+    rows = [(spec.command, spec.summary) for spec in templates(directory).values()]
+    rows += list(RENDERED_SETS.items()) if directory is None else []
+    width = max((len(command) for command, _ in rows), default=0)
+    return "\n".join(f"{command.ljust(width)}  {summary}" for command, summary in rows)
 
 
 # ------------------------------------------------------------------------------------------------- rules
