@@ -1061,7 +1061,9 @@ def test_a_missing_path_is_one_line_before_torch_is_imported(tmp_path, args):
         "except SystemExit as exc:\n"
         "    print('exit', exc.code, 'torch' in sys.modules, file=sys.stderr)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
     lines = run.stderr.strip().splitlines()
     assert lines[-1] == "exit 2 False", run.stderr
     assert len(lines) == 2 and lines[0].startswith("paritykit: error: "), run.stderr

@@ -489,3 +489,14 @@ def test_comparison_allocates_no_full_size_buffer(diagnose, bound):
     assert out.returncode == 0, out.stderr
     extra_buffers, status = out.stdout.split()
     assert status == "fail" and float(extra_buffers) < bound, extra_buffers
+
+
+def test_a_scale_or_an_offset_is_never_read_from_one_value():
+    # one timestep 750 against 0.75: any factor and any offset relate two numbers, so neither is a finding
+    from paritykit.compare.diagnose import detect_constant_scale, detect_offset
+
+    one, other = torch.tensor([750.0]), torch.tensor([0.75])
+    assert detect_constant_scale(one, other) is None and detect_offset(one, other) is None
+    many = torch.linspace(1, 2, 16)
+    assert detect_constant_scale(many, 3 * many).evidence["k"] == pytest.approx(3)
+    assert detect_offset(many, many + 1).evidence["c"] == pytest.approx(1)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from paritykit.base.errors import ParityKitError
 from paritykit.triage import triage_spec
 
@@ -56,7 +57,8 @@ def test_conditioning_of_another_length_is_a_difference_never_a_rule_out(tmp_pat
     # the port pads its prompt embedding with zero rows: the rows both have agree, the lengths do not. That is
     # measured at the conditioning, never "ruled out" for agreeing on the common rows
     report = run(tmp_path, ["cond-padded"], vae=False)
-    (finding,) = report.findings
+    (finding,) = report.findings  # the denoiser is not bisected: it cannot be fed the reference's inputs
+    assert any(n.place == "denoiser" and "another length" in n.text for n in report.not_checked)
     assert (finding.place, finding.call) == ("conditioning", 0), report.render()
     assert "differ in length along axis 1: the first 3 there agree; the port's other 2 are all zero" in (
         finding.summary
@@ -126,6 +128,35 @@ def test_a_schedule_that_differs_is_read_once_per_step_when_one_side_calls_twice
     )
     assert finding.verified and 'timestep_spacing="trailing"' in finding.fix
     assert "a different step count" not in report.render()
+
+
+def test_timesteps_rounded_to_bfloat16_are_named_as_a_cast_not_a_schedule(tmp_path):
+    report = run(tmp_path, ["timestep-bf16"], vae=False)
+    finding = report.findings[0]
+    assert finding.place == "schedule" and "the reference's rounded to bfloat16, every one" in finding.summary
+    assert finding.fix is None  # no scheduler config to change: the list agrees before the cast
+
+
+def test_conditioning_of_another_length_or_a_mask_in_another_form_is_measured_without_crashing():
+    from paritykit.triage.pairs import Tolerance, unpaired_conditioning
+
+    mask = torch.ones(1, 76, dtype=torch.bool)
+    short = torch.ones(1, 12, dtype=torch.bool)
+    differences, alone = unpaired_conditioning(
+        [("mask", mask)], [("encoder_attention_mask", short)], Tolerance()
+    )
+    assert differences == [
+        "reference mask (1, 76) and port encoder_attention_mask (1, 12) differ in length along axis 1: the"
+        " first 12 there agree; the reference's other 64 are not zero (max |value| 1)"
+    ]
+    # must not fire: a batch of two (guidance halves) against one is no padding, nor a 1-D tensor's length
+    t1, t2 = torch.tensor([750.0]), torch.tensor([0.75, 0.75])
+    assert unpaired_conditioning([("t", t1)], [("t", t2)], Tolerance()) == (
+        [],
+        ["reference t (1,)", "port t (2,)"],
+    )
+    batch = torch.ones(1, 7, 8), torch.ones(2, 7, 8)
+    assert unpaired_conditioning([("c", batch[0])], [("c", batch[1])], Tolerance())[0] == []
 
 
 def test_a_denoiser_module_is_bisected_on_the_calls_inputs(tmp_path):

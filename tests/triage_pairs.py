@@ -32,6 +32,7 @@ BUGS = (
     # conditioning: the port pads the prompt embedding with two zero rows (the reference pads nothing)
     "cond-padded",
     "double-call",  # call structure: the port calls its denoiser twice per step (guidance halves, unbatched)
+    "timestep-bf16",  # schedule: the port hands its denoiser each timestep rounded to bfloat16
     "norm-eps",  # denoiser: one GroupNorm of the port's UNet built with eps 1e-3
     "v-prediction",  # update: the port's scheduler reads the output as v where the model predicts epsilon
     "final-alpha",  # update: the last step goes to alpha-bar[0] in the port, to 1 in the reference
@@ -89,7 +90,14 @@ class Pair:
         cond = self.cond.bfloat16().float() if "cond-bf16" in self.bugs else self.cond
         if "cond-padded" in self.bugs:
             cond = torch.cat([cond, cond.new_zeros(1, 2, cond.shape[-1])], dim=1)
-        if "double-call" in self.bugs:
+        if "timestep-bf16" in self.bugs:
+            scheduler.set_timesteps(steps)
+            latents = noise.float()
+            for t in scheduler.timesteps:
+                rounded = t.to(torch.bfloat16).to(t.dtype)
+                eps = self.port_unet(latents, rounded, encoder_hidden_states=cond).sample
+                latents = scheduler.step(eps, t, latents, return_dict=False)[0]
+        elif "double-call" in self.bugs:
             scheduler.set_timesteps(steps)
             latents = noise.float()
             for t in scheduler.timesteps:

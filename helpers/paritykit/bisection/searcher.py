@@ -131,7 +131,10 @@ class InputPairing:
             f"{port_name(self.port_leaves[j][0])} = {renamed(r.words, ref_paths, ref_name)}"
             for j, r in sorted(self.relations.items())
         ]
-        own = [f"{port_name(path)}: the port's own, no reference counterpart" for path in self.own_paths]
+        own = [
+            f"{port_name(path)}: taken from the port's own run (no reference argument paired with it)"
+            for path in self.own_paths
+        ]
         how = f"as by value at {self.learned_from}" if self.learned_from else "by value"
         return f"arguments paired {how}: " + "; ".join(said + own)
 
@@ -489,7 +492,7 @@ class Searcher:
         ref_out, port_out = outcome
         paired = self.compare_paired(ref_out, port_out, ref_record.name)
         if paired is None:
-            self.why_not_replayed[ref_record.name] = "outputs cannot be paired"
+            self.why_not_replayed[ref_record.name] = "outputs not paired (by path, order, shape or value)"
             return None
         cmp, orders = paired.worst, paired.orders
         if orders:
@@ -778,4 +781,7 @@ def _unpaired_shapes(ref_record: Record, port_record: Record) -> str:
     def shapes(record: Record) -> str:
         return ", ".join(str(list(t.shape)) for t in record.outputs.values()) or "no tensor"
 
-    return f"outputs cannot be paired: reference {shapes(ref_record)} vs port {shapes(port_record)}"
+    return (
+        f"outputs not paired (by path, order, shape or value): reference {shapes(ref_record)} vs port"
+        f" {shapes(port_record)}"
+    )

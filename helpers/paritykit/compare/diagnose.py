@@ -414,10 +414,16 @@ def _power_form(k: float) -> str | None:
     return None
 
 
+# a scale or an offset fitted over fewer values than this is no evidence (one value fits any of them)
+MIN_FIT_VALUES = 4
+
+
 def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     r"""B ≈ k·A with one steady factor k (not 0, not -1): a scale knob differs between the sides."""
     import torch
 
+    if x.numel() < MIN_FIT_VALUES:
+        return None  # one value is k·(another) for some k: no evidence of a scale
     xx = float(torch.dot(x, x))
     if xx == 0:
         return None
@@ -449,6 +455,8 @@ def detect_offset(x: torch.Tensor, y: torch.Tensor, name: str | None = None) -> 
     On a timestep or sigma list (``name`` says so, or the values are a non-negative monotone sequence) the
     hint names the scheduler keys that shift a schedule, and ``paritykit schedule`` to confirm.
     """
+    if x.numel() < MIN_FIT_VALUES:
+        return None  # two values always differ by some constant: no evidence of an offset
     diff = y - x
     base = _norm(diff)
     if base == 0:

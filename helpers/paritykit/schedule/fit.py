@@ -112,9 +112,7 @@ def _port_call(
         return None, None
     train_steps = int(base.get("num_train_timesteps", 1000))
     if "shift" in accepted_keys(cls) and _timesteps_only(recorded, train_steps):
-        if max(recorded.timesteps) <= 1:  # a model called at t = sigma (in [0, 1]): the values are the sigmas
-            recorded = dataclasses.replace(recorded, timesteps=[t * train_steps for t in recorded.timesteps])
-        recorded = _with_flow_sigmas(recorded, train_steps)
+        recorded, _ = _as_flow(recorded, train_steps)
     n = recorded.steps
     rule = mu_rule(base, seq_len) if base.get("use_dynamic_shifting") else None
     if base.get("use_dynamic_shifting") and rule is None:
@@ -259,11 +257,7 @@ def fit_scheduler(
     ref, repeats = per_step(ref) if ref.generator is None else (ref, 1)
     flow_note = None
     if "shift" in keys and _timesteps_only(ref, train_steps):
-        ref = _with_flow_sigmas(ref, train_steps)
-        flow_note = (
-            f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} "
-            "(a flow model is called at t = σ · num_train_timesteps)"
-        )
+        ref, flow_note = _as_flow(ref, train_steps)
     sizes = _sizes(ref, image_seq_len)
     calls_n = _steps_of_calls(cls, base, ref)
     if steps is None:
@@ -347,6 +341,11 @@ def fit_scheduler(
         for gens in itertools.product(*([f.generate, *f.alternatives] for f in families.values()))
     ]
     for cand in sorted(matched_here, key=lambda c: (c.call.rank, bool(c.mu), len(c.changes))):
+        if cand.call.rank >= 3:
+            # the reference's own list passed in: at another count it would be that count's list, matched by
+            # construction; only the recorded count says anything
+            fits.append(cand)
+            continue
         first = dict(cand.residual)
         for variant in variants or [{}]:  # the candidate must follow one reading of REF at every count
             cand.counts_matched, cand.failures, cand.residual = [steps], {}, dict(first)
@@ -377,6 +376,7 @@ def fit_scheduler(
         notes=notes,
         sizes=[s for s in sizes if s is not None],
         recorded_counts=ref.generator is not None,
+        port_given=port is not None,
     )
     needed = next(iter(fits[0].mu.values()), None) if fits else None
     if port_mu is not None and needed is not None and seq_len is not None and abs(needed - port_mu) > 1e-6:
@@ -556,6 +556,21 @@ def _timesteps_only(ref: Schedule, train_steps: int) -> bool:
         ref.sigmas is None
         and bool(ref.timesteps)
         and 0 <= min(ref.timesteps) <= max(ref.timesteps) <= train_steps
+    )
+
+
+def _as_flow(ref: Schedule, train_steps: int) -> tuple[Schedule, str]:
+    r"""A recording of a flow model's timesteps read as its sigmas, and the words saying how: the values
+    themselves when they lie in [0, 1] (a model called at t = σ), else t / ``train_steps``."""
+    if ref.generator is None and max(ref.timesteps) <= 1:
+        scaled = dataclasses.replace(ref, timesteps=[t * train_steps for t in ref.timesteps])
+        return _with_flow_sigmas(scaled, train_steps), (
+            "the reference records timesteps only, in [0, 1]: read as the flow-matching sigmas themselves (a"
+            " flow model called at t = σ)"
+        )
+    return _with_flow_sigmas(ref, train_steps), (
+        f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} (a flow model"
+        " is called at t = σ · num_train_timesteps)"
     )
 
 

@@ -96,6 +96,8 @@ class FitResult:
     mu_rule: str | None = None
     # the reference was run at every count checked (a SPEC's ref_schedule(n)), not only recorded at one
     recorded_counts: bool = False
+    # the port's own run was given (--port-run), whether or not it singled out the port's call
+    port_given: bool = False
     nearest: Candidate | None = None
     differences: list[str] = field(default_factory=list)
     elsewhere: list[str] = field(default_factory=list)
@@ -153,6 +155,13 @@ class FitResult:
         return f"pipe.scheduler.{text}"
 
     def why_one_count(self) -> str:
+        if self.ambiguous and self.port_given:
+            return (
+                "another set_timesteps call in the table reproduces the recorded count too and differs at"
+                " other counts, and the port's own run did not single out its call (its mu follows no linear"
+                " rule of base/max image_seq_len at the size given, or no --seq-len); record the reference at"
+                " another count to decide"
+            )
         if self.ambiguous:
             return (
                 "another set_timesteps call in the table reproduces the recorded count too and differs at"

@@ -36,6 +36,22 @@ def per_step_calls(t_ref: list[float], t_port: list[float]) -> tuple[int, int] |
     return k_ref, k_port
 
 
+def rounded_to(reference: list[float], port: list[float]) -> str | None:
+    r"""The half-precision dtype (``bfloat16``, ``float16``) the port's values are the reference's rounded to,
+    every one of them, when they are not already equal; ``None`` otherwise."""
+    import torch
+
+    if not reference or len(reference) != len(port):
+        return None
+    a, b = torch.tensor(reference, dtype=torch.float64), torch.tensor(port, dtype=torch.float64)
+    if torch.equal(a, b):
+        return None
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(a.to(dtype).double(), b) or torch.equal(a.float().to(dtype).double(), b):
+            return str(dtype).removeprefix("torch.")
+    return None
+
+
 def runs(indices: list[int]) -> str:
     r"""Call indices as runs: ``0-3, 7, 9-10``."""
     runs: list[list[int]] = []

@@ -160,7 +160,8 @@ def unpaired_conditioning(
     for r, a in ref:
         for p, b in port:
             axes = [i for i in range(a.dim()) if a.shape[i] != b.shape[i]] if a.dim() == b.dim() else []
-            if p in used or len(axes) != 1:
+            # a sequence that differs in length: never the batch axis (a guidance batch of two is no padding)
+            if p in used or len(axes) != 1 or axes[0] == 0 or a.dim() < 2:
                 continue
             used.add(p)
             axis, n = axes[0], min(a.shape[axes[0]], b.shape[axes[0]])
@@ -171,7 +172,7 @@ def unpaired_conditioning(
             tail = (
                 "all zero"
                 if bool((rest == 0).all())
-                else f"not zero (max |value| {format_number(float(rest.abs().max()))})"
+                else f"not zero (max |value| {format_number(float(rest.double().abs().max()))})"
             )
             more = extra.shape[axis] - n
             differences.append(

@@ -28,6 +28,7 @@ from paritykit.triage.measures import (
     module_differs,
     per_step_calls,
     repeats,
+    rounded_to,
     runs,
     unclamped_affine,
     with_first_tensor,
@@ -161,8 +162,12 @@ class Triage(ScheduleChecks):
                 self.noise()  # the first call's latents agree: said, with the layout they were read in
             if not pair.timestep_match:
                 return self.schedule()
-            if not pair.conditioning_match:
+            if any(not c.passed for _, _, c in pair.conditioning):
                 return self.conditioning()
+            if pair.unpaired and not any(f.place == "conditioning" for f in self.findings):
+                # a length or padding that differs is measured, and may be no cause (a mask in another form):
+                # the walk goes on to the places after it
+                self.conditioning()
             if i > 0 and not pair.latents_match:
                 return self.update(step=i - 1)
             if not pair.output_match:
@@ -289,6 +294,19 @@ class Triage(ScheduleChecks):
                 f"the timesteps differ from call {first} "
                 f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)"
             )
+        cast = rounded_to([t * (scale if structure is not None else self.t_scale) for t in t_ref], t_port)
+        if cast is not None:
+            # every timestep the port's denoiser gets is the reference's rounded: the schedule itself agrees
+            self.findings.append(
+                Finding(
+                    "schedule",
+                    first,
+                    f"the timesteps the port's denoiser gets are the reference's rounded to {cast}, every"
+                    " one: a cast between the scheduler's list and the denoiser",
+                    evidence=[f"reference {head(t_ref)}", f"port      {head(t_port)}"],
+                )
+            )
+            return
         comparison = compare_schedules(t_ref, t_port)
         evidence = [
             f"reference {head(t_ref)}",
@@ -358,6 +376,15 @@ class Triage(ScheduleChecks):
         call 0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
+        if self.pairs[call].unpaired:
+            # an input of another length stays the port's own: the module would not be isolated, and what
+            # differs could come from that input
+            self.skip(
+                "denoiser",
+                f"not bisected on call {call}: a conditioning input has another length on each side, so the"
+                " port's module cannot be fed the reference's inputs (see the conditioning finding)",
+            )
+            return
         ref_call, port_call = self.ref.calls[call], self.port_run.calls[call]
         mapped = with_reference_values(
             ref_call,
@@ -470,14 +497,26 @@ class Triage(ScheduleChecks):
             self.rule_out("update", words)
         elif checked:
             # a rule-out covers every update or none: the calls left out may hold the difference
-            missed = [i for i in range(len(self.pairs)) if i not in checked]
-            self.skip(
-                "update",
-                f"{words}; not compared at calls {runs(missed)} (timesteps differ there, or a"
-                " side's update is not an exact linear rule)",
-            )
+            missed: dict[str, list[int]] = {}
+            for i in range(len(self.pairs)):
+                if i not in checked:
+                    missed.setdefault(self._why_no_update_rule(i, fits[i]), []).append(i)
+            said = "; ".join(f"not compared at calls {runs(calls)}: {why}" for why, calls in missed.items())
+            self.skip("update", f"{words}; {said}")
         else:
             self.skip("update", "no step with the same timesteps on both sides and an exact linear rule")
+
+    def _why_no_update_rule(self, i: int, fit: tuple[Any, Any]) -> str:
+        r"""Why call ``i``'s update was not compared, measured."""
+        if not self._same_step_times(i):
+            return "the timesteps of that step differ"
+        for side, found in zip(("reference", "port"), fit):
+            if found is None:
+                return f"the {side}'s latents, output or next latents are missing there or shaped apart"
+            if not found.exact:
+                residual = format_number(found.residual)
+                return f"the {side}'s update is no exact linear rule there (residual {residual})"
+        return "not compared"
 
     def _update_in_lockstep(self) -> bool:
         r"""With ``port_scheduler()``: its ``step()`` replayed on the reference's recorded model outputs and

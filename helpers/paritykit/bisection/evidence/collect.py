@@ -81,12 +81,16 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
         c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
     )
     if checked_all:
+        pairs = 1 + len(c.subpairs)
         message = (
-            "no detector matched; measured: the module settings compared are equal, and every parameter holds"
-            " the values of the aligned reference module's parameter"
+            f"no detector matched; measured: the settings of the {pairs} aligned module pair(s) in it are"
+            " equal, and every parameter holds the values of the aligned reference module's parameter"
         )
         if c.layouts:
-            message += f", some through a layout op ({', '.join(c.layouts[:3])})"
+            message += (
+                f", some only after a layout op ({', '.join(c.layouts[:3])}): a lead, the layout not checked"
+                " against what the port's forward expects"
+            )
     elif c.reference is None or c.port is None:
         message = (
             "no detector matched the output tensors; the module objects were not available, so settings and"
