@@ -3,6 +3,7 @@ is float noise; one far above it is real, even hidden at the output and aligned 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from paritykit.bisection.entry import bisect
 from paritykit.bisection.floor import far_above, measure, module_floor, rounded_inputs, within
@@ -270,3 +271,43 @@ def test_a_spec_reference_without_float64_is_named_as_the_reference(tmp_path):
     report = bisect_spec(spec)
     assert "it does not run in float64 (TypeError: this model runs in float32 only)" in report.float_floor
     assert "port" not in report.float_floor  # only the reference's runs make the floor
+
+
+@pytest.mark.parametrize("bug", [None, "eps"])
+def test_a_bfloat16_port_is_judged_in_bfloat16(bug):
+    # both sides in bfloat16: a correct port matches, a planted eps is found with its verified fix, and the
+    # report names the dtype its numbers are in
+    from tests.evidence_pairs import vit_pair
+
+    reference, port, ((x,), _) = vit_pair(bug)
+    reference, port = reference.to(torch.bfloat16), port.to(torch.bfloat16)
+    report = bisect(reference, port, ((x.to(torch.bfloat16),), {}))
+    text = report.render()
+    assert "reference bfloat16, port bfloat16" in text.splitlines()[0]
+    if bug is None:
+        assert report.verdict == "match", text
+    else:
+        assert report.verdict in ("masked", "diverge") and report.culprit.port == "layernorm_before", text
+        assert report.culprit.hints[0].verified and "eps = 1e-06" in report.culprit.hints[0].fix
+        assert "float32 error" not in text
+
+
+def test_a_bfloat16_port_of_a_float32_reference_is_held_to_float32():
+    # the port computes everything in bfloat16 where its reference runs in float32: that is the difference,
+    # found at the first module, not excused by bfloat16's own tolerance
+    from tests.evidence_pairs import vit_pair
+
+    reference, port, ((x,), _) = vit_pair(None)
+    port = port.to(torch.bfloat16)
+
+    class Cast(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.to(torch.bfloat16))
+
+    report = bisect(reference, Cast(port), ((x,), {}))
+    assert report.verdict == "diverge" and report.culprit is not None, report.render()
+    assert "reference float32, port bfloat16" in report.render().splitlines()[0]

@@ -189,3 +189,19 @@ def test_interface_map_writes_the_pairing_table_and_never_overwrites(tmp_path):
     assert table.read_text() == text
     nowhere = CliRunner().invoke(cli, ["bisect", str(spec), "--interface-map", str(tmp_path / "no" / "t.md")])
     assert nowhere.exit_code == 2 and "its folder does not exist" in nowhere.output
+
+
+def test_a_rotary_table_rounded_to_bfloat16_is_the_difference_not_float_noise(wan_dit_pair):
+    # the held-out case: the port keeps its rotary table rounded to bfloat16 (~2e-3 off). The port's own
+    # float32 error is large there, but the floor is the reference's: the rounding is found, never excused
+    import torch
+
+    def rounded(port):
+        for name in ("freqs_cos", "freqs_sin"):
+            table = getattr(port.rope, name)
+            table.data = table.data.to(torch.bfloat16).float()
+
+    report = _bisect_wan(wan_dit_pair, rounded)
+    assert report.verdict == "diverge" and not report.precision, report.render()
+    (hint,) = [h for h in report.culprit.hints if h.id == "inline-reference"]
+    assert "the port computes that input in dit.rope (WanRotaryPosEmbed)" in hint.message

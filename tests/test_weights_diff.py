@@ -663,3 +663,37 @@ def test_no_shared_names_points_to_weights_map_and_map(tmp_path):
     save_file(b2, tmp_path / "b2.safetensors")
     partial = weights_diff(tmp_path / "a.safetensors", tmp_path / "b2.safetensors", progress=False)
     assert partial.hint() is None and "hint:" not in partial.render()
+
+
+def test_a_folder_of_shards_without_an_index_is_one_checkpoint(tmp_path):
+    # research checkpoints ship block by block, with no index: the folder is read as one checkpoint by
+    # weights diff, weights map and every loader; a folder of variants (an fp16 copy beside the full one)
+    # is still refused, naming the files
+    from paritykit.base.io import load_state_dict
+    from paritykit.forensics.conversion.matching import infer_conversion_map
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        f"blocks.{i}.{w}": torch.randn(8, 8, generator=g) for i in range(3) for w in ("q.weight", "k.weight")
+    }
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        save_file(
+            {k: v for k, v in state.items() if k.startswith(f"blocks.{i}.")},
+            shards / f"block_{i}.safetensors",
+        )
+    save_file(state, tmp_path / "whole.safetensors")
+    assert set(load_state_dict(shards)) == set(state)
+    assert read_safetensors_header(shards).files == [shards / f"block_{i}.safetensors" for i in range(3)]
+    same = weights_diff(str(shards), str(tmp_path / "whole.safetensors"))
+    assert same.exit_code == 0, same.render()
+    mapped = infer_conversion_map(str(shards), str(tmp_path / "whole.safetensors"))
+    assert mapped.exit_code == 0 and len(mapped.mapping) == len(state)
+    # must not read as one: two files holding the same names
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    save_file(state, variants / "dit.safetensors")
+    save_file({k: v.half() for k, v in state.items()}, variants / "dit.fp16.safetensors")
+    with pytest.raises(ParityKitError, match="several"):
+        weights_diff(str(variants), str(tmp_path / "whole.safetensors"))

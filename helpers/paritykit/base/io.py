@@ -187,6 +187,8 @@ def _shards_of(index: Path) -> set[Path]:
 
 
 def _state_dict_from_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_dir():  # a set of shards without an index (shard_set)
+        return {k: v for shard in shard_set(path) or [] for k, v in read_safetensors(shard).items()}
     name = path.name
     if name.endswith(INDEX_SUFFIX):
         return _read_index(path)
@@ -213,6 +215,38 @@ def _state_dict_from_pickle(path: Path, obj: Any) -> dict[str, torch.Tensor]:
     return state
 
 
+def _header_keys(path: Path) -> set[str]:
+    r"""The tensor names a ``.safetensors`` file's header lists (its first bytes only)."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if length <= 0 or length > 100_000_000:
+            raise ParityKitError(f"{path}: not a valid safetensors file (header length {length} bytes)")
+        try:
+            header = json.loads(handle.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ParityKitError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    return {k for k in header if k != "__metadata__"}
+
+
+def shard_set(folder: Path) -> list[Path] | None:
+    r"""The ``.safetensors`` files of a folder that together hold one checkpoint without an index (research
+    checkpoints saved block by block): two or more files whose tensor names are disjoint. ``None`` when the
+    folder has an index, fewer than two files, or files that share names (variants of one checkpoint, such as
+    an fp16 copy beside the full one)."""
+    if not Path(folder).is_dir() or any(Path(folder).glob(f"*{INDEX_SUFFIX}")):
+        return None
+    files = sorted(Path(folder).glob("*.safetensors"), key=lambda p: natural_key(p.name))
+    if len(files) < 2:
+        return None
+    seen: set[str] = set()
+    for path in files:
+        keys = _header_keys(path)
+        if keys & seen:
+            return None
+        seen |= keys
+    return files
+
+
 def _weights_file_in(folder: Path) -> Path:
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
     if indexes:
@@ -225,6 +259,8 @@ def _weights_file_in(folder: Path) -> Path:
     preferred = [p for p in candidates if p.suffix == ".safetensors"] or candidates
     if len(preferred) == 1:
         return preferred[0]
+    if shard_set(folder) is not None:
+        return folder  # the shards together: read by _state_dict_from_file
     if not preferred:
         subfolders = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
         hint = f"; pass a component folder such as {folder / subfolders[0]}" if subfolders else ""
@@ -238,7 +274,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     Args:
         path: a ``.safetensors`` file, a shard index ``*.index.json``, a folder holding one (or a single
-            weights file, e.g. a diffusers component folder), a ``.npz``, or a pickle
+            weights file, e.g. a diffusers component folder, or shards without an index), a ``.npz``, or a
+            pickle
             (``.pt``/``.pth``/``.bin``/``.ckpt``, read with :func:`safe_torch_load`).
             ``state_dict``/``model``/
             ``module`` wrappers are unwrapped and nested dicts flattened with dots.

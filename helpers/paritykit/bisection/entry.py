@@ -91,6 +91,8 @@ def bisect_traces(
     ref_root, port_root = ref_trace.root, port_trace.root
     if ref_root is None or port_root is None:
         raise ParityKitError("both traces must include the top-level call (capture the whole model)")
+    if atol is None and rtol is None:
+        rtol, atol = _reference_tolerances(ref_root, port_root, select_output)
     searcher = Searcher(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
@@ -107,6 +109,34 @@ def bisect_traces(
         ref_final = final_output("reference", ref_root.output_value(), select_output)
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops, repair=explain)
     return report
+
+
+def _reference_tolerances(
+    ref_root: Any, port_root: Any, select_output: Callable | None
+) -> tuple[float | None, float | None]:
+    r"""The default tolerances when the two sides compute in different precisions: the reference's dtype's
+    (a port in bfloat16 against a float32 reference is held to float32's, so computing in lower precision is
+    found, never excused); ``(None, None)`` (each pair's own dtypes) otherwise."""
+    from paritykit.compare.tolerances import default_tolerances
+
+    try:
+        ref = final_output("reference", ref_root.output_value(), select_output)
+        port = final_output("port", port_root.output_value(), select_output)
+    except Exception:  # an output that cannot be read here is compared, and reported, later
+        return None, None
+    if not (ref.is_floating_point() and port.is_floating_point()) or ref.dtype == port.dtype:
+        return None, None
+    if _precision(port.dtype) >= _precision(ref.dtype):
+        return None, None
+    return default_tolerances(ref.dtype, ref.dtype)
+
+
+def _precision(dtype: Any) -> int:
+    r"""An order of floating-point precision: bfloat16 < float16 < float32 < float64 (bits, then mantissa)."""
+    import torch
+
+    info = torch.finfo(dtype)
+    return info.bits * 1000 - int(info.eps * 1e6)  # bfloat16's eps (2^-7) is coarser than float16's (2^-10)
 
 
 # ------------------------------------------------------------------------------------- every culprit (--all)

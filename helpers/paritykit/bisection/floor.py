@@ -294,13 +294,18 @@ def _own(exc: BaseException) -> BaseException:
 
 
 def precision_line(
-    difference: float, floor: float, where: str, errors: tuple[float | None, float | None]
+    difference: float,
+    floor: float,
+    where: str,
+    errors: tuple[float | None, float | None],
+    dtype: str = "float32",
 ) -> str:
-    r"""One line: the difference at ``where`` against the reference's float32 error there (the floor), with
-    the port's own error when measured and which side computes in higher precision."""
+    r"""One line: the difference at ``where`` against the reference's rounding error there in its own
+    ``dtype`` (the floor), with the port's own error when measured and which side computes in higher
+    precision."""
     _, port_error = errors
     line = (
-        f"float noise: {where} differs by {format_number(difference)}; the reference's float32 error there"
+        f"float noise: {where} differs by {format_number(difference)}; the reference's {dtype} error there"
         f" {format_number(floor)}"
     )
     if port_error is not None:

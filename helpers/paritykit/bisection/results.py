@@ -249,9 +249,11 @@ class BisectReport:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         out = _comparison_summary(self.output) or {}
+        dtypes = (out.get("dtype_reference"), out.get("dtype_port"))
+        in_dtype = "" if set(dtypes) <= {"float32", None} else f"; reference {dtypes[0]}, port {dtypes[1]}"
         lines = [
             f"verdict: {self.verdict} (final output max_abs {format_number(out.get('max_abs'))}, "
-            f"cosine {format_cosine(out.get('cosine'))})"
+            f"cosine {format_cosine(out.get('cosine'))}{in_dtype})"
         ]
         for order in self.reordered_layers():
             lines.append(f"layer order: {order.words()}; aligned by the tensors each layer holds")
@@ -430,6 +432,8 @@ def _comparison_summary(cmp: Any) -> dict[str, Any] | None:
         "cosine": cmp.cosine,
         "shape_reference": list(cmp.shape_a),
         "shape_port": list(cmp.shape_b),
+        "dtype_reference": cmp.dtype_a,
+        "dtype_port": cmp.dtype_b,
         "atol": cmp.atol,
         "rtol": cmp.rtol,
     }

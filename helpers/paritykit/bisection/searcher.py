@@ -539,7 +539,7 @@ class Searcher:
     def _replay_floor(
         self, ref_record: Record, ref_out: Leaves, difference: float | None
     ) -> tuple[float | None, str]:
-        r"""The reference module's float32 error on the replayed inputs (the floor: the port's is never
+        r"""The reference module's rounding error on the replayed inputs (the floor: the port's is never
         its excuse), and the note saying the difference is float noise when it is within
         :data:`~paritykit.bisection.floor.NOISE` times it."""
         ref_module = self.ref_modules.get(ref_record.module)
@@ -549,8 +549,9 @@ class Searcher:
         floor = module_floor(ref_module, *ref_inputs, ref_out)
         if floor is None or not within(difference, floor):
             return floor, ""
+        dtype = next((str(t.dtype).removeprefix("torch.") for _, t in ref_out), "float32")
         return floor, (
-            f"float noise: differs by {format_number(difference)}, the reference's float32 error there"
+            f"float noise: differs by {format_number(difference)}, the reference's {dtype} error there"
             f" {format_number(floor)}"
         )
 

@@ -348,7 +348,8 @@ def output_noise(
     )
     if errors[0] is None or not within(output.max_abs, errors[0]):
         return ""
-    lines = [precision_line(output.max_abs, errors[0], "the output", errors)]
+    dtype = str(finals[0].dtype).removeprefix("torch.")
+    lines = [precision_line(output.max_abs, errors[0], "the output", errors, dtype)]
     for record in top.ref_trace.completion_order():
         port_record = top.port_record(record)
         if record.parent is None or port_record is None:
@@ -361,7 +362,7 @@ def output_noise(
             if at is not None:
                 where = f"{record.name} <-> {port_record.name}"
                 errors = floor.errors(record, port_record)
-                line = precision_line(paired.worst.max_abs, at, where, errors)
+                line = precision_line(paired.worst.max_abs, at, where, errors, dtype)
                 lines.append("  first difference: " + line.removeprefix("float noise: "))
             break
     return "\n".join(lines)

@@ -94,7 +94,8 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     reported here (as :class:`ParityKitError` naming the file) instead of as garbage values later.
 
     Args:
-        path: a ``.safetensors`` file or a ``*.index.json`` whose ``weight_map`` names safetensors shards.
+        path: a ``.safetensors`` file, a ``*.index.json`` whose ``weight_map`` names safetensors shards, or a
+            folder of shards without an index (:func:`paritykit.base.io.shard_set`).
 
     Returns:
         A :class:`SafetensorsHeader`.
@@ -103,7 +104,12 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     if not path.exists():
         raise ParityKitError(f"{path}: no such file")
     if path.is_dir():
-        raise ParityKitError(f"{path}: is a folder, expected a .safetensors file or a *.index.json")
+        from paritykit.base.io import shard_set
+
+        shards = shard_set(path)
+        if shards is None:
+            raise ParityKitError(f"{path}: is a folder, expected a .safetensors file or a *.index.json")
+        return _merged(path, [_read_single(shard) for shard in shards])
     if path.name.endswith(".index.json"):
         return _read_index(path)
     return _read_single(path)
@@ -168,6 +174,16 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_siz
             f"file has {data_start + data_size}"
         )
     return TensorInfo(name, code, tuple(shape), path, data_start + begin, data_start + end)
+
+
+def _merged(folder: Path, shards: list[SafetensorsHeader]) -> SafetensorsHeader:
+    r"""The headers of a folder's shards as one (their tensor names are disjoint: :func:`shard_set`)."""
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
+    for shard in shards:
+        tensors.update(shard.tensors)
+        metadata.update(shard.metadata)
+    return SafetensorsHeader(path=folder, tensors=tensors, metadata=metadata, files=[s.path for s in shards])
 
 
 def _read_index(path: Path) -> SafetensorsHeader:

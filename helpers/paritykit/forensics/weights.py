@@ -25,6 +25,7 @@ from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.files import save_figure
+from paritykit.base.io import shard_set
 from paritykit.base.naming import Rule, natural_key, rename_all
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp, format_number, render_table
 from paritykit.forensics.safetensors_header import TensorInfo, read_safetensors_header
@@ -91,6 +92,8 @@ def _safetensors_in(folder: Path) -> Path | None:
     for preferred in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
         if (folder / preferred).is_file():
             return folder / preferred
+    if not indexes and shard_set(folder) is not None:
+        return folder  # shards without an index: one checkpoint, read_safetensors_header merges them
     if len(files) > 1 or len(indexes) > 1:
         names = ", ".join(p.name for p in (indexes or files)[:4])
         raise ParityKitError(f"{folder}: holds several checkpoints ({names}); name the file to compare")

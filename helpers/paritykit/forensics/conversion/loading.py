@@ -15,7 +15,10 @@ def dtype_name(dtype) -> str:
 
 
 def _load_path(path: Path) -> Mapping[str, Any]:
-    if path.is_file() and path.name.endswith((".safetensors", ".safetensors.index.json")):
+    from paritykit.base.io import shard_set
+
+    shards = path.is_dir() and shard_set(path) is not None
+    if shards or (path.is_file() and path.name.endswith((".safetensors", ".safetensors.index.json"))):
         mapped = _map_safetensors(path)
         if mapped is not None:
             return mapped
