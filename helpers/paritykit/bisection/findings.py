@@ -352,6 +352,7 @@ def _culprit_context(
         check=check if port_module is not None and can_run else None,
         subpairs=subpairs,
         reference_inputs=ref_inputs() if can_run else None,
+        port_model=searcher.port_modules.get(""),
     )
 
 

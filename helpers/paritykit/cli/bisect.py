@@ -120,7 +120,9 @@ your files).
     metavar="N",
     help=(
         "Edits the repair search may try at each culprit (default: a count that grows with the culprit's "
-        "size). Counted, not timed: the same inputs give the same report on any machine."
+        "size). Counted, not timed: the same inputs give the same report on any machine. At a top-level "
+        "culprit each edit is a run of the whole port: a model too big for the default gets none unless N "
+        "is given."
     ),
 )
 @click.option(
@@ -196,16 +198,16 @@ def bisect(
     as_json,
     limit,
 ):
-    require_paths(("SPEC", spec), *((("--traces", t) for t in traces) if traces else ()))
-    from paritykit.base.naming import parse_map_options
-    from paritykit.bisection.spec import bisect_spec
-
     if extra:
         raise ParityKitError(
             f"bisect takes one SPEC.py that builds both sides, not {1 + len(extra)} paths: name the reference"
             " and the port with --reference/--port/--inputs MODULE:CALLABLE (or a SPEC from `paritykit new"
             " bisect-spec`), or give two trace folders after --traces"
         )
+    require_paths(("SPEC", spec), *((("--traces", t) for t in traces) if traces else ()))
+    from paritykit.base.naming import parse_map_options
+    from paritykit.bisection.spec import bisect_spec
+
     callables = (reference_fn, port_fn, inputs_fn)
     keep = None
     if any(callables) or port_inputs_fn or select_output_fn:

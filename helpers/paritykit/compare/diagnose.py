@@ -442,8 +442,8 @@ def detect_constant_scale(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
     return Hint(
         "constant-scale",
         f"B ≈ {shown}·A everywhere (evidence: least-squares factor, residual {_metric(residual)} of the "
-        "difference): a scale knob differs between the sides; check whether one knob stands for "
-        "two concepts (e.g. a control scale also applied to a time mixture).",
+        "difference): one scale between the two sides (a lead: one knob may stand for two concepts, e.g. a"
+        " control scale also applied to a time mixture).",
         evidence,
         score=0.9 - 0.5 * residual,
     )

@@ -64,6 +64,11 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
         axes.append([{k: False for k in types}] + [{k: k == t for k in types} for t in types])
     if "final_sigmas_type" in keys:
         axes.append([{"final_sigmas_type": v} for v in ("zero", "sigma_min")])
+    if "beta_schedule" in keys and not base.get("trained_betas"):
+        # a name that means another schedule in the reference's code base (CompVis "linear" is diffusers'
+        # "scaled_linear")
+        named = ("linear", "scaled_linear", "squaredcos_cap_v2")
+        axes.append([{"beta_schedule": v} for v in dict.fromkeys([now("beta_schedule"), *named])])
     if "rescale_betas_zero_snr" in keys:
         axes.append([{"rescale_betas_zero_snr": v} for v in (False, True)])
     fam = sigma_family(ref.sigmas) if ref.sigmas else None
@@ -279,7 +284,10 @@ def fit_scheduler(
             " read once per step"
         )
     if ref.generator is None and not families:
-        notes.append("the reference follows no known closed form: configs are checked at its own count only")
+        notes.append(
+            "none of the closed forms paritykit reads (VP betas and spacing, Karras, exponential, shifted"
+            " flow) fits the reference: configs are checked at its own count only"
+        )
     counts = _validation_counts(steps, train_steps) if (ref.generator or families) else [steps]
     if ref.recorded_sizes:
         counts = [steps]
@@ -560,8 +568,16 @@ def _timesteps_only(ref: Schedule, train_steps: int) -> bool:
 
 
 def _as_flow(ref: Schedule, train_steps: int) -> tuple[Schedule, str]:
-    r"""A recording of a flow model's timesteps read as its sigmas, and the words saying how: the values
-    themselves when they lie in [0, 1] (a model called at t = σ), else t / ``train_steps``."""
+    r"""A recording of a flow model's timesteps read as its sigmas, and the words saying how: ascending
+    values are flow time (t = 1 − σ, denoising runs from t = 0), descending ones σ itself; in [0, 1] (a model
+    called at t = σ) or in [0, ``train_steps``] (t = σ · train_steps)."""
+    scale = 1.0 if max(ref.timesteps) <= 1 else float(train_steps)
+    if ref.generator is None and len(ref.timesteps) > 1 and ref.timesteps[0] < ref.timesteps[-1]:
+        flipped = [train_steps * (1 - t / scale) for t in ref.timesteps]
+        return _with_flow_sigmas(dataclasses.replace(ref, timesteps=flipped), train_steps), (
+            "the reference records timesteps only, ascending: read as flow time t = 1 − σ (denoising from t ="
+            f" 0){'' if scale == 1 else f', in units of {train_steps}'}"
+        )
     if ref.generator is None and max(ref.timesteps) <= 1:
         scaled = dataclasses.replace(ref, timesteps=[t * train_steps for t in ref.timesteps])
         return _with_flow_sigmas(scaled, train_steps), (

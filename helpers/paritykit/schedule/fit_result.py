@@ -173,7 +173,10 @@ class FitResult:
                 "at other counts it departs from the closed form read from the recording, which one recorded"
                 " count cannot confirm; record the reference at another count (or give ref_schedule(n))"
             )
-        return "the reference follows no closed form that says what it is at another count"
+        return (
+            "none of the closed forms paritykit reads fits the reference, so nothing says what it is at"
+            " another count"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -269,6 +272,8 @@ def change_text(c: Candidate) -> str:
     text = ", ".join(f"{k}={python_literal(v)}" for k, v in c.changes.items()) or "(base)"
     if c.call != DEFAULT_CALL:
         text += f"; {c.call.text.partition('  #')[0]}"
+        if c.call.name == "sigmas-given-final":
+            text += " (its final sigma included)"
     if c.mu:
         text += "; mu " + ", ".join(
             (f"{format_number(v, 6)} at seq {k}" if k is not None else format_number(v, 6))

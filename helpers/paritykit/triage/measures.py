@@ -11,6 +11,16 @@ from paritykit.tracing.recording import Call, batch_of, in_form_of
 from paritykit.triage.report import Finding, Place
 from paritykit.triage.roles import with_values
 
+# how an affine fit names the reference's side in its words
+THE_REFERENCES = "the reference's"
+
+
+def command_and_files(built: Any) -> dict[str, Any]:
+    r"""A built command (:class:`paritykit.triage.reproduce.Commands`) as a finding's ``command`` and
+    ``files`` keywords."""
+    command, files = built
+    return {"command": command, "files": files}
+
 
 def repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
     r"""``("reference" | "port", k)`` when that side's timesteps are the other's with each one repeated ``k``

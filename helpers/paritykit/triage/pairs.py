@@ -40,6 +40,18 @@ def same_timestep(a: float | None, b: float | None) -> bool:
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
 
 
+@dataclass(frozen=True)
+class TimestepUnits:
+    r"""How one schedule's timestep reads on the port's side: ``port = scale · reference + offset``."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+    words: str = ""
+
+    def __call__(self, t: float) -> float:
+        return t * self.scale + self.offset
+
+
 @dataclass
 class CallComparison:
     r"""Call ``index`` of both sides, input by input: ``latents`` and each conditioning pair as tensor
@@ -53,9 +65,9 @@ class CallComparison:
     timestep_kinds: tuple[str | None, str | None]
     conditioning: list[tuple[str, str, Any]]
     output: Any
-    # the port's timestep over the reference's, when the two give one schedule in other units (1000 for
-    # [0, 1] against [0, 1000]: :func:`timestep_units`)
-    t_scale: float = 1.0
+    # how the reference's timestep reads on the port's side, when the two give one schedule in other units
+    # (:func:`timestep_units`)
+    t_units: TimestepUnits = field(default_factory=TimestepUnits)
     # conditioning arguments no argument of the other side pairs with: a length that differs (measured on
     # the part both have), and the arguments of one side only
     unpaired: list[str] = field(default_factory=list)
@@ -67,7 +79,7 @@ class CallComparison:
 
     @property
     def timestep_match(self) -> bool:
-        scaled = None if self.t_reference is None else self.t_reference * self.t_scale
+        scaled = None if self.t_reference is None else self.t_units(self.t_reference)
         return self.timestep_kinds[0] == self.timestep_kinds[1] and same_timestep(scaled, self.t_port)
 
     @property
@@ -85,29 +97,37 @@ class CallComparison:
         return self.output is not None and self.output.passed
 
 
-# units a timestep is given in on one side and the other: (port over reference, words)
+# units a timestep is given in on one side and the other
 TIMESTEP_UNITS = (
-    (1000.0, "the reference gives its timesteps in [0, 1], the port in [0, 1000]"),
-    (
-        0.001,
-        "the reference gives its timesteps in [0, 1000], the port in [0, 1]",
-    ),
+    TimestepUnits(1000.0, 0.0, "the reference gives its timesteps in [0, 1], the port in [0, 1000]"),
+    TimestepUnits(0.001, 0.0, "the reference gives its timesteps in [0, 1000], the port in [0, 1]"),
+    TimestepUnits(-0.001, 1.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1 - t/1000"),
+    TimestepUnits(-1000.0, 1000.0, "the reference gives t in [0, 1] (noise at 1), the port 1000·(1 - t)"),
+    TimestepUnits(-1.0, 1.0, "the reference gives t in [0, 1] (noise at 1), the port 1 - t"),
+    TimestepUnits(-1.0, 1000.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1000 - t"),
 )
+SAME_UNITS = TimestepUnits()
 
 
-def timestep_units(t_ref: list[float | None], t_port: list[float | None]) -> tuple[float, str]:
-    r"""``(port / reference, words)`` when every call's timesteps are one schedule in other units (×1000
-    or ×1/1000 at every call, same count); ``(1.0, "")`` otherwise."""
+def timestep_units(t_ref: list[float | None], t_port: list[float | None]) -> TimestepUnits:
+    r"""How every call's timesteps are one schedule in other units (×1000, ×1/1000, or counted the other
+    way: 1 − t/1000, 1000 − t, at every call, same count); :data:`SAME_UNITS` otherwise."""
     if not t_ref or len(t_ref) != len(t_port) or None in t_ref or None in t_port:
-        return 1.0, ""
-    for factor, words in TIMESTEP_UNITS:
-        if all(same_timestep(r * factor, p) for r, p in zip(t_ref, t_port)) and any(r for r in t_ref):
-            return factor, words
-    return 1.0, ""
+        return SAME_UNITS
+    for units in TIMESTEP_UNITS:
+        if all(same_timestep(units(r), p) for r, p in zip(t_ref, t_port)) and len(set(t_ref)) > 1:
+            return units
+    return SAME_UNITS
 
 
 def compare_call(
-    index: int, ref: Call, rr: Roles, port: Call, pr: Roles, tol: Tolerance, t_scale: float = 1.0
+    index: int,
+    ref: Call,
+    rr: Roles,
+    port: Call,
+    pr: Roles,
+    tol: Tolerance,
+    t_units: TimestepUnits | None = None,
 ) -> CallComparison:
     xr, xp = latents(ref, rr), latents(port, pr)
     note = None
@@ -143,7 +163,7 @@ def compare_call(
         (rr.timestep_kind, pr.timestep_kind),
         conditioning,
         out,
-        t_scale,
+        t_units or SAME_UNITS,
         unpaired,
         one_sided,
     )
@@ -165,19 +185,25 @@ def unpaired_conditioning(
                 continue
             used.add(p)
             axis, n = axes[0], min(a.shape[axes[0]], b.shape[axes[0]])
-            common = compare(a.narrow(axis, 0, n), b.narrow(axis, 0, n).to(a.dtype), tol, f"{r} / {p}")
             longer, extra = ("reference", a) if a.shape[axis] > n else ("port", b)
-            rest = extra.narrow(axis, n, extra.shape[axis] - n)
+            more = extra.shape[axis] - n
+            # padding at the end (the first n agree) or at the start (the last n agree: left padding)
+            head = compare(a.narrow(axis, 0, n), b.narrow(axis, 0, n).to(a.dtype), tol, f"{r} / {p}")
+            a_tail, b_tail = (a.narrow(axis, a.shape[axis] - n, n), b.narrow(axis, b.shape[axis] - n, n))
+            tail = compare(a_tail, b_tail.to(a.dtype), tol, f"{r} / {p}")
+            at_start = tail.passed and not head.passed
+            common = tail if at_start else head
+            rest = extra.narrow(axis, 0, more) if at_start else extra.narrow(axis, n, more)
             agree = "agree" if common.passed else f"differ (max_abs {format_number(common.max_abs)})"
-            tail = (
+            padding = (
                 "all zero"
                 if bool((rest == 0).all())
                 else f"not zero (max |value| {format_number(float(rest.double().abs().max()))})"
             )
-            more = extra.shape[axis] - n
+            which, where = ("last", "first") if at_start else ("first", "other")
             differences.append(
                 f"reference {r} {tuple(a.shape)} and port {p} {tuple(b.shape)} differ in length along axis"
-                f" {axis}: the first {n} there {agree}; the {longer}'s other {more} are {tail}"
+                f" {axis}: the {which} {n} there {agree}; the {longer}'s {where} {more} are {padding}"
             )
             compared.add(r)
             break
@@ -190,7 +216,7 @@ def comparison_evidence(comparison: Any) -> list[str]:
     r"""A tensor comparison's numbers and its diagnoses, one line each."""
     lines = [
         f"max_abs {format_number(comparison.max_abs)}, cosine {format_cosine(comparison.cosine)}, "
-        f"{format_number(comparison.mismatch_fraction)} of elements outside tolerance"
+        f"{_percent(comparison.mismatch_fraction)} of elements outside tolerance"
     ]
     lines += [hint.render() for hint in comparison.hints[:3]]
     return lines
@@ -289,3 +315,10 @@ def _packings(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> Any:
         inner = [1] + [3 + 2 * k for k in range(len(spatial))]
         for order in itertools.permutations(inner):
             yield cut.permute(0, *token_axes, *order).reshape(-1)
+
+
+def _percent(fraction: float | None) -> str:
+    r"""A share as a percentage (``100%``, ``0.26%``), never a bare ``1`` that reads as one element."""
+    if fraction is None:
+        return "-"
+    return f"{100 * fraction:.3g}%"

@@ -166,11 +166,13 @@ Both modules come from the triage SPEC {spec}; the inputs are the ones recorded 
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path({spec!r}).parent))  # the triage SPEC's own imports resolve from its folder
 _found = importlib.util.spec_from_file_location("triage_spec", {spec!r})
 TRIAGE = importlib.util.module_from_spec(_found)
 _found.loader.exec_module(TRIAGE)

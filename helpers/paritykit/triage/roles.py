@@ -45,12 +45,37 @@ def roles_of(call: Call) -> Roles:
     if latents is None:
         latents = next((k for k in tensors if named[k].dim() >= 3), tensors[0] if tensors else None)
     conditioning = [k for k in tensors if k != latents]
+    # tensors inside a dict argument (SDXL's added_cond_kwargs: text_embeds, time_ids) are conditioning too,
+    # named by their path
+    for key, value in call.named.items():
+        if isinstance(value, dict):
+            conditioning += [path for path, leaf in _dict_leaves(value, key) if leaf.dim() >= 1]
     return Roles(latents, t_name, t_kind, conditioning)
 
 
+def _dict_leaves(value: dict, prefix: str) -> list[tuple[str, Any]]:
+    import torch
+
+    out = []
+    for key, item in value.items():
+        path = f"{prefix}.{key}"
+        if isinstance(item, torch.Tensor):
+            out.append((path, item))
+        elif isinstance(item, dict):
+            out += _dict_leaves(item, path)
+    return out
+
+
 def argument(call: Call, name: str) -> Any:
-    r"""An argument as the batch it holds (:func:`~paritykit.tracing.recording.batch_of`)."""
-    return batch_of(call.named.get(name))
+    r"""An argument as the batch it holds (:func:`~paritykit.tracing.recording.batch_of`); a dotted name is a
+    tensor inside a dict argument."""
+    value = call.named.get(name)
+    if value is None and "." in name:
+        head, *rest = name.split(".")
+        value = call.named.get(head)
+        for key in rest:
+            value = value.get(key) if isinstance(value, dict) else None
+    return batch_of(value)
 
 
 def latents(call: Call, roles: Roles) -> Any:
@@ -87,12 +112,13 @@ def with_reference_values(
     port_roles: Roles,
     *,
     timestep_too: bool = True,
-    t_scale: float = 1.0,
+    t_units: Callable[[float], float] | None = None,
     layout: Callable[[Any], Any] | None = None,
 ) -> tuple[tuple, dict]:
     r"""The port's call with the reference's latents, conditioning and (when ``timestep_too`` and both sides
     give one) timestep in place of its own: what the port's module computes on the reference's inputs. The
-    timestep is converted to the port's units by ``t_scale`` (1000 when the reference gives it in [0, 1]);
+    timestep is converted to the port's units by ``t_units`` (``t * 1000`` when the reference gives it in
+    [0, 1], ``1 - t / 1000`` for flow time counted the other way);
     latents laid out another way by ``layout`` (the reference's values into the port's packing)."""
     import torch
 
@@ -104,9 +130,10 @@ def with_reference_values(
         if tuple(mine.shape) == tuple(theirs.shape):
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], theirs)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
-        swap[p] = in_form_of(port.named[p], argument(ref, r))
+        if p in port.named:  # a tensor inside a dict argument stays the port's own
+            swap[p] = in_form_of(port.named[p], argument(ref, r))
     if timestep_too and ref_roles.timestep and port_roles.timestep:
-        value = timestep(ref, ref_roles) * t_scale
+        value = t_units(timestep(ref, ref_roles)) if t_units is not None else timestep(ref, ref_roles)
         mine = port.named[port_roles.timestep]
         swap[port_roles.timestep] = (
             torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)

@@ -18,20 +18,19 @@ from typing import Any
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call
+from paritykit.triage.decoder_checks import DecoderChecks
 from paritykit.triage.fits import affine_words, coefficient_differences, fit_affine, update_fit
 from paritykit.triage.measures import (
+    THE_REFERENCES,
     bisect_finding,
-    first_tensor,
+    command_and_files,
     head,
-    identity,
     masked_words,
     module_differs,
     per_step_calls,
     repeats,
     rounded_to,
     runs,
-    unclamped_affine,
-    with_first_tensor,
 )
 from paritykit.triage.pairs import (
     Rearrangement,
@@ -44,7 +43,7 @@ from paritykit.triage.pairs import (
     timestep_units,
 )
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
-from paritykit.triage.reproduce import Built, Commands
+from paritykit.triage.reproduce import Commands
 from paritykit.triage.roles import (
     Roles,
     latents,
@@ -56,16 +55,8 @@ from paritykit.triage.roles import (
 from paritykit.triage.schedule_checks import ScheduleChecks
 from paritykit.triage.sides import SideRun
 
-THE_REFERENCES = "the reference's"
 
-
-def command_and_files(built: Built) -> dict[str, Any]:
-    r"""A built command as a finding's ``command`` and ``files`` keywords."""
-    command, files = built
-    return {"command": command, "files": files}
-
-
-class Triage(ScheduleChecks):
+class Triage(ScheduleChecks, DecoderChecks):
     r"""The comparison of two recorded runs; :meth:`report` walks the places."""
 
     def __init__(
@@ -97,10 +88,10 @@ class Triage(ScheduleChecks):
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
         self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
         # one schedule in other units ([0, 1] against [0, 1000]) is one schedule: compared and replayed scaled
-        self.t_scale, self.t_units = timestep_units(self.t_ref, self.t_port)
+        self.t_units = timestep_units(self.t_ref, self.t_port)
         self.pairs = [
             compare_call(
-                i, ref.calls[i], self.ref_roles[i], self.port.calls[i], self.port_roles[i], tol, self.t_scale
+                i, ref.calls[i], self.ref_roles[i], self.port.calls[i], self.port_roles[i], tol, self.t_units
             )
             for i in range(n)
         ]
@@ -246,7 +237,7 @@ class Triage(ScheduleChecks):
             self.skip("schedule", "a side's denoiser calls carry no recognisable timestep argument")
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
-            units = f" ({self.t_units}: compared and replayed ×{self.t_scale:g})" if self.t_units else ""
+            units = f" ({self.t_units.words}: compared and replayed so)" if self.t_units.words else ""
             # what was compared is the timesteps the denoiser saw; the noise levels each update uses (betas,
             # alphas, sigmas) reach it only through the update, which its own check compares
             self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}", check="timesteps")
@@ -255,9 +246,9 @@ class Triage(ScheduleChecks):
         if structure is not None:
             k_ref, k_port = structure
             t_ref, t_port = t_ref[::k_ref], t_port[::k_port]
-            scale, _ = timestep_units(t_ref, t_port)
+            units = timestep_units(t_ref, t_port)
         repeated = repeats(self.t_ref, self.t_port)
-        if structure is not None and all(same_timestep(r * scale, p) for r, p in zip(t_ref, t_port)):
+        if structure is not None and all(same_timestep(units(r), p) for r, p in zip(t_ref, t_port)):
             side, times = ("reference", k_ref // k_port) if k_ref > k_port else ("port", k_port // k_ref)
             repeated = repeated or (side, times)
         if repeated:
@@ -268,8 +259,8 @@ class Triage(ScheduleChecks):
                     None,
                     f"the {side} calls the denoiser {times} times per timestep where the other "
                     "calls it once (guidance halves run separately against one batch): the calls cannot be "
-                    "paired one to one; record both with guidance off (guidance_scale 1), or batch the "
-                    "reference's halves",
+                    "paired one to one (a lead: batch the halves on one side to compare them; guidance off"
+                    " leaves guidance's own inputs uncompared)",
                     evidence=[
                         f"reference {head(t_ref)}",
                         f"port      {head(t_port)}",
@@ -280,7 +271,7 @@ class Triage(ScheduleChecks):
             return
         if structure is not None:
             first = next(
-                (i for i, (r, p) in enumerate(zip(t_ref, t_port)) if not same_timestep(r * scale, p)), 0
+                (i for i, (r, p) in enumerate(zip(t_ref, t_port)) if not same_timestep(units(r), p)), 0
             )
             where = (
                 f"the timesteps differ from value {first} ({len(t_ref)} values on both sides once repeats are"
@@ -294,7 +285,7 @@ class Triage(ScheduleChecks):
                 f"the timesteps differ from call {first} "
                 f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)"
             )
-        cast = rounded_to([t * (scale if structure is not None else self.t_scale) for t in t_ref], t_port)
+        cast = rounded_to([(units if structure is not None else self.t_units)(t) for t in t_ref], t_port)
         if cast is not None:
             # every timestep the port's denoiser gets is the reference's rounded: the schedule itself agrees
             self.findings.append(
@@ -376,6 +367,17 @@ class Triage(ScheduleChecks):
         call 0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_match), 0)
+        ref_x, port_x = (
+            latents(self.ref.calls[call], self.ref_roles[call]),
+            latents(self.port.calls[call], self.port_roles[call]),
+        )
+        if ref_x is not None and port_x is not None and tuple(ref_x.shape) != tuple(port_x.shape):
+            self.skip(
+                "denoiser",
+                f"not bisected on call {call}: its latents differ in shape (reference {tuple(ref_x.shape)},"
+                f" port {tuple(port_x.shape)}), so the port's module cannot be fed the reference's inputs",
+            )
+            return
         if self.pairs[call].unpaired:
             # an input of another length stays the port's own: the module would not be isolated, and what
             # differs could come from that input
@@ -391,7 +393,7 @@ class Triage(ScheduleChecks):
             self.ref_roles[call],
             port_call,
             self.port_roles[call],
-            t_scale=self.t_scale,
+            t_units=self.t_units,
             layout=self.layout.to_port if self.layout is not None else None,
         )
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
@@ -530,6 +532,13 @@ class Triage(ScheduleChecks):
             # update's, and replaying it here would blame the update for it
             self.skip("update", "not replayed in lockstep with port_scheduler(): the timesteps differ")
             return False
+        if per_step_calls(self.t_ref, self.t_port):
+            self.skip(
+                "update",
+                "not replayed in lockstep with port_scheduler(): the two sides call their denoiser a"
+                " different number of times per timestep",
+            )
+            return False
         noisy = self._stochastic_reference()
         if noisy:
             self.skip("update", f"not replayed in lockstep with port_scheduler(): {noisy}")
@@ -622,77 +631,6 @@ class Triage(ScheduleChecks):
         a, b = self.ref.result, self.port.result
         return tuple(a.shape) == tuple(b.shape) and not compare(a, b, self.tol, "final latents").passed
 
-    # ---------------------------------------------------------------------------------------- 6. decoder
-    def decoder(self, independent: bool) -> None:
-        if self.ref.vae is None or self.port.vae is None:
-            if self.ref.vae is not None or self.port.vae is not None:
-                self.skip("decoder", "only one side's SPEC defines its vae()")
-            return
-        if not self.ref.decoder_calls or not self.port.decoder_calls:
-            self.skip("decoder", "a side's vae() module was never called during its run")
-            return
-        ref_call, port_call = self.ref.decoder_calls[-1], self.port.decoder_calls[-1]
-        zr, zp = first_tensor(ref_call), first_tensor(port_call)
-        same_input = (
-            zr is not None
-            and zp is not None
-            and zr.shape == zp.shape
-            and compare(zr, zp, self.tol, "decoder input").passed
-        )
-        if not same_input and zr is not None and zp is not None:
-            fit = fit_affine(zp, zr, per_channel=True)
-            if fit is not None and fit.exact and not identity(fit):
-                self.findings.append(
-                    Finding(
-                        "decoder input",
-                        None,
-                        f"the latents reach the decoder as {affine_words(fit, THE_REFERENCES)} (exact,"
-                        f" residual {format_number(fit.residual)}): the scaling between the loop and the"
-                        " decoder (scaling_factor, shift_factor) differs",
-                        evidence=[
-                            "fitted over every element of the decoder's input (relative error "
-                            f"{format_number(rel(zr, zp))} before the fit)"
-                        ],
-                        **command_and_files(self.commands.compare_tensors("decoder_input", zr, zp)),
-                    )
-                )
-                if not independent:
-                    return
-            elif not independent:
-                residual = f"residual {format_number(fit.residual)}" if fit is not None else "shapes differ"
-                self.findings.append(
-                    Finding(
-                        "decoder input",
-                        None,
-                        "the decoder's input differs though every denoiser call agrees: the last update"
-                        " (after the last call) or the latents' preparation for the decoder; no scale and"
-                        f" shift relates the two ({residual})",
-                        evidence=comparison_evidence(compare(zr, zp, self.tol, "decoder input")),
-                        **command_and_files(self.commands.compare_tensors("decoder_input", zr, zp)),
-                    )
-                )
-                return
-        mapped = with_first_tensor(port_call, zr)  # the reference's input, so the module alone is compared
-        if mapped is None:
-            self.skip("decoder", "the two decoders' inputs cannot be paired (shapes differ)")
-            return
-        report = self._bisect(self.ref.vae, self.port.vae, ref_call, mapped)
-        if module_differs(report, same_input and not self._same_output(ref_call, port_call)):
-            finding = bisect_finding("decoder", None, report)
-            if not same_input:
-                finding.evidence.insert(0, "the port's decoder was fed the reference's decoder input")
-            finding.command, finding.files = self.commands.bisect(
-                "decoder", len(self.ref.decoder_calls) - 1, ref_call, mapped
-            )
-            self.findings.append(finding)
-            if independent:  # each side's map from its own decoder output holds whatever the decoders do
-                self.post_processing(ref_call, port_call)
-            return
-        self.rule_out(
-            "decoder", "the port's module matches on the reference's decoder input" + masked_words(report)
-        )
-        self.post_processing(ref_call, port_call)
-
     def _coverage(self) -> str:
         r"""What the run recorded and what it did not, for a difference found outside it."""
         recorded = [f"{len(self.ref.calls)} reference and {len(self.port.calls)} port denoiser calls"]
@@ -705,47 +643,6 @@ class Triage(ScheduleChecks):
             if not shaped_like_latents:  # the result is not latents: something decodes them
                 missed.append("the decoder (give reference_vae() and port_vae() to record it)")
         return f"recorded: {'; '.join(recorded)}; not recorded: {'; '.join(missed)}"
-
-    def _same_output(self, ref_call: Call, port_call: Call) -> bool:
-        a, b = output(ref_call), output(port_call)
-        return (
-            a is not None
-            and b is not None
-            and a.shape == b.shape
-            and compare(a, b, self.tol, "decoded").passed
-        )
-
-    def post_processing(self, ref_call: Call, port_call: Call) -> None:
-        r"""Each side's result as a scale and shift of its own decoder's output, fitted where the result is
-        not clamped; the two maps compared."""
-        fr = unclamped_affine(self.ref.result, output(ref_call))
-        fp = unclamped_affine(self.port.result, output(port_call))
-        if fr is None or fp is None:
-            self.skip("post-processing", "a result is not laid out like its decoder's output")
-            return
-        if not (fr.exact and fp.exact):
-            self.skip(
-                "post-processing",
-                "a side's result is not a scale and shift of its decoder's output where unclamped",
-            )
-            return
-        differences = coefficient_differences(fr, fp)
-        if differences:
-            self.findings.append(
-                Finding(
-                    "post-processing",
-                    None,
-                    "the decoded image is mapped differently: " + "; ".join(differences),
-                    evidence=[
-                        f"reference: result = {fr.text()} where unclamped",
-                        f"port:      result = {fp.text()} where unclamped",
-                    ],
-                )
-            )
-        else:
-            self.rule_out(
-                "post-processing", "both results are the same scale and shift of the decoder's output"
-            )
 
     # ------------------------------------------------------------------------------------- result, curve
     def result_comparison(self) -> dict[str, Any]:

@@ -204,16 +204,46 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
     if cmap.unmapped_target:
         names = ", ".join(cmap.unmapped_target[:6])
         parts.append(f"port parameters {names} equal no reference tensor of {c.reference_path()} by value")
+    elsewhere = _held_elsewhere(c, {k: ref_sd[k] for k in dropped})
     if dropped:
         names = ", ".join(dropped[:6])
-        parts.append(f"reference parameters {names} (not constant) are used by no port parameter")
+        parts.append(
+            f"reference parameters {names} (not constant) are used by no port parameter of the culprit"
+        )
+    if elsewhere:
+        parts.append(
+            "the port holds them elsewhere, value for value: "
+            + ", ".join(f"{r} in port {p}" for r, p in list(elsewhere.items())[:6])
+        )
     return [
         Hint(
             "weights",
-            "; ".join(parts)
-            + " (evidence: parameter values matched as in `paritykit weights map`): the conversion "
-            "drops or alters them, or the port lacks the layer that uses them",
-            {"unmatched_port": list(cmap.unmapped_target), "unused_reference": dropped},
+            "; ".join(parts) + " (evidence: parameter values matched as in `paritykit weights map`)",
+            {
+                "unmatched_port": list(cmap.unmapped_target),
+                "unused_reference": dropped,
+                "elsewhere": elsewhere,
+            },
             score=0.85,
         )
     ]
+
+
+def _held_elsewhere(c: Culprit, tensors: dict[str, Any]) -> dict[str, str]:
+    r"""Reference tensors the culprit's port lacks that another port module holds exactly (a conversion that
+    put them in another layer): reference name -> port name."""
+    import torch
+
+    if c.port_model is None or not tensors:
+        return {}
+    inside = _prefix(c.port_name)
+    found = {}
+    for name, value in c.port_model.state_dict().items():
+        if name.startswith(inside) or not value.is_floating_point():
+            continue
+        for ref_name, ref_value in tensors.items():
+            if ref_name in found or value.shape != ref_value.shape:
+                continue
+            if torch.equal(value.detach().cpu().to(ref_value.dtype), ref_value.detach().cpu()):
+                found[ref_name] = name
+    return found

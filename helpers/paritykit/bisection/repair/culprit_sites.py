@@ -245,8 +245,12 @@ def repair_hints(
     total = (
         options.budget
         if options.budget is not None
-        else Budget.for_modules([s.module for s in sites[:1]]).edits
+        # at the top level every edit is a run of the whole port: no floor of edits there, so a big model
+        # gets none unless asked (--repair-budget N) and a search never outlasts the capture it follows
+        else Budget.for_modules([s.module for s in sites[:1]], floor=0 if call.parent is None else None).edits
     )
+    if total == 0:
+        return [*hints, *_not_searched(hints)]
     with progress_bar() as progress:
         for k, s in enumerate(sites):
             budget = Budget(max(1, total // (len(sites) - k)))
@@ -259,6 +263,23 @@ def repair_hints(
     if not verified:
         return _with_ruled_out(list(hints), outcomes)
     return _joined(verified, list(hints))
+
+
+def _not_searched(hints: Sequence[Hint]) -> list[Hint]:
+    r"""Said once: the repair search did not run at a top-level culprit too big for its default budget."""
+    return (
+        [
+            Hint(
+                "unknown",
+                "repair search not run: at the top level each edit is a run of the whole port, and the model"
+                " is too big for the default budget (--repair-budget N runs it)",
+                {"repair": "not run"},
+                score=0.05,
+            )
+        ]
+        if not any(h.id == "no-signature" for h in hints)
+        else []
+    )
 
 
 def _joined(verified: list[Hint], hints: list[Hint]) -> list[Hint]:

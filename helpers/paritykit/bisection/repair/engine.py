@@ -47,14 +47,14 @@ class Budget:
     used: int = 0
 
     @classmethod
-    def for_modules(cls, modules: Sequence[Any]) -> Budget:
+    def for_modules(cls, modules: Sequence[Any], floor: int | None = None) -> Budget:
         r"""The default budget for sites holding ``modules``: :data:`BASE_EDITS` plus :data:`EDITS_PER_PART`
         for each parameter tensor and submodule, at most :data:`REPLAY_ELEMENTS` over their weight count,
-        at least :data:`MIN_EDITS`."""
+        at least ``floor`` (default :data:`MIN_EDITS`)."""
         parts = sum(len(list(m.parameters())) + len(list(m.modules())) for m in modules)
         elements = max(1, sum(p.numel() for m in modules for p in m.parameters()))
         grown = BASE_EDITS + EDITS_PER_PART * parts
-        return cls(max(MIN_EDITS, min(grown, REPLAY_ELEMENTS // elements)))
+        return cls(max(MIN_EDITS if floor is None else floor, min(grown, REPLAY_ELEMENTS // elements)))
 
     @property
     def left(self) -> bool:
