@@ -564,3 +564,24 @@ def test_a_fused_activation_is_named_by_the_diffusers_class_that_computes_it_and
     same = nn.Sequential(GELU(8, 32, approximate="tanh"), nn.Linear(32, 8))
     same.load_state_dict(port.state_dict())
     assert bisect(port, same, [x]).verdict == "match"
+
+
+def test_weights_the_culprit_lacks_are_looked_for_in_the_rest_of_the_port():
+    # a conversion that swapped two layers of one shape: the culprit's reference tensors are in another port
+    # layer, value for value, which is said (never "dropped or altered")
+    from paritykit.bisection.evidence.weight_slices import weights
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    port = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    port[0].load_state_dict(second.state_dict())
+    port[2].load_state_dict(first.state_dict())
+    x = torch.randn(2, 8)
+    culprit = E.Culprit("0", "0", first, port[0], first(x), port[0](x), port_model=port)
+    (hint,) = weights(culprit)
+    assert "the port holds them elsewhere, value for value: 0.weight in port 2.weight" in hint.message
+    assert "drops or alters" not in hint.message
+    # must not fire: without the whole port there is nowhere else to look
+    alone = E.Culprit("0", "0", first, port[0], first(x), port[0](x))
+    (hint,) = weights(alone)
+    assert "elsewhere" not in hint.message

@@ -325,3 +325,16 @@ def test_a_dynamic_shift_is_fitted_with_the_ports_own_call_and_says_what_it_chec
     alone = fit_scheduler("FlowMatchEulerDiscreteScheduler", str(tmp_path / "ref.json"), base_config=config)
     assert alone.ambiguous and alone.one_count_only
     assert "one recorded count cannot tell them apart" in alone.render()
+
+
+def test_ascending_recorded_timesteps_are_read_as_flow_time():
+    # a model called at t = 1 - sigma (denoising from t = 0) records ascending values: read as flow time,
+    # they are the same shifted schedule, never a schedule of its own run backwards
+    from paritykit.schedule.fit import _as_flow
+    from paritykit.schedule.load import Schedule
+
+    sigmas = [1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
+    read, words = _as_flow(Schedule("list", timesteps=[1 - s for s in sigmas]), 1000)
+    assert read.sigmas == pytest.approx(sigmas) and "flow time t = 1 − σ" in words
+    read, words = _as_flow(Schedule("list", timesteps=list(sigmas)), 1000)
+    assert read.sigmas == pytest.approx(sigmas) and "flow-matching sigmas themselves" in words

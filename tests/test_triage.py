@@ -468,3 +468,29 @@ def test_latents_packed_into_tokens_are_compared_through_the_packing(tmp_path, b
         (finding,) = report.findings
         assert finding.place == "denoiser" and finding.call == 0, report.render()
         assert "first differing module: unet.down_blocks.1.resnets.0.norm1" in finding.summary
+
+
+def test_timesteps_counted_the_other_way_are_one_schedule_in_other_units():
+    from paritykit.triage.pairs import SAME_UNITS, timestep_units
+
+    reference = [1000.0, 875.0, 750.0, 500.0]
+    flow_time = [1 - t / 1000 for t in reference]  # diffusers' Z-Image: the model is given (1000 - t) / 1000
+    units = timestep_units(reference, flow_time)
+    assert units.words.endswith("the port 1 - t/1000") and units(750.0) == pytest.approx(0.25)
+    assert timestep_units(reference, [t / 1000 for t in reference]).scale == 0.001
+    # must not fire: a schedule that differs in values, or one timestep repeated (no units read from it)
+    assert timestep_units(reference, [1 - t / 900 for t in reference]) is SAME_UNITS
+    assert timestep_units([999.0, 999.0], [0.001, 0.001]) is SAME_UNITS
+
+
+def test_conditioning_padded_on_the_left_is_measured_on_the_rows_both_have():
+    from paritykit.triage.pairs import Tolerance, unpaired_conditioning
+
+    text = torch.randn(1, 34, 8, generator=torch.Generator().manual_seed(0))
+    padded = torch.cat([torch.zeros(1, 6, 8), text], dim=1)
+    (line,), _ = unpaired_conditioning([("llm", text)], [("encoder_hidden_states", padded)], Tolerance())
+    assert "the last 34 there agree; the port's first 6 are all zero" in line
+    (line,), _ = unpaired_conditioning(
+        [("llm", text)], [("ehs", torch.cat([text, padded[:, :6]], 1))], Tolerance()
+    )
+    assert "the first 34 there agree; the port's other 6 are all zero" in line
