@@ -494,3 +494,11 @@ def test_conditioning_padded_on_the_left_is_measured_on_the_rows_both_have():
         [("llm", text)], [("ehs", torch.cat([text, padded[:, :6]], 1))], Tolerance()
     )
     assert "the first 34 there agree; the port's other 6 are all zero" in line
+
+
+def test_a_port_scheduler_that_is_no_scheduler_is_refused_before_either_side_runs(tmp_path):
+    spec = write_spec(tmp_path, ())
+    spec.write_text(spec.read_text() + "\n\ndef port_scheduler():\n    return 'DDIM'\n")
+    with pytest.raises(ParityKitError, match=r"port_scheduler\(\) returned a str, not a diffusers scheduler"):
+        triage_spec(spec, out=tmp_path / "out")
+    assert not (tmp_path / "out" / "reference_calls").exists()  # nothing was recorded

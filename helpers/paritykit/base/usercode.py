@@ -43,7 +43,10 @@ class Spec:
     def tolerance(self) -> dict[str, float]:
         tol = getattr(self.module, "TOLERANCE", None) or {}
         if not isinstance(tol, dict) or set(tol) - {"atol", "rtol"}:
-            raise ParityKitError(f"{self.path}: TOLERANCE must be a dict with 'atol' and/or 'rtol'")
+            raise ParityKitError(
+                f"{self.path}: TOLERANCE = {tol!r}: expected a dict with 'atol' and/or 'rtol'"
+                " (e.g. {'atol': 1e-4})"
+            )
         return {k: float(v) for k, v in tol.items()}
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paritykit.base.errors import ParityKitError
 from paritykit.base.usercode import load_spec
 from paritykit.triage.pairs import Tolerance
 from paritykit.triage.report import TriageReport
@@ -52,6 +53,13 @@ def triage_spec(
     check_required(spec)
     seed = int(getattr(spec.module, "SEED", 0) if seed is None else seed)
     tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
+    if spec.has("port_scheduler"):  # checked before either side runs, not after minutes of recording
+        scheduler = spec.call("port_scheduler")
+        if not callable(getattr(scheduler, "set_timesteps", None)):
+            raise ParityKitError(
+                f"{spec.path}: port_scheduler() returned a {type(scheduler).__name__}, not a diffusers"
+                " scheduler (expected an object with set_timesteps and step)"
+            )
     ref = run_side(spec, "reference", seed)
     port = run_side(spec, "port", seed)
     folders = write_recordings(out_dir, spec.path, ref, port) if out_dir is not None else None
