@@ -265,23 +265,21 @@ def measure(
                     reason=f"the {side} run again does not reproduce its own output (randomness inside its"
                     " forward, or inputs it edits in place): what moves is not rounding"
                 )
-        trace = None
-        if ok:
+
+        def captured(run_model: Any, inputs: tuple, failure: str, side: str = side) -> Trace | None:
             try:
-                model64 = float64_copy(model)
-                with torch.no_grad(), capture(model64) as trace:
-                    call(model64, *as_float64(map_tensors((args, kwargs), lambda t: t.clone())))
+                with torch.no_grad(), capture(run_model) as trace:
+                    call(run_model, *inputs)
+                return trace
             except Exception as exc:
-                trace = None
-                reasons.append(f"the {side} does not run in float64 ({first_line(_own(exc))})")
-        wide.append(trace)
-        try:
-            with torch.no_grad(), capture(model) as rounded:
-                call(model, *rounded_inputs(map_tensors((args, kwargs), lambda t: t.clone())))
-        except Exception as exc:
-            rounded = None
-            reasons.append(f"the {side} does not run on rounded inputs ({first_line(_own(exc))})")
-        moved.append(rounded)
+                reasons.append(f"the {side} does not run {failure} ({first_line(_own(exc))})")
+                return None
+
+        fresh = map_tensors((args, kwargs), lambda t: t.clone())
+        wide.append(captured(float64_copy(model), as_float64(fresh), "in float64") if ok else None)
+        moved.append(
+            captured(model, rounded_inputs(map_tensors(fresh, lambda t: t.clone())), "on rounded inputs")
+        )
     return FloatFloor(wide[0], wide[1], reason="; ".join(reasons), ref_moved=moved[0], port_moved=moved[1])
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.minimize import golden_section
 from paritykit.base.report import format_number
 from paritykit.schedule.families import family_of, lists_close, sigma_family
 from paritykit.schedule.fit_result import Candidate, FitResult
@@ -150,25 +151,12 @@ def _search_mu(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, 
     read as another shifted grid still gets the ``mu`` that reproduces it; ``None`` when none comes near."""
     if not config.get("use_dynamic_shifting") or ref is None or not (ref.sigmas or ref.timesteps):
         return None
-    golden = (math.sqrt(5) - 1) / 2
 
     def distance(mu: float) -> float:
         return _try(cls, config, ref, n, call, mu).distance
 
-    lo, hi = -3.0, 6.0
-    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    fa, fb = distance(a), distance(b)
-    for _ in range(60):
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = hi - golden * (hi - lo)
-            fa = distance(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + golden * (hi - lo)
-            fb = distance(b)
-    mu = (lo + hi) / 2
-    return mu if math.isfinite(distance(mu)) else None
+    mu, found = golden_section(distance, -3.0, 6.0, 60)
+    return mu if math.isfinite(found) else None
 
 
 @functools.lru_cache(maxsize=256)

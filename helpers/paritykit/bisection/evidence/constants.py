@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paritykit.base.minimize import golden_section
 from paritykit.base.report import format_value
 from paritykit.bisection.evidence.culprit import (
     EPS_NAMES,
@@ -49,20 +50,8 @@ def _fit_constant(
         def cost(u: float) -> float:
             return relative_error(run(math.exp(u)), target)
 
-        golden = (math.sqrt(5) - 1) / 2
-        lo, hi = math.log(best / 4), math.log(best * 4)
-        m1, m2 = hi - golden * (hi - lo), lo + golden * (hi - lo)
-        f1, f2 = cost(m1), cost(m2)
-        for _ in range(30):
-            if f1 < f2:
-                hi, m2, f2 = m2, m1, f1
-                m1 = hi - golden * (hi - lo)
-                f1 = cost(m1)
-            else:
-                lo, m1, f1 = m1, m2, f2
-                m2 = lo + golden * (hi - lo)
-                f2 = cost(m2)
-        err, value = min((f1, math.exp(m1)), (f2, math.exp(m2)))
+        point, err = golden_section(cost, math.log(best / 4), math.log(best * 4), 30)
+        value = math.exp(point)
         if err < best_err:
             best_err, best = err, value
     fitting = sorted(v for e, v in scored if e <= FIT_REL)
