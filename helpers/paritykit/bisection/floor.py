@@ -266,8 +266,9 @@ def measure(
                     " forward, or inputs it edits in place): what moves is not rounding"
                 )
 
-        def captured(run_model: Any, inputs: tuple, failure: str, side: str = side) -> Trace | None:
+        def captured(make: Any, inputs: tuple, failure: str, side: str = side) -> Trace | None:
             try:
+                run_model = make()
                 with torch.no_grad(), capture(run_model) as trace:
                     call(run_model, *inputs)
                 return trace
@@ -276,10 +277,11 @@ def measure(
                 return None
 
         fresh = map_tensors((args, kwargs), lambda t: t.clone())
-        wide.append(captured(float64_copy(model), as_float64(fresh), "in float64") if ok else None)
-        moved.append(
-            captured(model, rounded_inputs(map_tensors(fresh, lambda t: t.clone())), "on rounded inputs")
+        wide.append(
+            captured(lambda m=model: float64_copy(m), as_float64(fresh), "in float64") if ok else None
         )
+        rounded = rounded_inputs(map_tensors(fresh, lambda t: t.clone()))
+        moved.append(captured(lambda m=model: m, rounded, "on rounded inputs"))
     return FloatFloor(wide[0], wide[1], reason="; ".join(reasons), ref_moved=moved[0], port_moved=moved[1])
 
 
