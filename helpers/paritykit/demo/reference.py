@@ -26,7 +26,7 @@ REFERENCE_CONFIG = {
 
 def sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     angles = t.float()[:, None] * freqs[None, :]
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 

@@ -80,8 +80,9 @@ def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
     splits = list(splits)
     x = t.reshape(1) if t.ndim == 0 else t
     rows = x.shape[0]
-    total = torch.zeros((), dtype=torch.int64)
-    pieces = {s: torch.zeros(s[1], dtype=torch.int64) for s in splits}
+    # accumulators on the tensor's own device: a weight on a GPU is hashed there, never added to a CPU sum
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    pieces = {s: torch.zeros(s[1], dtype=torch.int64, device=x.device) for s in splits}
     if rows == 0 or x.numel() == 0:
         return 0, {s: v.tolist() for s, v in pieces.items()}
     step = max(1, BLOCK // max(1, x.numel() // rows))
@@ -95,7 +96,7 @@ def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
         for dim, count in splits:
             if dim == 0:
                 size = rows // count
-                which = torch.arange(r0, r0 + h.shape[0]) // size
+                which = torch.arange(r0, r0 + h.shape[0], device=x.device) // size
                 pieces[(dim, count)].index_add_(0, which, per_row)
             else:
                 shape = h.shape
@@ -109,10 +110,10 @@ def position_hash(t) -> int:
     import torch
 
     flat = t.reshape(-1)
-    total = torch.zeros((), dtype=torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), BLOCK):
         block = flat[start : start + BLOCK]
-        salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int32))
+        salt = _mix(torch.arange(start, start + block.numel(), dtype=torch.int32, device=flat.device))
         total += _mix(_bits(block) ^ salt).sum()
     return int(total)
 
@@ -121,7 +122,7 @@ def _row_keys(m):
     """One layout-sensitive hash per row of a 2-D tensor."""
     import torch
 
-    salt = _mix(torch.arange(m.shape[1], dtype=torch.int32) * 7919)
+    salt = _mix(torch.arange(m.shape[1], dtype=torch.int32, device=m.device) * 7919)
     return _mix(_bits(m) ^ salt[None, :]).sum(1).tolist()
 
 
@@ -192,7 +193,7 @@ def _row_permutation(y, t, dim) -> list[int] | None:
         if not rows:
             return None
         perm.append(rows.pop(0))
-    if perm == list(range(n)) or not torch.equal(ym[torch.tensor(perm)], tm):
+    if perm == list(range(n)) or not torch.equal(ym[torch.tensor(perm, device=ym.device)], tm):
         return None
     return perm
 
@@ -207,7 +208,7 @@ def _describe_permutation(perm: list[int]) -> dict[str, Any]:
     import torch
 
     n = len(perm)
-    p = torch.tensor(perm)
+    p = torch.tensor(perm, device="cpu")  # a list of row indices, described on the CPU
     for group in range(4, n + 1, 2):
         if n % group:
             continue
