@@ -115,22 +115,24 @@ def test_without_weights_pass_the_order_fallback_still_pairs(dit_alignment):
     assert al.port_of("blocks.0.norm_a") == "transformer_blocks.0.norm1"
 
 
-def test_alignment_from_trace_folders_uses_their_weights(tmp_path):
-    from safetensors.torch import save_file
+def test_alignment_from_trace_folders_uses_their_weight_hashes(tmp_path):
+    from paritykit.bisection.zoom import write_fingerprints
 
     reference, port, inputs = time_pair()
     for side, model in (("r", reference), ("p", port)):
         args, kwargs = inputs
         with torch.no_grad(), capture(model, to_dir=tmp_path / side):
             model(*args, **kwargs)
-        save_file(
-            {k: v.contiguous() for k, v in model.state_dict().items()},
-            str(tmp_path / side / "weights.safetensors"),
-        )
+        write_fingerprints(model, tmp_path / side)
     al = align_modules(None, None, Trace.load(tmp_path / "r"), Trace.load(tmp_path / "p"))
     assert al.pair_of("ctrl_mlp").port == "control_time_embedding"
     assert al.pair_of("ctrl_mlp").how == "weights"
     assert al.pair_of("mix").port == "time_mixer"
+    # must not fire: weights that are not the reference's pair nothing by weights
+    randomize(port, seed=3)
+    write_fingerprints(port, tmp_path / "p")
+    al = align_modules(None, None, Trace.load(tmp_path / "r"), Trace.load(tmp_path / "p"))
+    assert "weights" not in {p.how for p in al.pairs}
 
 
 def test_report_faces(dit_alignment):

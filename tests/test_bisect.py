@@ -358,7 +358,10 @@ def test_cli_two_environment_flow(tmp_path):
     result = run("trace", spec, "--side", "port", "--out", tmp_path / "p", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["calls"] > 0
-    assert (tmp_path / "p" / "weights.safetensors").is_file()
+    # the weights' fingerprints with their hashes, never a copy of the weights
+    assert not (tmp_path / "p" / "weights.safetensors").exists()
+    fingerprints = json.loads((tmp_path / "p" / "weights.json").read_text())
+    assert fingerprints and any("hash" in entry for entry in fingerprints.values())
 
     by_jump = run("bisect", "--traces", tmp_path / "r", tmp_path / "p", "--json")
     assert by_jump.exit_code == 1, by_jump.output

@@ -101,6 +101,44 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     assert report.environment["levels"].startswith("full (the zoom cannot pair levels")
 
 
+def test_trace_folders_hold_weight_hashes_and_bisect_reads_the_layer_order_from_them(
+    tmp_path, text_ordered_wan
+):
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.bisection.zoom import write_fingerprints
+    from paritykit.tracing.trace import Trace, capture
+
+    research, port, converted, inputs = text_ordered_wan
+    folders = {}
+    for side, model in (("r", ResearchDenoise(research)), ("p", PortDenoise(port))):
+        with torch.no_grad(), capture(model, to_dir=tmp_path / side):
+            model(*inputs)
+        assert write_fingerprints(model, tmp_path / side) == len(model.state_dict())
+        folders[side] = Trace.load(tmp_path / side)
+        assert folders[side].weights() is None  # no copy of the weights, their hashes only
+    weight_bytes = sum(t.numel() * t.element_size() for t in port.state_dict().values())
+    held = sum(f.stat().st_size for f in (tmp_path / "p").iterdir() if f.name.startswith("weights"))
+    assert held < weight_bytes / 20
+    report = bisect_traces(folders["r"], folders["p"])
+    assert (
+        report.render()
+        .splitlines()[1]
+        .startswith("layer order: the port's dit.blocks are the reference's dit.blocks")
+    )
+    assert report.alignment.pair_of("dit.blocks.10").port == "dit.blocks.2"
+    # must not fire: the port built from the converter's weights holds the blocks in the reference's order
+    port.load_state_dict(converted)
+    fixed = PortDenoise(port)
+    with torch.no_grad(), capture(fixed, to_dir=tmp_path / "q"):
+        fixed(*inputs)
+    write_fingerprints(port, tmp_path / "q")
+    right = bisect_traces(folders["r"], Trace.load(tmp_path / "q"))
+    assert (
+        "layer order" not in right.render()
+        and right.alignment.pair_of("dit.blocks.10").port == "dit.blocks.10"
+    )
+
+
 def test_a_reversed_store_is_a_renumbering_and_call_order_decides_the_claim():
     from paritykit.forensics.conversion.layer_order import LayerOrder, with_calls
 

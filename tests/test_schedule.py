@@ -427,7 +427,10 @@ def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
     dpm = fit_scheduler("DPMSolverMultistepScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
     check = dpm.rejected[0].step_check
     assert dpm.fits == [] and check is not None and not check.matched
-    assert check.quantity is None and "differ in form" in check.explanation
+    assert check.quantity is None and "no one sigma_next - sigma read from the updates accounts for both" in (
+        check.explanation
+    )
+    assert "differ in form" not in check.explanation and "lead: the step rules" in check.explanation
 
 
 # ------------------------------------------------------------------------------------------ VP closed forms
@@ -474,3 +477,31 @@ def test_vp_must_not_read_arbitrary_lists():
 
     ragged = [14.6, 9.1, 7.7, 3.2, 2.9, 1.1, 0.7, 0.03]
     assert sigma_family(ragged) is None
+
+
+# ------------------------------------------------------------------------------------------- EDM, as given
+def test_a_config_that_already_reproduces_the_reference_is_no_fix_and_no_closed_form_is_claimed_absent():
+    r"""Round-4 exercise (lucidrains' elucidated_diffusion against EDMEulerScheduler): the port's scheduler
+    already gave the reference's c_noise timesteps, and the fit printed its own config back as "fix
+    (verified)", beside "none of the closed forms … fits the reference" where Karras does (in sigma units)."""
+    import math
+
+    from diffusers import EDMEulerScheduler
+
+    n, smin, smax, rho = 12, 0.002, 80.0, 7.0
+    # Karras et al. 2022, eq. 5, and c_noise = ln(sigma) / 4: what the research sampler feeds its network
+    sigmas = [
+        (smax ** (1 / rho) + i / (n - 1) * (smin ** (1 / rho) - smax ** (1 / rho))) ** rho for i in range(n)
+    ]
+    base = dict(EDMEulerScheduler(sigma_min=smin, sigma_max=smax, rho=rho).config)
+    fit = fit_scheduler(EDMEulerScheduler, {"timesteps": [math.log(s) / 4 for s in sigmas]}, base_config=base)
+    text = fit.render()
+    assert fit.unchanged and "fix:" not in text
+    assert "the EDMEulerScheduler config as given, with set_timesteps(n), reproduces it" in text
+    assert "fits the reference" not in text and "matched none of the closed forms tried on them" in text
+    # with the sigmas recorded, Karras is read and checked at other counts
+    fit = fit_scheduler(EDMEulerScheduler, {"sigmas": sigmas}, base_config=base)
+    assert fit.unchanged and not fit.one_count_only and "Karras (rho 7" in fit.render()
+    # must not fire: a port with another rho is not reproduced as given
+    fit = fit_scheduler(EDMEulerScheduler, {"sigmas": sigmas}, base_config={**base, "rho": 5.0})
+    assert not fit.unchanged and "config as given" not in fit.render()

@@ -324,7 +324,8 @@ def test_two_machine_zoom_loop_follows_its_own_printed_commands(tmp_path, monkey
     )
     assert about["environment"]["torch"]
     fingerprints = json.loads(Path("port/weights.json").read_text())
-    assert set(fingerprints) == set(Trace.load("port").weights())
+    assert Trace.load("port").weights() is None  # hashes, not a copy
+    assert set(Trace.load("port").weight_keys()) == {k for k, v in fingerprints.items() if "hash" in v}
     assert all(len(r.name.split(".")) <= 2 for r in Trace.load("ref"))  # blocks only: "", "blocks.0", …
 
     seen = []

@@ -502,3 +502,17 @@ def test_a_port_scheduler_that_is_no_scheduler_is_refused_before_either_side_run
     with pytest.raises(ParityKitError, match=r"port_scheduler\(\) returned a str, not a diffusers scheduler"):
         triage_spec(spec, out=tmp_path / "out")
     assert not (tmp_path / "out" / "reference_calls").exists()  # nothing was recorded
+
+
+def test_timesteps_in_other_units_are_read_so_up_to_where_the_schedules_differ():
+    r"""Round-4 exercise (FLUX.1 of DiffSynth: t in [0, 1000], the port's transformer in [0, 1], and a
+    schedule that differs from call 1): triage said "the timesteps differ from call 0" and replayed the port's
+    denoiser on t = 1000. The map the first calls obey is read for the pairing and the replay, and said."""
+    from paritykit.triage.pairs import SAME_UNITS, leading_units
+
+    units, run = leading_units([1000.0, 937.5, 833.3], [1.0, 0.9091, 0.7173])
+    assert run == 1 and units(1000.0) == 1.0 and "the port in [0, 1]" in units.words
+    # must not fire: timesteps that agree as given at the first call, or that agree under no map, or under two
+    assert leading_units([1000.0, 900.0], [1000.0, 800.0]) == (SAME_UNITS, 0)
+    assert leading_units([1000.0, 900.0], [3.0, 2.0]) == (SAME_UNITS, 0)
+    assert leading_units([0.0], [0.0]) == (SAME_UNITS, 0)

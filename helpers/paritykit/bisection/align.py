@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from paritykit.base.naming import apply_rules, compile_rules
 from paritykit.base.report import DEFAULT_LIMIT, render_table
+from paritykit.bisection.align_sides import Side, side_of
 from paritykit.forensics.conversion.fingerprints import informative
 
 if TYPE_CHECKING:
@@ -184,85 +185,11 @@ def _shown(name: str) -> str:
     return name if name else "(top level)"
 
 
-# ------------------------------------------------------------------------------------------------- sides
-
-
-@dataclass
-class _Side:
-    """What alignment needs to know about one model: executed modules in completion order, classes, output
-    shapes, weights."""
-
-    order: list[str]
-    types: dict[str, str]
-    params: dict[str, dict[str, list[int]]]
-    out_shapes: dict[str, tuple | None]
-    state_dict: Mapping[str, Any] | None
-    # each executed module's first call record (its captured inputs tell two streams apart)
-    first_calls: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def position(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.order)}
-
-    def parameterless(self, name: str) -> bool:
-        prefix = name + "." if name else ""
-        return not any(k == name or k.startswith(prefix) for k in self._keys)
-
-    def __post_init__(self) -> None:
-        keys = []
-        for module, params in self.params.items():
-            keys += [f"{module}.{p}" if module else p for p in params]
-        self._keys = keys
-
-
-def _side(model: Any, trace: Trace | None) -> _Side:
-    from paritykit.tracing.trace import module_table
-
-    table = trace.modules if trace is not None and trace.modules else (module_table(model) if model else {})
-    if trace is not None and len(trace):
-        # Completion order: a container comes after its children, where its own (inline) work happens.
-        order, out_shapes, first_calls = [], {}, {}
-        for record in trace.completion_order():
-            if record.call == 0:
-                order.append(record.module)
-                out_shapes[record.module] = _first_output_shape(record)
-                first_calls[record.module] = record
-    else:
-        order = list(table)
-        out_shapes, first_calls = {name: None for name in order}, {}
-    state_dict = None
-    if model is not None:
-        from paritykit.tracing.split_traces import ModelWeights
-
-        weights = ModelWeights(model)
-        # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
-        # tensor per access, and never all at once (the mapping stays lazy)
-        state_dict = weights if weights.offloaded else dict(model.state_dict())
-    elif trace is not None:
-        state_dict = trace.weights()
-    types = {name: info.type for name, info in table.items()}
-    for record in trace.records if trace is not None else ():
-        types.setdefault(record.module, record.type)
-    params = {name: info.params for name, info in table.items()}
-    return _Side(order, types, params, out_shapes, state_dict, first_calls)
-
-
-def _first_output_shape(record: Record) -> tuple | None:
-    keys = record.output_keys
-    if not keys:
-        return None
-    first = next(iter(keys.values()))
-    try:
-        return tuple(record._tensors.get(first).shape)
-    except Exception:  # a trace folder with a missing shard still aligns by names and types
-        return None
-
-
 # ------------------------------------------------------------------------------------------------- passes
 
 
 class _Builder:
-    def __init__(self, ref: _Side, port: _Side):
+    def __init__(self, ref: Side, port: Side):
         self.ref = ref
         self.port = port
         self.pairs: list[AlignedPair] = []
@@ -297,12 +224,12 @@ class _Builder:
         r"""Layers the port holds in another order than the reference (block 10's tensors in block 2) pair by
         the tensors they hold, before any name: the reference's ``blocks.10`` and everything under it with the
         port's ``blocks.2``, where the names under them agree (the rest is left to the weights)."""
-        if not self.ref.state_dict or not self.port.state_dict:
-            return
-        from paritykit.forensics.conversion.layer_order import layer_orders, value_pairs, with_calls
+        from paritykit.forensics.conversion.layer_order import key_pairs, layer_orders, with_calls
 
         try:
-            orders = layer_orders(value_pairs(self.ref.state_dict, self.port.state_dict))
+            ref_keys = self.ref.keys(layers_only=True)
+            port_keys = self.port.keys(layers_only=True) if ref_keys else None
+            orders = layer_orders(key_pairs(ref_keys, port_keys)) if ref_keys and port_keys else []
         except Exception:  # weights that cannot be read here (a missing shard): names decide
             orders = []
         # every layer group whose layers hold other indices is aligned by the tensors (a renumbering too: by
@@ -345,6 +272,7 @@ class _Builder:
     # 3 ----------------------------------------------------------------------------------------------
     def by_weights(self) -> None:
         if not self.ref.state_dict or not self.port.state_dict:
+            self.by_weight_keys()
             return
         ref_sd = _restrict(self.ref.state_dict, self.free_ref())
         port_sd = _restrict(self.port.state_dict, self.free_port())
@@ -358,49 +286,10 @@ class _Builder:
         ambiguous = {a.target for a in cmap.ambiguous}
         identifying = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
-
-        # Containers and leaves alike: a module pairs with another when the value-unique parameters under them
-        # map onto each other exactly.
-        ref_keys = list(ref_sd)
         port_keys = list(port_sd)
-        ref_sig: dict[frozenset, list[str]] = defaultdict(list)
-        image_of: dict[str, frozenset] = {}
-        port_by_set: dict[frozenset, list[str]] = defaultdict(list)
-        targets_of: dict[str, set[str]] = defaultdict(set)
-        for t, sources in sources_of.items():
-            for s in sources:
-                targets_of[s].add(t)
-        for r in self.free_ref():
-            under = _under(r, ref_keys)
-            image = frozenset(t for s in under for t in targets_of.get(s, ()))
-            if not image:
-                continue
-            if any(not set(sources_of[t]) <= under for t in image):
-                continue
-            image_of[r] = image
-            ref_sig[image].append(r)
-        for p in self.free_port():
-            mapped = frozenset(t for t in _under(p, port_keys) if t in sources_of)
-            if mapped:
-                port_by_set[mapped].append(p)
-        layout = _output_layouts(cmap.mapping)
         first_new = len(self.pairs)
-        for image, refs in ref_sig.items():
-            ports = port_by_set.get(image)
-            if not ports:
-                continue
-            # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one
-            # set: pair innermost first, each with the first compatible partner (same class or output shape),
-            # so a layer never pairs with a block that holds it and does more (an embedding table and the
-            # ``embeddings`` block that also adds positions): the block is left over.
-            ports = sorted(ports, key=_depth, reverse=True)
-            confidence = "high" if image & identifying else "low"
-            for r in sorted(refs, key=_depth, reverse=True):
-                for p in ports:
-                    if self.compatible(r, p, own_params=False):
-                        self.add(r, p, "weights", confidence)
-                        ports.remove(p)
-                        break
+        self.pair_by_sources(sources_of, identifying, list(ref_sd), port_keys)
+        layout = _output_layouts(cmap.mapping)
         for pair in self.pairs[first_new:]:
             pair.layout = layout.get(pair.port, "")
 
@@ -429,6 +318,71 @@ class _Builder:
                 for p in ports:
                     if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
+
+    def by_weight_keys(self) -> None:
+        r"""Modules paired by the hashes of the tensors under them, where a side has its trace folder's
+        fingerprints in place of weights: a tensor pairs with the one tensor of the other side that has its
+        shape, dtype and hash. Weights converted in any other way (transposed, fused, split) pair nothing
+        here; names and order decide for them."""
+        ref_keys, port_keys = self.ref.keys(), self.port.keys()
+        if not ref_keys or not port_keys:
+            return
+        prefixes = tuple(m + "." for m in self.free_ref())
+        ref_keys = {k: v for k, v in ref_keys.items() if "" in self.free_ref() or k.startswith(prefixes)}
+        prefixes = tuple(m + "." for m in self.free_port())
+        port_keys = {k: v for k, v in port_keys.items() if "" in self.free_port() or k.startswith(prefixes)}
+
+        from paritykit.forensics.conversion.layer_order import key_pairs
+
+        sources_of = {t: [s] for s, t in key_pairs(ref_keys, port_keys, layers_only=False)}
+        self.pair_by_sources(sources_of, set(sources_of), list(ref_keys), list(port_keys))
+
+    def pair_by_sources(
+        self,
+        sources_of: dict[str, list[str]],
+        identifying: set[str],
+        ref_keys: list[str],
+        port_keys: list[str],
+    ) -> None:
+        r"""Containers and leaves alike: a module pairs with another when the parameters under them map
+        onto each other exactly (``sources_of``: port tensor -> the reference tensors it is made of); ``high``
+        confidence where an ``identifying`` (value-unique, non-constant) tensor is among them."""
+        ref_sig: dict[frozenset, list[str]] = defaultdict(list)
+        image_of: dict[str, frozenset] = {}
+        port_by_set: dict[frozenset, list[str]] = defaultdict(list)
+        targets_of: dict[str, set[str]] = defaultdict(set)
+        for t, sources in sources_of.items():
+            for s in sources:
+                targets_of[s].add(t)
+        for r in self.free_ref():
+            under = _under(r, ref_keys)
+            image = frozenset(t for s in under for t in targets_of.get(s, ()))
+            if not image:
+                continue
+            if any(not set(sources_of[t]) <= under for t in image):
+                continue
+            image_of[r] = image
+            ref_sig[image].append(r)
+        for p in self.free_port():
+            mapped = frozenset(t for t in _under(p, port_keys) if t in sources_of)
+            if mapped:
+                port_by_set[mapped].append(p)
+        for image, refs in ref_sig.items():
+            ports = port_by_set.get(image)
+            if not ports:
+                continue
+            # Wrapper chains (a Sequential holding one Linear, diffusers' GELU holding its proj) share one
+            # set: pair innermost first, each with the first compatible partner (same class or output shape),
+            # so a layer never pairs with a block that holds it and does more (an embedding table and the
+            # ``embeddings`` block that also adds positions): the block is left over.
+            ports = sorted(ports, key=_depth, reverse=True)
+            confidence = "high" if image & identifying else "low"
+            for r in sorted(refs, key=_depth, reverse=True):
+                for p in ports:
+                    if self.compatible(r, p, own_params=False):
+                        self.add(r, p, "weights", confidence)
+                        ports.remove(p)
+                        break
 
     def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> Confidence:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under
@@ -755,8 +709,8 @@ def align_modules(
         An :class:`Alignment`: ``pairs`` (each with ``how`` = ``names``/``map``/``weights``/``order`` and a
         ``confidence``), ``unaligned_reference`` and ``unaligned_port`` in execution order.
     """
-    ref_side = _side(reference, ref_trace)
-    port_side = _side(port, port_trace)
+    ref_side = side_of(reference, ref_trace)
+    port_side = side_of(port, port_trace)
     builder = _Builder(ref_side, port_side)
     if use_weights:
         builder.by_layer_order()

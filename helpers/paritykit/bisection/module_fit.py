@@ -538,7 +538,7 @@ def extra_input_hints(
             Hint(
                 "module-fit",
                 f"port {where} ({record.type}) computes {', '.join(feeds.values())} of {port_call.name},"
-                f" which the reference computes inside {call.name}; built with {text} it makes"
+                f" an input the reference's {call.name} is not given; built with {text} it makes"
                 f" {port_call.name} match the reference (replayed on the reference's inputs: max_abs"
                 f" {format_number(before)} -> {format_number(after.max_abs)}, {trials} constructor settings"
                 " tried)",
@@ -566,10 +566,10 @@ def extra_input_hints(
         hints.append(
             Hint(
                 "inline-reference",
-                f"port {port_call.name} takes {fed} from {names}, which the reference computes inside"
-                f" {call.name} (evidence: that port module's captured output is exactly the input, and no"
-                " reference module is aligned with it); the culprit was replayed with the port's own values"
-                " of those inputs, so the difference is in them or in the culprit's forward"
+                f"port {port_call.name} takes {fed} from {names} (that module's captured output is exactly"
+                f" the input); the reference's {call.name} is given no such input and no reference module is"
+                " aligned with that one; the culprit was replayed with the port's own values of those inputs,"
+                " so the difference is in them or in the culprit's forward"
                 + ("" if hints else "; no constructor setting of that module made the culprit match"),
                 {"producers": [r.module for r, _ in producers], "inputs": fed.split(", ")},
                 score=0.9,

@@ -375,7 +375,7 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads
     elif f.through_inputs:
         lines.append("  its captured outputs differ, but it passes on the reference's inputs: see the note")
     elif f.children_passed == 0 and f.test == "replay":
-        lines.append("  no aligned submodules; it fails on identical inputs (its weights, settings or code)")
+        lines.append("  it fails on identical inputs; no submodule call inside it passed a replay")
     if f.note:
         lines.append(f"  note: {f.note}")
     for hint in f.hints:

@@ -677,11 +677,20 @@ class Searcher:
         its float floor whatever the confidence."""
         for test in self.results.values():
             pair = self.alignment.pair_of(module_of(test.reference))
-            if test.status != "fail" or pair is None:
+            if test.status != "fail" or pair is None or not self.fed_alike(test.reference):
                 continue
             if pair.confidence != "low" or (far_above(test.max_abs, test.floor) and self._same_class(test)):
                 return True
         return False
+
+    def fed_alike(self, name: str) -> bool:
+        r"""Whether reference call ``name`` and its port call were fed the same inputs in the two runs
+        (within tolerance). Only then is a failing replay a difference hidden in the run: a module fed
+        otherwise by design (a decoder whose un-scaling the port's pipeline does before it, a guidance batch
+        in the other order) fails a replay on inputs the port never gives it, while the run matches."""
+        record = self.ref_trace[name] if name in self.ref_trace else None
+        port_record = self.port_record(record) if record is not None else None
+        return port_record is not None and self._inputs_agree(record, port_record)
 
     def _same_class(self, test: ModuleTest) -> bool:
         r"""Whether a test's two calls are of one module class (a pair aligned on order and shape alone
@@ -736,9 +745,12 @@ class Searcher:
 
     def masked_call(self) -> tuple[Record, int] | None:
         """With a matching output and passing top-level blocks, a module deeper down may still fail (its error
-        shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ is
-        a candidate, deepest first; the first that also fails on identical inputs is the culprit."""
+        shrunk by what follows, inside a passing parent). Every aligned call whose captured outputs differ
+        while its captured inputs agree (:meth:`fed_alike`) is a candidate, deepest first; the first that also
+        fails on identical inputs is the culprit."""
         for record in self.differing_calls():
+            if not self.fed_alike(record.name):
+                continue
             result = self.test(record)
             if result.status != "fail":
                 continue

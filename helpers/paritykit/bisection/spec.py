@@ -206,7 +206,8 @@ def trace_spec(
     inside: str | None = None,
 ) -> TraceSummary:
     r"""What ``paritykit trace`` runs: build one side from the spec, capture it into ``out`` (tensors,
-    manifest, and the model's weights so the other environment can align by value). ``levels="blocks"``
+    manifest, and fingerprints of the model's weights with their hashes, not a copy, so the other
+    environment can align by value). ``levels="blocks"``
     records the top-level blocks only; ``inside=BLOCK`` records that block and one level inside it
     (:func:`paritykit.bisection.zoom.trace_patterns`)."""
     from pathlib import Path
@@ -230,11 +231,12 @@ def trace_spec(
     with torch.no_grad():
         with capture(model, modules=patterns, to_dir=out, about=about) as trace:
             _run_forward(spec, model, side, args, kwargs)
-    from paritykit.tracing.split_traces import write_weights
-
-    # one tensor at a time; offloaded weights are read from their offload, not their meta placeholders
-    n_weights = write_weights(model, out / WEIGHTS_FILE)
-    write_fingerprints(model, out)
+    # the weights' fingerprints, never a copy of them (the checkpoint holds them already): one tensor at a
+    # time, offloaded weights read from their offload, not their meta placeholders
+    stale = out / WEIGHTS_FILE
+    if stale.is_file():  # an earlier trace's copy would be read as this model's weights
+        stale.unlink()
+    n_weights = write_fingerprints(model, out)
     info = trace.summary()
     return TraceSummary(
         side,

@@ -256,12 +256,15 @@ class ZoomSearch:
         self, level: _Level, record: Record, budget: list[int]
     ) -> tuple[_Level, Any, int] | None:
         """With a matching output: the first call failing on identical inputs below ``record``, looking only
-        into calls whose captured outputs are not bit-identical (at most ``budget[0]`` of them tested)."""
+        into calls whose captured outputs are not bit-identical and whose captured inputs agree (at most
+        ``budget[0]`` of them tested)."""
         for child in level.searcher.frontier(record):
             if budget[0] <= 0:
                 return None
             pair = level.searcher.alignment.pair_of(child.module)
             if pair is None or pair.confidence == "low" or not _not_bit_identical(level.searcher, child):
+                continue
+            if not level.searcher.fed_alike(child.name):  # fed otherwise by design: a replay proves nothing
                 continue
             budget[0] -= 1
             if level.searcher.test(child).status == "fail":
@@ -420,7 +423,6 @@ def zoom_bisect(
 # ------------------------------------------------------------------------------------ two machines
 
 TRACE_LEVELS = ("full", "blocks")
-FINGERPRINTS_FILE = "weights.json"
 
 
 def trace_patterns(model: Any, levels: str = "full", inside: str | None = None) -> list[str] | None:
@@ -458,16 +460,25 @@ def trace_about(
     }
 
 
-def write_fingerprints(model: Any, directory: Any) -> None:
-    """``weights.json``: shape, dtype and sums of every weight
-    (:func:`paritykit.tracing.split_traces.weight_fingerprints`)."""
+def write_fingerprints(model: Any, directory: Any) -> int:
+    """``weights.json``: shape, dtype, sums and position hash of every weight
+    (:func:`paritykit.tracing.split_traces.weight_fingerprints`), which a trace folder holds in place of a
+    copy of the weights. Returns the number of tensors."""
     import json
     from pathlib import Path
 
     from paritykit.base.files import atomic_write_text
+    from paritykit.forensics.conversion.layer_order import value_keys
     from paritykit.tracing.split_traces import weight_fingerprints
+    from paritykit.tracing.trace import FINGERPRINTS_FILE
 
-    atomic_write_text(Path(directory) / FINGERPRINTS_FILE, json.dumps(weight_fingerprints(model), indent=1))
+    def hasher(tensor: Any) -> int | None:
+        keys = value_keys({"": tensor})
+        return keys[""][2] if keys else None
+
+    fingerprints = weight_fingerprints(model, hasher)
+    atomic_write_text(Path(directory) / FINGERPRINTS_FILE, json.dumps(fingerprints, indent=1))
+    return len(fingerprints)
 
 
 def _children_in_table(modules: dict[str, Any], name: str) -> list[str]:

@@ -300,10 +300,7 @@ def _shift_twice(fa: Family | None, fb: Family | None) -> ScheduleHint | None:
         "sigmas",
         f"both sides shift flow-matching sigmas by {format_number(s)}, but {twice} starts from an end point"
         f" that was already shifted ({(fa if marks[0] else fb).detail}): the shift is applied twice at the"
-        f" low end. {once} goes {f_once.detail}. diffusers' FlowMatchEulerDiscreteScheduler.set_timesteps(n)"
-        " with a static shift does the former (as SD3's reference sampler does);"
-        " set_timesteps(sigmas=np.linspace(1, 1/n, n)) or use_dynamic_shifting with mu does the latter (as"
-        " Flux's reference does).",
+        f" low end; {once} goes {f_once.detail}.",
         ["shift", "use_dynamic_shifting"],
     )
 

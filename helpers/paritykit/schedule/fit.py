@@ -273,8 +273,9 @@ def fit_scheduler(
         )
     if ref.generator is None and not families:
         notes.append(
-            "none of the closed forms paritykit reads (VP betas and spacing, Karras, exponential, shifted"
-            " flow) fits the reference: configs are checked at its own count only"
+            "the recorded values matched none of the closed forms tried on them (VP betas and spacing,"
+            " Karras, exponential, shifted flow, in the units recorded): configs are checked at its own count"
+            " only"
         )
     counts = _validation_counts(steps, train_steps) if (ref.generator or families) else [steps]
     if ref.recorded_sizes:

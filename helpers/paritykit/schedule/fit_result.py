@@ -112,6 +112,11 @@ class FitResult:
         return ready_line(self.scheduler, self.fits[0].changes) if self.fits else None
 
     @property
+    def unchanged(self) -> bool:
+        r"""The best fit is the base config itself with the plain ``set_timesteps(n)``: no change."""
+        return bool(self.fits) and not self.fits[0].changes and self.call_line is None and not self.pasted
+
+    @property
     def one_count_only(self) -> bool:
         r"""The fix was checked at the recorded step count only: the reference follows no closed form, or the
         fix departs from the one read from that recording (one count cannot confirm either)."""
@@ -174,8 +179,8 @@ class FitResult:
                 " count cannot confirm; record the reference at another count (or give ref_schedule(n))"
             )
         return (
-            "none of the closed forms paritykit reads fits the reference, so nothing says what it is at"
-            " another count"
+            "the recorded values matched none of the closed forms tried on them, so no other count was"
+            " checked"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,7 +245,10 @@ class FitResult:
         if self.line:
             lines.append(f"fit: {self.fits[0].residual_text()}")
             label = "replaces the schedule with the reference's list" if self.pasted else "fix"
-            lines.append(f"{label}: {self.line}")
+            if self.unchanged:  # the config as given reproduces it: nothing to change, no fix to print
+                lines.append(f"the {self.scheduler} config as given, with set_timesteps(n), reproduces it")
+            else:
+                lines.append(f"{label}: {self.line}")
             if self.call_line:
                 lines.append(f"     {self.call_line}")
             if self.one_count_only:

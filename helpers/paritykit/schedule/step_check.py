@@ -305,8 +305,8 @@ def _check_calls(
 def _mismatch(
     cls: type, scheduler: Any, i: int, t: Any, err: float, x, eps, nxt, out, checked: int
 ) -> StepCheck:
-    r"""The failing update ``i``, read as one number when one number accounts for it (else said to differ in
-    form)."""
+    r"""The failing update ``i``, read as one number when one number accounts for it (else the share no one
+    number accounts for, and a lead)."""
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
     quantity = "previous alpha" if alpha_based else "sigma_next - sigma"
     alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
@@ -326,9 +326,9 @@ def _mismatch(
             None,
             None,
             None,
-            f"{head}; the two updates differ in form, not by one {quantity} (unexplained "
-            f"share {format_number(max(ref_r, port_r))}): compare the step rules themselves "
-            "(solver, x0 clipping, prediction_type)",
+            f"{head}; no one {quantity} read from the updates accounts for both (unexplained share"
+            f" {format_number(max(ref_r, port_r))}); lead: the step rules (solver, x0 clipping,"
+            " prediction_type) or the noise levels behind them (betas, sigmas) differ",
         )
     where = ""
     if alpha_based:

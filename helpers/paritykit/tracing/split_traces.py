@@ -5,7 +5,7 @@ the checks that two trace folders are one reference and one port fed the same in
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,21 +106,31 @@ def write_weights(model: Any, path: str | Path) -> int:
     return len(header)
 
 
-def weight_fingerprints(model: Any) -> dict[str, dict[str, Any]]:
-    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, read one tensor at a time
-    (offloaded weights too, through :class:`ModelWeights`), so the other machine can tell whether both sides
-    loaded the same checkpoint without the weights."""
+def weight_fingerprints(
+    model: Any, hasher: Callable[[Any], int | None] | None = None
+) -> dict[str, dict[str, Any]]:
+    r"""Shape, dtype and value statistics of every tensor of ``model``'s state dict, and with ``hasher`` its
+    hash, read one tensor at a time (offloaded weights too, through :class:`ModelWeights`) on the tensor's own
+    device. A trace folder keeps these in place of a copy of the weights: the other machine tells from them
+    whether both sides loaded the same checkpoint, and alignment pairs modules and finds layers held in
+    another order by the hashes (:func:`fingerprint_keys`). ``hasher`` returns ``None`` for a tensor that
+    identifies nothing (an all-ones norm)."""
     out = {}
     weights = ModelWeights(model)
     for name in weights:
-        tensor = weights[name]
-        values = tensor.detach().double()
-        out[name] = {
+        tensor = weights[name].detach()
+        values = tensor.double()
+        entry = {
             "shape": list(tensor.shape),
             "dtype": str(tensor.dtype).removeprefix("torch."),
             "sum": float(values.sum()) if values.numel() else 0.0,
             "abs_sum": float(values.abs().sum()) if values.numel() else 0.0,
         }
+        del values
+        digest = hasher(tensor) if hasher is not None else None
+        if digest is not None:
+            entry["hash"] = digest
+        out[name] = entry
     return out
 
 

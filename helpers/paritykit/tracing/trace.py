@@ -26,10 +26,12 @@ from typing import Any
 from paritykit.base.errors import ParityKitError, first_line
 
 MANIFEST = "trace.json"
-WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_FILE = "weights.safetensors"  # a copy of the weights, written by paritykit before 0.9
+FINGERPRINTS_FILE = "weights.json"
 FORMAT = "paritykit-trace"
 FORMAT_VERSION = 1
 _SHARD_BYTES = 256 * 2**20
+_COMPLEX = "paritykit.complex"  # a shard's metadata key: its tensors stored as their real view
 
 
 # --------------------------------------------------------------------------------------------- structure
@@ -183,6 +185,8 @@ class TraceTensors:
         self.in_memory: dict[str, Any] = {}
         self.shard_of: dict[str, str] = {}
         self._open: dict[str, Any] = {}
+        # per shard, the keys stored as their real view (safetensors holds no complex dtype)
+        self._complex: dict[str, set[str]] = {}
 
     def get(self, key: str) -> Any:
         if key in self.in_memory:
@@ -192,11 +196,16 @@ class TraceTensors:
             raise KeyError(f"tensor {key!r} is not in this trace")
         handle = self._open.get(shard) or self.open_shard(shard)
         try:
-            return handle.get_tensor(key)
+            tensor = handle.get_tensor(key)
         except Exception as exc:
             raise ParityKitError(
                 f"{self.directory / shard}: cannot read tensor {key!r} ({first_line(exc)})"
             ) from None
+        if key in self._complex.get(shard, ()):
+            import torch
+
+            return torch.view_as_complex(tensor)
+        return tensor
 
     def open_shard(self, shard: str) -> Any:
         from safetensors import safe_open
@@ -209,6 +218,10 @@ class TraceTensors:
                 f"{path}: not a readable safetensors shard of this trace ({first_line(exc)})"
             ) from None
         self._open[shard] = handle
+        try:
+            self._complex[shard] = set(json.loads((handle.metadata() or {}).get(_COMPLEX, "[]")))
+        except ValueError:
+            raise ParityKitError(f"{path}: unreadable list of complex tensors in its metadata") from None
         return handle
 
 
@@ -279,6 +292,25 @@ class Trace:
         from paritykit.base.io import read_safetensors
 
         return read_safetensors(self.directory / WEIGHTS_FILE)
+
+    def weight_keys(self) -> dict[str, tuple] | None:
+        r"""``{name: (shape, dtype, hash)}`` of the traced model's weights that have a hash in the folder's
+        ``weights.json`` (written by ``paritykit trace`` in place of a copy of the weights): what
+        :func:`paritykit.forensics.conversion.layer_order.key_pairs` matches. ``None`` without that file."""
+        path = None if self.directory is None else self.directory / FINGERPRINTS_FILE
+        if path is None or not path.is_file():
+            return None
+        try:
+            fingerprints = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ParityKitError(f"{path}: unreadable weight fingerprints ({first_line(exc)})") from None
+        if not isinstance(fingerprints, dict):
+            raise ParityKitError(f"{path}: not a table of weight fingerprints")
+        out = {}
+        for name, entry in fingerprints.items():
+            if isinstance(entry, dict) and isinstance(entry.get("hash"), int):
+                out[name] = (tuple(entry.get("shape", ())), str(entry.get("dtype")), entry["hash"])
+        return out
 
     def graft(self, call: Record) -> None:
         r"""Rename this trace's first call (a block run alone) to ``call``'s name, call index, parent and
@@ -621,8 +653,14 @@ class _ShardWriter:
         self.pending_bytes = 0
         self.shard_of: dict[str, str] = {}
         self.index = 0
+        self.complex: list[str] = []
 
     def add(self, key: str, tensor: Any) -> None:
+        if tensor.is_complex():  # safetensors holds no complex dtype: the real view, named in the metadata
+            import torch
+
+            self.complex.append(key)
+            tensor = torch.view_as_real(tensor.resolve_conj())
         self.pending[key] = tensor.contiguous()
         self.pending_bytes += tensor.numel() * tensor.element_size()
         if self.pending_bytes >= self.shard_bytes:
@@ -634,12 +672,14 @@ class _ShardWriter:
         from safetensors.torch import save_file
 
         name = f"tensors-{self.index:05d}.safetensors"
-        save_file(self.pending, str(self.directory / name))
+        metadata = {_COMPLEX: json.dumps(self.complex)} if self.complex else None
+        save_file(self.pending, str(self.directory / name), metadata=metadata)
         for key in self.pending:
             self.shard_of[key] = name
         self.index += 1
         self.pending = {}
         self.pending_bytes = 0
+        self.complex = []
 
     def close(self) -> None:
         self.flush()

@@ -120,6 +120,28 @@ def timestep_units(t_ref: list[float | None], t_port: list[float | None]) -> Tim
     return SAME_UNITS
 
 
+def leading_units(t_ref: list[float | None], t_port: list[float | None]) -> tuple[TimestepUnits, int]:
+    r"""When no one unit map holds at every call (the schedules differ): the map under which the longest run
+    of first calls agrees, and that length, where it is one map alone and the timesteps as given agree at no
+    first call (the reference at 1000 where the port is at 1.0, then a schedule that differs);
+    ``(SAME_UNITS, 0)`` otherwise."""
+
+    def prefix(units: TimestepUnits) -> int:
+        n = 0
+        for r, p in zip(t_ref, t_port):
+            if r is None or p is None or not same_timestep(units(r), p):
+                break
+            n += 1
+        return n
+
+    if prefix(SAME_UNITS):
+        return SAME_UNITS, 0
+    runs = [(prefix(u), u) for u in TIMESTEP_UNITS]
+    best = max(n for n, _ in runs)
+    winners = [u for n, u in runs if n == best]
+    return (winners[0], best) if best and len(winners) == 1 else (SAME_UNITS, 0)
+
+
 def compare_call(
     index: int,
     ref: Call,

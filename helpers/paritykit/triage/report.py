@@ -227,7 +227,15 @@ class TriageReport:
 def _result_text(result: dict[str, Any]) -> str:
     if result.get("error"):
         return f"results not compared: {result['error']}"
+    peak, max_abs = result.get("peak"), result.get("max_abs")
+    # the size of the difference against the result's own: 1e-6 of it reads as rounding, 1e-2 does not;
+    # no float floor is measured for a whole run (run_reference() cannot be rerun in float64)
+    share = (
+        f", {format_number(max_abs / peak)} of the reference result's largest value"
+        if peak and max_abs is not None and not result.get("passed")
+        else ""
+    )
     return (
         f"result {'matches' if result.get('passed') else 'differs'} "
-        f"(max_abs {format_number(result.get('max_abs'))}, cosine {format_cosine(result.get('cosine'))})"
+        f"(max_abs {format_number(max_abs)}{share}, cosine {format_cosine(result.get('cosine'))})"
     )

@@ -38,7 +38,12 @@ class ScheduleChecks:
             return
         finding.details = {"compare": finding.details, "fit": fit.to_dict()}
         finding.evidence += [n for n in fit.notes if n.startswith(("the port's own run", "mu: "))]
-        if fit.line:
+        if fit.unchanged:  # the port's own config gives the reference's list: a measurement, no fix
+            finding.evidence.append(
+                f"the port's {type(scheduler).__name__} config with set_timesteps(n) gives the reference's"
+                f" recorded {fit.steps} steps: {fit.fits[0].residual_text()}"
+            )
+        elif fit.line:
             finding.fix = fit.line + (f"; {fit.call_line}" if fit.call_line else "")
             if fit.pasted:
                 finding.fix = "replaces the schedule with the reference's list: " + finding.fix

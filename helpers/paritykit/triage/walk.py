@@ -33,11 +33,13 @@ from paritykit.triage.measures import (
     runs,
 )
 from paritykit.triage.pairs import (
+    SAME_UNITS,
     Rearrangement,
     Tolerance,
     compare,
     compare_call,
     comparison_evidence,
+    leading_units,
     rel,
     same_timestep,
     timestep_units,
@@ -89,6 +91,10 @@ class Triage(ScheduleChecks, DecoderChecks):
         self.t_port = [timestep(c, r) for c, r in zip(port.calls, self.port_roles)]
         # one schedule in other units ([0, 1] against [0, 1000]) is one schedule: compared and replayed scaled
         self.t_units = timestep_units(self.t_ref, self.t_port)
+        # no map holds at every call: the one the first calls obey, for pairing and replay, said where used
+        self.t_lead = 0
+        if self.t_units is SAME_UNITS:
+            self.t_units, self.t_lead = leading_units(self.t_ref, self.t_port)
         self.pairs = [
             compare_call(
                 i, ref.calls[i], self.ref_roles[i], self.port.calls[i], self.port_roles[i], tol, self.t_units
@@ -281,9 +287,14 @@ class Triage(ScheduleChecks, DecoderChecks):
             first = first * k_ref
         else:
             first = next((p.index for p in self.pairs if not p.timestep_match), len(self.pairs))
+            read = (
+                f"; read in other units, as the first {self.t_lead} call(s) agree so: {self.t_units.words}"
+                if self.t_lead
+                else ""
+            )
             where = (
                 f"the timesteps differ from call {first} "
-                f"({len(t_ref)} calls in the reference, {len(t_port)} in the port)"
+                f"({len(t_ref)} calls in the reference, {len(t_port)} in the port{read})"
             )
         cast = rounded_to([(units if structure is not None else self.t_units)(t) for t in t_ref], t_port)
         if cast is not None:
@@ -302,7 +313,7 @@ class Triage(ScheduleChecks, DecoderChecks):
         evidence = [
             f"reference {head(t_ref)}",
             f"port      {head(t_port)}",
-            *(h.message for h in getattr(comparison, "hints", [])[:3]),
+            *(f"{h.message} (A: the reference, B: the port)" for h in getattr(comparison, "hints", [])[:3]),
         ]
         finding = Finding(
             "schedule",
@@ -359,7 +370,11 @@ class Triage(ScheduleChecks, DecoderChecks):
             f"{shapes} are equal in shape and agree element by element at all {len(self.pairs)} calls",
         )
         if first.one_sided:
-            self.skip("conditioning", "passed by one side only, not compared: " + ", ".join(first.one_sided))
+            self.skip(
+                "conditioning",
+                "paired with no input of the other side by name, shape or value, not compared: "
+                + ", ".join(first.one_sided),
+            )
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
@@ -650,9 +665,11 @@ class Triage(ScheduleChecks, DecoderChecks):
         if tuple(a.shape) != tuple(b.shape):
             return {"error": f"shapes differ: reference {tuple(a.shape)}, port {tuple(b.shape)}"}
         c = compare(a, b, self.tol, "result")
+        peak = float(a.detach().abs().max()) if a.numel() and a.is_floating_point() else 0.0
         return {
             "passed": c.passed,
             "max_abs": c.max_abs,
+            "peak": peak,
             "cosine": c.cosine,
             "evidence": comparison_evidence(c),
         }

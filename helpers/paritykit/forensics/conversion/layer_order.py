@@ -151,16 +151,39 @@ def with_calls(order: LayerOrder, source_calls: list[str], target_calls: list[st
 def value_pairs(source: Mapping[str, Any], target: Mapping[str, Any]) -> list[tuple[str, str]]:
     r"""(source, target) names of tensors under numbered layers that hold exactly the same values, where the
     value identifies one tensor on each side (constants such as all-ones norms are left out)."""
+    return key_pairs(value_keys(source, layers_only=True), value_keys(target, layers_only=True))
+
+
+def value_keys(state: Mapping[str, Any], *, layers_only: bool = False) -> dict[str, tuple]:
+    r"""``{name: (shape, dtype, position hash)}`` of the informative tensors of ``state`` (constants such as
+    all-ones norms and weights on ``meta`` are left out): what :func:`key_pairs` matches, and what a trace
+    folder records of its model's weights in place of a copy
+    (:func:`paritykit.tracing.split_traces.weight_fingerprints`); ``layers_only``: the names under numbered
+    layers only."""
     from paritykit.forensics.conversion.fingerprints import informative, position_hash
 
-    def unique(state: Mapping[str, Any]) -> dict[tuple, str]:
+    out = {}
+    for name in state:
+        if layers_only and _LAYER.match(name) is None:
+            continue
+        tensor = state[name]
+        if tensor.device.type == "meta" or not informative(tensor):
+            continue
+        out[name] = (tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), position_hash(tensor))
+    return out
+
+
+def key_pairs(
+    source: Mapping[str, tuple], target: Mapping[str, tuple], *, layers_only: bool = True
+) -> list[tuple[str, str]]:
+    r"""(source, target) names whose :func:`value_keys` agree, where the key names one tensor on each side;
+    ``layers_only``: among the names under numbered layers."""
+
+    def unique(keys: Mapping[str, tuple]) -> dict[tuple, str]:
         seen: dict[tuple, list[str]] = defaultdict(list)
-        for name, tensor in state.items():
-            if _LAYER.match(name) is None or not informative(tensor):
-                continue
-            if tensor.device.type == "meta":
-                continue
-            seen[(tuple(tensor.shape), str(tensor.dtype), position_hash(tensor))].append(name)
+        for name, key in keys.items():
+            if not layers_only or _LAYER.match(name) is not None:
+                seen[key].append(name)
         return {key: names[0] for key, names in seen.items() if len(names) == 1}
 
     by_value = unique(source)

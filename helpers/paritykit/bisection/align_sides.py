@@ -1,0 +1,99 @@
+r"""What module alignment (:mod:`paritykit.bisection.align`) knows of one side: the modules it executed, in
+completion order, their classes, parameters and output shapes, and its weights: the tensors of a model, or the
+hashes a trace folder holds in their place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paritykit.tracing.trace import Record, Trace
+
+
+@dataclass
+class Side:
+    """What alignment needs to know about one model: executed modules in completion order, classes, output
+    shapes, weights."""
+
+    order: list[str]
+    types: dict[str, str]
+    params: dict[str, dict[str, list[int]]]
+    out_shapes: dict[str, tuple | None]
+    state_dict: Mapping[str, Any] | None
+    # each executed module's first call record (its captured inputs tell two streams apart)
+    first_calls: dict[str, Any] = field(default_factory=dict)
+    # a trace folder's weights: {name: (shape, dtype, hash)} in place of the tensors (state_dict is None)
+    weight_keys: dict[str, tuple] | None = None
+
+    def keys(self, layers_only: bool = False) -> dict[str, tuple] | None:
+        r"""``{name: (shape, dtype, hash)}`` of this side's informative weights, from the tensors or from
+        the trace folder's fingerprints; ``None`` when neither is at hand."""
+        if not self.state_dict:
+            return self.weight_keys
+        if layers_only not in self._hashed:
+            from paritykit.forensics.conversion.layer_order import value_keys
+
+            self._hashed[layers_only] = value_keys(self.state_dict, layers_only=layers_only)
+        return self._hashed[layers_only]
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.order)}
+
+    def parameterless(self, name: str) -> bool:
+        prefix = name + "." if name else ""
+        return not any(k == name or k.startswith(prefix) for k in self._keys)
+
+    def __post_init__(self) -> None:
+        keys = []
+        for module, params in self.params.items():
+            keys += [f"{module}.{p}" if module else p for p in params]
+        self._keys = keys
+        self._hashed: dict[bool, dict[str, tuple]] = {}
+
+
+def side_of(model: Any, trace: Trace | None) -> Side:
+    from paritykit.tracing.trace import module_table
+
+    table = trace.modules if trace is not None and trace.modules else (module_table(model) if model else {})
+    if trace is not None and len(trace):
+        # Completion order: a container comes after its children, where its own (inline) work happens.
+        order, out_shapes, first_calls = [], {}, {}
+        for record in trace.completion_order():
+            if record.call == 0:
+                order.append(record.module)
+                out_shapes[record.module] = _first_output_shape(record)
+                first_calls[record.module] = record
+    else:
+        order = list(table)
+        out_shapes, first_calls = {name: None for name in order}, {}
+    state_dict, weight_keys = None, None
+    if model is not None:
+        from paritykit.tracing.split_traces import ModelWeights
+
+        weights = ModelWeights(model)
+        # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
+        # tensor per access, and never all at once (the mapping stays lazy)
+        state_dict = weights if weights.offloaded else dict(model.state_dict())
+    elif trace is not None:
+        state_dict = trace.weights()
+        if state_dict is None:  # a trace folder holds the weights' hashes, not a copy
+            weight_keys = trace.weight_keys()
+    types = {name: info.type for name, info in table.items()}
+    for record in trace.records if trace is not None else ():
+        types.setdefault(record.module, record.type)
+    params = {name: info.params for name, info in table.items()}
+    return Side(order, types, params, out_shapes, state_dict, first_calls, weight_keys)
+
+
+def _first_output_shape(record: Record) -> tuple | None:
+    keys = record.output_keys
+    if not keys:
+        return None
+    first = next(iter(keys.values()))
+    try:
+        return tuple(record._tensors.get(first).shape)
+    except Exception:  # a trace folder with a missing shard still aligns by names and types
+        return None
