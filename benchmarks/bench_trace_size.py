@@ -6,7 +6,8 @@ tensor (shape, dtype, sums, a position hash), never a copy: the checkpoint holds
 blocks of a Flux-like model at reduced width: attention projections, a 4x MLP, adaLN modulation), built on
 the CPU with random weights; its size is set by --blocks and --width. Each side is traced through the same
 library function the CLI calls (`paritykit.bisection.spec.trace_spec`), in a child process whose peak RSS is
-read from ru_maxrss.
+read from ru_maxrss; a third child runs `bisect --traces` on the two folders with no SPEC (the weights are
+then their hashes only).
 
     python benchmarks/bench_trace_size.py                 # 24 blocks of width 1536: ~1.4 GB of bf16 weights
     python benchmarks/bench_trace_size.py --blocks 2 --width 256 --no-write   # a quick check
@@ -106,6 +107,26 @@ def child(spec: str, side: str, out: str) -> dict:
     }
 
 
+def bisect_child(reference: str, port: str) -> dict:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(2)
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.tracing.trace import Trace
+
+    started = time.perf_counter()
+    report = bisect_traces(Trace.load(reference), Trace.load(port))
+    return {
+        "side": "bisect --traces",
+        "verdict": report.verdict,
+        "pairs_by_weights": sum(p.how == "weights" for p in report.alignment.pairs),
+        "seconds": time.perf_counter() - started,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
 def weight_bytes(blocks: int, width: int) -> int:
     per_block = (6 + 3 + 1 + 4 + 4) * width * width + (6 + 3 + 1 + 4 + 1) * width
     return 2 * (blocks * per_block + width * width + width)
@@ -132,6 +153,13 @@ def main(blocks: int, width: int, write: bool) -> int:
                 print((done.stderr.strip().splitlines() or ["no output"])[-1], file=sys.stderr)
                 return 2
             rows.append(json.loads(found[-1]))
+        done = subprocess.run(
+            [sys.executable, __file__, "--bisect", str(Path(tmp) / "reference"), str(Path(tmp) / "port")],
+            capture_output=True,
+            text=True,
+        )
+        found = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        searched = json.loads(found[-1]) if found else None
     weights = weight_bytes(blocks, width)
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     lines = [
@@ -149,6 +177,13 @@ def main(blocks: int, width: int, write: bool) -> int:
             f"{row['weights_bytes_in_folder'] / 1e6:>12.2f} MB{row['trace_bytes'] / weights:>10.4f}x"
             f"{row['peak_rss'] / 2**30:>8.2f} GiB{row['seconds']:>7.1f}s"
         )
+    if searched is not None:
+        lines += [
+            "",
+            f"bisect --traces of the two folders, no SPEC: verdict {searched['verdict']},"
+            f" {searched['pairs_by_weights']} module pairs aligned by the weight hashes, peak RSS"
+            f" {searched['peak_rss'] / 2**30:.2f} GiB, {searched['seconds']:.1f} s",
+        ]
     text = "\n".join(lines)
     print(text)
     if write:
@@ -159,6 +194,9 @@ def main(blocks: int, width: int, write: bool) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
         print(json.dumps(child(*sys.argv[2:])))
+        sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--bisect":
+        print(json.dumps(bisect_child(*sys.argv[2:])))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=24)

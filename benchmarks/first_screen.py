@@ -83,6 +83,8 @@ def main() -> None:
     started = time.perf_counter()
     scored: list[tuple] = []
     written, named = [], []
+    # each bisect's wall time: its report, first line included, comes at its end
+    timed: list[tuple[float, str]] = []
     for case in (*CASES, *HELD_OUT):
         pair = build(case, "distinct")
         lines_written, callables = spec_lines_to_write(
@@ -90,6 +92,7 @@ def main() -> None:
         )
         written.append(lines_written)
         named.append(callables)
+        began = time.perf_counter()
         report = paritykit.bisect(
             pair.reference,
             pair.port,
@@ -97,14 +100,19 @@ def main() -> None:
             port_inputs=pair.port_inputs,
             select_output=pair.select_output,
         )
+        timed.append((time.perf_counter() - began, case.id))
         expected = [case.culprits[0], *case.also] if case.culprits else None
         scored.append(score(case.id, report, expected) + (expected is None,))
     for case in RESEARCH:
         reference, port, inputs = case.build()
+        began = time.perf_counter()
         report = paritykit.bisect(reference, port, inputs, **(case.options or {}))
+        timed.append((time.perf_counter() - began, case.name))
         expected = None if case.expected is None else [(_reference_of(report, case.expected), case.expected)]
         scored.append(score(case.name, report, expected) + (expected is None,))
-    rows = [row for row, *_ in scored]
+    rows = [f"{row:<58s}{t:6.2f} s" for (row, *_), (t, _) in zip(scored, timed)]
+    ordered = sorted(timed)
+    median, (slowest, slowest_case) = ordered[len(ordered) // 2][0], ordered[-1]
     clean = [screen for _, screen, _, is_clean in scored if is_clean]
     bugs = [screen for _, screen, _, is_clean in scored if not is_clean and screen is not None]
     clean_ok, clean_n, first_ok, first_n = sum(map(bool, clean)), len(clean), sum(bugs), len(bugs)
@@ -118,11 +126,13 @@ def main() -> None:
         f"  correct ports whose first line is 'verdict: match': {clean_ok}/{clean_n}",
         f"  SPEC lines to write per gallery case with the scaffolds: {max(written)} (the callables only:"
         f" {min(named)} to {max(named)} named per case)",
+        f"  time to the first line (bisect prints its report when it ends; models built): median"
+        f" {median:.2f} s, slowest {slowest:.2f} s ({slowest_case}), one thread",
         "",
         *rows,
     ]
     OUT.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:6]))
+    print("\n".join(lines[:7]))
     print(f"wrote {OUT.relative_to(REPO)}")
 
 
