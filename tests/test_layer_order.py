@@ -96,6 +96,10 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     assert fed and "the port feeds it the output of dit.blocks.3, aligned with the reference's" in (
         fed[0].message
     )
+    # the wiring is a lead: the measurement is that the two inputs differ (round 5, HunyuanVideo: a pairing
+    # by order made "the port wires this call to another input" false)
+    assert "lead: the call is wired to another input on one side" in fed[0].message
+    assert "the port wires this call" not in fed[0].message
     # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
     # auto levels capture whole (and say so)
     assert report.environment["levels"].startswith("full (the zoom cannot pair levels")

@@ -336,9 +336,12 @@ def _feeder_words(searcher: Searcher, found: InlineInput, feeder: Record, held: 
             f"the reference feeds it {shown_name(held)}'s output too (compared exactly): the wiring agrees,"
             f" and the difference arrives with that output{how}"
         )
+    pair = searcher.alignment.pair_of(held)
+    paired = f"paired by {pair.how}, {pair.confidence} confidence" if pair is not None else "paired"
     return (
-        f"the reference feeds it something other than {shown_name(held)}'s output (compared exactly): the"
-        " port wires this call to another input than the reference does"
+        f"the reference feeds it something other than {shown_name(held)}'s output (compared exactly); lead:"
+        f" the call is wired to another input on one side, or {shown_name(held)} and {feeder.name} ({paired})"
+        " are not one computation"
     )
 
 

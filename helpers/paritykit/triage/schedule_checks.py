@@ -116,13 +116,15 @@ class ScheduleChecks:
                 f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
                 f"updates: {check.explanation}"
             )
-        else:
+        elif check is None or not check.matched:
+            # (a config as given that reproduces the updates with step()'s defaults says nothing here)
             why = (
                 fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""
             )
+            tried = len(fit.rejected) + len(fit.fits)
             finding.evidence.append(
-                "no step key of the port's scheduler reproduces the reference's updates"
-                + (f": {why}" if why else "")
+                f"none of the {tried} configs of the port's scheduler tried reproduces the reference's"
+                " updates" + (f": {why}" if why else "")
             )
         words = ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__]
         finding.command = shlex.join(
