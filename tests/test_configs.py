@@ -358,7 +358,7 @@ def test_generated_script_has_the_reference_keys_switch(tmp_path):
     import subprocess
     import sys
 
-    from paritykit import scaffold
+    from paritykit.pack import scaffold
 
     (tmp_path / "ref.json").write_text(json.dumps({"in_channels": 4}))
     (tmp_path / "port.json").write_text(json.dumps({"in_channels": 4, "layers": 3}))
