@@ -327,12 +327,10 @@ class _Builder:
         ref_keys, port_keys = self.ref.keys(), self.port.keys()
         if not ref_keys or not port_keys:
             return
-        prefixes = tuple(m + "." for m in self.free_ref())
-        ref_keys = {k: v for k, v in ref_keys.items() if "" in self.free_ref() or k.startswith(prefixes)}
-        prefixes = tuple(m + "." for m in self.free_port())
-        port_keys = {k: v for k, v in port_keys.items() if "" in self.free_port() or k.startswith(prefixes)}
-
         from paritykit.forensics.conversion.layer_order import key_pairs
+
+        ref_keys = _restrict(ref_keys, self.free_ref())
+        port_keys = _restrict(port_keys, self.free_port())
 
         sources_of = {t: [s] for s, t in key_pairs(ref_keys, port_keys, layers_only=False)}
         self.pair_by_sources(sources_of, set(sources_of), list(ref_keys), list(port_keys))

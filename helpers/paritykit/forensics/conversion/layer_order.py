@@ -148,12 +148,6 @@ def with_calls(order: LayerOrder, source_calls: list[str], target_calls: list[st
     return dataclasses.replace(order, calls_differ=source != held)
 
 
-def value_pairs(source: Mapping[str, Any], target: Mapping[str, Any]) -> list[tuple[str, str]]:
-    r"""(source, target) names of tensors under numbered layers that hold exactly the same values, where the
-    value identifies one tensor on each side (constants such as all-ones norms are left out)."""
-    return key_pairs(value_keys(source, layers_only=True), value_keys(target, layers_only=True))
-
-
 def value_keys(state: Mapping[str, Any], *, layers_only: bool = False) -> dict[str, tuple]:
     r"""``{name: (shape, dtype, position hash)}`` of the informative tensors of ``state`` (constants such as
     all-ones norms and weights on ``meta`` are left out): what :func:`key_pairs` matches, and what a trace
