@@ -29,8 +29,19 @@ def informative(tensor: Any) -> bool:
     zeros)."""
     if tensor is None or not hasattr(tensor, "numel") or tensor.numel() < 2:
         return False
-    flat = tensor.detach().reshape(-1)
-    return bool((flat != flat[0]).any())
+    return not all_equal(tensor.detach())
+
+
+def all_equal(t) -> bool:
+    r"""Every element equal to the first (``==``, so a NaN anywhere makes it False). A short prefix settles
+    almost every real tensor, so the whole tensor is read only when the prefix is constant."""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1:
+        return True
+    first = flat[0]
+    if not bool((flat[:64] == first).all()):
+        return False
+    return bool((flat == first).all())
 
 
 def _mix(z):
@@ -66,43 +77,99 @@ def castable(src_dtype, dst_dtype) -> bool:
     return src_dtype == dst_dtype or (src_dtype.is_floating_point and dst_dtype.is_floating_point)
 
 
+def _raw_bits(block):
+    r"""The block's element bit patterns as a same-width signed integer tensor (a view where possible), with
+    -0.0 folded onto 0.0 (a copy only where a -0.0 is present), as ``torch.equal`` compares."""
+    import torch
+
+    if block.is_complex():
+        block = torch.view_as_real(block)
+    if not block.dtype.is_floating_point:
+        if block.dtype == torch.uint64:
+            return block.view(torch.int64)
+        return block if block.dtype == torch.int64 else block.to(torch.int64)
+    size = block.element_size()
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[size]
+    block = block.contiguous()
+    bits = block.view(as_int)
+    # -0.0 is the sign bit alone: the smallest signed pattern, so a min (vectorised in numpy) finds it
+    lowest = bits.numpy().min() if bits.device.type == "cpu" else bits.min()
+    if int(lowest) == torch.iinfo(as_int).min:
+        bits = (block + 0.0).view(as_int)
+    return bits
+
+
+def _sums(bits, splits: list[tuple[int, int]], row0: int, rows: int, pieces: dict) -> int:
+    r"""Wrapping int64 sum of ``bits`` (rows ``row0 …`` of a tensor with ``rows`` rows), adding each split's
+    piece sums into ``pieces``. CPU blocks are summed by numpy, whose integer reductions are vectorised
+    (torch's are several times slower on the CPU); other devices stay on their device."""
+    import torch
+
+    if bits.device.type == "cpu":
+        import numpy as np
+
+        a = bits.numpy()
+        total = int(a.sum(dtype=np.int64))
+        if not splits:
+            return total
+        per_row = a.reshape(a.shape[0], -1).sum(1, dtype=np.int64)
+        for dim, count in splits:
+            if dim == 0:
+                which = (np.arange(row0, row0 + a.shape[0]) // (rows // count)).astype(np.int64)
+                np.add.at(pieces[(dim, count)], which, per_row)
+            else:
+                v = a.reshape(*a.shape[:dim], count, a.shape[dim] // count, *a.shape[dim + 1 :])
+                axes = tuple(i for i in range(v.ndim) if i != dim)
+                pieces[(dim, count)] += v.sum(axis=axes, dtype=np.int64)
+        return total
+    wide = bits.to(torch.int64)
+    per_row = wide.reshape(wide.shape[0], -1).sum(1)
+    for dim, count in splits:
+        if dim == 0:
+            which = torch.arange(row0, row0 + wide.shape[0], device=wide.device) // (rows // count)
+            pieces[(dim, count)].index_add_(0, which, per_row)
+        else:
+            v = wide.reshape(*wide.shape[:dim], count, wide.shape[dim] // count, *wide.shape[dim + 1 :])
+            pieces[(dim, count)] += v.movedim(dim, 0).reshape(count, -1).sum(1)
+    return int(per_row.sum())
+
+
 def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
-    r"""Layout-insensitive hash of ``t`` cast to ``dtype``, and of its equal pieces.
+    r"""Layout-insensitive fingerprint of ``t`` cast to ``dtype``, and of its equal pieces.
+
+    The fingerprint is the wrapping int64 sum of the elements' bit patterns (-0.0 counted as 0.0): one
+    vectorised pass, independent of element order, and changed by any single changed element. It is a bucket
+    key, not a proof: every match built on it is confirmed by comparing the values themselves
+    (:func:`resolve_candidates`), so a collision costs a comparison, never a wrong answer.
 
     Args:
-        splits: ``(dim, count)`` pairs; for each, the hashes of the ``count`` equal pieces along ``dim``.
+        splits: ``(dim, count)`` pairs; for each, the fingerprints of the ``count`` equal pieces along
+            ``dim``.
     Returns:
         ``(full_hash, {(dim, count): [hash per piece]})``. The tensor is read in row blocks, so memory stays
-        bounded; wrapping int64 sums make the result independent of element order.
+        bounded.
     """
+    import numpy as np
     import torch
 
     splits = list(splits)
     x = t.reshape(1) if t.ndim == 0 else t
     rows = x.shape[0]
-    # accumulators on the tensor's own device: a weight on a GPU is hashed there, never added to a CPU sum
-    total = torch.zeros((), dtype=torch.int64, device=x.device)
-    pieces = {s: torch.zeros(s[1], dtype=torch.int64, device=x.device) for s in splits}
-    if rows == 0 or x.numel() == 0:
-        return 0, {s: v.tolist() for s, v in pieces.items()}
-    step = max(1, BLOCK // max(1, x.numel() // rows))
-    for r0 in range(0, rows, step):
-        block = x[r0 : r0 + step]
-        if block.dtype != dtype:
-            block = block.to(dtype)
-        h = _mix(_bits(block))
-        per_row = h.reshape(h.shape[0], -1).sum(1)
-        total += per_row.sum()
-        for dim, count in splits:
-            if dim == 0:
-                size = rows // count
-                which = torch.arange(r0, r0 + h.shape[0], device=x.device) // size
-                pieces[(dim, count)].index_add_(0, which, per_row)
-            else:
-                shape = h.shape
-                v = h.reshape(*shape[:dim], count, shape[dim] // count, *shape[dim + 1 :])
-                pieces[(dim, count)] += v.movedim(dim, 0).reshape(count, -1).sum(1)
-    return int(total), {s: v.tolist() for s, v in pieces.items()}
+    on_cpu = x.device.type == "cpu"
+    pieces = {
+        s: np.zeros(s[1], dtype=np.int64) if on_cpu else torch.zeros(s[1], dtype=torch.int64, device=x.device)
+        for s in splits
+    }
+    total = 0
+    if rows and x.numel():
+        step = max(1, BLOCK // max(1, x.numel() // rows))
+        for r0 in range(0, rows, step):
+            block = x[r0 : r0 + step]
+            if block.dtype != dtype:
+                block = block.to(dtype)
+            total += _sums(_raw_bits(block), splits, r0, rows, pieces)
+    wrap = (total + (1 << 63)) % (1 << 64) - (1 << 63)
+    return wrap, {s: [int(h) for h in (v.tolist())] for s, v in pieces.items()}
 
 
 def position_hash(t) -> int:
@@ -127,9 +194,34 @@ def _row_keys(m):
 
 
 def equal_values(a, b) -> bool:
+    r"""``torch.equal`` (elementwise ``==``: -0.0 equals 0.0, NaN equals nothing) of same-shape tensors; CPU
+    tensors of one dtype are compared by numpy, several times faster than ``torch.equal`` there."""
     import torch
 
-    return a.shape == b.shape and torch.equal(a, b)
+    if a.shape != b.shape:
+        return False
+    fast = _numpy_equal(a, b)
+    return torch.equal(a, b) if fast is None else fast
+
+
+def _numpy_equal(a, b) -> bool | None:
+    r"""``torch.equal`` by numpy for CPU tensors of one real dtype, or ``None`` where torch must decide."""
+    import numpy as np
+    import torch
+
+    if a.device.type != "cpu" or b.device.type != "cpu" or a.dtype != b.dtype or a.is_complex():
+        return None
+    if a.dtype != torch.bfloat16:
+        try:
+            return bool(np.array_equal(a.numpy(), b.numpy()))
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (float8, uint16 …)
+            return None
+    ia, ib = a.view(torch.int16).numpy(), b.view(torch.int16).numpy()  # numpy has no bfloat16
+    if np.array_equal(ia, ib):
+        return not bool(((ia & 0x7FFF) > 0x7F80).any())  # equal patterns are unequal values only as NaN
+    if ia.size and min(int(ia.min()), int(ib.min())) == -32768:
+        return None  # a -0.0 on either side: torch compares it equal to 0.0
+    return False
 
 
 def resolve_candidates(x, t) -> list[dict[str, Any]] | None:

@@ -27,33 +27,76 @@ def _load_path(path: Path) -> Mapping[str, Any]:
     return load_state_dict(path)
 
 
+class _Pages:
+    r"""The memory-mapped checkpoint files this process reads, and how many of their bytes it read since
+    their pages were last given back.
+
+    A mapped page that was read stays resident (and counts towards the process's resident memory) until
+    memory runs short. The matcher reads every tensor once to fingerprint it and then the few it compares, so
+    it reports what it reads (:meth:`read`); past :data:`BUDGET` bytes, every mapping's pages are dropped
+    (``MADV_DONTNEED``). A later read faults them back in from the page cache, so this costs page faults, not
+    disk reads, and resident memory stays near the budget whatever the checkpoint's size.
+    """
+
+    BUDGET = 256 << 20
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.maps: weakref.WeakSet = weakref.WeakSet()
+        self.since = 0
+
+    def read(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since > self.BUDGET:
+            self.release()
+
+    def release(self) -> None:
+        import mmap
+
+        for mm in list(self.maps):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (ValueError, OSError, AttributeError):  # closed, or a platform without madvise
+                pass
+        self.since = 0
+
+
+PAGES = _Pages()
+
+
 def _map_safetensors(path: Path) -> dict[str, Any] | None:
     r"""Safetensors tensors as views of privately memory-mapped files, or ``None`` to use the full loader.
 
-    Pages are read when hashing reaches them and stay reclaimable file cache, so checkpoints larger than RAM
-    stream through the fingerprint pass. The header is validated first (byte ranges against the file size);
-    anything unusual (an unaligned offset, an unknown dtype) falls back to
+    Pages are read when hashing reaches them; :data:`PAGES` gives them back as the matcher moves on, so
+    checkpoints larger than RAM stream through in bounded resident memory. The mapping is private
+    (copy-on-write): nothing written to a tensor reaches the file. The header is validated first (byte ranges
+    against the file size); anything unusual (an unaligned offset, an unknown dtype) falls back to
     :func:`paritykit.base.io.load_state_dict`.
     """
+    import mmap
+
     import torch
 
     from paritykit.forensics.safetensors_header import read_safetensors_header
 
     try:
         header = read_safetensors_header(path)
-        storages: dict[Path, Any] = {}
+        maps: dict[Path, Any] = {}
         out = {}
         for name, info in header.tensors.items():
             dtype = getattr(torch, info.dtype, None)
             if not isinstance(dtype, torch.dtype) or info.start % info.itemsize:
                 return None
-            if info.file not in storages:
-                size = info.file.stat().st_size
-                storages[info.file] = torch.UntypedStorage.from_file(
-                    str(info.file), shared=False, nbytes=size
-                )
-            view = torch.empty(0, dtype=dtype)
-            out[name] = view.set_(storages[info.file], info.start // info.itemsize, info.shape)
+            if info.file not in maps:
+                with open(info.file, "rb") as f:
+                    maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                PAGES.maps.add(maps[info.file])
+            if info.numel == 0:
+                out[name] = torch.empty(info.shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(maps[info.file], dtype=dtype, count=info.numel, offset=info.start)
+            out[name] = flat.reshape(info.shape)
         return out
     except Exception:
         return None  # the full loader reports the problem with its own one-line error

@@ -40,13 +40,14 @@ from typing import Any
 
 from paritykit.forensics.conversion.checks import conversion_warnings
 from paritykit.forensics.conversion.fingerprints import (
+    all_equal,
     castable,
     equal_values,
     multiset_hashes,
     position_hash,
     resolve_candidates,
 )
-from paritykit.forensics.conversion.loading import as_state_dict, dtype_name
+from paritykit.forensics.conversion.loading import PAGES, as_state_dict, dtype_name
 from paritykit.forensics.conversion.names import (
     NameScorer,
     layer_key,
@@ -155,8 +156,10 @@ class _Matcher:
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
         for key, t in self.target.items():
+            PAGES.read(_nbytes(t))
             self.tgt_hash[key] = multiset_hashes(t, t.dtype)[0]
         for key, s in self.source.items():
+            PAGES.read(_nbytes(s) * len(self.dtypes))
             for dtype in self.dtypes:
                 if castable(s.dtype, dtype):
                     h = multiset_hashes(s, dtype)[0]
@@ -169,6 +172,7 @@ class _Matcher:
             bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
             if not bucket:
                 continue
+            PAGES.read(2 * _nbytes(t))
             results: list[_Found] = []
             if len(bucket) == 1:
                 classes = {None: bucket}
@@ -253,6 +257,7 @@ class _Matcher:
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
                 continue
+            PAGES.read(2 * _nbytes(s))
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
@@ -306,6 +311,7 @@ class _Matcher:
         for tkey, t in self.target.items():
             if tkey in self.found or t.ndim == 0:
                 continue
+            PAGES.read(2 * _nbytes(t))
             numels = self.src_numels[t.dtype]
             splits = [
                 (d, k)
@@ -602,8 +608,7 @@ _EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema(
 
 def _constant(t) -> bool:
     r"""Every element equal (a fresh norm or bias): its value says little about where it comes from."""
-    flat = t.reshape(-1)
-    return flat.numel() <= 1 or bool((flat == flat[0]).all())
+    return all_equal(t)
 
 
 _PARAM_LEAVES = ("weight", "bias")
@@ -653,6 +658,10 @@ def _dedupe(ways: list[_Found]) -> list[_Found]:
     return out
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
     """Ranges of ``[0, length)`` not covered by ``spans``."""
     out, pos = [], 0
@@ -693,6 +702,7 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
     m.match_pieces()
     m.match_concat()
     m.choose()
+    PAGES.release()
 
     mapping = [
         MappingEntry(k, m.chosen[k].sources, m.chosen[k].op, m.chosen[k].args, m.evidence[k])
