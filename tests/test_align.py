@@ -337,3 +337,67 @@ def test_a_map_rule_overrides_a_same_name_partner():
     mapped = align_modules(ref, port, rt, pt, rules=[("^norm1$", "norm2")])
     pairs = {p.reference: (p.port, p.how) for p in mapped.pairs}
     assert pairs["norm1"] == ("norm2", "map")
+
+
+class _ResidualUnit(torch.nn.Module):
+    r"""A research residual unit: ``x + layers(x)``, the skip outside the Sequential that holds every
+    weight (so the unit and its ``layers`` hold one parameter set)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Conv1d(width, width, 3, padding=1), torch.nn.Tanh(), torch.nn.Conv1d(width, width, 1)
+        )
+
+    def forward(self, x):
+        return x + self.layers(x)
+
+
+class _ResidualPort(torch.nn.Module):
+    r"""Its port: one module with the convolutions as attributes and the skip inside."""
+
+    def __init__(self, unit: _ResidualUnit, scale: float = 1.0):
+        super().__init__()
+        self.conv1 = torch.nn.Conv1d(8, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv1d(8, 8, 1)
+        with torch.no_grad():
+            self.conv1.load_state_dict(unit.layers[0].state_dict())
+            self.conv2.load_state_dict(unit.layers[2].state_dict())
+            self.conv2.weight.mul_(scale)
+
+    def forward(self, x):
+        return x + self.conv2(torch.tanh(self.conv1(x)))
+
+
+class _Units(torch.nn.Module):
+    def __init__(self, units):
+        super().__init__()
+        self.units = torch.nn.ModuleList(units)
+
+    def forward(self, x):
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+def _residual_pair(scale: float = 1.0):
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_ResidualUnit(), _ResidualUnit()).eval()
+    port = _Units([_ResidualPort(u, scale) for u in reference]).eval()  # other names: weights pair them
+    return reference, port, ((torch.randn(2, 8, 12),), {})
+
+
+def test_a_unit_and_the_sequential_inside_it_pair_by_which_output_agrees():
+    # the unit and its `layers` hold the same weights; innermost-first paired the port's unit (skip included)
+    # with the Sequential (skip excluded), and bisect then reported that pair's outputs as differing
+    reference, port, inputs = _residual_pair()
+    alignment = aligned(reference, port, inputs)
+    assert alignment.port_of("0") == "units.0" and alignment.port_of("1") == "units.1"
+    assert alignment.port_of("0.layers") is None
+
+
+def test_a_unit_whose_outputs_agree_with_no_member_keeps_the_innermost_pairing():
+    # must not fire: with a planted scale neither member's output agrees, and the measurement decides nothing
+    reference, port, inputs = _residual_pair(scale=1.5)
+    alignment = aligned(reference, port, inputs)
+    assert alignment.port_of("0.layers") == "units.0"

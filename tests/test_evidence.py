@@ -10,6 +10,7 @@ explanation is offered, and that the fix, where one exists, was verified by re-r
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import json
 
@@ -585,3 +586,31 @@ def test_weights_the_culprit_lacks_are_looked_for_in_the_rest_of_the_port():
     alone = E.Culprit("0", "0", first, port[0], first(x), port[0](x))
     (hint,) = weights(alone)
     assert "elsewhere" not in hint.message
+
+
+class _Rope(enum.Enum):
+    INTERLEAVED = "interleaved"
+    SPLIT = "split"
+
+
+class _RopeAttention(nn.Module):
+    def __init__(self, rope_type):
+        super().__init__()
+        self.rope_type = rope_type
+        self.proj = nn.Linear(4, 4)
+
+
+def test_an_enum_setting_equals_the_string_of_its_value_or_name():
+    # research code holds an enum (LTXRopeType.INTERLEAVED), the port a string ("interleaved"): one setting,
+    # reported as twelve differing `module-config` hints before
+    for port_value in ("interleaved", "INTERLEAVED", _Rope.INTERLEAVED):
+        diffs = E.config_differences(
+            _RopeAttention(_Rope.INTERLEAVED), _RopeAttention(port_value), [("", "")]
+        )
+        assert diffs == [], port_value
+    # must not fire away: another value of the enum, or another string, still differs
+    for port_value in ("split", _Rope.SPLIT, "interleave"):
+        diffs = E.config_differences(
+            _RopeAttention(_Rope.INTERLEAVED), _RopeAttention(port_value), [("", "")]
+        )
+        assert [d.name for d in diffs] == ["rope_type"], port_value

@@ -311,3 +311,35 @@ def test_a_bfloat16_port_of_a_float32_reference_is_held_to_float32():
     report = bisect(reference, Cast(port), ((x,), {}))
     assert report.verdict == "diverge" and report.culprit is not None, report.render()
     assert "reference float32, port bfloat16" in report.render().splitlines()[0]
+
+
+class _SeededSampler(torch.nn.Module):
+    r"""A VAE-like forward that draws its noise inside, from a fixed seed, in the dtype it runs in: a float64
+    copy draws other numbers, so its distance from the float32 run is the noise, not rounding."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.nn.Linear(16, 16)
+        self.dec = torch.nn.Linear(16, 16)
+        self.scale = scale
+
+    def forward(self, x):
+        h = self.enc(x)
+        torch.manual_seed(1234)
+        return self.dec(h + torch.randn_like(h)) * self.scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.3])
+def test_a_float64_run_that_draws_other_noise_is_no_floor(scale):
+    # the float64 copy's output differed by ~1.0 relative: taken as the floor, a 0.59 difference (scale 1.3)
+    # was "float noise" and the verdict masked; the floor now comes from the rounded-inputs run alone
+    reference, port = _SeededSampler().eval(), _SeededSampler(scale).eval()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    report = bisect(reference, port, ((x,), {}), repair=False)
+    assert "differs in float64 from its own run by" in report.render()
+    if scale == 1.0:  # must not fire on the correct port: a clean match
+        assert report.verdict == "match" and report.exit_code == 0
+    else:
+        assert report.verdict == "diverge" and report.exit_code == 1
+        assert "float noise" not in report.render()

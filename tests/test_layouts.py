@@ -101,3 +101,84 @@ def _scaled_context_forward(port):
         return hidden_states, encoder_hidden_states + port.ff_context(normed)
 
     return forward
+
+
+class _ChannelsFirst(torch.nn.Module):
+    r"""A research block on ``[B, C, L]``: a 1x1 Conv1d projection after a channel mix (``C == L`` here, so
+    both layouts have one shape)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.mix = torch.nn.Conv1d(width, width, 1)
+        self.proj_out = torch.nn.Conv1d(width, width, 1)
+
+    def forward(self, x):  # x: [B, C, L]
+        return self.proj_out(torch.tanh(self.mix(x)))
+
+
+class _ChannelsLast(torch.nn.Module):
+    r"""Its port on ``[B, L, C]`` with Linear layers holding the same weights."""
+
+    def __init__(self, reference: _ChannelsFirst, scale: float = 1.0):
+        super().__init__()
+        width = reference.mix.in_channels
+        self.mix = torch.nn.Linear(width, width)
+        self.to_out = torch.nn.Linear(width, width)
+        with torch.no_grad():
+            self.mix.weight.copy_(reference.mix.weight[..., 0] * scale)
+            self.mix.bias.copy_(reference.mix.bias)
+            self.to_out.weight.copy_(reference.proj_out.weight[..., 0])
+            self.to_out.bias.copy_(reference.proj_out.bias)
+
+    def forward(self, x):  # x: [B, C, L] in, as the reference's callers pass it
+        return self.to_out(torch.tanh(self.mix(x.transpose(1, 2)))).transpose(1, 2)
+
+
+def _channels_pair(scale: float = 1.0):
+    torch.manual_seed(0)
+    reference = _ChannelsFirst().eval()
+    port = _ChannelsLast(reference, scale).eval()
+    return reference, port, ((torch.randn(2, 16, 16),), {})
+
+
+def test_a_same_shape_channels_last_port_is_compared_in_the_references_layout():
+    # [B, C, L] against [B, L, C] with C == L: elementwise the two disagree although every module computes
+    # the same; compared as laid out, the projection was named a culprit (replay fail) on a correct port
+    reference, port, inputs = _channels_pair()
+    report = bisect(reference, port, inputs, repair=False)
+    assert report.verdict == "match" and report.culprit is None, report.render()
+    tests = {t.port: t for t in report.tested}
+    assert tests["to_out"].status == "pass"
+
+
+def test_a_same_shape_layout_does_not_hide_the_real_culprit_upstream():
+    # the channel mix scaled wrongly: the projection fed by it is not blamed; the mix is, on its own replay
+    reference, port, inputs = _channels_pair(scale=1.5)
+    report = bisect(reference, port, inputs, repair=False)
+    assert report.verdict == "diverge"
+    assert (report.culprit.reference, report.culprit.port) == ("mix", "mix"), report.render()
+    assert all(t.status != "fail" for t in report.tested if t.port == "to_out")
+
+
+def test_a_replay_fed_in_the_wrong_same_shape_layout_is_retried_in_the_other():
+    # the projection's replay on the reference's [B, C, L] input: fed as it is, the Linear reads channels as
+    # positions and fails; read with dims 1 and 2 exchanged it passes, and the note says so
+    reference, port, inputs = _channels_pair()
+    alignment = aligned(reference, port, inputs)
+    report = bisect(reference, port, inputs, repair=False)
+    tests = {t.port: t for t in report.tested}
+    assert alignment.port_of("proj_out") == "to_out"
+    assert tests["to_out"].test == "replay" and tests["to_out"].status == "pass"
+    assert "another layout" in tests["to_out"].note and "(0, 2, 1)" in tests["to_out"].note
+
+
+def test_pair_layouts_keeps_same_shape_leaves_as_laid_out_unless_another_layout_agrees():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(2, 8, 8, generator=g)
+    # agrees once dims 1 and 2 are exchanged: read in the reference's layout
+    assert pair_layouts([("output", ref)], [("output", ref.transpose(1, 2).contiguous())])[2] == {
+        "output": (0, 2, 1)
+    }
+    # must not fire: a slightly different leaf stays as laid out, and so does an unrelated one
+    assert pair_layouts([("output", ref)], [("output", ref * 1.01)])[2] == {}
+    assert pair_layouts([("output", ref)], [("output", torch.randn(2, 8, 8, generator=g))])[2] == {}

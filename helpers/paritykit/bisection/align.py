@@ -375,12 +375,36 @@ class _Builder:
             # ``embeddings`` block that also adds positions): the block is left over.
             ports = sorted(ports, key=_depth, reverse=True)
             confidence = "high" if image & identifying else "low"
-            for r in sorted(refs, key=_depth, reverse=True):
+            refs = sorted(refs, key=_depth, reverse=True)
+            if len(refs) > 1 or len(ports) > 1:
+                # a chain whose members hold one set (a residual unit and the Sequential inside it that omits
+                # the skip): a pair whose captured outputs agree where every other member's do not is paired
+                # by that measurement first
+                for p in list(ports):
+                    r = self._agreeing(p, [r for r in refs if self.compatible(r, p, own_params=False)])
+                    if r is not None:
+                        self.add(r, p, "weights", confidence)
+                        ports.remove(p)
+                        refs.remove(r)
+            for r in refs:
                 for p in ports:
                     if self.compatible(r, p, own_params=False):
                         self.add(r, p, "weights", confidence)
                         ports.remove(p)
                         break
+
+    def _agreeing(self, p: str, refs: list[str]) -> str | None:
+        r"""The one of ``refs`` whose first call's output agrees with ``p``'s (relative error at most
+        :data:`CHAIN_AGREE`) while every other's is :data:`CHAIN_GAIN` times further off; ``None`` when no
+        call is at hand or the outputs do not single one out."""
+        if len(refs) < 2:
+            return None
+        port_call = self.port.first_calls.get(p)
+        distances = sorted((_output_distance(self.ref.first_calls.get(r), port_call), r) for r in refs)
+        (best, r), (second, _) = distances[0], distances[1]
+        if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
+            return r
+        return None
 
     def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> Confidence:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under
@@ -605,6 +629,32 @@ def _input_distance(ref_call: Record | None, port_call: Record | None, unknown: 
         return math.inf
     error = relative_error(found[1][0][1], a[0][1])
     return error if math.isfinite(error) else 1e30
+
+
+# a wrapper chain's member is paired by its output when that output agrees within CHAIN_AGREE (relative) and
+# every other member's is CHAIN_GAIN times further off
+CHAIN_AGREE = 1e-3
+CHAIN_GAIN = 100.0
+
+
+def _output_distance(ref_call: Record | None, port_call: Record | None) -> float:
+    r"""Relative error between two calls' first floating-point outputs (up to a dim permutation); ``inf``
+    when either is not at hand or they cannot correspond."""
+    from paritykit.bisection.leaves import pair_layouts
+    from paritykit.compare.tensors import relative_error
+
+    if ref_call is None or port_call is None:
+        return math.inf
+    try:
+        a = [(k, t) for k, t in ref_call.outputs.items() if t.is_floating_point()][:1]
+        b = [(k, t) for k, t in port_call.outputs.items() if t.is_floating_point()][:1]
+    except Exception:  # a trace folder with a missing shard
+        return math.inf
+    found = pair_layouts(a, b) if a and b else None
+    if found is None:
+        return math.inf
+    error = relative_error(found[1][0][1], a[0][1])
+    return error if math.isfinite(error) else math.inf
 
 
 def _identity_like(type_name: str) -> bool:

@@ -266,15 +266,26 @@ def measure(
                     " forward, or inputs it edits in place): what moves is not rounding"
                 )
 
-        def captured(make: Any, inputs: tuple, failure: str, side: str = side) -> Trace | None:
+        def captured(
+            make: Any, inputs: tuple, failure: str, side: str = side, index: int = index
+        ) -> Trace | None:
             try:
                 run_model = make()
                 with torch.no_grad(), capture(run_model) as trace:
-                    call(run_model, *inputs)
-                return trace
+                    result = call(run_model, *inputs)
             except Exception as exc:
                 reasons.append(f"the {side} does not run {failure} ({first_line(_own(exc))})")
                 return None
+            if outputs is not None:
+                off = _beyond_rounding(outputs[index], result)
+                if off is not None:
+                    reasons.append(
+                        f"the {side} differs {failure} from its own run by {format_number(off)} (relative)"
+                        " at the output: more than rounding moves (noise drawn in the run's dtype, or"
+                        " dtype-dependent code), so that run measures no float error"
+                    )
+                    return None
+            return trace
 
         fresh = map_tensors((args, kwargs), lambda t: t.clone())
         wide.append(
@@ -283,6 +294,27 @@ def measure(
         rounded = rounded_inputs(map_tensors(fresh, lambda t: t.clone()))
         moved.append(captured(lambda m=model: m, rounded, "on rounded inputs"))
     return FloatFloor(wide[0], wide[1], reason="; ".join(reasons), ref_moved=moved[0], port_moved=moved[1])
+
+
+# the most a rounding error may move a run's output, relative to it, by the output's precision: beyond it,
+# what moved is not rounding (a float64 run draws other random numbers, a branch on the dtype)
+ROUNDING_AT_MOST = {2: 1e-1, 4: 1e-2, 8: 1e-2}
+
+
+def _beyond_rounding(own: Any, other: Any) -> float | None:
+    r"""The relative error of ``other`` (a run in float64 or on rounded inputs) against ``own`` (the run
+    itself) at the first output tensor, when it exceeds :data:`ROUNDING_AT_MOST`; ``None`` when it does not
+    or cannot be measured."""
+    from paritykit.bisection.leaves import flatten_tensors
+    from paritykit.compare.tensors import relative_error
+
+    mine, theirs = flatten_tensors(own), flatten_tensors(other)
+    if not mine or not theirs or not mine[0][1].is_floating_point():
+        return None
+    reference = mine[0][1]
+    error = relative_error(theirs[0][1].to(reference.dtype).to(reference.device), reference)
+    limit = ROUNDING_AT_MOST.get(reference.element_size(), 1e-2)
+    return error if error > limit else None
 
 
 def _own(exc: BaseException) -> BaseException:

@@ -78,7 +78,7 @@ def pair_layouts(
     """
     pairs = pair_leaves(a, b)
     if pairs is not None:
-        return pairs, b, {}
+        return _same_shape_layouts(a, b, pairs)
     if not a or not b:
         return None
     shapes_a = {tuple(t.shape) for _, t in a}
@@ -98,6 +98,46 @@ def pair_layouts(
         orders[path] = best[1]
     pairs = pair_leaves(a, moved)
     return (pairs, moved, orders) if pairs is not None else None
+
+
+# a same-shape dim permutation is taken for a leaf only when it brings the relative error to at most this, and
+# to at most 1/LAYOUT_GAIN of the error as laid out: values that agree once read in the other layout
+LAYOUT_AGREE = 1e-2
+LAYOUT_GAIN = 100.0
+
+
+def same_shape_orders(shape: tuple) -> list[tuple[int, ...]]:
+    """The dim orders that keep ``shape`` (dims of equal size exchanged), the identity and any order moving
+    dim 0 (the batch) excepted: ``[B, C, L]`` read as ``[B, L, C]`` when ``C == L``."""
+    shape = tuple(shape)
+    if len(shape) > MAX_LAYOUT_DIMS or len(shape) < 3:
+        return []
+    return [order for order in dim_orders(shape, shape) if order[0] == 0]
+
+
+def _same_shape_layouts(
+    a: list[tuple[str, Any]], b: list[tuple[str, Any]], pairs: list[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
+    r"""Pairs of equal shapes whose values agree only when ``b``'s leaf is read with equal-sized dims
+    exchanged (a channels-first ``[B, C, L]`` against a channels-last ``[B, L, C]`` with ``C == L``): that
+    leaf permuted into ``a``'s layout, by measurement (:data:`LAYOUT_AGREE`, :data:`LAYOUT_GAIN`)."""
+    moved, orders = list(b), {}
+    for i, j in pairs:
+        path, tensor = b[j]
+        target = a[i][1]
+        if not getattr(tensor, "is_floating_point", lambda: False)() or not target.is_floating_point():
+            continue
+        candidates = same_shape_orders(tensor.shape)
+        if not candidates:
+            continue
+        as_laid = relative_error(tensor, target)
+        if as_laid <= LAYOUT_AGREE:
+            continue
+        best = min((relative_error(tensor.permute(o), target), o) for o in candidates)
+        if best[0] <= LAYOUT_AGREE and best[0] * LAYOUT_GAIN <= as_laid:
+            moved[j] = (path, tensor.permute(best[1]))
+            orders[path] = best[1]
+    return pairs, moved, orders
 
 
 def in_layout(leaves: list[tuple[str, Any]], orders: dict[str, tuple[int, ...]]) -> list[tuple[str, Any]]:

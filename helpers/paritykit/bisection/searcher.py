@@ -19,6 +19,7 @@ from paritykit.bisection.leaves import (
     pair_inputs,
     pair_layouts,
     pair_with_extras,
+    same_shape_orders,
 )
 from paritykit.bisection.relations import Relation, argument_name, pair_by_value, renamed, unexplained
 from paritykit.bisection.results import ModuleTest, Status
@@ -464,6 +465,36 @@ class Searcher:
             return f"port call failed on reference inputs ({first_line(exc)})"
         return ref_out, port_out
 
+    def _replay_relaid(
+        self, ref_record: Record, port_record: Record, pairing: InputPairing
+    ) -> tuple[str, Leaves, Leaves, PairedComparison] | None:
+        r"""A failed replay run again with the reference's inputs read with equal-sized dims exchanged (a
+        channels-first ``[B, C, L]`` fed to a channels-last module whose ``[B, L, C]`` has the same shape):
+        the note, outputs and comparison of the first order under which the outputs agree, or ``None``."""
+        import dataclasses
+
+        floats = [t for _, t in pairing.ref_leaves if is_tensor(t) and t.is_floating_point()]
+        orders = same_shape_orders(floats[0].shape) if floats else []
+        for order in orders:
+            shape = tuple(floats[0].shape)
+            leaves = [
+                (path, t.permute(order).contiguous() if is_tensor(t) and tuple(t.shape) == shape else t)
+                for path, t in pairing.ref_leaves
+            ]
+            outcome = self.run_replay(
+                ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves)
+            )
+            if isinstance(outcome, str):
+                continue
+            paired = self.compare_paired(outcome[0], outcome[1], ref_record.name)
+            if paired is not None and paired.worst.passed:
+                note = (
+                    f"passes with the reference's inputs of shape {list(shape)} read with dims permuted"
+                    f" {tuple(order)} (the same shape in another layout)"
+                )
+                return note, outcome[0], outcome[1], paired
+        return None
+
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept,
         so they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
@@ -495,6 +526,12 @@ class Searcher:
             self.why_not_replayed[ref_record.name] = "outputs not paired (by path, order, shape or value)"
             return None
         cmp, orders = paired.worst, paired.orders
+        relaid = ""
+        if not cmp.passed and pairing is not None:
+            other = self._replay_relaid(ref_record, port_record, pairing)
+            if other is not None:
+                relaid, ref_out, port_out, paired = other
+                cmp, orders = paired.worst, paired.orders
         if orders:
             self.layouts[ref_record.name] = orders
         floor, noise = None, ""
@@ -525,7 +562,7 @@ class Searcher:
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(noise, own_note, layout_note(orders)),
+            note=join_notes(noise, relaid, own_note, layout_note(orders)),
             floor=floor,
             arguments=(
                 pairing.rows(

@@ -28,7 +28,7 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, enum.Enum):
-        return f"{type(value).__name__}.{value.name}"
+        return _EnumText(value)
     if isinstance(value, (tuple, list)) and len(value) <= 8:
         items = [_plain(v) for v in value]
         if all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
@@ -37,6 +37,21 @@ def _plain(value: Any) -> Any:
 
 
 _SKIP = object()
+
+
+class _EnumText(str):
+    r"""An enum setting as ``Class.NAME``, which also equals the plain string of its name or value
+    (``LTXRopeType.INTERLEAVED`` and a port's ``"interleaved"`` are one setting)."""
+
+    def __new__(cls, value: enum.Enum) -> _EnumText:
+        text = super().__new__(cls, f"{type(value).__name__}.{value.name}")
+        text.aliases = {value.name.lower(), str(value.value).lower()}
+        return text
+
+    def same(self, other: Any) -> bool:
+        if isinstance(other, _EnumText):
+            return str(self) == str(other) or bool(self.aliases & other.aliases)
+        return isinstance(other, str) and other.lower() in self.aliases
 
 
 def _repr_fields(module: Any) -> dict[str, Any]:
@@ -75,6 +90,8 @@ def config_of(module: Any) -> dict[str, tuple[str, Any]]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _EnumText) or isinstance(b, _EnumText):
+        return a.same(b) if isinstance(a, _EnumText) else b.same(a)
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:

@@ -194,6 +194,10 @@ def _prefix(name: str) -> str:
     return name + "." if name else ""
 
 
+# the layout ops the value matcher tries (``paritykit weights map``): what "equals no …" was checked against
+_OPS_TRIED = "slice, concatenation, transpose, reshape, cast, swapped halves, row permutation"
+
+
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
     r"""Port parameters that equal no reference tensor (nor a slice, transpose or cast of one), and reference
     parameters with information (not constant) that no port parameter uses: dropped in the conversion."""
@@ -203,12 +207,16 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
     parts = []
     if cmap.unmapped_target:
         names = ", ".join(cmap.unmapped_target[:6])
-        parts.append(f"port parameters {names} equal no reference tensor of {c.reference_path()} by value")
+        parts.append(
+            f"port parameters {names} equal no reference tensor of {c.reference_path()}, nor a layout op of"
+            f" one ({_OPS_TRIED})"
+        )
     elsewhere = _held_elsewhere(c, {k: ref_sd[k] for k in dropped})
     if dropped:
         names = ", ".join(dropped[:6])
         parts.append(
-            f"reference parameters {names} (not constant) are used by no port parameter of the culprit"
+            f"reference parameters {names} (not constant): no port parameter of the culprit equals one of"
+            f" them or a layout op of one ({_OPS_TRIED}); values regrouped otherwise are not matched"
         )
     if elsewhere:
         parts.append(
