@@ -84,7 +84,7 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
         pairs = 1 + len(c.subpairs)
         message = (
             f"no detector matched; measured: the settings of the {pairs} aligned module pair(s) in it are"
-            " equal, and every parameter holds the values of the aligned reference module's parameter"
+            " equal, and each parameter of those pairs holds the values of its aligned reference parameter"
         )
         if c.layouts:
             message += (
