@@ -25,26 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-CHILD = r"""
-import json, sys, time
-from pathlib import Path
-import numpy, torch
-from paritykit.forensics.conversion.matching import infer_conversion_map
-
-def vm(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-
-Path("/proc/self/clear_refs").write_text("5")
-before = vm("VmRSS")
-start = time.perf_counter()
-cmap = infer_conversion_map(sys.argv[1], sys.argv[2])
-wall = time.perf_counter() - start
-growth = vm("VmHWM") - before
-print(json.dumps({"wall": wall, "growth": growth, "layer_order": "another order" in cmap.render(),
-                  "unmapped": len(cmap.unmapped_target), "rules": len(cmap.rules)}))
-"""
+CHILD = REPO / "tests" / "weights_map_child.py"
 
 
 def write_pair(folder: Path) -> tuple[Path, Path, int]:
@@ -96,7 +77,7 @@ def main() -> None:
         runs = []
         for _ in range(3):
             done = subprocess.run(
-                [sys.executable, "-c", CHILD, str(source), str(target)],
+                [sys.executable, str(CHILD), str(source), str(target)],
                 capture_output=True,
                 text=True,
                 env=env,

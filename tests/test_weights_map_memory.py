@@ -21,23 +21,7 @@ from safetensors.torch import save_file
 
 BLOCKS, WIDTH = 16, 2048
 
-CHILD = r"""
-import json, re, sys
-from pathlib import Path
-import numpy, torch
-from paritykit.forensics.conversion.matching import infer_conversion_map
-
-def vm(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-
-Path("/proc/self/clear_refs").write_text("5")
-before = vm("VmRSS")
-cmap = infer_conversion_map(sys.argv[1], sys.argv[2])
-print(json.dumps({"growth": vm("VmHWM") - before, "exit": cmap.exit_code,
-                  "ops": sorted({e.op for e in cmap.mapping}), "unmapped": len(cmap.unmapped_target)}))
-"""
+CHILD = Path(__file__).with_name("weights_map_child.py")
 
 
 def _pair(folder: Path) -> tuple[Path, Path, int]:
@@ -64,7 +48,7 @@ def test_weights_map_of_two_files_keeps_a_third_of_them_resident(tmp_path):
         "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
         "MALLOC_MMAP_THRESHOLD_": str(1 << 20),  # freed blocks go back to the system: RSS is what is held
     }
-    command = [sys.executable, "-c", CHILD, str(src), str(tgt)]
+    command = [sys.executable, str(CHILD), str(src), str(tgt)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.splitlines()[-1])
