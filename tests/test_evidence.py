@@ -583,6 +583,10 @@ def test_weights_the_culprit_lacks_are_looked_for_in_the_rest_of_the_port():
     (hint,) = weights(culprit)
     assert "the port holds them elsewhere, value for value: 0.weight in port 2.weight" in hint.message
     assert "drops or alters" not in hint.message
+    # what "equals no … layout op" was tried against is said, and what was not (a gather of scattered rows:
+    # round 6/7, to_k/to_v taken per head from a fused to_kv were reported "used by no port parameter")
+    assert "used by no port parameter" not in hint.message
+    assert "a gather of scattered rows, or slices of several tensors joined, is not tried" in hint.message
     # must not fire: without the whole port there is nowhere else to look
     alone = E.Culprit("0", "0", first, port[0], first(x), port[0](x))
     (hint,) = weights(alone)

@@ -182,3 +182,46 @@ def test_pair_layouts_keeps_same_shape_leaves_as_laid_out_unless_another_layout_
     # must not fire: a slightly different leaf stays as laid out, and so does an unrelated one
     assert pair_layouts([("output", ref)], [("output", ref * 1.01)])[2] == {}
     assert pair_layouts([("output", ref)], [("output", torch.randn(2, 8, 8, generator=g))])[2] == {}
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.a(x)))
+
+
+class _RowsPermutedPort(torch.nn.Module):
+    r"""A port whose output projection holds the reference's rows permuted (a conversion slip, OmniGen's
+    proj_out in round 7), unpatchified as the reference does: the output comes out scrambled."""
+
+    def __init__(self, reference: _TwoLayers, perm):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+        self.a.load_state_dict(reference.a.state_dict())
+        with torch.no_grad():
+            self.out.weight.copy_(reference.proj.weight[perm])
+            self.out.bias.copy_(reference.proj.bias[perm])
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.a(x)))
+
+
+def test_an_inline_culprit_says_the_pairs_it_could_not_compare():
+    # the permuted projection is aligned with its outputs reordered and not compared; the inline line said
+    # "the difference is made outside those calls" without saying a pair inside was never compared
+    torch.manual_seed(0)
+    reference = _TwoLayers().eval()
+    for perm, named in ((torch.tensor([1, 0, 3, 2, 5, 4, 7, 6]), True), (torch.arange(8), False)):
+        port = _RowsPermutedPort(reference, perm).eval()
+        report = bisect(reference, port, ((torch.randn(3, 8),), {}), repair=False)
+        text = report.render()
+        if named:
+            assert "outputs reordered by the weight conversion, not compared: proj" in text
+            assert "(the pairs the note names were not compared)" in text
+        else:  # must not fire: the same port without the permutation matches, nothing left uncompared
+            assert report.verdict == "match" and "not compared" not in text

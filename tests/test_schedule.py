@@ -117,6 +117,10 @@ def test_ddim_linspace_lists_match_but_the_step_does_not_and_fit_says_which_quan
     assert "none of them, alone or in pairs, is the cause" in check.explanation
     assert fit.nearest is failing[0] and check.explanation in fit.differences
     assert f"still differs: {check.explanation}" in fit.render()
+    # the nearest's number is its schedule's; its updates are said not to match on the same line (round 7:
+    # "nearest: (base) (worst relative error 0 at 10 steps)" read as if the base config reproduced the run)
+    nearest = next(line for line in fit.render().splitlines() if line.startswith("nearest:"))
+    assert "worst relative error of its recorded schedule values" in nearest and "its updates:" in nearest
 
     code, out = run_cli("schedule", spec, "--fit", "DDIMScheduler", "--steps", 7, "--step-check", "--json")
     payload = json.loads(out)

@@ -268,8 +268,14 @@ class FitResult:
         )
         if self.nearest is not None:
             lines.append(
-                f"nearest: {change_text(self.nearest)} (worst relative error "
-                f"{format_number(self.nearest.distance)} at {self.steps} steps)"
+                f"nearest: {change_text(self.nearest)} (worst relative error of its recorded schedule values"
+                f" {format_number(self.nearest.distance)} at {self.steps} steps"
+                + (
+                    f"; its updates: {self.nearest.step_check.explanation or 'do not match'}"
+                    if self.nearest.step_check is not None and not self.nearest.step_check.matched
+                    else ""
+                )
+                + ")"
             )
             lines += [f"  still differs: {d}" for d in self.differences]
         lines += [f"  elsewhere: {e}" for e in self.elsewhere]

@@ -163,8 +163,10 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
     return Finding(
         place,
         call,
-        f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); first differing"
-        f" module: {culprit.port or '(top level)'}",
+        f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); bisect's"
+        f" culprit, a module that differs on identical inputs (not necessarily the first to differ in the"
+        f" run):"
+        f" {culprit.port or '(top level)'}",
         evidence=evidence,
         fix=verified.fix if verified else None,
         verified=verified is not None,

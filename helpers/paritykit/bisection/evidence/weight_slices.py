@@ -195,7 +195,11 @@ def _prefix(name: str) -> str:
 
 
 # the layout ops the value matcher tries (``paritykit weights map``): what "equals no …" was checked against
-_OPS_TRIED = "slice, concatenation, transpose, reshape, cast, swapped halves, row permutation"
+_OPS_TRIED = (
+    "one contiguous slice, a transpose, reshape or cast, swapped halves, all rows permuted, or a"
+    " concatenation of whole tensors; a gather of scattered rows, or slices of several tensors joined, is"
+    " not tried"
+)
 
 
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
@@ -216,7 +220,7 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
         names = ", ".join(dropped[:6])
         parts.append(
             f"reference parameters {names} (not constant): no port parameter of the culprit equals one of"
-            f" them or a layout op of one ({_OPS_TRIED}); values regrouped otherwise are not matched"
+            f" them or a layout op of one ({_OPS_TRIED})"
         )
     if elsewhere:
         parts.append(

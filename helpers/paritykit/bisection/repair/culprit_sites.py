@@ -15,7 +15,13 @@ from paritykit.bisection.module_fit import (
     replay_with_extras,
     replay_with_module,
 )
-from paritykit.bisection.repair.engine import Budget, RepairOutcome, progress_bar, repair_site
+from paritykit.bisection.repair.engine import (
+    TOP_LEVEL_SECONDS,
+    Budget,
+    RepairOutcome,
+    progress_bar,
+    repair_site,
+)
 from paritykit.bisection.repair.site import Site, faithful_parameters, held_parameters
 from paritykit.compare.diagnose import Hint
 
@@ -251,9 +257,15 @@ def repair_hints(
     )
     if total == 0:
         return [*hints, *_not_searched(hints)]
+    # at the top level each edit replays the whole port: a wall-clock cap there unless a budget was asked for
+    seconds = TOP_LEVEL_SECONDS if call.parent is None and options.budget is None else None
+    clock = Budget(total, seconds=seconds)
+    clock.left  # noqa: B018  (starts the clock)
     with progress_bar() as progress:
         for k, s in enumerate(sites):
-            budget = Budget(max(1, total // (len(sites) - k)))
+            if seconds is not None and not clock.left:
+                break
+            budget = Budget(max(1, total // (len(sites) - k)), seconds=seconds, started=clock.started)
             outcome = repair_site(s, budget, progress=progress)
             total -= budget.used
             outcomes.append(outcome)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,14 +38,21 @@ BASE_EDITS = 1500
 EDITS_PER_PART = 8
 REPLAY_ELEMENTS = 30_000_000
 MIN_EDITS = 100
+# at a top-level culprit every edit is a run of the whole port: unless --repair-budget is given, the search
+# there stops after this many seconds (the only clock in the search; a tiny model's whole search fits in it)
+TOP_LEVEL_SECONDS = 10.0
 
 
 @dataclass
 class Budget:
-    r"""Edits left for the repair search at one culprit (shared by its sites)."""
+    r"""Edits left for the repair search at one culprit (shared by its sites); with ``seconds``, also a
+    wall-clock cap (set only where each edit replays the whole port and no ``--repair-budget`` was given)."""
 
     edits: int
     used: int = 0
+    seconds: float | None = None
+    started: float | None = None
+    timed_out: bool = False
 
     @classmethod
     def for_modules(cls, modules: Sequence[Any], floor: int | None = None) -> Budget:
@@ -58,7 +66,15 @@ class Budget:
 
     @property
     def left(self) -> bool:
-        return self.used < self.edits
+        if self.used >= self.edits:
+            return False
+        if self.seconds is not None:
+            now = time.perf_counter()
+            self.started = now if self.started is None else self.started
+            if now - self.started > self.seconds:
+                self.timed_out = True
+                return False
+        return True
 
     def spend(self) -> None:
         self.used += 1
@@ -75,6 +91,8 @@ class RepairOutcome:
     tried: int = 0
     tiers: list[Tier] = field(default_factory=list)
     exhausted: bool = False
+    # seconds of the wall-clock cap the search stopped at, if it did (whole-port replays only)
+    timed_out: float | None = None
     failed: list[str] = field(default_factory=list)
     # edits that verified, but so did the same edit with its factor moved: evidence of nothing
     unspecific: list[str] = field(default_factory=list)
@@ -128,7 +146,12 @@ class RepairOutcome:
             f" {', '.join(self.tiers) or 'no tier'}"
         )
         text += ", none verified"
-        if self.exhausted:
+        if self.timed_out is not None:
+            text += (
+                f" (stopped after {self.timed_out:g} s: each edit there replays the whole port;"
+                " --repair-budget N searches N edits whatever they take)"
+            )
+        elif self.exhausted:
             text += " (stopped at its budget of edits; --repair-budget N raises it)"
         if self.unspecific:
             text += (
@@ -178,6 +201,8 @@ def repair_site(
             here = _search_tier(site, work, tier, budget, outcome, found, progress)
             if here and (not site.wanted or any(_exact(site, after, outcome.before) for _, after, _ in here)):
                 stopped = [PROBE]
+    if budget.timed_out:
+        outcome.exhausted, outcome.timed_out = True, budget.seconds
     chosen = _best(site, found)
     outcome.verified = [(e, after) for e, after, _ in sorted(chosen, key=lambda f: (f[1], f[0].cost))]
     return outcome
