@@ -39,6 +39,7 @@ BUGS = (
     "sdxl-scale",  # decoder input: the port divides the latents by SDXL's 0.13025
     "decoder-groups",  # decoder: a GroupNorm of the port's decoder built with 16 groups (gallery bug)
     "no-denormalize",  # post-processing: the port returns the decoder's [-1, 1] output as the image
+    "ema",  # weights: the reference samples with EMA weights swapped in; the port converted the live ones
 )
 
 
@@ -57,10 +58,20 @@ class Pair:
         built = gallery_vae.build("distinct", "num-groups" if "decoder-groups" in bugs else None)
         self.ref_ae, self.port_ae = built.reference.eval(), built.port.eval()
         self.cond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(5))
+        # an EMA copy of the reference's weights that differs from the live ones (one conv), swapped in only
+        # while the reference samples, as an ``ema_scope`` does
+        self.ema = None
+        if "ema" in bugs:
+            self.ema = {k: v.clone() for k, v in self.ref_unet.state_dict().items()}
+            self.ema["conv_in.weight"] = self.ema["conv_in.weight"] * 0.9
 
     # the SPEC's functions ------------------------------------------------------------------------------
     def run_reference(self, steps: int = STEPS) -> torch.Tensor:
         noise = torch.randn(1, 4, 8, 8)
+        live = None
+        if self.ema is not None:
+            live = {k: v.clone() for k, v in self.ref_unet.state_dict().items()}
+            self.ref_unet.load_state_dict(self.ema)
         x = ddim_loop(
             lambda x, t, c: self.ref_unet(x, t, encoder_hidden_states=c).sample,
             noise,
@@ -68,6 +79,8 @@ class Pair:
             steps,
             spacing="trailing",
         )
+        if live is not None:
+            self.ref_unet.load_state_dict(live)
         if not self.with_vae:
             return x
         image = self.ref_ae.decoder(self.ref_ae.post_quant_conv(1.0 / LDM_SCALE * x))

@@ -172,3 +172,33 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
         verified=verified is not None,
         details=report.to_dict(),
     )
+
+
+# a rerun of the same module on the same recorded inputs is the same computation: beyond this relative
+# difference from what the run recorded, the module handed over is not the one that ran
+RERUN_MOVES = 1e-4
+
+
+def rerun_moves(module: Any, call: Any) -> float | None:
+    r"""How far ``module`` run again on ``call``'s recorded inputs lands from ``call``'s recorded output
+    (relative), when beyond :data:`RERUN_MOVES`; ``None`` when it reproduces it, or when it cannot be run or
+    compared (the bisect that follows says why)."""
+    import torch
+
+    from paritykit.base.inputs import map_tensors
+    from paritykit.compare.tensors import relative_error
+    from paritykit.tracing.recording import output_tensor
+
+    recorded = output_tensor(call.output)
+    if module is None or recorded is None or not recorded.is_floating_point():
+        return None
+    args, kwargs = map_tensors((call.args, call.kwargs), lambda t: t.clone())
+    try:
+        with torch.no_grad():
+            again = output_tensor(module(*args, **kwargs))
+    except Exception:  # the bisect runs it again and reports the failure in its own words
+        return None
+    if again is None or tuple(again.shape) != tuple(recorded.shape):
+        return None
+    moved = relative_error(again.to(recorded.dtype), recorded)
+    return moved if moved > RERUN_MOVES else None

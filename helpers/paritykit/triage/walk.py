@@ -29,6 +29,7 @@ from paritykit.triage.measures import (
     module_differs,
     per_step_calls,
     repeats,
+    rerun_moves,
     rounded_to,
     runs,
 )
@@ -403,6 +404,17 @@ class Triage(ScheduleChecks, DecoderChecks):
             )
             return
         ref_call, port_call = self.ref.calls[call], self.port_run.calls[call]
+        moved = rerun_moves(self.ref.denoiser, ref_call)
+        if moved is not None:
+            self.skip(
+                "denoiser",
+                f"not bisected on call {call}: the reference's denoiser, run again on its recorded"
+                f" call-{call} inputs, gives another output than the run recorded (relative"
+                f" {format_number(moved)}): the module handed over is not in the state that ran (weights"
+                " swapped in a scope such as EMA, hooks, randomness), so a replay would compare something"
+                " else",
+            )
+            return
         mapped = with_reference_values(
             ref_call,
             self.ref_roles[call],
