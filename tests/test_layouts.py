@@ -176,12 +176,14 @@ def test_pair_layouts_keeps_same_shape_leaves_as_laid_out_unless_another_layout_
     g = torch.Generator().manual_seed(1)
     ref = torch.randn(2, 8, 8, generator=g)
     # agrees once dims 1 and 2 are exchanged: read in the reference's layout
-    assert pair_layouts([("output", ref)], [("output", ref.transpose(1, 2).contiguous())])[2] == {
-        "output": (0, 2, 1)
-    }
-    # must not fire: a slightly different leaf stays as laid out, and so does an unrelated one
-    assert pair_layouts([("output", ref)], [("output", ref * 1.01)])[2] == {}
-    assert pair_layouts([("output", ref)], [("output", torch.randn(2, 8, 8, generator=g))])[2] == {}
+    moved = [("output", ref.transpose(1, 2).contiguous())]
+    assert pair_layouts([("output", ref)], moved, same_shape=True)[2] == {"output": (0, 2, 1)}
+    # must not fire: a slightly different leaf stays as laid out, and so does an unrelated one; and never
+    # without same_shape (where a transposed output is the difference, as when an edit is verified)
+    assert pair_layouts([("output", ref)], [("output", ref * 1.01)], same_shape=True)[2] == {}
+    unrelated = [("output", torch.randn(2, 8, 8, generator=g))]
+    assert pair_layouts([("output", ref)], unrelated, same_shape=True)[2] == {}
+    assert pair_layouts([("output", ref)], moved)[2] == {}
 
 
 class _TwoLayers(torch.nn.Module):

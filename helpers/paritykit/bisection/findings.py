@@ -56,7 +56,7 @@ def first_divergence(
             continue
         port_call = other.name
         a = list(record.outputs.items())
-        found = pair_layouts(a, list(other.outputs.items()))
+        found = pair_layouts(a, list(other.outputs.items()), same_shape=True)
         if found is None:
             continue
         pairs, b, _ = found
@@ -269,7 +269,7 @@ def _hints_at(
     else:
         ref_leaves = list(call.outputs.items())
         port_leaves = list(port_call.outputs.items()) if port_call is not None else []
-    pairs, port_leaves, _ = pair_layouts(ref_leaves, port_leaves) or ([], port_leaves, {})
+    pairs, port_leaves, _ = pair_layouts(ref_leaves, port_leaves, same_shape=True) or ([], port_leaves, {})
     worst = next(
         (
             (i, j)

@@ -67,18 +67,22 @@ def dim_orders(shape: tuple, target: tuple) -> list[tuple[int, ...]]:
 
 
 def pair_layouts(
-    a: list[tuple[str, Any]], b: list[tuple[str, Any]]
+    a: list[tuple[str, Any]], b: list[tuple[str, Any]], same_shape: bool = False
 ) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]] | None:
     r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf
     of ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
     read as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
+
+    With ``same_shape``, leaves of one shape are also read in another layout where only that makes them
+    agree (:func:`_same_shape_layouts`): for comparing two sides' captured calls, never for judging whether
+    an edit reproduces the reference (a transposed output is a difference there).
 
     Returns ``(pairs, b_leaves, orders)``: index pairs, ``b`` with the permuted leaves in place, and the dim
     order applied to each permuted leaf by its path; ``None`` when no consistent pairing exists.
     """
     pairs = pair_leaves(a, b)
     if pairs is not None:
-        return _same_shape_layouts(a, b, pairs)
+        return _same_shape_layouts(a, b, pairs) if same_shape else (pairs, b, {})
     if not a or not b:
         return None
     shapes_a = {tuple(t.shape) for _, t in a}

@@ -274,7 +274,7 @@ class Searcher:
     def compare_paired(self, a: Leaves, b: Leaves, name: str) -> PairedComparison | None:
         """The worst comparison over paired leaves, up to a dim permutation of ``b``'s, with the dim order
         applied to each permuted ``b`` leaf; ``None`` when the leaves cannot be paired."""
-        found = pair_layouts(a, b)
+        found = pair_layouts(a, b, same_shape=True)
         if found is None:
             return None
         pairs, b, orders = found
