@@ -3,6 +3,7 @@ read from every captured aligned pair."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from paritykit.bisection.entry import bisect
 from paritykit.bisection.leaves import dim_orders, pair_layouts
@@ -227,3 +228,29 @@ def test_an_inline_culprit_says_the_pairs_it_could_not_compare():
             assert "(the pairs the note names were not compared)" in text
         else:  # must not fire: the same port without the permutation matches, nothing left uncompared
             assert report.verdict == "match" and "not compared" not in text
+
+
+class _ChannelsLastShifted(_ChannelsLast):
+    r"""The channels-last port with a shift added in its own forward code, between its two layers."""
+
+    def forward(self, x):
+        return self.to_out(torch.tanh(self.mix(x.transpose(1, 2))) + 0.1).transpose(1, 2)
+
+
+def test_captured_values_of_a_same_shape_pair_are_measured_in_the_layout_its_replay_found():
+    # the projection passes its replay once its inputs are read as [B, L, C]; its captured outputs differ
+    # (the shift comes in before it): the reported numbers are those of the values read in that layout
+    torch.manual_seed(0)
+    reference = _ChannelsFirst().eval()
+    port = _ChannelsLastShifted(reference).eval()
+    x = torch.randn(2, 16, 16)
+    report = bisect(reference, port, ((x,), {}), repair=False)
+    with torch.no_grad():
+        h = torch.tanh(reference.mix(x))
+        ref_out = reference.proj_out(h)
+        port_out = port.to_out(torch.tanh(port.mix(x.transpose(1, 2))) + 0.1)  # [B, L, C]
+    first = report.first_output_divergence
+    assert (first.reference, first.port) == ("proj_out", "to_out"), report.render()
+    assert first.max_abs == pytest.approx(float((port_out.transpose(1, 2) - ref_out).abs().max()), rel=1e-5)
+    # as laid out (elementwise [B, L, C] against [B, C, L]) the number is another one
+    assert first.max_abs != pytest.approx(float((port_out - ref_out).abs().max()), rel=1e-3)

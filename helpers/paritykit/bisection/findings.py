@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from paritykit.base.inputs import is_tensor, to_device
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.floor import FloatFloor, within
-from paritykit.bisection.leaves import flatten_tensors, module_device, pair_layouts
+from paritykit.bisection.leaves import flatten_tensors, in_layout, module_device, pair_layouts
 from paritykit.bisection.mix_fits import culprit_hints
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.repair.culprit_sites import RepairOptions, repair_hints
@@ -32,6 +32,7 @@ def first_divergence(
     confidence: Sequence[str] = ("high", "medium", "low"),
     port_record: Callable[[Record], Record | None] | None = None,
     floor: FloatFloor | None = None,
+    layouts: dict[str, dict[str, tuple[int, ...]]] | None = None,
 ) -> ModuleFinding | None:
     r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
 
@@ -39,7 +40,8 @@ def first_divergence(
     inputs); :func:`bisect` finds the latter. Only pairs aligned with one of ``confidence`` take part.
     ``port_record`` pairs a reference call with its port call (a searcher's, by input value); default: the
     aligned module's call in the same place of the order. With a measured ``floor``, a call whose outputs
-    differ by float noise only is passed over.
+    differ by float noise only is passed over. ``layouts`` (a searcher's, by reference call): the dim orders
+    its replays measured for a call's port outputs, applied before comparing.
     """
     from paritykit.compare.tensors import compare_tensors
 
@@ -56,7 +58,8 @@ def first_divergence(
             continue
         port_call = other.name
         a = list(record.outputs.items())
-        found = pair_layouts(a, list(other.outputs.items()), same_shape=True)
+        b_leaves = in_layout(list(other.outputs.items()), (layouts or {}).get(record.name, {}))
+        found = pair_layouts(a, b_leaves, same_shape=True)
         if found is None:
             continue
         pairs, b, _ = found

@@ -278,10 +278,13 @@ def first_differing_input(searcher: Searcher, call: Record) -> InlineInput | Non
             return InlineInput(child, port_child, a, b, producers, untested, unpaired.words)
         pairs, port_in, _ = found or (None, port_in, {})
         noise = floor.of(child, port_child, "inputs") if floor is not None else None
+        order = searcher.input_layouts.get(child.name)  # a replay read the reference's inputs this way
         for i, j in pairs or ():
             a, b = ref_in[i][1], port_in[j][1]
             if not (a.is_floating_point() and b.is_floating_point()):
                 continue
+            if order is not None and a.ndim == len(order) and tuple(a.permute(order).shape) == tuple(b.shape):
+                a = a.permute(order)
             cmp = searcher.compare(a, b, f"{child.name}:{ref_in[i][0]}")
             if not cmp.passed and not within(cmp.max_abs, noise):
                 return InlineInput(child, port_child, a, b, _producers(searcher, call, b), untested)

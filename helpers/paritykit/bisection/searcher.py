@@ -199,6 +199,8 @@ class Searcher:
         # the dim order applied to each port leaf, by path, for calls whose leaves were compared up to a dim
         # permutation (the two sides lay a tensor out differently):
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
+        # the dim order a replay read the reference's inputs in to feed the port (same shape, another layout)
+        self.input_layouts: dict[str, tuple[int, ...]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
         # the float floor (paritykit.bisection.floor): None leaves it off; a FloatFloor measures failing
         # replays in float64 and, when its float64 traces are at hand, every captured call
@@ -467,7 +469,7 @@ class Searcher:
 
     def _replay_relaid(
         self, ref_record: Record, port_record: Record, pairing: InputPairing
-    ) -> tuple[str, Leaves, Leaves, PairedComparison] | None:
+    ) -> tuple[str, Leaves, Leaves, PairedComparison, tuple[int, ...]] | None:
         r"""A failed replay run again with the reference's inputs read with equal-sized dims exchanged (a
         channels-first ``[B, C, L]`` fed to a channels-last module whose ``[B, L, C]`` has the same shape):
         the note, outputs and comparison of the first order under which the outputs agree, or ``None``."""
@@ -492,7 +494,7 @@ class Searcher:
                     f"passes with the reference's inputs of shape {list(shape)} read with dims permuted"
                     f" {tuple(order)} (the same shape in another layout)"
                 )
-                return note, outcome[0], outcome[1], paired
+                return note, outcome[0], outcome[1], paired, tuple(order)
         return None
 
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
@@ -530,7 +532,7 @@ class Searcher:
         if not cmp.passed and pairing is not None:
             other = self._replay_relaid(ref_record, port_record, pairing)
             if other is not None:
-                relaid, ref_out, port_out, paired = other
+                relaid, ref_out, port_out, paired, self.input_layouts[ref_record.name] = other
                 cmp, orders = paired.worst, paired.orders
         if orders:
             self.layouts[ref_record.name] = orders
@@ -656,7 +658,7 @@ class Searcher:
         """Carry over what ``upper``, the searcher one level up, found testing call ``name`` (a zoom enters a
         block it has tested from the level above): its verdict, kept outputs, layouts and why it was not
         replayed."""
-        for table in ("results", "replays", "layouts", "why_not_replayed"):
+        for table in ("results", "replays", "layouts", "input_layouts", "why_not_replayed"):
             source = getattr(upper, table)
             if name in source:
                 getattr(self, table)[name] = source[name]

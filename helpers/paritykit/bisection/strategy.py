@@ -223,16 +223,6 @@ def run_strategy(
     agrees = output.passed or bool(precision)
     # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
     trusted = ("high", "medium", "low") if not agrees else ("high",)
-    first = first_divergence(
-        top.ref_trace,
-        top.port_trace,
-        top.alignment,
-        atol=atol,
-        rtol=rtol,
-        confidence=trusted,
-        port_record=top.port_record,
-        floor=floor,
-    )
     culprit = None
     verdict: Verdict = "match" if agrees else "diverge"
     with torch.no_grad():
@@ -284,6 +274,18 @@ def run_strategy(
                 if moved is not None:
                     culprit.hints.insert(0, moved)
             _layer_order_hint(culprit, strategy.final_alignment())
+    # after the search: the layouts its replays measured (same shape, another layout) read the captures
+    first = first_divergence(
+        top.ref_trace,
+        top.port_trace,
+        top.alignment,
+        atol=atol,
+        rtol=rtol,
+        confidence=trusted,
+        port_record=top.port_record,
+        floor=floor,
+        layouts=top.layouts,
+    )
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(
         verdict=verdict,
