@@ -509,3 +509,16 @@ def test_a_config_that_already_reproduces_the_reference_is_no_fix_and_no_closed_
     # must not fire: a port with another rho is not reproduced as given
     fit = fit_scheduler(EDMEulerScheduler, {"sigmas": sigmas}, base_config={**base, "rho": 5.0})
     assert not fit.unchanged and "config as given" not in fit.render()
+
+
+def test_a_timestep_list_several_spacings_give_names_them_all():
+    # round 7 (CogVideoX, 20 steps of 20 training steps): "timesteps: leading spacing" where trailing and
+    # linspace give the very same list, and trailing was the reference's rule at other counts
+    from paritykit.schedule.families import timestep_family
+
+    every = timestep_family([19.0 - i for i in range(20)], 20)
+    assert every.name == "leading / trailing / linspace spacing"
+    assert "same list at 20 of 20 training steps" in every.describe()
+    # must not fire: a list only one spacing gives keeps its one name
+    assert timestep_family([900.0 - 100 * i for i in range(10)], 1000).name == "leading spacing"
+    assert timestep_family([999.0 - 111 * i for i in range(10)], 1000).name == "linspace spacing, integer"

@@ -65,22 +65,34 @@ def timestep_family(ts: Sequence[float], train_steps: int) -> Family | None:
         return None
     lists = spacing_lists(n, train_steps)
     integral = all(v == round(v) for v in ts)
-    for name, values in lists.items():
-        rounded = [float(round(v)) for v in values]
-        if lists_close(ts, values, "timesteps") or lists_close(ts, rounded, "timesteps"):
-            # an integer list is read as the rounded family: at other counts it stays integer
-            exact = not integral
+    matching = [
+        name
+        for name, values in lists.items()
+        if lists_close(ts, values, "timesteps")
+        or lists_close(ts, [float(round(v)) for v in values], "timesteps")
+    ]
+    if matching:
+        name = matching[0]
+        # an integer list is read as the rounded family: at other counts it stays integer
+        exact = not integral
 
-            def generate(m: int, name=name, exact=exact) -> list[float]:
-                vals = spacing_lists(m, train_steps)[name]
-                return vals if exact else [float(round(v)) for v in vals]
+        def generate(m: int, name=name, exact=exact) -> list[float]:
+            vals = spacing_lists(m, train_steps)[name]
+            return vals if exact else [float(round(v)) for v in vals]
 
-            family = Family(
-                f"{name} spacing" + ("" if exact or name != "linspace" else ", integer"), {}, generate
-            )
-            if not exact and name == "linspace":
-                family.alternatives.append(lambda m, name=name: spacing_lists(m, train_steps)[name])
-            return family
+        family = Family(
+            f"{name} spacing" + ("" if exact or name != "linspace" else ", integer"), {}, generate
+        )
+        if not exact and name == "linspace":
+            family.alternatives.append(lambda m, name=name: spacing_lists(m, train_steps)[name])
+        if len(matching) > 1:
+            # at this count several spacings give this list (every one of them at n = train_steps): the
+            # recording cannot tell them apart, so none is named alone
+            family.name = " / ".join(matching) + " spacing"
+            family.detail = f"they give the same list at {n} of {train_steps} training steps"
+            for other in matching[1:]:
+                family.alternatives.append(lambda m, other=other: spacing_lists(m, train_steps)[other])
+        return family
     for name, values in lists.items():
         shift = ts[-1] - values[-1]
         if shift and lists_close(ts, [v + shift for v in values], "timesteps"):
