@@ -254,3 +254,20 @@ def test_captured_values_of_a_same_shape_pair_are_measured_in_the_layout_its_rep
     assert first.max_abs == pytest.approx(float((port_out.transpose(1, 2) - ref_out).abs().max()), rel=1e-5)
     # as laid out (elementwise [B, L, C] against [B, C, L]) the number is another one
     assert first.max_abs != pytest.approx(float((port_out - ref_out).abs().max()), rel=1e-3)
+
+
+def test_the_repair_search_at_a_top_level_culprit_stops_at_its_clock_and_says_so(monkeypatch):
+    # round 6 (LTX-2): the search at a top-level culprit, each edit a whole-port replay, ran 19.5 minutes;
+    # it now stops at TOP_LEVEL_SECONDS unless --repair-budget is given (here the clock is set to 0 s)
+    import paritykit.bisection.repair.culprit_sites as sites
+
+    torch.manual_seed(0)
+    reference = _TwoLayers().eval()
+    port = _RowsPermutedPort(reference, torch.tensor([1, 0, 3, 2, 5, 4, 7, 6])).eval()
+    x = torch.randn(3, 8)
+    monkeypatch.setattr(sites, "TOP_LEVEL_SECONDS", 0.0)
+    report = bisect(reference, port, ((x,), {}))
+    assert report.culprit.reference == "" and "stopped after 0 s" in report.render()
+    # must not fire: with a budget asked for, the edits are counted and the clock is not used
+    report = bisect(reference, port, ((x,), {}), repair_budget=20)
+    assert "stopped after" not in report.render() and "20 edits" in report.render()

@@ -263,8 +263,8 @@ def repair_hints(
     clock.left  # noqa: B018  (starts the clock)
     with progress_bar() as progress:
         for k, s in enumerate(sites):
-            if seconds is not None and not clock.left:
-                break
+            if k and seconds is not None and not clock.left:
+                break  # the first site always reports, so a search cut short says so
             budget = Budget(max(1, total // (len(sites) - k)), seconds=seconds, started=clock.started)
             outcome = repair_site(s, budget, progress=progress)
             total -= budget.used

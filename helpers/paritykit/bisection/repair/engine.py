@@ -1,8 +1,9 @@
 r"""The repair search: try the grammar's edits at a site, tier by tier, and keep only those that make the
 replay match the reference (``repair_site``); turn the outcome into hints (``RepairOutcome.hints``).
 
-The search is budgeted in edits tried, never in seconds: the same input gives the same report on any machine
-and under any load."""
+The search is budgeted in edits tried: the same input gives the same report on any machine and under any
+load. The one exception is a top-level culprit, where each edit replays the whole port: unless a budget is
+given (``--repair-budget N``), the search there also stops after :data:`TOP_LEVEL_SECONDS` and says so."""
 
 from __future__ import annotations
 
