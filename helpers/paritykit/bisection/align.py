@@ -400,7 +400,9 @@ class _Builder:
         if len(refs) < 2:
             return None
         port_call = self.port.first_calls.get(p)
-        distances = sorted((_output_distance(self.ref.first_calls.get(r), port_call), r) for r in refs)
+        distances = sorted(
+            (_call_distance(self.ref.first_calls.get(r), port_call, "outputs", math.inf), r) for r in refs
+        )
         (best, r), (second, _) = distances[0], distances[1]
         if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
             return r
@@ -556,12 +558,12 @@ class _Builder:
         return [(refs[i], ports[j]) for i, j in enumerate(best) if math.isfinite(cost[i][j])]
 
     def _stream_distance(self, r: str, p: str, unknown: float = 0.0) -> float:
-        r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_input_distance`); ``inf`` when their
+        r"""How far apart the inputs of ``r`` and ``p`` are (:func:`_call_distance`); ``inf`` when their
         output shapes are no permutation of each other."""
         rs, ps = self.ref.out_shapes.get(r), self.port.out_shapes.get(p)
         if rs is not None and ps is not None and sorted(rs) != sorted(ps):
             return math.inf
-        return _input_distance(self.ref.first_calls.get(r), self.port.first_calls.get(p), unknown)
+        return _call_distance(self.ref.first_calls.get(r), self.port.first_calls.get(p), unknown=unknown)
 
     def _same_work(self, r: str, p: str) -> bool:
         """Two modules of different classes may do the same work (GELU vs a diffusers activation class), but
@@ -608,9 +610,12 @@ STREAM_ERROR = 0.1
 MAX_STREAM_CANDIDATES = 4096
 
 
-def _input_distance(ref_call: Record | None, port_call: Record | None, unknown: float = 0.0) -> float:
-    r"""Relative error between two calls' first floating-point inputs (up to a dim permutation): ``unknown``
-    when either call or input is not at hand (order decides then), ``inf`` when the inputs cannot correspond.
+def _call_distance(
+    ref_call: Record | None, port_call: Record | None, what: str = "inputs", unknown: float = 0.0
+) -> float:
+    r"""Relative error between two calls' first floating-point ``inputs`` or ``outputs`` (up to a dim
+    permutation): ``unknown`` when either call or leaf is not at hand (order decides then), ``inf`` when they
+    cannot correspond.
     """
     from paritykit.bisection.leaves import pair_layouts
     from paritykit.compare.tensors import relative_error
@@ -618,8 +623,8 @@ def _input_distance(ref_call: Record | None, port_call: Record | None, unknown: 
     if ref_call is None or port_call is None:
         return unknown
     try:
-        a = [(k, t) for k, t in ref_call.inputs.items() if t.is_floating_point()][:1]
-        b = [(k, t) for k, t in port_call.inputs.items() if t.is_floating_point()][:1]
+        a = [(k, t) for k, t in getattr(ref_call, what).items() if t.is_floating_point()][:1]
+        b = [(k, t) for k, t in getattr(port_call, what).items() if t.is_floating_point()][:1]
     except Exception:  # a trace folder with a missing shard: order decides
         return unknown
     if not a or not b:
@@ -635,26 +640,6 @@ def _input_distance(ref_call: Record | None, port_call: Record | None, unknown: 
 # every other member's is CHAIN_GAIN times further off
 CHAIN_AGREE = 1e-3
 CHAIN_GAIN = 100.0
-
-
-def _output_distance(ref_call: Record | None, port_call: Record | None) -> float:
-    r"""Relative error between two calls' first floating-point outputs (up to a dim permutation); ``inf``
-    when either is not at hand or they cannot correspond."""
-    from paritykit.bisection.leaves import pair_layouts
-    from paritykit.compare.tensors import relative_error
-
-    if ref_call is None or port_call is None:
-        return math.inf
-    try:
-        a = [(k, t) for k, t in ref_call.outputs.items() if t.is_floating_point()][:1]
-        b = [(k, t) for k, t in port_call.outputs.items() if t.is_floating_point()][:1]
-    except Exception:  # a trace folder with a missing shard
-        return math.inf
-    found = pair_layouts(a, b) if a and b else None
-    if found is None:
-        return math.inf
-    error = relative_error(found[1][0][1], a[0][1])
-    return error if math.isfinite(error) else math.inf
 
 
 def _identity_like(type_name: str) -> bool:

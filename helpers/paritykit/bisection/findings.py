@@ -100,6 +100,7 @@ def culprit_finding(
     alignment = searcher.alignment
     port_call = searcher.port_record(call)
     pair = alignment.pair_of(call.module)
+    untested = _untested_inside(alignment, call.module)
 
     def explained(result: ModuleTest | None) -> list:
         """The catalogue's hints (unless switched off), then the repair search's verified edits."""
@@ -123,7 +124,8 @@ def culprit_finding(
             inline=children_passed > 0,
             children_passed=children_passed,
             hints=explained(None),
-            note=_untested_inside(alignment, call.module),
+            note=untested,
+            uncompared=bool(untested),
             ops_note=(
                 "--ops: not traced: the culprit is the top level, found from the final output (ops are traced"
                 " in a module replayed on the reference's inputs)"
@@ -166,7 +168,8 @@ def culprit_finding(
         children_passed=children_passed,
         hints=explained(result),
         confidence=pair.confidence,
-        note=join_notes(result.note, _untested_inside(alignment, call.module)),
+        note=join_notes(result.note, untested),
+        uncompared=bool(untested),
         op=op,
         ops_note=ops_note,
     )

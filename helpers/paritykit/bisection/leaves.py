@@ -129,7 +129,7 @@ def _same_shape_layouts(
     for i, j in pairs:
         path, tensor = b[j]
         target = a[i][1]
-        if not getattr(tensor, "is_floating_point", lambda: False)() or not target.is_floating_point():
+        if not tensor.is_floating_point() or not target.is_floating_point():
             continue
         candidates = same_shape_orders(tensor.shape)
         if not candidates:

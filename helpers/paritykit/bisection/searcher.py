@@ -476,9 +476,8 @@ class Searcher:
         import dataclasses
 
         floats = [t for _, t in pairing.ref_leaves if is_tensor(t) and t.is_floating_point()]
-        orders = same_shape_orders(floats[0].shape) if floats else []
-        for order in orders:
-            shape = tuple(floats[0].shape)
+        shape = tuple(floats[0].shape) if floats else ()
+        for order in same_shape_orders(shape):
             leaves = [
                 (path, t.permute(order).contiguous() if is_tensor(t) and tuple(t.shape) == shape else t)
                 for path, t in pairing.ref_leaves

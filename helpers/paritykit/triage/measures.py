@@ -164,9 +164,8 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
         place,
         call,
         f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); bisect's"
-        f" culprit, a module that differs on identical inputs (not necessarily the first to differ in the"
-        f" run):"
-        f" {culprit.port or '(top level)'}",
+        " culprit, a module that differs on identical inputs (not necessarily the first to differ in the"
+        f" run): {culprit.port or '(top level)'}",
         evidence=evidence,
         fix=verified.fix if verified else None,
         verified=verified is not None,
@@ -200,5 +199,5 @@ def rerun_moves(module: Any, call: Any) -> float | None:
         return None
     if again is None or tuple(again.shape) != tuple(recorded.shape):
         return None
-    moved = relative_error(again.to(recorded.dtype), recorded)
+    moved = relative_error(again.to(recorded.device, recorded.dtype), recorded)
     return moved if moved > RERUN_MOVES else None

@@ -259,8 +259,7 @@ def repair_hints(
         return [*hints, *_not_searched(hints)]
     # at the top level each edit replays the whole port: a wall-clock cap there unless a budget was asked for
     seconds = TOP_LEVEL_SECONDS if call.parent is None and options.budget is None else None
-    clock = Budget(total, seconds=seconds)
-    clock.left  # noqa: B018  (starts the clock)
+    clock = Budget(total, seconds=seconds)  # started now: every site's budget shares its start
     with progress_bar() as progress:
         for k, s in enumerate(sites):
             if k and seconds is not None and not clock.left:

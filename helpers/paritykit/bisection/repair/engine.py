@@ -55,6 +55,10 @@ class Budget:
     started: float | None = None
     timed_out: bool = False
 
+    def __post_init__(self) -> None:
+        if self.seconds is not None and self.started is None:
+            self.started = time.perf_counter()
+
     @classmethod
     def for_modules(cls, modules: Sequence[Any], floor: int | None = None) -> Budget:
         r"""The default budget for sites holding ``modules``: :data:`BASE_EDITS` plus :data:`EDITS_PER_PART`
@@ -69,12 +73,9 @@ class Budget:
     def left(self) -> bool:
         if self.used >= self.edits:
             return False
-        if self.seconds is not None:
-            now = time.perf_counter()
-            self.started = now if self.started is None else self.started
-            if now - self.started > self.seconds:
-                self.timed_out = True
-                return False
+        if self.seconds is not None and time.perf_counter() - self.started > self.seconds:
+            self.timed_out = True
+            return False
         return True
 
     def spend(self) -> None:

@@ -169,7 +169,7 @@ def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
                 block = block.to(dtype)
             total += _sums(_raw_bits(block), splits, r0, rows, pieces)
     wrap = (total + (1 << 63)) % (1 << 64) - (1 << 63)
-    return wrap, {s: [int(h) for h in (v.tolist())] for s, v in pieces.items()}
+    return wrap, {s: [int(h) for h in v.tolist()] for s, v in pieces.items()}
 
 
 def position_hash(t) -> int:

@@ -156,10 +156,10 @@ class _Matcher:
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
         for key, t in self.target.items():
-            PAGES.read(_nbytes(t))
+            PAGES.read(t.nbytes)
             self.tgt_hash[key] = multiset_hashes(t, t.dtype)[0]
         for key, s in self.source.items():
-            PAGES.read(_nbytes(s) * len(self.dtypes))
+            PAGES.read(s.nbytes * len(self.dtypes))
             for dtype in self.dtypes:
                 if castable(s.dtype, dtype):
                     h = multiset_hashes(s, dtype)[0]
@@ -172,7 +172,7 @@ class _Matcher:
             bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
             if not bucket:
                 continue
-            PAGES.read(2 * _nbytes(t))
+            PAGES.read(2 * t.nbytes)
             results: list[_Found] = []
             if len(bucket) == 1:
                 classes = {None: bucket}
@@ -257,7 +257,7 @@ class _Matcher:
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
                 continue
-            PAGES.read(2 * _nbytes(s))
+            PAGES.read(2 * s.nbytes)
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
@@ -311,7 +311,7 @@ class _Matcher:
         for tkey, t in self.target.items():
             if tkey in self.found or t.ndim == 0:
                 continue
-            PAGES.read(2 * _nbytes(t))
+            PAGES.read(2 * t.nbytes)
             numels = self.src_numels[t.dtype]
             splits = [
                 (d, k)
@@ -398,7 +398,7 @@ class _Matcher:
             live = _prefer_live(ways)
             # a constant (zeros, ones) matched whole may still be a piece of a fused constant: structure
             # decides
-            if len({_way_sig(w) for w in live}) == 1 and not _constant(self.target[tkey]):
+            if len({_way_sig(w) for w in live}) == 1 and not all_equal(self.target[tkey]):
                 why = "values" if len(ways) == 1 else "values; live weights over EMA/shadow copies"
                 self.settle(tkey, live[0], why, learn=True)
         narrowed: dict[str, list[_Found]] = {}
@@ -474,7 +474,7 @@ class _Matcher:
         zero chunks of ``qkv.bias`` beside it: the true source must be among the candidates.
         """
         t = self.target[tkey]
-        if _constant(t):
+        if all_equal(t):  # a constant (a fresh norm or bias) says little about where it comes from
             # a constant is no evidence of its home either: every unused fused tensor is searched (once per
             # shape and value), so the true source is among the candidates even for top-level source keys
             cache_key = self.position_class("t", tkey, t.dtype)
@@ -606,11 +606,6 @@ class _Matcher:
 _EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema([._]|$)", re.IGNORECASE)
 
 
-def _constant(t) -> bool:
-    r"""Every element equal (a fresh norm or bias): its value says little about where it comes from."""
-    return all_equal(t)
-
-
 _PARAM_LEAVES = ("weight", "bias")
 _PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(_PARAM_LEAVES)})")
 
@@ -656,10 +651,6 @@ def _dedupe(ways: list[_Found]) -> list[_Found]:
             seen.add(_way_sig(w))
             out.append(w)
     return out
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
 
 
 def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
