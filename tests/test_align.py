@@ -401,3 +401,18 @@ def test_a_unit_whose_outputs_agree_with_no_member_keeps_the_innermost_pairing()
     reference, port, inputs = _residual_pair(scale=1.5)
     alignment = aligned(reference, port, inputs)
     assert alignment.port_of("0.layers") == "units.0"
+
+
+def test_a_module_is_not_paired_with_a_block_that_also_holds_another_modules_work():
+    # round 8 (the DALL-E 2 prior): the reference attention and the port block both hold the null key/value
+    # themselves; the block also holds the feed-forward the reference keeps apart, so they are no pair
+    from tests import null_kv_pairs
+
+    reference, port, x = null_kv_pairs.build()
+    al = aligned(reference, port, ((x,), {}))
+    for i in range(null_kv_pairs.DEPTH):
+        assert al.port_of(f"layers.{i}.0") is None
+        assert al.port_of(f"layers.{i}.0.to_q") == f"transformer_blocks.{i}.attn.to_q"
+        assert al.port_of(f"layers.{i}.0.norm") == f"transformer_blocks.{i}.norm1"
+    # where one module's tensors do map onto one port module whole, the pair stays
+    assert al.port_of("norm") == "norm_out"

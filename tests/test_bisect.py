@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from paritykit.base.report import to_json
+from paritykit.base.report import format_number, to_json
 from paritykit.bisection.entry import bisect, bisect_traces
 from paritykit.bisection.findings import first_divergence
 from paritykit.bisection.mix_fits import remix_hint
@@ -594,3 +594,35 @@ def test_ops_pairs_split_projections_with_a_fused_one_by_value():
     assert found is not None and "linear" not in found.port_op, found.port_op
     assert "mul" in found.port_op and "0.25" in found.port_args
     assert op_divergence(reference, SplitAttention(reference, 0.5), ((x,), {}), ((x,), {})) is None
+
+
+def test_a_correct_port_whose_blocks_group_attention_otherwise_matches():
+    # round 8: an attention paired with a whole block (attention + feed-forward): "masked" on a correct port
+    from tests import null_kv_pairs
+
+    reference, port, x = null_kv_pairs.build()
+    report = bisect(reference, port, ((x,), {}))
+    assert report.verdict == "match" and report.exit_code == 0
+    text = report.render()
+    assert report.candidates and "lead:" not in text  # a weak pair failing changes no answer on a match
+
+
+def test_a_culprit_that_does_not_make_the_runs_difference_says_how_much_reaches_it():
+    from tests import null_kv_pairs
+
+    # the final norm's eps alone: the culprit makes the run's difference, no in-run line
+    reference, port, x = null_kv_pairs.build("final_eps")
+    alone = bisect(reference, port, ((x,), {}))
+    assert alone.culprit.port == "norm_out" and alone.culprit.in_run is None
+    assert "reaches it with its inputs" not in alone.render()
+    # with the null pair read the other way round upstream, the same norm still fails on identical inputs, but
+    # what differs in the run comes with its inputs, and the first differing module says it passes there
+    reference, port, x = null_kv_pairs.build("null_kv,final_eps")
+    both = bisect(reference, port, ((x,), {}))
+    culprit, first = both.culprit, both.first_output_divergence
+    assert culprit.port == "norm_out" and culprit.in_run > 10 * culprit.max_abs
+    assert first.port == "transformer_blocks.0.attn.to_out.0" and first.replayed[0] == "pass"
+    text = both.render()
+    assert f"in the run its outputs differ by max_abs {format_number(culprit.in_run)}" in text
+    assert "it passes on identical inputs (max_abs 0): the difference comes with its inputs" in text
+    assert "repair search" not in text  # a repair there could not change the answer

@@ -533,3 +533,56 @@ def test_a_denoiser_not_in_the_state_that_ran_is_not_replayed_or_ruled_out(tmp_p
     else:  # must not fire: a reference that reproduces its own run is bisected as before
         assert not any("not in the state that ran" in text for text in denoiser_notes)
         assert "denoiser" in places(report)
+
+
+class _PriorNet(torch.nn.Module):
+    r"""A DALL-E 2 style prior network's call: the latents are an image embedding ``(batch, dim)``, next to a
+    text encoding ``(batch, tokens, dim)`` of three dimensions."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, image_embed, diffusion_timesteps, *, text_embed, text_encodings):
+        return self.proj(image_embed + text_embed + text_encodings.mean(1)) * diffusion_timesteps[:, None]
+
+
+def _recorded(module, *args, **kwargs):
+    from paritykit.tracing.recording import record_calls
+
+    with torch.no_grad(), record_calls(module) as calls:
+        module(*args, **kwargs)
+    return calls[0]
+
+
+def test_the_latents_are_the_argument_the_output_has_the_shape_of():
+    # round 8: triage took the (2, 5, 32) text encoding of a prior for its (2, 32) latents
+    from diffusers import PriorTransformer, UNet2DModel
+    from paritykit.triage.roles import roles_of
+
+    g = torch.Generator().manual_seed(0)
+    embed, text = torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g)
+    tokens = torch.randn(2, 5, 16, generator=g)
+    ref = _recorded(_PriorNet(), embed, torch.tensor([3.0, 3.0]), text_embed=text, text_encodings=tokens)
+    assert roles_of(ref).latents == "image_embed"
+    assert roles_of(ref).conditioning == ["text_embed", "text_encodings"]
+    prior = PriorTransformer(
+        num_attention_heads=2, attention_head_dim=8, num_layers=1, embedding_dim=16, num_embeddings=5
+    ).eval()
+    port = _recorded(prior, embed, 3, proj_embedding=text, encoder_hidden_states=tokens)
+    assert roles_of(port).latents == "hidden_states"
+    # a learned variance stacked on the prediction (twice the channels) still points at the sample
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=3,
+        out_channels=6,
+        block_out_channels=(8, 8),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+        class_embed_type="identity",
+    ).eval()
+    sample = torch.randn(1, 3, 8, 8, generator=g)
+    call = _recorded(unet, sample, 5, class_labels=torch.randn(1, 32, generator=g))
+    assert roles_of(call).latents == "sample"

@@ -308,9 +308,15 @@ class _Builder:
                     # a many-to-one guess from constants alone is no correspondence at all
                     if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
+        ref_keys = list(ref_sd)
         for r, ports in split.items():
             if r in self.ref_done:
                 continue
+            # a port module paired through the tensors it holds itself must hold nothing made from
+            # another reference module: a block that keeps the reference attention's null key next to its own
+            # feed-forward does more work than that attention
+            mine = _under(r, ref_keys)
+            ports = [p for p in ports if _made_only_from(_under(p, port_keys), mine, sources_of)]
             if len(ports) == 1:
                 if self._parents_agree(r, ports[0]):
                     self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, identifying))
@@ -694,6 +700,11 @@ def _infer(ref_sd: Mapping[str, Any], port_sd: Mapping[str, Any]) -> tuple[Any, 
     if restore_for(cmap, ref_sd, port_sd, src, tgt, stood_in):
         cmap = infer_conversion_map(src, tgt)
     return cmap, src, tgt
+
+
+def _made_only_from(targets: set[str], sources: set[str], sources_of: Mapping[str, Sequence[str]]) -> bool:
+    r"""Every tensor of ``targets`` whose sources are known is made from tensors of ``sources`` only."""
+    return all(set(sources_of[t]) <= sources for t in targets if t in sources_of)
 
 
 def _under(module: str, keys: list[str]) -> set[str]:

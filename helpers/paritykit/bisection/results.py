@@ -79,6 +79,11 @@ class ModuleFinding:
     through_inputs: bool = False
     # pairs inside it that replay could not check (fused<->split, reordered outputs: the note names them)
     uncompared: bool = False
+    # a culprit found by replay whose captured outputs in the run differ far more than it makes on identical
+    # inputs: that max_abs in the run (most of the difference reaches it with its inputs)
+    in_run: float | None = None
+    # the first aligned module whose outputs differ, replayed: ("pass" or "fail", max_abs on identical inputs)
+    replayed: tuple[str, float | None] | None = None
     # how the port's tensor relates to the reference's there, derived from the values
     # (paritykit.bisection.value_relations.Relation)
     relations: list[Any] = field(default_factory=list)
@@ -97,7 +102,10 @@ class ModuleFinding:
             "hints": [h.to_dict() for h in self.hints],
             "note": self.note,
             "through_inputs": self.through_inputs,
+            "in_run": self.in_run,
         }
+        if self.replayed is not None:
+            out["replayed"] = {"status": self.replayed[0], "max_abs": self.replayed[1]}
         if self.op is not None:
             out["op"] = self.op.to_dict()
         if self.ops_note:
@@ -283,18 +291,26 @@ class BisectReport:
         elif self.culprit:
             leads = sum(1 for t in self.candidates if _inside(t.reference, self.culprit.reference))
             lines += _render_finding("culprit", self.culprit, self._holds_reordered(self.culprit), leads)
-        for test in self.candidates:
-            lines.append(_lead_line(test, self.alignment))
+        if self.verdict != "match":  # on a match, a weakly paired pair that fails changes no answer
+            lines += [_lead_line(test, self.alignment) for test in self.candidates]
         if self.all_note:
             lines.append(self.all_note)
         if not self.culprit and self.verdict == "diverge":
             lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
         if self.first_output_divergence:
             f = self.first_output_divergence
+            if f.replayed is None:
+                own = "not replayed: its difference may come with its inputs"
+            elif f.replayed[0] == "pass":
+                own = (
+                    f"it passes on identical inputs (max_abs {format_number(f.replayed[1])}): the difference"
+                    " comes with its inputs"
+                )
+            else:
+                own = f"it fails on identical inputs too (max_abs {format_number(f.replayed[1])})"
             lines.append(
                 f"first aligned module whose outputs differ: {shown_name(f.reference)} <->"
-                f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; errors there may be inherited"
-                " from upstream)"
+                f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; {own})"
             )
             same = self.culprit is not None and self.culprit.reference == f.reference
             if not same:
@@ -380,6 +396,12 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads
         lines.append("  its captured outputs differ, but it passes on the reference's inputs: see the note")
     elif f.children_passed == 0 and f.test == "replay":
         lines.append("  it fails on identical inputs; no submodule call inside it passed a replay")
+    if f.in_run is not None:
+        lines.append(
+            f"  in the run its outputs differ by max_abs {format_number(f.in_run)}, against"
+            f" {format_number(f.max_abs)} on identical inputs: most of that difference reaches it with its"
+            " inputs (the first aligned module whose outputs differ is named below)"
+        )
     if f.note:
         lines.append(f"  note: {f.note}")
     for hint in f.hints:

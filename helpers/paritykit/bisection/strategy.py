@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from paritykit.tracing.trace import Record
 
 
+# a replayed culprit whose outputs differ in the run this many times more than on identical inputs does not
+# make the run's difference: most of it comes with its inputs
+INHERITED_FACTOR = 10.0
+
+
 @dataclass
 class Located:
     r"""Where a strategy stopped: a reference call, the searcher that tested it, and how many of the call's
@@ -183,6 +188,20 @@ def differing_in(searcher: Searcher) -> Located | None:
     return Located(searcher, first, 0, through_inputs=True, upstream=upstream)
 
 
+def inherited(searcher: Searcher, record: Record) -> float | None:
+    r"""The max_abs of a replayed call's captured outputs in the run when it is more than
+    :data:`INHERITED_FACTOR` times what the call makes on identical inputs, else ``None``: the call is then a
+    difference, not where the run's difference comes from."""
+    port_record = searcher.port_record(record)
+    own = searcher.test(record)
+    if own.test != "replay" or not own.max_abs or port_record is None:
+        return None
+    outputs = list(record.outputs.items()), list(port_record.outputs.items())
+    paired = searcher.compare_paired(*outputs, record.name)
+    in_run = paired.worst.max_abs if paired is not None else None
+    return in_run if in_run is not None and in_run > INHERITED_FACTOR * own.max_abs else None
+
+
 def run_strategy(
     strategy: SearchStrategy,
     *,
@@ -236,7 +255,10 @@ def run_strategy(
             verdict = "masked" if located is not None else verdict
         if located is not None and verdict != "match":
             repair = repair if repair is not None else RepairOptions()
-            if located.through_inputs:  # nothing fails on its own inputs: there is nothing to repair there
+            in_run = None if located.through_inputs else inherited(located.searcher, located.call)
+            if located.through_inputs or in_run is not None:
+                # nothing fails on its own inputs, or what fails there is not what makes the run differ: a
+                # repair there cannot change the answer
                 repair = dataclasses.replace(repair, enabled=False)
             culprit = culprit_finding(
                 located.searcher, located.call, located.children_passed, output, ops=ops, repair=repair
@@ -257,6 +279,8 @@ def run_strategy(
                     searcher, above, located.children_passed, output, ops=ops, repair=repair
                 )
             culprit.note = join_notes(culprit.note, located.note())
+            if not located.through_inputs:
+                culprit.in_run = inherited(located.searcher, located.call)
             culprit.through_inputs = located.through_inputs
             at_top = culprit.test == "output"
             culprit.relations = place_relations(
@@ -286,6 +310,12 @@ def run_strategy(
         floor=floor,
         layouts=top.layouts,
     )
+    if first is not None and first.reference in top.ref_trace:
+        record = top.ref_trace[first.reference]
+        if top.port_record(record) is not None:
+            test = top.test(record)
+            if test.test == "replay" and test.status in ("pass", "fail"):
+                first.replayed = (test.status, test.max_abs)
     stamp = environment if environment is not None else environment_stamp()
     return BisectReport(
         verdict=verdict,

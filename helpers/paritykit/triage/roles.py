@@ -41,9 +41,7 @@ def roles_of(call: Call) -> Roles:
     found = timestep_argument(call.named)
     t_name, t_kind = (found[0], found[1]) if found is not None else (None, None)
     tensors = [k for k, v in named.items() if v is not None and k != t_name]
-    latents = next((k for k in LATENT_NAMES if k in tensors), None)
-    if latents is None:
-        latents = next((k for k in tensors if named[k].dim() >= 3), tensors[0] if tensors else None)
+    latents = _latents_name(tensors, named, output_tensor(call.output))
     conditioning = [k for k in tensors if k != latents]
     # tensors inside a dict argument (SDXL's added_cond_kwargs: text_embeds, time_ids) are conditioning too,
     # named by their path
@@ -51,6 +49,27 @@ def roles_of(call: Call) -> Roles:
         if isinstance(value, dict):
             conditioning += [path for path, leaf in _dict_leaves(value, key) if leaf.dim() >= 1]
     return Roles(latents, t_name, t_kind, conditioning)
+
+
+def _latents_name(tensors: list[str], named: dict[str, Any], out: Any) -> str | None:
+    r"""The argument a denoiser predicts from: its output has the latents' shape (a noise, sample or velocity
+    prediction), or their shape with more channels (a learned variance stacked on the prediction). Among the
+    arguments of that shape a latents name decides; with none of that shape, a latents name, then the first
+    tensor argument (denoisers take the latents first). The number of dimensions decides nothing: a prior's
+    latents are ``(batch, dim)`` next to a ``(batch, tokens, dim)`` text encoding."""
+    if out is not None and hasattr(out, "shape"):
+        shape = tuple(out.shape)
+        for fits in (lambda s: s == shape, lambda s: _more_channels(shape, s)):
+            shaped = [k for k in tensors if fits(tuple(named[k].shape))]
+            if shaped:
+                return next((k for k in LATENT_NAMES if k in shaped), shaped[0])
+    return next((k for k in LATENT_NAMES if k in tensors), tensors[0] if tensors else None)
+
+
+def _more_channels(shape: tuple[int, ...], of: tuple[int, ...]) -> bool:
+    r"""Whether ``shape`` is ``of`` with a whole multiple of its channels (dim 1)."""
+    same_rest = len(of) == len(shape) > 1 and of[0] == shape[0] and of[2:] == shape[2:]
+    return same_rest and of[1] > 0 and shape[1] % of[1] == 0
 
 
 def _dict_leaves(value: dict, prefix: str) -> list[tuple[str, Any]]:
