@@ -586,3 +586,21 @@ def test_the_latents_are_the_argument_the_output_has_the_shape_of():
     sample = torch.randn(1, 3, 8, 8, generator=g)
     call = _recorded(unet, sample, 5, class_labels=torch.randn(1, 32, generator=g))
     assert roles_of(call).latents == "sample"
+
+
+def test_a_guidance_batch_stacked_the_other_way_and_undone_alike_is_no_difference(tmp_path):
+    # issue 45: a port that stacks (cond, uncond) and reads its halves the same way round computed the same
+    # result, yet triage listed its conditioning as a place that differs
+    from tests.triage_pairs import write_guidance_spec
+
+    swapped = triage_spec(write_guidance_spec(tmp_path, "swapped"), out=tmp_path / "s")
+    text = swapped.render()
+    assert swapped.verdict == "match" and not swapped.findings
+    assert "the port stacks its denoiser's batch in another order (its rows (1, 0) hold" in text
+    # stacked the other way but read as the reference reads it: guidance reversed, found after the denoiser
+    kept = triage_spec(write_guidance_spec(tmp_path, "swapped-kept"), out=tmp_path / "k")
+    assert kept.verdict == "differ" and kept.findings[0].place == "update"
+    assert not any(f.place == "conditioning" for f in kept.findings)
+    # must not fire: the same order on both sides says nothing of an order
+    same = triage_spec(write_guidance_spec(tmp_path, "same"), out=tmp_path / "n")
+    assert same.verdict == "match" and "another order" not in same.render()

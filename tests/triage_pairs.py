@@ -346,3 +346,51 @@ def write_packed_spec(folder, bugs=()):
     path = folder / "packed_spec.py"
     path.write_text(PACKED_SPEC_TEXT.format(bugs=set(bugs)))
     return path
+
+
+class GuidancePair(Pair):
+    r"""Classifier-free guidance in one batched call: the reference stacks (uncond, cond), as the original
+    LDM sampler does. ``order``: ``"same"`` (the port stacks it alike), ``"swapped"`` (the port stacks
+    (cond, uncond) and reads its output's halves the same way round: the same result), ``"swapped-kept"``
+    (the port stacks (cond, uncond) but reads the halves as the reference does: guidance reversed)."""
+
+    SCALE = 4.0
+
+    def __init__(self, order: str):
+        super().__init__(set(), vae=False)
+        self.order = order
+        self.uncond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(6))
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        def guided(x, t, c):
+            both = self.ref_unet(
+                torch.cat([x, x]), t, encoder_hidden_states=torch.cat([self.uncond, c])
+            ).sample
+            uncond, cond = both.chunk(2)
+            return uncond + self.SCALE * (cond - uncond)
+
+        return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        swapped = self.order != "same"
+        embeds = torch.cat([self.cond, self.uncond] if swapped else [self.uncond, self.cond])
+        for t in scheduler.timesteps:
+            both = self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample
+            first, second = both.chunk(2)
+            uncond, cond = (second, first) if self.order == "swapped" else (first, second)
+            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
+        return latents
+
+
+def write_guidance_spec(folder, order: str):
+    r"""A triage SPEC for :class:`GuidancePair` with the port's batch ``order``."""
+    path = folder / f"guidance_{order}.py"
+    path.write_text(
+        SPEC_TEXT.replace("import Pair", "import GuidancePair").replace(
+            "Pair({bugs!r}, vae={vae!r})", f"GuidancePair({order!r})"
+        )
+    )
+    return path

@@ -10,6 +10,8 @@ alignment is built in five passes, each working only on what the earlier ones le
    under them do, and a fused tensor split into several gives a 1:N correspondence (``group``). When several
    modules hold the same parameters (a wrapper around a layer), the deepest pair first: an embedding table
    pairs with the port's table, never with a block that holds the table and adds positions in its own forward;
+   a module paired through the tensors it holds itself (a null key/value) is never paired with a port block
+   that also holds tensors made from another reference module (the feed-forward next to that attention);
 4. ``order``: parameterless modules (activations, dropout, pooling, positional tables) between two aligned
    neighbours, by execution order and class, so a GELU variant or a rotary table is named itself
    (``confidence="medium"``);

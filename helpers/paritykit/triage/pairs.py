@@ -312,6 +312,72 @@ class Rearrangement:
         return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
 
 
+@dataclass
+class BatchOrder:
+    r"""The port stacks the rows of its denoiser's batch in another order than the reference (a guidance batch
+    of (cond, uncond) against (uncond, cond)): ``order[i]`` is the port's row holding the reference's row
+    ``i``. Read from the first call, where every paired conditioning tensor must match the reference's row for
+    row under exactly one such order (and the latents agree under it too); every call's batch-major tensors
+    are then compared in the reference's order. A port that stacks its batch otherwise and undoes it the
+    same way computes the same result: a consistent order is no difference."""
+
+    order: list[int]
+
+    @classmethod
+    def read(cls, ref: Call, rr: Roles, port: Call, pr: Roles) -> BatchOrder | None:
+        import torch
+
+        pairs = [(argument(ref, r), argument(port, p)) for r, p in pair_conditioning(ref, rr, port, pr)]
+        pairs = [(a, b) for a, b in pairs if a.dim() >= 1 and a.shape == b.shape and a.shape[0] >= 2]
+        if not pairs or len({a.shape[0] for a, _ in pairs}) != 1:
+            return None
+        n = pairs[0][0].shape[0]
+        match = torch.ones(n, n, dtype=torch.bool)
+        for a, b in pairs:
+            a, b = a.detach().double(), b.detach().to(a.device).double()
+            for i in range(n):
+                for j in range(n):
+                    match[i, j] &= bool(torch.allclose(a[i], b[j], rtol=1e-5, atol=1e-6))
+        if not bool((match.sum(dim=1) == 1).all()) or not bool((match.sum(dim=0) == 1).all()):
+            return None
+        order = [int(match[i].nonzero()[0]) for i in range(n)]
+        if order == list(range(n)):
+            return None
+        found = cls(order)
+        xr, xp = latents(ref, rr), latents(port, pr)
+        if xr is not None and xp is not None and tuple(xr.shape) == tuple(xp.shape) and xr.shape[0] == n:
+            if not torch.allclose(
+                xr.double(), found.to_reference(xp).double().to(xr.device), rtol=1e-5, atol=1e-6
+            ):
+                return None
+        return found
+
+    def to_reference(self, tensor: Any) -> Any:
+        r"""A tensor whose first dim is the batch, its rows in the reference's order; anything else as it
+        is."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] != len(self.order):
+            return tensor
+        return tensor[torch.tensor(self.order, device=tensor.device)]
+
+    def words(self) -> str:
+        return (
+            f"the port stacks its denoiser's batch in another order (its rows {tuple(self.order)} hold the"
+            " reference's rows in order, read from the first call's conditioning, exact): every call is"
+            " compared in the reference's order"
+        )
+
+    def view(self, call: Call) -> Call:
+        r"""``call`` with its batch-major arguments and its output in the reference's row order."""
+        named = {
+            k: self.to_reference(batch_of(v)) if batch_of(v) is not None else v for k, v in call.named.items()
+        }
+        found = output_tensor(call.output)
+        mapped = self.to_reference(found)
+        return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
+
+
 def _packings(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> Any:
     r"""Index tensors ``i`` such that ``reference.flatten()[i]`` is the reference packed into
     ``port_shape``: ``(B, C, *spatial)`` against ``(B, tokens, features)``, each spatial dim cut into

@@ -35,6 +35,7 @@ from paritykit.triage.measures import (
 )
 from paritykit.triage.pairs import (
     SAME_UNITS,
+    BatchOrder,
     Rearrangement,
     Tolerance,
     compare,
@@ -86,6 +87,15 @@ class Triage(ScheduleChecks, DecoderChecks):
                 port,
                 calls=[layout.view(c, r) for c, r in zip(port.calls, self.port_roles)],
                 result=layout.to_reference(port.result),
+            )
+        self.batch_order = None
+        if ref.calls and port.calls:
+            self.batch_order = BatchOrder.read(
+                ref.calls[0], self.ref_roles[0], self.port.calls[0], self.port_roles[0]
+            )
+        if self.batch_order is not None:
+            self.port = dataclasses.replace(
+                self.port, calls=[self.batch_order.view(c) for c in self.port.calls]
             )
         n = min(len(ref.calls), len(port.calls))
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
@@ -174,8 +184,11 @@ class Triage(ScheduleChecks, DecoderChecks):
             return self.schedule()
         if self.final_latents_differ():
             return self.update(step=len(self.pairs) - 1)
+        ordered = f" ({self.batch_order.words()})" if self.batch_order is not None else ""
         self.rule_out(
-            "denoiser", f"inputs, timestep and output agree at every call ({len(self.pairs)})", check="calls"
+            "denoiser",
+            f"inputs, timestep and output agree at every call ({len(self.pairs)}){ordered}",
+            check="calls",
         )
         self.decoder(independent=False)
 
@@ -366,9 +379,11 @@ class Triage(ScheduleChecks, DecoderChecks):
                 return
         first = self.pairs[0]
         shapes = ", ".join(f"{r} / {p} {tuple(c.shape_a)}" for r, p, c in first.conditioning)
+        ordered = f" ({self.batch_order.words()})" if self.batch_order is not None else ""
         self.rule_out(
             "conditioning",
-            f"{shapes} are equal in shape and agree element by element at all {len(self.pairs)} calls",
+            f"{shapes} are equal in shape and agree element by element at all {len(self.pairs)} calls"
+            + ordered,
         )
         if first.one_sided:
             self.skip(
