@@ -97,6 +97,30 @@ def test_fused_qkv_weight_and_bias_are_split_into_chunks_with_layer_rules():
     )
 
 
+def test_a_projection_of_concatenated_inputs_split_into_unequal_column_pieces():
+    # round 9 (F5-TTS): proj(cat(x, cond, text)) becomes x_proj, cond_proj, text_proj of 24, 24 and 32 input
+    # columns; only the bias was explained, and the aligner took proj for x_proj alone
+    torch.manual_seed(0)
+    w, b = torch.randn(64, 80), torch.randn(64)
+    src = {"input_embed.proj.weight": w, "input_embed.proj.bias": b}
+    tgt = {
+        "input_embed.x_proj.weight": w[:, :24].clone(),
+        "input_embed.x_proj.bias": b.clone(),
+        "input_embed.cond_proj.weight": w[:, 24:48].clone(),
+        "input_embed.text_proj.weight": w[:, 48:].clone(),
+    }
+    cmap = infer_conversion_map(src, tgt)
+    entries = _entries(cmap)
+    assert not cmap.unmapped_target
+    for key, (start, stop) in {"x_proj": (0, 24), "cond_proj": (24, 48), "text_proj": (48, 80)}.items():
+        entry = entries[f"input_embed.{key}.weight"]
+        assert entry.sources == ["input_embed.proj.weight"] and entry.op == "chunk"
+        assert (entry.args["dim"], entry.args["start"], entry.args["stop"]) == (1, start, stop)
+    # must not fire: a column block found nowhere in the source stays unexplained
+    tgt["input_embed.text_proj.weight"] = torch.randn(64, 32)
+    assert "input_embed.text_proj.weight" in infer_conversion_map(src, tgt).unmapped_target
+
+
 def test_swapped_shift_scale_is_swap_halves():
     w, b = _rand(2 * D, D), _rand(2 * D)
     src = {"final_layer.adaLN_modulation.1.weight": w, "final_layer.adaLN_modulation.1.bias": b}

@@ -522,3 +522,51 @@ def test_a_timestep_list_several_spacings_give_names_them_all():
     # must not fire: a list only one spacing gives keeps its one name
     assert timestep_family([900.0 - 100 * i for i in range(10)], 1000).name == "leading spacing"
     assert timestep_family([999.0 - 111 * i for i in range(10)], 1000).name == "linspace spacing, integer"
+
+
+def test_a_list_no_config_comes_near_has_no_nearest_and_no_pasted_list_elsewhere():
+    # round 9 (consistency models): the port's CMStochasticIterativeScheduler takes integer bins, the
+    # reference's levels are sigmas; "nearest: (base); set_timesteps(timesteps=REF_TIMESTEPS) (worst relative
+    # error 610)" compared the two units, and "elsewhere: EulerDiscreteScheduler reproduces it: …
+    # set_timesteps(timesteps=REF_TIMESTEPS)" only fed the reference's list back
+    from paritykit.schedule import fit_scheduler
+
+    smin, smax, rho, bins = 0.002, 80.0, 7.0, 150
+    grid = [
+        (smin ** (1 / rho) + i / (bins - 1) * (smax ** (1 / rho) - smin ** (1 / rho))) ** rho
+        for i in range(bins)
+    ]
+    levels = [grid[bins - 1 - k] for k in (0, 20, 60, 100, 140)]
+    fit = fit_scheduler("CMStochasticIterativeScheduler", {"timesteps": levels})
+    text = fit.render()
+    assert not fit.fits and "tried reproduces the reference" in text
+    assert fit.nearest is None or (fit.nearest.distance <= 1.0 and fit.nearest.call.rank < 3), text
+    assert not any("REF_TIMESTEPS" in e or "REF_SIGMAS" in e for e in fit.elsewhere), text
+    # must not fire: a near miss within 100% is still named as the nearest
+    near = fit_scheduler("DDIMScheduler", {"timesteps": [999, 749, 499, 249]})
+    assert near.fits or near.nearest is not None
+
+
+def test_a_ports_own_scheduler_subclass_is_fitted_by_module_and_class_name(tmp_path, monkeypatch):
+    # round 9: triage printed `--fit SigmaConditionedCMScheduler`, which the CLI refused as no diffusers class
+    from paritykit.base.errors import ParityKitError
+    from paritykit.schedule.schedulers import fit_name, resolve_scheduler
+
+    (tmp_path / "myport").mkdir()
+    (tmp_path / "myport" / "__init__.py").write_text("")
+    (tmp_path / "myport" / "sched.py").write_text(
+        "from diffusers import DDIMScheduler\n\n\nclass Mine(DDIMScheduler):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cls = resolve_scheduler("myport.sched:Mine")
+    assert cls.__name__ == "Mine" and fit_name(cls) == "myport.sched:Mine"
+    from diffusers import DDIMScheduler
+
+    assert fit_name(DDIMScheduler) == "DDIMScheduler"
+    # a class no command can import is named by none
+    local = type("Local", (DDIMScheduler,), {"__module__": "__main__"})
+    assert fit_name(local) is None
+    with pytest.raises(ParityKitError, match="myport.sched:Nope"):
+        resolve_scheduler("myport.sched:Nope")
+    with pytest.raises(ParityKitError, match="cannot import"):
+        resolve_scheduler("no_such_module:Mine")

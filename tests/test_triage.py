@@ -604,3 +604,24 @@ def test_a_guidance_batch_stacked_the_other_way_and_undone_alike_is_no_differenc
     # must not fire: the same order on both sides says nothing of an order
     same = triage_spec(write_guidance_spec(tmp_path, "same"), out=tmp_path / "n")
     assert same.verdict == "match" and "another order" not in same.render()
+
+
+def test_guidance_passes_packed_in_one_call_against_one_call_each_are_compared_step_by_step(tmp_path):
+    # round 9 (F5-TTS): the research packs (cond, uncond) into one call per step, the port calls once per
+    # pass; triage read a schedule difference, a denoiser that differs and a culprit on the correct port
+    from tests.triage_pairs import write_passes_spec
+
+    clean = triage_spec(write_passes_spec(tmp_path), all_causes=True, out=tmp_path / "c")
+    text = clean.render()
+    assert clean.verdict == "match" and not clean.findings, text
+    assert "reference 5, port 10 (the port calls its denoiser 2 times per timestep" in text
+    assert "ruled out: denoiser: the port's module matches the reference's on call 0's inputs" in text
+    # a slip inside the port's network is still found on the reference's inputs, against the rows it computes
+    buggy = triage_spec(write_passes_spec(tmp_path, ["norm-eps"]), out=tmp_path / "b")
+    finding = buggy.findings[0]
+    assert buggy.verdict == "differ" and finding.place == "denoiser"
+    assert "down_blocks.1.resnets.0.norm1" in " ".join([finding.summary, *finding.evidence])
+    from paritykit.bisection.spec import bisect_spec
+
+    bisected = bisect_spec(tmp_path / "b" / "bisect_denoiser.py")
+    assert bisected.culprit.port.endswith("down_blocks.1.resnets.0.norm1")

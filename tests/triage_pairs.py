@@ -394,3 +394,85 @@ def write_guidance_spec(folder, order: str):
         )
     )
     return path
+
+
+class Embedder(torch.nn.Module):
+    r"""A conditioning embedder with a drop flag (F5-TTS's text embedding drops the text for the unconditional
+    pass): ``drop=True`` embeds zeros."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, context: torch.Tensor, drop: bool = False) -> torch.Tensor:
+        return self.proj(torch.zeros_like(context) if drop else context)
+
+
+class PackedGuidance(torch.nn.Module):
+    r"""The research side: one call per step computes both guidance passes as one batch, (cond, uncond),
+    its embedder called twice inside, once with ``drop=True``."""
+
+    def __init__(self, unet: torch.nn.Module, embed: Embedder):
+        super().__init__()
+        self.unet, self.embed = unet, embed
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([self.embed(context), self.embed(context, drop=True)])
+        return self.unet(torch.cat([x, x]), t, encoder_hidden_states=both).sample
+
+
+class OnePass(torch.nn.Module):
+    r"""The port side: one guidance pass per call, the drop flag an argument."""
+
+    def __init__(self, unet: torch.nn.Module, embed: Embedder):
+        super().__init__()
+        self.unet, self.embed = unet, embed
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, drop: bool = False):
+        return self.unet(x, t, encoder_hidden_states=self.embed(context, drop=drop)).sample
+
+
+class GuidancePassesPair(Pair):
+    r"""The reference packs its guidance passes into one batched call per step; the port calls its denoiser
+    once per pass. ``bugs`` may hold ``"norm-eps"`` (one GroupNorm of the port's UNet with eps 1e-3)."""
+
+    SCALE = 3.0
+
+    def __init__(self, bugs: set[str]):
+        super().__init__(bugs, vae=False)
+        embed = Embedder()
+        with torch.no_grad():
+            for p in embed.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.5)
+        self.ref_packed = PackedGuidance(self.ref_unet, embed)
+        self.port_pass = OnePass(self.port_unet, copy.deepcopy(embed))
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        def guided(x, t, c):
+            cond, uncond = self.ref_packed(x, t, c).chunk(2)
+            return uncond + self.SCALE * (cond - uncond)
+
+        return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        for t in scheduler.timesteps:
+            cond = self.port_pass(latents, t, self.cond)
+            uncond = self.port_pass(latents, t, self.cond, drop=True)
+            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
+        return latents
+
+
+def write_passes_spec(folder, bugs=()):
+    r"""A triage SPEC for :class:`GuidancePassesPair` with ``bugs`` planted."""
+    path = folder / "passes_spec.py"
+    text = (
+        SPEC_TEXT.replace("import Pair", "import GuidancePassesPair")
+        .replace("Pair({bugs!r}, vae={vae!r})", "GuidancePassesPair({bugs!r})")
+        .replace("PAIR.ref_unet", "PAIR.ref_packed")
+        .replace("PAIR.port_unet", "PAIR.port_pass")
+    )
+    path.write_text(text.format(bugs=set(bugs)))
+    return path

@@ -105,6 +105,9 @@ def bisect_traces(
 
         pairs = [(p.reference, p.port) for p in alignment.one_to_one]
         report.config_differences = config_differences(reference, port, pairs)
+        for finding in report.culprits or [report.culprit]:
+            if finding is not None:
+                spread_of_settings(finding, report.config_differences, port, len(pairs))
     if all_culprits and report.culprit is not None:
         ref_final = final_output("reference", ref_root.output_value(), select_output)
         every_culprit(report, searcher, ref_final, select_output=select_output, ops=ops, repair=explain)
@@ -431,3 +434,34 @@ def capture_and_bisect(
         float_floor=floor,
         **search,
     )
+
+
+def spread_of_settings(finding: Any, differences: list[Any], port: Any, pairs: int) -> None:
+    r"""A culprit whose hint names a setting that differs: how many aligned module pairs of the whole models
+    differ in that setting the same way (a model config key, not one module), and the port's config keys
+    that hold the port's value under a name that contains the setting's (``norm_num_groups`` for
+    ``num_groups``), said in the hint."""
+    for hint in finding.hints:
+        found = (hint.evidence or {}).get("difference") if hint.id == "module-config" else None
+        if not found or found.get("kind") != "attribute":
+            continue
+        same = [
+            d
+            for d in differences
+            if d.to_dict()["attr"] == found["attr"]
+            and d.to_dict()["reference_value"] == found["reference_value"]
+            and d.to_dict()["port_value"] == found["port_value"]
+        ]
+        if len(same) < 2:
+            continue
+        config = getattr(port, "config", None)
+        keys = [
+            k
+            for k, v in (dict(config) if isinstance(config, dict) else {}).items()
+            if found["attr"] in k and v == found["port_value"]
+        ]
+        hint.message += (
+            f"; the same setting differs the same way in {len(same)} aligned module pairs of the two models"
+            " (every one compared)"
+            + (f"; the port's config holds {', '.join(f'{k}={config[k]!r}' for k in keys)}" if keys else "")
+        )

@@ -183,6 +183,8 @@ class BisectReport:
     # the output differs by float noise only: where the two sides differ most in precision
     # (paritykit.bisection.floor); float_floor says whether the float64 runs were measured, or why not
     precision: str = ""
+    # final outputs of other shapes: which blocks of the larger batch the smaller output equals (measured)
+    shape_note: str = ""
     float_floor: str = ""
     # a run from --reference/--port/--inputs: the command that writes the SPEC it used, to keep it
     spec_command: str = ""
@@ -274,6 +276,7 @@ class BisectReport:
         if out.get("status") == "shape_mismatch":
             lines.append(
                 f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"
+                + (f"; {self.shape_note}" if self.shape_note else "")
             )
         if self.verdict == "masked":
             what = (
@@ -291,11 +294,15 @@ class BisectReport:
         elif self.culprit:
             leads = sum(1 for t in self.candidates if _inside(t.reference, self.culprit.reference))
             lines += _render_finding("culprit", self.culprit, self._holds_reordered(self.culprit), leads)
-        if self.verdict != "match":  # on a match, a weakly paired pair that fails changes no answer
-            lines += [_lead_line(test, self.alignment) for test in self.candidates]
+        lines += [_lead_line(test, self.alignment) for test in self.candidates]
         if self.all_note:
             lines.append(self.all_note)
-        if not self.culprit and self.verdict == "diverge":
+        if not self.culprit and self.verdict == "diverge" and out.get("status") == "shape_mismatch":
+            lines.append(
+                "culprit: none named (no aligned module below the top level fails on identical inputs, and"
+                " outputs of other shapes are not one computation to blame the top level for)"
+            )
+        elif not self.culprit and self.verdict == "diverge":
             lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
         if self.first_output_divergence:
             f = self.first_output_divergence

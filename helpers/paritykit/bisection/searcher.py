@@ -3,13 +3,20 @@ and walk down to the deepest failing call."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import first_line
 from paritykit.base.inputs import is_tensor, to_device
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment
+from paritykit.bisection.call_pairing import (
+    CallPairing,
+    InputPairing,
+    Leaves,
+    reference_settings,
+    unpaired_shapes,
+)
 from paritykit.bisection.floor import FloatFloor, far_above, fits_twice, module_floor, within
 from paritykit.bisection.leaves import (
     flatten_tensors,
@@ -18,10 +25,9 @@ from paritykit.bisection.leaves import (
     module_device,
     pair_inputs,
     pair_layouts,
-    pair_with_extras,
     same_shape_orders,
 )
-from paritykit.bisection.relations import Relation, argument_name, pair_by_value, renamed, unexplained
+from paritykit.bisection.relations import Relation
 from paritykit.bisection.results import ModuleTest, Status
 from paritykit.compare.tensors import relative_error
 from paritykit.tracing.trace import Record, Trace, module_of
@@ -29,19 +35,12 @@ from paritykit.tracing.trace import Record, Trace, module_of
 if TYPE_CHECKING:
     from paritykit.compare.tensors import TensorComparison
 
-# a call's tensors as (path, tensor), in the order capture flattened them
-Leaves = list[tuple[str, Any]]
 # both modules' output leaves on the reference's inputs: (reference, port)
 Replayed = tuple[Leaves, Leaves]
 
 JUMP_RATIO = 10.0
 # calls with differing captured outputs a zoom tests for a masked divergence (each may capture a level)
 MAX_MASKED_CHECKS = 32
-# a call whose inputs differ from those of the port call in its place of the order is paired by value with one
-# of this many port calls nearest in order
-MAX_CALL_CANDIDATES = 64
-# two arguments this close in relative error are taken for one quantity when pairing by value
-IDENTIFY = 1e-4
 
 
 @dataclass(frozen=True)
@@ -53,106 +52,7 @@ class PairedComparison:
     orders: dict[str, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
-class InputPairing:
-    r"""How a reference call's input leaves feed a port call's: ``pairs`` of (reference index, port index),
-    ``ref_leaves`` as paired (repeats taken once, possibly in the port's layout), and the port leaves with no
-    reference counterpart (``extra``: their indices), which keep the port's own captured values."""
-
-    ref_leaves: Leaves
-    port_leaves: Leaves
-    pairs: list[tuple[int, int]]
-    extra: list[int]
-    # port leaves paired by value across signatures (:mod:`paritykit.bisection.relations`), by port index:
-    # how each is computed from reference leaves
-    relations: dict[int, Relation] = field(default_factory=dict)
-    # set when the relations were read at an earlier call of the same two classes (this call's inputs
-    # differ, so its values cannot say which argument is which): that call's name
-    learned_from: str = ""
-
-    @property
-    def own_paths(self) -> list[str]:
-        r"""The paths of the port inputs with no reference counterpart."""
-        return [self.port_leaves[j][0] for j in self.extra]
-
-    def reference_value(self, i: int, j: int) -> Any:
-        r"""The reference's value for port leaf ``j`` (paired with reference leaf ``i``), in the port's
-        form."""
-        relation = self.relations.get(j)
-        return relation(self.ref_leaves) if relation is not None else self.ref_leaves[i][1]
-
-    def rows(self, ref_module: Any = None, port_module: Any = None) -> list[tuple[str, str, str]]:
-        r"""The interface as (port argument, reference argument, relation) rows, every port input once, named
-        from the modules' ``forward`` signatures when given."""
-        ref_paths = [path for path, _ in self.ref_leaves]
-
-        def ref_name(path: str) -> str:
-            return argument_name(ref_module, path)
-
-        by_port = {j: i for i, j in self.pairs}
-        out = []
-        for j, (path, tensor) in enumerate(self.port_leaves):
-            mine = argument_name(port_module, path)
-            relation = self.relations.get(j)
-            if relation is not None:
-                sources = ", ".join(ref_name(self.ref_leaves[i][0]) for i in relation.sources)
-                out.append(
-                    (mine, sources, f"{relation.kind}: {renamed(relation.words, ref_paths, ref_name)}")
-                )
-            elif j in by_port:
-                other = self.ref_leaves[by_port[j]][1]
-                how = "same" if tuple(other.shape) == tuple(tensor.shape) else "dims permuted"
-                out.append(
-                    (
-                        mine,
-                        ref_name(self.ref_leaves[by_port[j]][0]),
-                        f"{how} (paired by path, order or shape)",
-                    )
-                )
-            else:
-                out.append(
-                    (mine, "", "the port's own: no reference argument gives it (taken from the port's run)")
-                )
-        return out
-
-    def describe(self, ref_module: Any = None, port_module: Any = None) -> str:
-        r"""How the arguments were paired by value, for a test's note (empty when paired by path, order or
-        shape), each argument named from its module's ``forward`` signature when the module is given."""
-        if not self.relations:
-            return ""
-        ref_paths = [path for path, _ in self.ref_leaves]
-
-        def port_name(path: str) -> str:
-            return argument_name(port_module, path)
-
-        def ref_name(path: str) -> str:
-            return argument_name(ref_module, path)
-
-        said = [
-            f"{port_name(self.port_leaves[j][0])} = {renamed(r.words, ref_paths, ref_name)}"
-            for j, r in sorted(self.relations.items())
-        ]
-        own = [
-            f"{port_name(path)}: taken from the port's own run (no reference argument paired with it)"
-            for path in self.own_paths
-        ]
-        how = f"as by value at {self.learned_from}" if self.learned_from else "by value"
-        return f"arguments paired {how}: " + "; ".join(said + own)
-
-
-@dataclass(frozen=True)
-class UnpairedInputs:
-    r"""Port inputs no reference argument gives by value (indices into the port call's input leaves), the
-    reference arguments left over that could stand for them, the words naming both, and whether any other
-    argument of the call did pair by value."""
-
-    port: list[int]
-    reference: list[int]
-    words: str
-    any_paired: bool
-
-
-class Searcher:
+class Searcher(CallPairing):
     r"""Tests the aligned calls of one pair of traces (each at most once) and walks down to the culprit.
 
     Both search strategies (:mod:`paritykit.bisection.strategy`) test calls only through a searcher: the full
@@ -201,6 +101,8 @@ class Searcher:
         self.layouts: dict[str, dict[str, tuple[int, ...]]] = {}
         # the dim order a replay read the reference's inputs in to feed the port (same shape, another layout)
         self.input_layouts: dict[str, tuple[int, ...]] = {}
+        # plain keyword arguments a replay set as the reference's call set them, by reference call
+        self.settings_taken: dict[str, dict[str, Any]] = {}
         self.children_of: dict[str | None, list[Record]] = {}
         # the float floor (paritykit.bisection.floor): None leaves it off; a FloatFloor measures failing
         # replays in float64 and, when its float64 traces are at hand, every captured call
@@ -214,48 +116,6 @@ class Searcher:
         self._templates: dict[tuple, tuple[str, dict[int, Relation]]] = {}
         for record in ref_trace.records:
             self.children_of.setdefault(record.parent, []).append(record)
-
-    # pairing ---------------------------------------------------------------------------------------
-    def port_record(self, ref_record: Record) -> Record | None:
-        r"""The port call paired with a reference call: of the aligned port module's calls, the one in the
-        same place of the order when its inputs agree; else the nearest in order whose inputs agree (a shared
-        module called twice where the reference has two, frame chunks processed with a cache, one guidance
-        batch split in two); else the one in the same place. ``None`` when the module is unaligned."""
-        if ref_record.name in self._call_pairs:
-            return self._call_pairs[ref_record.name]
-        pair = self.alignment.pair_of(ref_record.module)
-        found = None if pair is None or pair.layout else self._pair_call(ref_record, pair.port)
-        self._call_pairs[ref_record.name] = found
-        return found
-
-    def _pair_call(self, ref_record: Record, port_module: str) -> Record | None:
-        calls = self._port_calls.get(port_module)
-        if calls is None:
-            calls = self._port_calls[port_module] = self.port_trace.calls(port_module)
-        by_order = calls[ref_record.call] if ref_record.call < len(calls) else None
-        repeated = len(calls) > 1 or ref_record.call > 0 or f"{ref_record.module}#1" in self.ref_trace
-        if not repeated or (by_order is not None and self._inputs_agree(ref_record, by_order)):
-            return by_order
-        nearest = sorted(calls, key=lambda c: abs(c.call - ref_record.call))[:MAX_CALL_CANDIDATES]
-        for candidate in nearest:
-            if candidate is not by_order and self._inputs_agree(ref_record, candidate):
-                return candidate
-        return by_order
-
-    def _inputs_agree(self, ref_record: Record, port_record: Record) -> bool:
-        r"""Whether every reference input paired with a port input agrees with it within tolerance (at least
-        one pair)."""
-        try:
-            pairing = self.pair_call_inputs(ref_record, port_record)
-        except Exception:  # a trace folder with a missing shard: no value to pair by
-            return False
-        if pairing is None or not pairing.pairs:
-            return False
-        for i, j in pairing.pairs:
-            a, b = pairing.reference_value(i, j), pairing.port_leaves[j][1]
-            if a.shape != b.shape or not self.compare(a, b.to(a.dtype), "input").passed:
-                return False
-        return True
 
     def frontier(self, record: Record) -> list[Record]:
         """The nearest aligned calls below ``record`` (unaligned calls in between are looked through)."""
@@ -293,89 +153,6 @@ class Searcher:
         """The worst comparison of :meth:`compare_paired` alone."""
         paired = self.compare_paired(a, b, name)
         return paired.worst if paired is not None else None
-
-    def pair_call_inputs(self, ref_record: Record, port_record: Record) -> InputPairing | None:
-        """How the reference call's input leaves feed the port call's: by path, order or shape, then up to a
-        dim permutation, then with port inputs the reference has no counterpart for (rotary cos/sin passed as
-        ``image_rotary_emb``) kept from the port's own capture. ``None`` when they cannot be paired."""
-        if not ref_record.replayable or not port_record.replayable:
-            return None
-        ref_leaves = list(ref_record.inputs.items())
-        port_leaves = list(port_record.inputs.items())
-        if not port_leaves:
-            return None
-        ref_leaves, pairs = pair_inputs(ref_leaves, port_leaves)
-        extra: list[int] = []
-        if pairs is None and len(ref_leaves) == len(port_leaves):
-            # the reference's tensors in the port's layout (``[B, H, L, D]`` in, ``[B, L, H, D]`` taken)
-            found = pair_layouts(port_leaves, ref_leaves)
-            if found is not None and found[2]:
-                ref_leaves = [(path, tensor.contiguous()) for path, tensor in found[1]]
-                pairs = [(i, j) for j, i in found[0]]
-        if pairs is None:
-            pairs, extra = pair_with_extras(ref_leaves, port_leaves)
-        if pairs is None:
-            return self.pair_inputs_by_value(ref_record, port_record)
-        return InputPairing(ref_leaves, port_leaves, pairs, extra)
-
-    def same_quantity(self, a: Any, b: Any) -> bool:
-        r"""Whether two same-shape tensors hold one quantity: equal within tolerance, or apart by at most
-        :data:`IDENTIFY` relative error (float noise upstream; a replay feeds the reference's value
-        anyway)."""
-        return self.compare(a, b, "input").passed or relative_error(b, a) <= IDENTIFY
-
-    def pair_inputs_by_value(self, ref_record: Record, port_record: Record) -> InputPairing | None:
-        r"""The two calls' inputs paired by captured value across signatures
-        (:func:`~paritykit.bisection.relations.pair_by_value`); ``None`` unless at least one floating-point
-        port input is reached."""
-        ref_leaves = list(ref_record.inputs.items())
-        port_leaves = list(port_record.inputs.items())
-        signature = _signature(ref_record, ref_leaves, port_record, port_leaves)
-        relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
-        learned = ""
-        if (
-            not any(port_leaves[j][1].is_floating_point() for j in relations)
-            or (unexplained(ref_leaves, port_leaves, relations)[0])
-        ):
-            # an input differs, so its value names no counterpart (and is no "own" input: see inputs_differ);
-            # calls of the same two classes with the same arguments pair as an earlier call paired by value
-            template = self._templates.get(signature)
-            if template is None:
-                return None
-            learned, relations = template
-        elif signature not in self._templates and not any(r.ties for r in relations.values()):
-            # a call where two reference arguments were equal cannot say which is which for later calls
-            self._templates[signature] = (ref_record.name, relations)
-        pairs = [(r.sources[0], j) for j, r in relations.items()]
-        extra = [j for j in range(len(port_leaves)) if j not in relations]
-        return InputPairing(ref_leaves, port_leaves, pairs, extra, relations, learned)
-
-    def inputs_differ(self, ref_record: Record, port_record: Record) -> str:
-        r"""Why two calls' inputs cannot be paired by value, naming the port inputs no reference argument
-        gives and the reference arguments left over; empty when that is not the reason."""
-        if not ref_record.replayable or not port_record.replayable:
-            return ""
-        unpaired = self.unpaired_inputs(ref_record, port_record)
-        return f"inputs differ: {unpaired.words}" if unpaired is not None else ""
-
-    def unpaired_inputs(self, ref_record: Record, port_record: Record) -> UnpairedInputs | None:
-        r"""The port inputs of a call pair that no reference argument gives by value, while an unused
-        reference argument could stand for them (:func:`~paritykit.bisection.relations.unexplained`), named
-        from the two modules' signatures; ``None`` when there are none."""
-        ref_leaves = list(ref_record.inputs.items())
-        port_leaves = list(port_record.inputs.items())
-        relations = pair_by_value(ref_leaves, port_leaves, self.same_quantity)
-        port_left, ref_left = unexplained(ref_leaves, port_leaves, relations)
-        if not port_left:
-            return None
-        port_module = self.port_modules.get(port_record.module)
-        ref_module = self.ref_modules.get(ref_record.module)
-        port_names = ", ".join(argument_name(port_module, port_leaves[j][0]) for j in port_left)
-        ref_names = ", ".join(argument_name(ref_module, ref_leaves[i][0]) for i in ref_left)
-        words = (
-            f"port {port_names} equal no reference argument by value (reference {ref_names} left unpaired)"
-        )
-        return UnpairedInputs(port_left, ref_left, words, bool(relations))
 
     def adapt_inputs(
         self,
@@ -444,6 +221,10 @@ class Searcher:
             return self.inputs_differ(ref_record, port_record) or (
                 "signatures differ (inputs cannot be paired by path, order, shape or value)"
             )
+        settings = reference_settings(ref_record, adapted[1])
+        if settings:  # a flag both calls name (drop_text=True against False) set as the reference set it
+            adapted = (adapted[0], {**adapted[1], **settings})
+            self.settings_taken[ref_record.name] = settings
         ref_module = self.ref_modules.get(ref_record.module)
         if ref_module is not None:
             args, kwargs = ref_record.call_inputs()
@@ -555,6 +336,13 @@ class Searcher:
                 else ""
             )
         )
+        taken = self.settings_taken.get(ref_record.name)
+        settings_note = (
+            "non-tensor arguments of both calls set as the reference's call set them: "
+            + ", ".join(f"{k}={v!r}" for k, v in taken.items())
+            if taken
+            else ""
+        )
         return ModuleTest(
             ref_record.name,
             port_record.name,
@@ -563,7 +351,7 @@ class Searcher:
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(noise, relaid, own_note, layout_note(orders)),
+            note=join_notes(noise, relaid, own_note, settings_note, layout_note(orders)),
             floor=floor,
             arguments=(
                 pairing.rows(
@@ -600,7 +388,7 @@ class Searcher:
         ref_outs = list(ref_record.outputs.items())
         paired = self.compare_paired(ref_outs, list(port_record.outputs.items()), ref_record.name)
         if paired is None:
-            note = join_notes(note, _unpaired_shapes(ref_record, port_record))
+            note = join_notes(note, unpaired_shapes(ref_record, port_record))
             return ModuleTest(ref_record.name, port_record.name, "jump", "untestable", note=note)
         out_cmp = paired.worst
         if paired.orders:
@@ -813,26 +601,7 @@ class Searcher:
         return parent if parent is not None else self.ref_trace.root
 
 
-def _signature(ref_record: Record, ref_leaves: Leaves, port_record: Record, port_leaves: Leaves) -> tuple:
-    def shapes(leaves: Leaves) -> tuple:
-        return tuple((path, tuple(t.shape), t.dtype) for path, t in leaves)
-
-    return ref_record.type, port_record.type, shapes(ref_leaves), shapes(port_leaves)
-
-
 def join_notes(*notes: str) -> str:
     r"""The notes joined by "; ", each said once (a note the next one starts with is left out)."""
     kept = [n for n in notes if n]
     return "; ".join(n for i, n in enumerate(kept) if not any(m.startswith(n) for m in kept[i + 1 :]))
-
-
-def _unpaired_shapes(ref_record: Record, port_record: Record) -> str:
-    """Why two calls' outputs cannot be compared, with both sides' shapes (a shape mismatch, usually)."""
-
-    def shapes(record: Record) -> str:
-        return ", ".join(str(list(t.shape)) for t in record.outputs.values()) or "no tensor"
-
-    return (
-        f"outputs not paired (by path, order, shape or value): reference {shapes(ref_record)} vs port"
-        f" {shapes(port_record)}"
-    )

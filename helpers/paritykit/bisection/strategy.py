@@ -192,6 +192,8 @@ def inherited(searcher: Searcher, record: Record) -> float | None:
     r"""The max_abs of a replayed call's captured outputs in the run when it is more than
     :data:`INHERITED_FACTOR` times what the call makes on identical inputs, else ``None``: the call is then a
     difference, not where the run's difference comes from."""
+    if record.parent is None:  # the top level is compared at the final output, never replayed for this
+        return None
     port_record = searcher.port_record(record)
     own = searcher.test(record)
     if own.test != "replay" or not own.max_abs or port_record is None:
@@ -253,6 +255,9 @@ def run_strategy(
             # no module fails on identical inputs, yet a captured output differs: still not a match
             located = located if located is not None else strategy.differing()
             verdict = "masked" if located is not None else verdict
+        shapes_differ = output.status == "shape_mismatch"
+        if shapes_differ and located is not None and located.call is top.ref_trace.root:
+            located = None  # two outputs of other shapes: the top level's own forward is not what differs
         if located is not None and verdict != "match":
             repair = repair if repair is not None else RepairOptions()
             in_run = None if located.through_inputs else inherited(located.searcher, located.call)
@@ -316,7 +321,13 @@ def run_strategy(
             test = top.test(record)
             if test.test == "replay" and test.status in ("pass", "fail"):
                 first.replayed = (test.status, test.max_abs)
+    candidates = strategy.candidates()
+    if verdict == "match":
+        # a weak pair whose captured inputs already differ in a run that matches is no one computation: its
+        # failure is no lead; one fed alike that fails holds a difference the output hides
+        candidates = [c for c in candidates if top.fed_alike(c.reference)]
     stamp = environment if environment is not None else environment_stamp()
+    shape_note = batch_blocks(ref_final, port_final, atol, rtol) if output.status == "shape_mismatch" else ""
     return BisectReport(
         verdict=verdict,
         culprit=culprit,
@@ -324,12 +335,39 @@ def run_strategy(
         output=output,
         alignment=strategy.final_alignment(),
         tested=strategy.tested(),
-        candidates=strategy.candidates(),
+        candidates=candidates,
         environment=strategy.describe(stamp),
         culprits=[culprit] if culprit is not None else [],
         allow_masked=allow_masked,
         precision=precision,
         float_floor=floor_state(top.float_floor),
+        shape_note=shape_note,
+    )
+
+
+def batch_blocks(ref: Any, port: Any, atol: float | None, rtol: float | None) -> str:
+    r"""Two outputs that differ in batch only, the larger a whole number of the smaller's batches: which
+    blocks of the larger the smaller equals within tolerance (each compared), in words; else empty."""
+    from paritykit.compare.tensors import compare_tensors
+
+    if ref is None or port is None or ref.dim() == 0 or ref.shape[1:] != port.shape[1:]:
+        return ""
+    big, small, bigger = (ref, port, "reference") if ref.shape[0] > port.shape[0] else (port, ref, "port")
+    size = small.shape[0]
+    if size == 0 or big.shape[0] % size:
+        return ""
+    equal = [
+        i
+        for i in range(big.shape[0] // size)
+        if compare_tensors(big[i * size : (i + 1) * size], small, atol=atol, rtol=rtol).passed
+    ]
+    other = "port" if bigger == "reference" else "reference"
+    if not equal:
+        return f"no block of {size} rows of the {bigger}'s output equals the {other}'s"
+    rows = ", ".join(f"{i * size}:{(i + 1) * size}" for i in equal)
+    return (
+        f"the {other}'s output equals the {bigger}'s rows {rows} (each block of {size} rows compared): the"
+        f" {bigger}'s call computes a larger batch"
     )
 
 

@@ -685,7 +685,9 @@ def _explain_no_fit(
     whose own fit reproduces the reference (each found by a full fit, not assumed)."""
     from paritykit.schedule.compare import compare_schedules
 
-    finite = [c for c in tried if math.isfinite(c.distance)]
+    # a candidate is near only within 100% of the reference's values; a pasted list (the reference's own
+    # values given to set_timesteps) is no config: how far it lands measures the units, not a near miss
+    finite = [c for c in tried if math.isfinite(c.distance) and c.distance <= 1.0 and c.call.rank < 3]
     near = (
         result.rejected[0]
         if result.rejected
@@ -761,7 +763,7 @@ def _sibling(
         _validate(cand, other, {}, ref, result.counts, sizes, variant)
         if not cand.failures:
             break
-    if cand.failures:
+    if cand.failures or cand.call.rank >= 3:  # any class that takes a list of timesteps takes the reference's
         return None
     cand.changes = {k: v for k, v in changes.items() if keys.get(k) != v}
     probe = FitResult(name, steps, result.counts, result.reference, {}, [cand], [], 1)

@@ -24,9 +24,12 @@ from paritykit.schedule.load import (
 # fitting a scheduler config
 # ============================================================================================================
 def resolve_scheduler(cls: Any) -> type:
-    r"""A diffusers scheduler class from itself or its name (``"DDIMScheduler"``)."""
+    r"""A diffusers scheduler class from itself, its name (``"DDIMScheduler"``), or ``module:Class`` for a
+    port's own scheduler class importable from the current folder (``port.scheduling:MyScheduler``)."""
     if isinstance(cls, type):
         return cls
+    if ":" in str(cls):
+        return _importable_scheduler(str(cls))
     import diffusers
 
     try:
@@ -40,6 +43,44 @@ def resolve_scheduler(cls: Any) -> type:
     if not isinstance(found, type) or not hasattr(found, "set_timesteps"):
         raise ParityKitError(f"--fit {cls!r}: not a diffusers scheduler class (e.g. DDIMScheduler)")
     return found
+
+
+def _importable_scheduler(name: str) -> type:
+    import importlib
+    import os
+    import sys
+
+    module, _, attr = name.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module), attr, None)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the argument's trouble
+        raise ParityKitError(
+            f"--fit {name!r}: cannot import {module} ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(found, type) or not hasattr(found, "set_timesteps"):
+        raise ParityKitError(f"--fit {name!r}: {module} has no scheduler class {attr!r}")
+    return found
+
+
+def fit_name(cls: type) -> str | None:
+    r"""What ``--fit`` takes for ``cls``: its diffusers name, ``module:Class`` when its module is a file
+    under the current folder (a port's own subclass), else ``None`` (a class no command can name)."""
+    import os
+    import sys
+
+    import diffusers
+
+    if getattr(diffusers, cls.__name__, None) is cls:
+        return cls.__name__
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    if not file or cls.__module__ == "__main__":
+        return None
+    relative = os.path.relpath(os.path.splitext(os.path.abspath(file))[0], os.getcwd())
+    if relative.replace(os.sep, ".").removesuffix(".__init__") != cls.__module__:
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def accepted_keys(cls: type) -> dict[str, Any]:

@@ -159,6 +159,26 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
         ),
         f"first hint: {first}",
     ]
+    if getattr(culprit, "in_run", None) is not None:
+        evidence.insert(
+            1,
+            f"in the run its outputs differ by max_abs {format_number(culprit.in_run)}, against"
+            f" {format_number(culprit.max_abs)} on identical inputs: most of that difference reaches it with"
+            " its inputs",
+        )
+    divergence = report.first_output_divergence
+    if divergence is not None and divergence is not culprit and divergence.reference != culprit.reference:
+        replayed = divergence.replayed
+        own = (
+            "not replayed"
+            if replayed is None
+            else f"it {'passes' if replayed[0] == 'pass' else 'fails'} on identical inputs (max_abs"
+            f" {format_number(replayed[1])})"
+        )
+        evidence.append(
+            f"first aligned module whose outputs differ: {divergence.reference or '(top)'} <->"
+            f" {divergence.port or '(top)'} (max_abs {format_number(divergence.max_abs)}; {own})"
+        )
     fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
     return Finding(
         place,

@@ -378,6 +378,88 @@ class BatchOrder:
         return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
 
 
+@dataclass
+class CallGroups:
+    r"""One side calls its denoiser ``k`` times per timestep (a guidance half per call) where the other calls
+    it once on a batch ``k`` times as large: each run of ``k`` calls is compared as one call, its inputs kept
+    once where the ``k`` calls agree and stacked along the batch otherwise, its outputs stacked in ``order``
+    (read from the first step: the order of the blocks that matches the other side's output)."""
+
+    side: str
+    k: int
+    order: list[int]
+
+    @classmethod
+    def read(cls, ref: list[Call], port: list[Call], t_ref: list, t_port: list) -> CallGroups | None:
+        import itertools
+
+        from paritykit.triage.measures import per_step_calls
+
+        if None in t_ref or None in t_port:
+            return None
+        found = per_step_calls(t_ref, t_port)
+        if found is None or min(found) != 1:
+            return None
+        side, k = ("reference", found[0]) if found[0] > 1 else ("port", found[1])
+        many, once = (ref, port) if side == "reference" else (port, ref)
+        outs = [output_tensor(c.output) for c in many[:k]]
+        whole = output_tensor(once[0].output)
+        if whole is None or any(o is None or o.dim() == 0 for o in outs):
+            return None
+        if sum(o.shape[0] for o in outs) != whole.shape[0] or any(
+            o.shape[1:] != whole.shape[1:] for o in outs
+        ):
+            return None  # the other side's batch does not hold the k calls' batches: no grouping
+        best = min(
+            itertools.permutations(range(k)),
+            key=lambda order: rel(whole, _stack([outs[j] for j in order])) or 0.0,
+        )
+        return cls(side, k, list(best))
+
+    def merge(self, calls: list[Call]) -> list[Call]:
+        return [self._merged(calls[i : i + self.k]) for i in range(0, len(calls) - self.k + 1, self.k)]
+
+    def _merged(self, group: list[Call]) -> Call:
+        import torch
+
+        group = [group[j] for j in self.order]
+        named = {}
+        for key, value in group[0].named.items():
+            values = [batch_of(c.named.get(key)) for c in group]
+            named[key] = value
+            if all(v is not None for v in values) and not all(torch.equal(values[0], v) for v in values[1:]):
+                if all(v.dim() > 0 and v.shape[1:] == values[0].shape[1:] for v in values):
+                    named[key] = torch.cat(values)
+        outs = [output_tensor(c.output) for c in group]
+        return Call(group[0].args, group[0].kwargs, named, _stack(outs))
+
+    def first_of(self, step: int, port_calls: list[Call]) -> tuple[Call, tuple[int, int]] | None:
+        r"""The port's first recorded call of ``step`` and the rows of the reference's batch it computes
+        (its block in the stacking order), when the port is the side that calls ``k`` times."""
+        if self.side != "port" or (step + 1) * self.k > len(port_calls):
+            return None
+        call = port_calls[step * self.k]
+        found = output_tensor(call.output)
+        if found is None or found.dim() == 0:
+            return None
+        size, block = found.shape[0], self.order.index(0)
+        return call, (block * size, (block + 1) * size)
+
+    def words(self) -> str:
+        other = "port" if self.side == "reference" else "reference"
+        return (
+            f"the {self.side} calls its denoiser {self.k} times per timestep where the {other} calls it once"
+            f" on a batch {self.k} times as large: each step's {self.k} calls are compared as one batch,"
+            f" stacked in the order {tuple(self.order)} that the first step's outputs follow"
+        )
+
+
+def _stack(tensors: list[Any]) -> Any:
+    import torch
+
+    return torch.cat([t.to(tensors[0].dtype) for t in tensors])
+
+
 def _packings(ref_shape: tuple[int, ...], port_shape: tuple[int, ...]) -> Any:
     r"""Index tensors ``i`` such that ``reference.flatten()[i]`` is the reference packed into
     ``port_shape``: ``(B, C, *spatial)`` against ``(B, tokens, features)``, each spatial dim cut into

@@ -138,6 +138,8 @@ class TriageReport:
     all_causes: bool
     out_dir: str | None
     environment: dict[str, Any] = field(default_factory=dict)
+    # how the two sides' calls were paired when one makes several per step (CallGroups.words)
+    grouping: str = ""
     # a run from callables (no SPEC file): the SPEC it wrote and ran, to keep
     spec_written: str = ""
 
@@ -189,7 +191,9 @@ class TriageReport:
             )
         lines = [
             head,
-            f"denoiser calls: reference {self.calls[0]}, port {self.calls[1]}; {_result_text(self.result)}",
+            f"denoiser calls: reference {self.calls[0]}, port {self.calls[1]}"
+            + (f" ({self.grouping})" if self.grouping else "")
+            + f"; {_result_text(self.result)}",
         ]
         for number, f in enumerate(self.findings, 1):
             where = f" at call {f.call}" if f.call is not None else ""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError, first_line
+from paritykit.schedule.schedulers import fit_name
 from paritykit.tracing.recording import Call
 from paritykit.triage.report import Finding, ReproduceFile
 from paritykit.triage.sides import SideRun
@@ -119,9 +120,10 @@ class Commands:
         reference's recording (its config written beside them), with the port's run and its size."""
         if self.folders is None:
             return None, []
-        if scheduler is None:
+        name = fit_name(type(scheduler)) if scheduler is not None else None
+        if name is None:  # no scheduler, or a class no command can name: the two lists side by side
             return shlex.join(["paritykit", "schedule", *map(str, self.folders)]), []
-        words = ["paritykit", "schedule", str(self.folders[0]), "--fit", type(scheduler).__name__]
+        words = ["paritykit", "schedule", str(self.folders[0]), "--fit", name]
         words += [*self.config_words(scheduler), "--port-run", str(self.folders[1])]
         words += ["--seq-len", str(seq_len)] if seq_len is not None else []
         return shlex.join(words), [self.config_file(scheduler)]
@@ -140,9 +142,17 @@ class Commands:
             return None, []
         return shlex.join(["paritykit", "steps", *map(str, self.folders), "--key", "output"]), []
 
-    def bisect(self, what: str, call: int, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Built:
+    def bisect(
+        self,
+        what: str,
+        call: int,
+        ref_call: Call,
+        port_inputs: tuple[tuple, dict],
+        rows: tuple[int, int] | None = None,
+    ) -> Built:
         r"""A bisect SPEC that rebuilds both modules from the triage SPEC and feeds them this call's inputs,
-        and the command that runs it."""
+        and the command that runs it; ``rows``: the block of the reference's output batch the port's call
+        computes (a guidance half the port runs alone)."""
         if self.out_dir is None:
             return None, []
         inputs = self.out_dir / f"{what}_call{call}.pt"
@@ -155,6 +165,8 @@ class Commands:
             module="vae" if what == "decoder" else "denoiser",
             tolerance=repr(self.tolerance),
         )
+        if rows is not None:
+            text += ROWS_SPEC.format(start=rows[0], stop=rows[1])
         payload = {"reference": (ref_call.args, ref_call.kwargs), "port": port_inputs}
         files = [ReproduceFile(inputs, "torch", payload), ReproduceFile(path, "text", text)]
         return shlex.join(["paritykit", "bisect", str(path)]), files
@@ -195,3 +207,14 @@ def make_inputs():
 def port_inputs(args, kwargs):
     return CALL["port"]
 '''
+
+
+ROWS_SPEC = """
+
+def select_output(side, out):
+    # the port's call computes one block of the reference's batch: its rows {start}:{stop}
+    from paritykit.tracing.recording import output_tensor
+
+    found = output_tensor(out)
+    return found[{start}:{stop}] if side == "reference" else found
+"""

@@ -8,6 +8,7 @@ import shlex
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import format_number
+from paritykit.schedule.schedulers import fit_name
 from paritykit.triage.report import Finding
 
 
@@ -67,7 +68,8 @@ class ScheduleChecks:
         else:
             finding.evidence += [
                 f"none of the {fit.searched} configs and set_timesteps calls of {type(scheduler).__name__}"
-                " tried reproduces them (schedule --fit lists them)",
+                " tried reproduces them"
+                + (" (schedule --fit lists them)" if fit_name(type(scheduler)) is not None else ""),
                 *fit.differences[:3],
             ]
 
@@ -126,7 +128,10 @@ class ScheduleChecks:
                 f"none of the {tried} configs of the port's scheduler tried reproduces the reference's"
                 " updates" + (f": {why}" if why else "")
             )
-        words = ["paritykit", "schedule", reference, "--fit", type(scheduler).__name__]
+        name = fit_name(type(scheduler))
+        if name is None:
+            return
+        words = ["paritykit", "schedule", reference, "--fit", name]
         finding.command = shlex.join(
             [*words, *self.commands.config_words(scheduler), "--step-check", reference]
         )

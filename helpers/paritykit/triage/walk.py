@@ -36,6 +36,7 @@ from paritykit.triage.measures import (
 from paritykit.triage.pairs import (
     SAME_UNITS,
     BatchOrder,
+    CallGroups,
     Rearrangement,
     Tolerance,
     compare,
@@ -71,11 +72,19 @@ class Triage(ScheduleChecks, DecoderChecks):
         self.findings: list[Finding] = []
         self.ruled_out: list[Note] = []
         self.not_checked: list[Note] = []
+        self.recorded_calls = (len(ref.calls), len(port.calls))
+        recorded = port
+        # k calls per timestep on one side against one batched call on the other: compared step by step
+        self.grouping = CallGroups.read(ref.calls, port.calls, _timesteps(ref.calls), _timesteps(port.calls))
+        if self.grouping is not None and self.grouping.side == "reference":
+            ref = self.ref = dataclasses.replace(ref, calls=self.grouping.merge(ref.calls))
+        elif self.grouping is not None:
+            port = dataclasses.replace(port, calls=self.grouping.merge(port.calls))
         self.ref_roles = [roles_of(c) for c in ref.calls]
         self.port_roles = [roles_of(c) for c in port.calls]
         # the port's run as recorded (replays feed its modules), and as compared: its latents read in the
         # reference's layout when they hold the reference's values rearranged (packed latents)
-        self.port_run = self.port = port
+        self.port, self.port_run = port, recorded
         self.layout = None
         if ref.calls and port.calls:
             self.layout = Rearrangement.read(
@@ -150,7 +159,8 @@ class Triage(ScheduleChecks, DecoderChecks):
             ruled_out=self.ruled_out,
             not_checked=self.not_checked,
             curve=self.curve(),
-            calls=(len(self.ref.calls), len(self.port.calls)),
+            calls=self.recorded_calls,
+            grouping=self.grouping.words() if self.grouping is not None else "",
             result={k: v for k, v in result.items() if k != "evidence"},
             all_causes=self.all_causes,
             out_dir=str(self.commands.out_dir) if self.commands.out_dir is not None else None,
@@ -418,7 +428,20 @@ class Triage(ScheduleChecks, DecoderChecks):
                 " port's module cannot be fed the reference's inputs (see the conditioning finding)",
             )
             return
-        ref_call, port_call = self.ref.calls[call], self.port_run.calls[call]
+        rows = None
+        ref_call, port_call = (
+            self.ref.calls[call],
+            self.port_run.calls[call] if self.grouping is None else None,
+        )
+        port_roles = self.port_roles[call]
+        if self.grouping is not None:
+            # the port's first call of the step against the block of the reference's batch it computes
+            found = self.grouping.first_of(call, self.port_run.calls)
+            if found is None:
+                self._grouped_denoiser(call)
+                return
+            port_call, rows = found
+            port_roles = roles_of(port_call)
         moved = rerun_moves(self.ref.denoiser, ref_call)
         if moved is not None:
             self.skip(
@@ -434,11 +457,11 @@ class Triage(ScheduleChecks, DecoderChecks):
             ref_call,
             self.ref_roles[call],
             port_call,
-            self.port_roles[call],
+            port_roles,
             t_units=self.t_units,
             layout=self.layout.to_port if self.layout is not None else None,
         )
-        report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped)
+        report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows)
         if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
@@ -450,10 +473,32 @@ class Triage(ScheduleChecks, DecoderChecks):
             finding.evidence.insert(
                 0, f"the port's own call-{call} inputs differ; it was fed the reference's"
             )
-        finding.command, finding.files = self.commands.bisect("denoiser", call, ref_call, mapped)
+        finding.command, finding.files = self.commands.bisect("denoiser", call, ref_call, mapped, rows)
         self.findings.append(finding)
 
-    def _bisect(self, reference: Any, port: Any, ref_call: Call, port_inputs: tuple[tuple, dict]) -> Any:
+    def _grouped_denoiser(self, call: int) -> None:
+        pair = self.pairs[call]
+        if pair.inputs_match and pair.output is not None and not pair.output.passed:
+            self.findings.append(
+                Finding(
+                    "denoiser",
+                    call,
+                    f"the denoiser's output differs at call {call} while its inputs agree"
+                    f" ({self.grouping.words()}); not bisected: a replay feeds the calls one at a time",
+                    evidence=comparison_evidence(pair.output),
+                )
+            )
+            return
+        self.skip("denoiser", f"not bisected on call {call}: {self.grouping.words()}")
+
+    def _bisect(
+        self,
+        reference: Any,
+        port: Any,
+        ref_call: Call,
+        port_inputs: tuple[tuple, dict],
+        rows: tuple[int, int] | None = None,
+    ) -> Any:
         from paritykit.bisection import bisect
         from paritykit.tracing.recording import output_tensor
 
@@ -461,6 +506,8 @@ class Triage(ScheduleChecks, DecoderChecks):
 
         def select(side: str, value: Any) -> Any:  # the port's output read in the reference's layout
             found = output_tensor(value)
+            if side == "reference" and rows is not None:
+                return found[rows[0] : rows[1]]
             return layout.to_reference(found) if side == "port" and layout is not None else found
 
         # a module on one call's inputs is held to bisect's own per-dtype tolerances, or the SPEC's
@@ -469,7 +516,7 @@ class Triage(ScheduleChecks, DecoderChecks):
             port,
             (ref_call.args, ref_call.kwargs),
             port_inputs=lambda a, k: port_inputs,
-            select_output=select if layout is not None else None,
+            select_output=select if layout is not None or rows is not None else None,
             atol=self.spec.tolerance.get("atol"),
             rtol=self.spec.tolerance.get("rtol"),
         )
@@ -727,3 +774,7 @@ class Triage(ScheduleChecks, DecoderChecks):
                 )
             )
         return rows
+
+
+def _timesteps(calls: list[Call]) -> list[float | None]:
+    return [timestep(c, roles_of(c)) for c in calls]

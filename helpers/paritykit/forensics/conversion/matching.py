@@ -61,6 +61,7 @@ from paritykit.forensics.conversion.results import (
 )
 from paritykit.forensics.conversion.rules import collapse_rules
 from paritykit.forensics.conversion.runtime import (
+    MAX_OFFSET_TARGETS,
     MAX_PIECES,
     apply_step,
 )
@@ -305,6 +306,35 @@ class _Matcher:
             chunk.update(index=index, count=count)
         cast = dtype_name(t.dtype) if self.source[skey].dtype != t.dtype else None
         return _entry_from_steps(skey, [chunk, *steps], cast)
+
+    # -- phase 3b: slices at any offset ------------------------------------------------------------------
+    def match_offsets(self) -> None:
+        r"""A target still unexplained that is a slice of a source along one dim at any offset, the pieces
+        unequal in size (a projection of ``cat(x, cond, text)`` split into ``x_proj``, ``cond_proj`` and
+        ``text_proj`` of 24, 24 and 32 input columns): each offset probed on its first slice, then compared
+        whole. Only a few open targets are probed (a converter that left many unexplained has other
+        trouble)."""
+        import torch
+
+        open_targets = [k for k in self.target if k not in self.found and self.target[k].ndim >= 1]
+        if not open_targets or len(open_targets) > MAX_OFFSET_TARGETS:
+            return
+        for tkey in open_targets:
+            t = self.target[tkey]
+            for skey, s in self.source.items():
+                dims = [d for d in range(t.ndim) if s.ndim == t.ndim and s.shape[d] != t.shape[d]]
+                if len(dims) != 1 or s.shape[dims[0]] < t.shape[dims[0]] or not castable(s.dtype, t.dtype):
+                    continue
+                dim, size = dims[0], t.shape[dims[0]]
+                cast = self.cast(skey, t.dtype)
+                head = t.narrow(dim, 0, 1)
+                for start in range(s.shape[dim] - size + 1):
+                    if not torch.equal(cast.narrow(dim, start, 1), head):
+                        continue
+                    f = self._piece(skey, t.dtype, dim, start, start + size, tkey, None, None)
+                    if f is not None:
+                        self.found.setdefault(tkey, []).append(f)
+                        break
 
     # -- phase 4: concatenations of sources ---------------------------------------------------------------
     def match_concat(self) -> None:
@@ -692,6 +722,7 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
     m.match_rounded()
     m.match_pieces()
     m.match_concat()
+    m.match_offsets()
     m.choose()
     PAGES.release()
 

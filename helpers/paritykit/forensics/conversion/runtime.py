@@ -26,6 +26,9 @@ BLOCK = 1 << 18
 # fused tensors are split into at most this many equal pieces when looking for a target inside them
 MAX_PIECES = 64
 
+# targets still unexplained after every other phase that are probed as slices at any offset (unequal pieces)
+MAX_OFFSET_TARGETS = 64
+
 
 # candidates shown per ambiguous row in the text table (the JSON lists every one)
 SHOWN_CANDIDATES = 3
