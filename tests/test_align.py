@@ -416,3 +416,58 @@ def test_a_module_is_not_paired_with_a_block_that_also_holds_another_modules_wor
         assert al.port_of(f"layers.{i}.0.norm") == f"transformer_blocks.{i}.norm1"
     # where one module's tensors do map onto one port module whole, the pair stays
     assert al.port_of("norm") == "norm_out"
+
+
+class _Embedder(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 16), nn.SiLU(), nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class _Embedders(nn.Module):
+    r"""Research style: the time and the pooled-text embedders side by side, each an ``mlp`` in a wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.t_embedder, self.y_embedder = _Embedder(8), _Embedder(12)
+
+    def forward(self, t, y):
+        return self.t_embedder(t) + self.y_embedder(y)
+
+
+class _Joined(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.timestep_embedder = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 16))
+        self.text_embedder = nn.Sequential(nn.Linear(12, 16), nn.SiLU(), nn.Linear(16, 16))
+
+    def forward(self, t, y):
+        return self.timestep_embedder(t) + self.text_embedder(y)
+
+
+class _JoinedPort(nn.Module):
+    r"""diffusers style: one ``time_text_embed`` holding both."""
+
+    def __init__(self):
+        super().__init__()
+        self.time_text_embed = _Joined()
+
+    def forward(self, t, y):
+        return self.time_text_embed(t, y)
+
+
+def test_a_block_is_not_paired_with_a_module_whose_sibling_is_paired_inside_it():
+    # round 10 (MMDiT): the reference's y_embedder was paired with the port's time_text_embed (time + text),
+    # whose timestep_embedder was already the reference's t_embedder
+    reference = randomize(_Embedders())
+    port = _JoinedPort()
+    port.time_text_embed.timestep_embedder.load_state_dict(reference.t_embedder.mlp.state_dict())
+    port.time_text_embed.text_embedder.load_state_dict(reference.y_embedder.mlp.state_dict())
+    inputs = ((torch.randn(2, 8), torch.randn(2, 12)), {})
+    al = aligned(reference, port.eval(), inputs)
+    assert al.port_of("t_embedder.mlp") == "time_text_embed.timestep_embedder"
+    assert al.port_of("y_embedder.mlp") == "time_text_embed.text_embedder"
+    assert al.port_of("y_embedder") != "time_text_embed"

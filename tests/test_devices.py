@@ -97,3 +97,41 @@ def test_a_planted_eps_is_found_with_models_on_cuda(dtype):
     reference, port = reference.to("cuda", dtype), port.to("cuda", dtype)
     report = bisect(reference, port, ((x.to("cuda", dtype),), {}))
     assert report.culprit is not None and report.culprit.hints[0].verified, report.render()
+
+
+def _gpu_scale():
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("gpu_scale", REPO / "benchmarks" / "gpu_scale.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_scale_check_names_its_planted_block_on_a_tiny_flux_in_bfloat16():
+    # benchmarks/gpu_scale.py is what ../shared/gpu runs at FLUX.1-dev size; its steps here at tiny size
+    from paritykit.bisection.entry import bisect
+
+    scale = _gpu_scale()
+    reference, port = scale.build("tiny", "cpu", slip=False), scale.build("tiny", "cpu", slip=True)
+    assert {p.dtype for p in port.parameters()} == {torch.bfloat16}
+    report = bisect(reference, port, scale.inputs("tiny", "cpu"), levels="zoom", repair=False)
+    assert report.verdict == "diverge"
+    assert report.culprit.port.startswith(f"single_transformer_blocks.{scale.SLIP_BLOCK['tiny']}.")
+    # must not fire: the same build without the slip matches
+    clean = bisect(
+        reference, scale.build("tiny", "cpu", slip=False), scale.inputs("tiny", "cpu"), repair=False
+    )
+    assert clean.verdict == "match"
+
+
+@CUDA
+@pytest.mark.cuda
+def test_the_gpu_scale_check_runs_at_flux_dev_size_on_cuda():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_scale.py"), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

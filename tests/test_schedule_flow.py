@@ -335,7 +335,7 @@ def test_a_dynamic_shift_is_fitted_with_the_ports_own_call_and_says_what_it_chec
 def test_ascending_recorded_timesteps_are_read_as_flow_time():
     # a model called at t = 1 - sigma (denoising from t = 0) records ascending values: read as flow time,
     # they are the same shifted schedule, never a schedule of its own run backwards
-    from paritykit.schedule.fit import _as_flow
+    from paritykit.schedule.fit_inputs import as_flow as _as_flow
     from paritykit.schedule.load import Schedule
 
     sigmas = [1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
@@ -343,3 +343,44 @@ def test_ascending_recorded_timesteps_are_read_as_flow_time():
     assert read.sigmas == pytest.approx(sigmas) and "flow time t = 1 − σ" in words
     read, words = _as_flow(Schedule("list", timesteps=list(sigmas)), 1000)
     assert read.sigmas == pytest.approx(sigmas) and "flow-matching sigmas themselves" in words
+
+
+def test_timesteps_of_a_flow_grid_follow_its_sigmas_and_the_closed_form_fix_holds_at_every_count():
+    # round 10 (torchcfm): an even flow grid was read as "leading spacing + offset (offset 125)" for its
+    # timesteps, so the closed-form call departed at every other count, the fix fell back to the reference's
+    # own list, and its note said the values "matched none of the closed forms tried"
+    from paritykit.schedule import fit_scheduler
+
+    n = 8
+    sigmas = [1 - i / n for i in range(n)] + [0.0]
+    fit = fit_scheduler(
+        "FlowMatchEulerDiscreteScheduler", {"sigmas": sigmas, "timesteps": [v * 1000 for v in sigmas[:-1]]}
+    )
+    text = fit.render()
+    assert "timesteps: the flow sigmas (times 1000)" in text and "leading spacing" not in text
+    assert fit.fits and not fit.pasted and not fit.one_count_only
+    assert sorted(fit.fits[0].counts_matched) == [7, 8, 13, 20]
+    assert "set_timesteps(sigmas=np.linspace(1.0, 1 / n, n))" in text
+    assert "matched none of the closed forms" not in text
+
+
+def test_a_pasted_list_says_it_holds_at_its_own_count_only():
+    from paritykit.schedule.fit_result import Candidate, FitResult
+    from paritykit.schedule.load import Schedule
+    from paritykit.schedule.schedulers import calls_for
+
+    ref = Schedule("ref", sigmas=[1.0, 0.5, 0.0], timesteps=[1000.0, 500.0])
+    given = [c for c in calls_for(FlowMatchEulerDiscreteScheduler, {"shift": 1.0}, ref) if c.rank >= 3][0]
+    result = FitResult(
+        "FlowMatchEulerDiscreteScheduler",
+        8,
+        [8],
+        "ref",
+        {"sigmas": "flow"},
+        [Candidate({}, given, [8])],
+        [],
+        1,
+    )
+    assert result.pasted and result.one_count_only
+    assert "holds at the recorded count only" in result.why_one_count()
+    assert "matched none of the closed forms" not in result.why_one_count()

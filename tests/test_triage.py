@@ -625,3 +625,16 @@ def test_guidance_passes_packed_in_one_call_against_one_call_each_are_compared_s
 
     bisected = bisect_spec(tmp_path / "b" / "bisect_denoiser.py")
     assert bisected.culprit.port.endswith("down_blocks.1.resnets.0.norm1")
+
+
+def test_guidance_passes_called_apart_against_one_stacked_call_compare_through_the_stacking(tmp_path):
+    # round 10 (MMDiT): the reference called its denoiser once per pass, the port once on repeated latents;
+    # triage kept the shared latents once, read "latents shapes differ" and said no place it compared differs
+    from tests.triage_pairs import write_split_spec
+
+    report = triage_spec(write_split_spec(tmp_path), out=tmp_path / "s")
+    text = report.render()
+    assert report.verdict == "match" and not report.findings, text
+    assert "reference 10, port 5 (the reference calls its denoiser 2 times per timestep" in text
+    assert "stacked in the order (1, 0)" in text and "latents shapes differ" not in text
+    assert "ruled out: denoiser calls: inputs, timestep and output agree at every call (5)" in text

@@ -476,3 +476,43 @@ def write_passes_spec(folder, bugs=()):
     )
     path.write_text(text.format(bugs=set(bugs)))
     return path
+
+
+class SplitPassesPair(Pair):
+    r"""The reference calls its denoiser once per guidance pass (cond, then uncond), each on the latents as
+    they are; the port runs both passes as one batch of the latents repeated, (uncond, cond) stacked."""
+
+    SCALE = 3.0
+
+    def __init__(self):
+        super().__init__(set(), vae=False)
+        self.uncond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(6))
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        def guided(x, t, c):
+            cond = self.ref_unet(x, t, encoder_hidden_states=c).sample
+            uncond = self.ref_unet(x, t, encoder_hidden_states=self.uncond).sample
+            return uncond + self.SCALE * (cond - uncond)
+
+        return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        embeds = torch.cat([self.uncond, self.cond])
+        for t in scheduler.timesteps:
+            both = self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample
+            uncond, cond = both.chunk(2)
+            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
+        return latents
+
+
+def write_split_spec(folder):
+    r"""A triage SPEC for :class:`SplitPassesPair`."""
+    path = folder / "split_spec.py"
+    text = SPEC_TEXT.replace("import Pair", "import SplitPassesPair").replace(
+        "Pair({bugs!r}, vae={vae!r})", "SplitPassesPair()"
+    )
+    path.write_text(text)
+    return path

@@ -205,6 +205,20 @@ class _Builder:
         self.ref_done.add(r)
         self.port_done.add(p)
 
+    def nests(self, r: str, p: str) -> bool:
+        r"""Whether pairing ``r`` with ``p`` keeps the pairs already made below either inside the other: a
+        port block holding the time embedder (paired with the reference's ``t_embedder``) is no pair for the
+        reference's text embedder, whatever tensors the two have left unpaired."""
+        if not r or not p:
+            return True
+        r_prefix, p_prefix = r + ".", p + "."
+        for q in self.pairs:
+            if q.group:
+                continue
+            if q.port.startswith(p_prefix) != q.reference.startswith(r_prefix):
+                return False
+        return True
+
     def free_ref(self) -> list[str]:
         return [n for n in self.ref.order if n not in self.ref_done]
 
@@ -320,7 +334,7 @@ class _Builder:
             mine = _under(r, ref_keys)
             ports = [p for p in ports if _made_only_from(_under(p, port_keys), mine, sources_of)]
             if len(ports) == 1:
-                if self._parents_agree(r, ports[0]):
+                if self._parents_agree(r, ports[0]) and self.nests(r, ports[0]):
                     self.add(r, ports[0], "weights", self._evidence(r, ports[0], port_keys, identifying))
             else:
                 for p in ports:
@@ -389,14 +403,15 @@ class _Builder:
                 # the skip): a pair whose captured outputs agree where every other member's do not is paired
                 # by that measurement first
                 for p in list(ports):
-                    r = self._agreeing(p, [r for r in refs if self.compatible(r, p, own_params=False)])
+                    fits = [r for r in refs if self.compatible(r, p, own_params=False) and self.nests(r, p)]
+                    r = self._agreeing(p, fits)
                     if r is not None:
                         self.add(r, p, "weights", confidence)
                         ports.remove(p)
                         refs.remove(r)
             for r in refs:
                 for p in ports:
-                    if self.compatible(r, p, own_params=False):
+                    if self.compatible(r, p, own_params=False) and self.nests(r, p):
                         self.add(r, p, "weights", confidence)
                         ports.remove(p)
                         break
@@ -588,7 +603,11 @@ class _Builder:
             if shape is None:
                 continue
             for k in range(j, len(ports)):
-                if self.port.out_shapes.get(ports[k]) == shape and self._alike(r, ports[k]):
+                if (
+                    self.port.out_shapes.get(ports[k]) == shape
+                    and self._alike(r, ports[k])
+                    and self.nests(r, ports[k])
+                ):
                     self.add(r, ports[k], "order", confidence="low")
                     j = k + 1
                     break

@@ -197,10 +197,10 @@ def _with_extra_inputs(
 ) -> list:
     """At a culprit replayed with some port inputs taken from the port's own run (the reference computes them
     inside the module), the port modules producing them and a verified constructor fit of those
-    (:func:`paritykit.bisection.module_fit.extra_input_hints`); a verified fix goes first."""
+    (:func:`paritykit.bisection.extra_inputs.extra_input_hints`); a verified fix goes first."""
     if not searcher.own_input_paths(call, port_call) or any(h.verified for h in hints):
         return hints
-    from paritykit.bisection.module_fit import extra_input_hints
+    from paritykit.bisection.extra_inputs import extra_input_hints
 
     extra = extra_input_hints(searcher, call, port_call, before)
     verified = [h for h in extra if h.verified]

@@ -82,8 +82,9 @@ class ModuleFinding:
     # a culprit found by replay whose captured outputs in the run differ far more than it makes on identical
     # inputs: that max_abs in the run (most of the difference reaches it with its inputs)
     in_run: float | None = None
-    # the first aligned module whose outputs differ, replayed: ("pass" or "fail", max_abs on identical inputs)
-    replayed: tuple[str, float | None] | None = None
+    # the first aligned module whose outputs differ, replayed: ("pass" or "fail", max_abs on the reference's
+    # inputs, whether some port inputs the reference has no counterpart for came from the port's own run)
+    replayed: tuple[str, float | None, bool] | None = None
     # how the port's tensor relates to the reference's there, derived from the values
     # (paritykit.bisection.value_relations.Relation)
     relations: list[Any] = field(default_factory=list)
@@ -105,7 +106,11 @@ class ModuleFinding:
             "in_run": self.in_run,
         }
         if self.replayed is not None:
-            out["replayed"] = {"status": self.replayed[0], "max_abs": self.replayed[1]}
+            out["replayed"] = {
+                "status": self.replayed[0],
+                "max_abs": self.replayed[1],
+                "own_port_inputs": self.replayed[2],
+            }
         if self.op is not None:
             out["op"] = self.op.to_dict()
         if self.ops_note:
@@ -306,15 +311,21 @@ class BisectReport:
             lines.append("culprit: none found (no aligned module fails; see the table of tested modules)")
         if self.first_output_divergence:
             f = self.first_output_divergence
+            on = (
+                "the reference's inputs, with port inputs the reference has no counterpart for from the"
+                " port's own run"
+                if f.replayed is not None and f.replayed[2]
+                else "identical inputs"
+            )
             if f.replayed is None:
                 own = "not replayed: its difference may come with its inputs"
             elif f.replayed[0] == "pass":
                 own = (
-                    f"it passes on identical inputs (max_abs {format_number(f.replayed[1])}): the difference"
-                    " comes with its inputs"
+                    f"it passes on {on} (max_abs {format_number(f.replayed[1])}): the difference comes with"
+                    " its inputs"
                 )
             else:
-                own = f"it fails on identical inputs too (max_abs {format_number(f.replayed[1])})"
+                own = f"it fails on {on} too (max_abs {format_number(f.replayed[1])})"
             lines.append(
                 f"first aligned module whose outputs differ: {shown_name(f.reference)} <->"
                 f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; {own})"

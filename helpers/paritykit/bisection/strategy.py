@@ -242,8 +242,9 @@ def run_strategy(
     if not output.passed and floor is not None:
         precision = output_noise(top, floor, output, (ref_final, port_final), select_output)
     agrees = output.passed or bool(precision)
-    # A matching output makes a pair aligned on weak evidence no basis for a "differs" claim.
-    trusted = ("high", "medium", "low") if not agrees else ("high",)
+    # A pair aligned on order and shape alone is never named where outputs first differ; with a matching
+    # output, only pairs aligned on strong evidence are.
+    trusted = ("high", "medium") if not agrees else ("high",)
     culprit = None
     verdict: Verdict = "match" if agrees else "diverge"
     with torch.no_grad():
@@ -320,7 +321,8 @@ def run_strategy(
         if top.port_record(record) is not None:
             test = top.test(record)
             if test.test == "replay" and test.status in ("pass", "fail"):
-                first.replayed = (test.status, test.max_abs)
+                own = "taken from the port's own run" in (test.note or "")
+                first.replayed = (test.status, test.max_abs, own)
     candidates = strategy.candidates()
     if verdict == "match":
         # a weak pair whose captured inputs already differ in a run that matches is no one computation: its

@@ -3,7 +3,6 @@ validate every candidate at several step counts."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import json
@@ -15,7 +14,16 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 from paritykit.base.minimize import golden_section
 from paritykit.base.report import format_number
-from paritykit.schedule.families import family_of, lists_close, sigma_family
+from paritykit.schedule.families import Family, family_of, lists_close, sigma_family
+from paritykit.schedule.fit_inputs import (
+    as_flow,
+    checked_base,
+    load_base,
+    safe_lists,
+    steps_of_calls,
+    timesteps_only,
+    try_candidate,
+)
 from paritykit.schedule.fit_result import Candidate, FitResult
 from paritykit.schedule.load import (
     KINDS,
@@ -29,17 +37,12 @@ from paritykit.schedule.load import (
 from paritykit.schedule.schedulers import (
     DEFAULT_CALL,
     Call,
-    Match,
     accepted_keys,
-    all_scheduler_keys,
     calls_for,
     config_changes,
     lists_of,
     make_scheduler,
-    python_literal,
     resolve_scheduler,
-    schedule_matches,
-    scheduler_lists,
 )
 from paritykit.schedule.step_check import run_step_check
 
@@ -117,8 +120,8 @@ def _port_call(
     except ParityKitError:
         return None, None
     train_steps = int(base.get("num_train_timesteps", 1000))
-    if "shift" in accepted_keys(cls) and _timesteps_only(recorded, train_steps):
-        recorded, _ = _as_flow(recorded, train_steps)
+    if "shift" in accepted_keys(cls) and timesteps_only(recorded, train_steps):
+        recorded, _ = as_flow(recorded, train_steps)
     n = recorded.steps
     rule = mu_rule(base, seq_len) if base.get("use_dynamic_shifting") else None
     if base.get("use_dynamic_shifting") and rule is None:
@@ -127,7 +130,7 @@ def _port_call(
         mu = _search_mu(cls, base, recorded, n, call)
         if rule is not None and (mu is None or abs(mu - rule) > 1e-3):
             continue
-        if _try(cls, base, recorded, n, call, rule if rule is not None else mu).ok:
+        if try_candidate(cls, base, recorded, n, call, rule if rule is not None else mu).ok:
             return call, rule if rule is not None else mu
     return None, None
 
@@ -153,7 +156,7 @@ def _search_mu(cls: type, config: dict[str, Any], ref: Schedule | None, n: int, 
         return None
 
     def distance(mu: float) -> float:
-        return _try(cls, config, ref, n, call, mu).distance
+        return try_candidate(cls, config, ref, n, call, mu).distance
 
     mu, found = golden_section(distance, -3.0, 6.0, 60)
     return mu if math.isfinite(found) else None
@@ -170,6 +173,24 @@ def _validation_counts(steps: int, train_steps: int) -> list[int]:
     if all(train_steps % c == 0 for c in others):
         others.append(next(c for c in range(7, 100) if train_steps % c and c != steps))
     return [steps, *others]
+
+
+def _flow_timesteps(families: dict[str, Any], ref: Schedule, train_steps: int) -> None:
+    r"""Timesteps that are a flow schedule's sigmas times ``num_train_timesteps`` follow the sigmas' closed
+    form, not a spacing of their own: a linear flow grid read as "leading spacing + offset" would make every
+    count but the recorded one depart."""
+    sigmas = families.get("sigmas")
+    if sigmas is None or not sigmas.name.startswith("flow") or not ref.timesteps or not ref.sigmas:
+        return
+    if not lists_close(
+        ref.timesteps, [v * train_steps for v in ref.sigmas[: len(ref.timesteps)]], "timesteps"
+    ):
+        return
+
+    def generate(n: int, of: Callable[[int], list[float]] = sigmas.generate) -> list[float]:
+        return [v * train_steps for v in of(n)[:n]]
+
+    families["timesteps"] = Family("the flow sigmas", {"times": train_steps}, generate=generate)
 
 
 def _reference_at(
@@ -241,7 +262,7 @@ def fit_scheduler(
     """
     cls = resolve_scheduler(cls)
     keys = accepted_keys(cls)
-    base = _checked_base(cls, keys, _load_base(base_config), base_config)
+    base = checked_base(cls, keys, load_base(base_config), base_config)
     train_steps = int(base.get("num_train_timesteps", keys.get("num_train_timesteps") or 1000))
     sized_recordings = (
         isinstance(reference, Mapping) and reference and all(isinstance(k, int) for k in reference)
@@ -249,10 +270,10 @@ def fit_scheduler(
     ref = load_sized(reference) if sized_recordings else load_schedule(reference)
     ref, repeats = per_step(ref) if ref.generator is None else (ref, 1)
     flow_note = None
-    if "shift" in keys and _timesteps_only(ref, train_steps):
-        ref, flow_note = _as_flow(ref, train_steps)
+    if "shift" in keys and timesteps_only(ref, train_steps):
+        ref, flow_note = as_flow(ref, train_steps)
     sizes = _sizes(ref, image_seq_len)
-    calls_n = _steps_of_calls(cls, base, ref)
+    calls_n = steps_of_calls(cls, base, ref)
     if steps is None:
         if ref.generator is not None and not ref.recorded_sizes:
             raise ParityKitError(f"{ref.source}: give --steps N (a SPEC's schedule depends on the count)")
@@ -265,6 +286,7 @@ def fit_scheduler(
     families = {
         kind: fam for kind in KINDS if (fam := family_of(kind, ref_n.get(kind), train_steps)) is not None
     }
+    _flow_timesteps(families, ref_n, train_steps)
     notes = [flow_note] if flow_note else []
     if repeats > 1:
         notes.append(
@@ -282,7 +304,7 @@ def fit_scheduler(
         counts = [steps]
         notes.append("recordings at image sizes: configs are checked at their own count only")
 
-    base_lists = _safe_lists(cls, base, steps)
+    base_lists = safe_lists(cls, base, steps)
     if base_lists is not None and not any(ref_n.get(k) is not None and k in base_lists for k in KINDS):
         raise ParityKitError(
             f"{ref.source}: holds only {', '.join(k for k in KINDS if ref_n.get(k) is not None)}, which "
@@ -322,7 +344,7 @@ def fit_scheduler(
                 mu = _search_mu(cls, full, ref_n, steps, call) if call.rank < 3 else _mu(full, ref_n)
                 if full.get("use_dynamic_shifting") and mu is None:
                     continue
-                match = _try(cls, full, ref_n, steps, call, mu)
+                match = try_candidate(cls, full, ref_n, steps, call, mu)
                 cand.distance = match.distance
                 if match.ok:
                     cand.counts_matched.append(steps)
@@ -435,7 +457,7 @@ def _validate(
         for n in counts:
             if n == counts[0] and size == sizes[0]:
                 continue
-            match = _try(cls, config, _reference_at(ref, n, variant, size), n, cand.call, mu)
+            match = try_candidate(cls, config, _reference_at(ref, n, variant, size), n, cand.call, mu)
             label: Any = n if size == sizes[0] else f"{n} @ seq {size}"
             if match.ok:
                 cand.absorb(match)
@@ -479,7 +501,9 @@ def _mu_as_function_of_size(
     elif middle not in checked:
         mu = m1 + slope * (middle - l1)
         for n in counts:
-            match = _try(cls, {**base, **best.changes}, _reference_at(ref, n, {}, middle), n, best.call, mu)
+            match = try_candidate(
+                cls, {**base, **best.changes}, _reference_at(ref, n, {}, middle), n, best.call, mu
+            )
             if not match.ok:
                 best.failures[f"{n} @ seq {middle}"] = match.why
             else:
@@ -503,139 +527,6 @@ def _mu_as_function_of_size(
     )
 
 
-def _load_base(base_config: Any) -> dict[str, Any]:
-    if base_config is None:
-        return {}
-    if isinstance(base_config, dict):
-        return dict(base_config)
-    from paritykit.forensics.config_files import load_config
-
-    loaded = load_config(base_config)
-    return dict(loaded if isinstance(loaded, dict) else getattr(loaded, "config", loaded))
-
-
-def _checked_base(cls: type, keys: dict[str, Any], config: dict[str, Any], source: Any) -> dict[str, Any]:
-    r"""The port's config reduced to the keys ``cls`` accepts. A key no diffusers scheduler accepts, or a
-    value that ``cls`` refuses, is bad input (naming the key); keys of other scheduler classes are dropped."""
-    what = "--config" + (f" {source}" if isinstance(source, (str, Path)) else "")
-    unknown = [k for k in config if k not in keys and not k.startswith("_") and k not in all_scheduler_keys()]
-    if unknown:
-        raise ParityKitError(f"{what}: unknown key {unknown[0]!r} (no diffusers scheduler accepts it)")
-    base = {k: v for k, v in config.items() if k in keys}
-    problem = _refusal(cls, base)
-    if problem is None:
-        return base
-    for key in base:  # the one key whose value, set back to the class's default, makes the config work
-        if keys.get(key) != base[key] and _refusal(cls, {k: v for k, v in base.items() if k != key}) is None:
-            raise ParityKitError(
-                f"{what}: {key}={python_literal(base[key])} is refused by {cls.__name__}: {problem}"
-            )
-    raise ParityKitError(f"{what}: refused by {cls.__name__}: {problem}")
-
-
-def _refusal(cls: type, config: dict[str, Any]) -> str | None:
-    r"""Why ``cls`` cannot be built from ``config`` and set to a few steps, or ``None`` when it can."""
-    import inspect
-
-    try:
-        scheduler = make_scheduler(cls, config)
-        call = {"mu": 0.0} if config.get("use_dynamic_shifting") else {}
-        if "mu" in call and "mu" not in inspect.signature(scheduler.set_timesteps).parameters:
-            call = {}
-        scheduler_lists(scheduler, 10, **call)
-    except Exception as exc:  # diffusers raises ValueError, NotImplementedError, RuntimeError, KeyError here
-        return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-    return None
-
-
-def _timesteps_only(ref: Schedule, train_steps: int) -> bool:
-    return (
-        ref.sigmas is None
-        and bool(ref.timesteps)
-        and 0 <= min(ref.timesteps) <= max(ref.timesteps) <= train_steps
-    )
-
-
-def _as_flow(ref: Schedule, train_steps: int) -> tuple[Schedule, str]:
-    r"""A recording of a flow model's timesteps read as its sigmas, and the words saying how: ascending
-    values are flow time (t = 1 − σ, denoising runs from t = 0), descending ones σ itself; in [0, 1] (a model
-    called at t = σ) or in [0, ``train_steps``] (t = σ · train_steps)."""
-    scale = 1.0 if max(ref.timesteps) <= 1 else float(train_steps)
-    if ref.generator is None and len(ref.timesteps) > 1 and ref.timesteps[0] < ref.timesteps[-1]:
-        flipped = [train_steps * (1 - t / scale) for t in ref.timesteps]
-        return _with_flow_sigmas(dataclasses.replace(ref, timesteps=flipped), train_steps), (
-            "the reference records timesteps only, ascending: read as flow time t = 1 − σ (denoising from t ="
-            f" 0){'' if scale == 1 else f', in units of {train_steps}'}"
-        )
-    if ref.generator is None and max(ref.timesteps) <= 1:
-        scaled = dataclasses.replace(ref, timesteps=[t * train_steps for t in ref.timesteps])
-        return _with_flow_sigmas(scaled, train_steps), (
-            "the reference records timesteps only, in [0, 1]: read as the flow-matching sigmas themselves (a"
-            " flow model called at t = σ)"
-        )
-    return _with_flow_sigmas(ref, train_steps), (
-        f"the reference records timesteps only: read as flow-matching sigmas t / {train_steps} (a flow model"
-        " is called at t = σ · num_train_timesteps)"
-    )
-
-
-def _with_flow_sigmas(ref: Schedule, train_steps: int) -> Schedule:
-    r"""``ref`` with ``sigmas = timesteps / train_steps`` beside its timesteps (at every count and size its
-    generator gives), so a flow-matching fit reads the shift from a recording of the model's timestep."""
-    out = dataclasses.replace(ref, sigmas=[t / train_steps for t in ref.timesteps])
-    if ref.generator is not None:
-        inner = ref.generator
-
-        def generate(*args):
-            found = inner(*args)
-            return (
-                _with_flow_sigmas(found, train_steps)
-                if found is not None and _timesteps_only(found, train_steps)
-                else found
-            )
-
-        out.generator = generate
-    return out
-
-
-def _steps_of_calls(cls: type, base: dict[str, Any], ref: Schedule) -> int | None:
-    r"""The step count of a ``record_loop`` reference for a class that calls the denoiser twice per step with
-    distinct timesteps (KDPM2: ``2n - 1`` calls); ``None`` for any other reference or class."""
-    if not ref.per_call or ref.generator is not None or ref.steps < 3 or ref.steps % 2 == 0:
-        return None
-    n = (ref.steps + 1) // 2
-    lists = _safe_lists(cls, base, n)
-    kind = next((k for k in KINDS if ref.get(k) is not None and lists and k in lists), None)
-    return n if kind is not None and len(lists[kind]) == ref.steps else None
-
-
-def _safe_lists(cls: type, config: dict[str, Any], n: int) -> dict[str, list[float]] | None:
-    try:
-        return lists_of(cls, config, n)
-    except Exception:
-        return None
-
-
-def _try(
-    cls: type,
-    config: dict[str, Any],
-    ref: Schedule | None,
-    n: int,
-    call: Call = DEFAULT_CALL,
-    mu: float | None = None,
-) -> Match:
-    if ref is None:
-        return Match(False, "reference unknown at this count")
-    try:
-        got = lists_of(cls, config, n, call, ref, mu)
-    except Exception as exc:  # a config that crashes at some count is exactly what must never be proposed
-        return Match(
-            False, f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
-        )
-    return schedule_matches(ref, got)
-
-
-# the keys still searched when the reference's own lists are passed to set_timesteps
 _GIVEN_KEYS = {
     "shift",
     "flow_shift",
@@ -751,7 +642,7 @@ def _sibling(
     call = near.call if near.call in calls_for(other, keys, ref_n) else DEFAULT_CALL
     sizes = result.sizes or [None]
     mu = _mu(config, ref_n)
-    match = _try(other, config, ref_n, steps, call, mu)
+    match = try_candidate(other, config, ref_n, steps, call, mu)
     if not match.ok:
         return None
     cand = Candidate(

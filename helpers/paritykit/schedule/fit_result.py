@@ -160,6 +160,11 @@ class FitResult:
         return f"pipe.scheduler.{text}"
 
     def why_one_count(self) -> str:
+        if self.pasted:  # a list holds at its own length: no other count can be checked with it
+            return (
+                "the fix passes the reference's own list to set_timesteps, which holds at the recorded count"
+                " only"
+            )
         if self.ambiguous and self.port_given:
             return (
                 "another set_timesteps call in the table reproduces the recorded count too and differs at"
@@ -178,6 +183,8 @@ class FitResult:
                 "at other counts it departs from the closed form read from the recording, which one recorded"
                 " count cannot confirm; record the reference at another count (or give ref_schedule(n))"
             )
+        if self.reference_families:
+            return "it was checked at the recorded count only"
         return (
             "the recorded values matched none of the closed forms tried on them, so no other count was"
             " checked"

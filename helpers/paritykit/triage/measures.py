@@ -172,7 +172,8 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
         own = (
             "not replayed"
             if replayed is None
-            else f"it {'passes' if replayed[0] == 'pass' else 'fails'} on identical inputs (max_abs"
+            else f"it {'passes' if replayed[0] == 'pass' else 'fails'} on"
+            f" {'the reference inputs it could be given' if replayed[2] else 'identical inputs'} (max_abs"
             f" {format_number(replayed[1])})"
         )
         evidence.append(

@@ -388,6 +388,9 @@ class CallGroups:
     side: str
     k: int
     order: list[int]
+    # the tensor shapes of the other side's first call: an argument the k calls share is stacked k times
+    # when the other side holds it stacked (latents repeated for each pass), else kept once
+    other_shapes: set[tuple[int, ...]] = field(default_factory=set)
 
     @classmethod
     def read(cls, ref: list[Call], port: list[Call], t_ref: list, t_port: list) -> CallGroups | None:
@@ -414,7 +417,8 @@ class CallGroups:
             itertools.permutations(range(k)),
             key=lambda order: rel(whole, _stack([outs[j] for j in order])) or 0.0,
         )
-        return cls(side, k, list(best))
+        shapes = {tuple(t.shape) for v in once[0].named.values() if (t := batch_of(v)) is not None}
+        return cls(side, k, list(best), shapes)
 
     def merge(self, calls: list[Call]) -> list[Call]:
         return [self._merged(calls[i : i + self.k]) for i in range(0, len(calls) - self.k + 1, self.k)]
@@ -427,9 +431,13 @@ class CallGroups:
         for key, value in group[0].named.items():
             values = [batch_of(c.named.get(key)) for c in group]
             named[key] = value
-            if all(v is not None for v in values) and not all(torch.equal(values[0], v) for v in values[1:]):
-                if all(v.dim() > 0 and v.shape[1:] == values[0].shape[1:] for v in values):
-                    named[key] = torch.cat(values)
+            if any(v is None or v.dim() == 0 or v.shape[1:] != values[0].shape[1:] for v in values):
+                continue
+            stacked = (sum(v.shape[0] for v in values), *values[0].shape[1:])
+            shared = all(torch.equal(values[0], v) for v in values[1:])
+            repeated = stacked in self.other_shapes and tuple(values[0].shape) not in self.other_shapes
+            if not shared or repeated:
+                named[key] = torch.cat(values)
         outs = [output_tensor(c.output) for c in group]
         return Call(group[0].args, group[0].kwargs, named, _stack(outs))
 

@@ -7,14 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paritykit.bisection.extra_inputs import extra_inputs, extra_producers, replay_with_extras
 from paritykit.bisection.leaves import module_device
-from paritykit.bisection.module_fit import (
-    extra_inputs,
-    extra_producers,
-    first_differing_input,
-    replay_with_extras,
-    replay_with_module,
-)
+from paritykit.bisection.module_fit import first_differing_input, replay_with_module
 from paritykit.bisection.repair.engine import (
     TOP_LEVEL_SECONDS,
     Budget,

@@ -1,0 +1,226 @@
+"""paritykit at the size of today's models, on their device: a FLUX.1-dev-size port in bfloat16.
+
+Both sides are diffusers' `FluxTransformer2DModel` at FLUX.1-dev's config (19 double-stream and 38
+single-stream blocks, width 3072, 11.9 B parameters), built on the device in bfloat16 with seeded random
+weights; the port is the reference's weights with one planted slip, the shift and scale rows of one
+single-stream block's modulation swapped (the conversion slip bisect must name). Inputs are FLUX.1-dev's
+shapes at 1024x1024: 4096 image tokens of 64 channels and 512 text tokens of width 4096. Each step prints its
+wall time and its peak memory (CUDA: `torch.cuda.max_memory_allocated`, reset per step; CPU: the process's
+peak RSS, reset per step through /proc/self/clear_refs):
+
+1. `paritykit trace --levels blocks` of the reference, in a child process (the folder's size: activations and
+   weight fingerprints, never a copy of the weights);
+2. building both models; 3. one forward of each; 4. `bisect` (zoom, one level of blocks at a time).
+
+    python benchmarks/gpu_scale.py                       # FLUX.1-dev size, on cuda (what ../shared/gpu runs)
+    python benchmarks/gpu_scale.py --scale tiny --device cpu   # the same steps on a tiny Flux, in seconds
+
+Exit status: 0 when bisect names the planted block, 1 when it does not, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# the single-stream block whose modulation rows the port holds swapped, by scale
+SLIP_BLOCK = {"dev": 20, "tiny": 2}
+
+CONFIGS = {
+    "dev": dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    "tiny": dict(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=24,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+TOKENS = {"dev": (4096, 512), "tiny": (64, 8)}
+
+
+def build(scale: str, device: str, slip: bool):
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(
+        torch.bfloat16
+    )  # built in bfloat16: a float32 copy of 12 B would not fit beside it
+    try:
+        with torch.device(device):
+            model = FluxTransformer2DModel(**CONFIGS[scale]).eval()
+    finally:
+        torch.set_default_dtype(default)
+    if slip:
+        with (
+            torch.no_grad()
+        ):  # AdaLayerNormZeroSingle: rows (shift, scale, gate); the port reads them swapped
+            linear = model.single_transformer_blocks[SLIP_BLOCK[scale]].norm.linear
+            shift, scale_, gate = linear.weight.chunk(3)
+            linear.weight.copy_(torch.cat([scale_, shift, gate]))
+            shift, scale_, gate = linear.bias.chunk(3)
+            linear.bias.copy_(torch.cat([scale_, shift, gate]))
+    return model
+
+
+def inputs(scale: str, device: str):
+    import torch
+
+    config, (image, text) = CONFIGS[scale], TOKENS[scale]
+    g = torch.Generator().manual_seed(1)
+    bf16 = dict(dtype=torch.bfloat16)
+    side = int(image**0.5)
+    ids = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(
+        -1, 2
+    )
+    kwargs = dict(
+        hidden_states=torch.randn(1, image, config["in_channels"], generator=g).to(**bf16),
+        encoder_hidden_states=torch.randn(1, text, config["joint_attention_dim"], generator=g).to(**bf16),
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"], generator=g).to(**bf16),
+        timestep=torch.tensor([0.5]).to(**bf16),
+        img_ids=torch.cat([torch.zeros(image, 1), ids.float()], dim=1),
+        txt_ids=torch.zeros(text, 3),
+        guidance=torch.tensor([3.5]).to(**bf16),
+        return_dict=False,
+    )
+    return (), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+class Meter:
+    r"""Wall time and peak memory of one step: the device's allocator on CUDA, the process's RSS on CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self) -> Meter:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            status = Path("/proc/self/status").read_text()
+            self.peak = (
+                int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+            )
+        self.seconds = time.perf_counter() - self.started
+
+
+def say(step: str, meter: Meter, result: str = "") -> None:
+    where = "GPU allocated" if meter.device.startswith("cuda") else "RSS"
+    print(
+        f"{step:<28} {meter.seconds:8.1f} s   peak {where} {meter.peak / 2**30:7.2f} GiB   {result}",
+        flush=True,
+    )
+
+
+SPEC = """
+import sys
+sys.path.insert(0, {here!r})
+from gpu_scale import build, inputs
+
+def build_reference():
+    return build({scale!r}, {device!r}, slip=False)
+
+def build_port():
+    return build({scale!r}, {device!r}, slip=True)
+
+def make_inputs():
+    return inputs({scale!r}, {device!r})
+"""
+
+
+def trace_child(spec: str, out: str, device: str) -> None:
+    from paritykit.bisection.spec import trace_spec
+
+    with Meter(device) as meter:
+        summary = trace_spec(spec, side="reference", out=out, device=device, levels="blocks")
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    say("trace --levels blocks", meter, f"{summary.calls} calls, folder {size / 2**30:.2f} GiB")
+
+
+def main(scale: str, device: str) -> int:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_scale: --device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    from paritykit.bisection.entry import bisect
+
+    params = {"dev": "11.9 B", "tiny": "tiny"}[scale]
+    print(f"# gpu_scale: FluxTransformer2DModel at {scale} size ({params} parameters), bfloat16, on {device}")
+    if device.startswith("cuda"):
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.py"
+        here = str(Path(__file__).resolve().parent)
+        spec.write_text(SPEC.format(here=here, scale=scale, device=device))
+        # a child process, so the parent's models are not in memory at the same time
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); import gpu_scale as g; g.trace_child(*sys.argv[1:])"
+        )
+        subprocess.run([sys.executable, "-c", code, str(spec), str(Path(tmp) / "trace"), device], check=False)
+    with Meter(device) as meter:
+        reference, port = build(scale, device, slip=False), build(scale, device, slip=True)
+    count = sum(p.numel() for p in reference.parameters())
+    say("build both models", meter, f"{count:,} parameters each")
+    args, kwargs = inputs(scale, device)
+    for name, model in (("reference", reference), ("port", port)):
+        with Meter(device) as meter, torch.no_grad():
+            model(*args, **kwargs)
+        say(f"forward ({name})", meter)
+    with Meter(device) as meter:
+        report = bisect(reference, port, (args, kwargs), levels="zoom", repair=False)
+    culprit = report.culprit.port if report.culprit is not None else "-"
+    say("bisect --levels zoom", meter, f"verdict {report.verdict}, culprit {culprit}")
+    found = culprit.startswith(f"single_transformer_blocks.{SLIP_BLOCK[scale]}.")
+    print(json.dumps({"verdict": report.verdict, "culprit": culprit, "planted_block_named": found}))
+    return 0 if found else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--scale", choices=sorted(CONFIGS), default=None, help="dev (default on cuda) or tiny"
+    )
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    options = parser.parse_args()
+    import torch
+
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    scale = options.scale or ("dev" if device.startswith("cuda") else "tiny")
+    sys.exit(main(scale, device))
