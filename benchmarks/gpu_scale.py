@@ -31,32 +31,22 @@ from pathlib import Path
 # the single-stream block whose modulation rows the port holds swapped, by scale
 SLIP_BLOCK = {"dev": 20, "tiny": 2}
 
-CONFIGS = {
-    "dev": dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=19,
-        num_single_layers=38,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    ),
-    "tiny": dict(
-        patch_size=1,
-        in_channels=16,
-        num_layers=2,
-        num_single_layers=24,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=16,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    ),
-}
+DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+# the same model, small: seconds on a CPU
+TINY = {**DEV, "in_channels": 16, "num_layers": 1, "num_single_layers": 4, "attention_head_dim": 16}
+TINY.update(num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+CONFIGS = {"dev": DEV, "tiny": TINY}
 TOKENS = {"dev": (4096, 512), "tiny": (64, 8)}
 
 

@@ -348,25 +348,19 @@ def write_packed_spec(folder, bugs=()):
     return path
 
 
-class GuidancePair(Pair):
-    r"""Classifier-free guidance in one batched call: the reference stacks (uncond, cond), as the original
-    LDM sampler does. ``order``: ``"same"`` (the port stacks it alike), ``"swapped"`` (the port stacks
-    (cond, uncond) and reads its output's halves the same way round: the same result), ``"swapped-kept"``
-    (the port stacks (cond, uncond) but reads the halves as the reference does: guidance reversed)."""
+class Guided(Pair):
+    r"""Classifier-free guidance on both sides, each side's passes its own: subclasses give
+    ``reference_passes(x, t, c)`` and ``port_passes(latents, t)``, each returning ``(uncond, cond)``."""
 
-    SCALE = 4.0
+    SCALE = 3.0
 
-    def __init__(self, order: str):
+    def __init__(self):
         super().__init__(set(), vae=False)
-        self.order = order
         self.uncond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(6))
 
     def run_reference(self, steps: int = STEPS) -> torch.Tensor:
         def guided(x, t, c):
-            both = self.ref_unet(
-                torch.cat([x, x]), t, encoder_hidden_states=torch.cat([self.uncond, c])
-            ).sample
-            uncond, cond = both.chunk(2)
+            uncond, cond = self.reference_passes(x, t, c)
             return uncond + self.SCALE * (cond - uncond)
 
         return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
@@ -375,14 +369,34 @@ class GuidancePair(Pair):
         scheduler = scheduler or self.port_scheduler()
         scheduler.set_timesteps(steps)
         latents = torch.randn(1, 4, 8, 8)
-        swapped = self.order != "same"
-        embeds = torch.cat([self.cond, self.uncond] if swapped else [self.uncond, self.cond])
         for t in scheduler.timesteps:
-            both = self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample
-            first, second = both.chunk(2)
-            uncond, cond = (second, first) if self.order == "swapped" else (first, second)
+            uncond, cond = self.port_passes(latents, t)
             latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
         return latents
+
+
+class GuidancePair(Guided):
+    r"""Guidance in one batched call: the reference stacks (uncond, cond), as the original LDM sampler does.
+    ``order``: ``"same"`` (the port stacks it alike), ``"swapped"`` (the port stacks (cond, uncond) and reads
+    its output's halves the same way round: the same result), ``"swapped-kept"`` (the port stacks (cond,
+    uncond) but reads the halves as the reference does: guidance reversed)."""
+
+    SCALE = 4.0
+
+    def __init__(self, order: str):
+        super().__init__()
+        self.order = order
+
+    def reference_passes(self, x, t, c):
+        both = self.ref_unet(torch.cat([x, x]), t, encoder_hidden_states=torch.cat([self.uncond, c])).sample
+        return both.chunk(2)
+
+    def port_passes(self, latents, t):
+        swapped = self.order != "same"
+        embeds = torch.cat([self.cond, self.uncond] if swapped else [self.uncond, self.cond])
+        both = self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample
+        first, second = both.chunk(2)
+        return (second, first) if self.order == "swapped" else (first, second)
 
 
 def write_guidance_spec(folder, order: str):
@@ -432,14 +446,14 @@ class OnePass(torch.nn.Module):
         return self.unet(x, t, encoder_hidden_states=self.embed(context, drop=drop)).sample
 
 
-class GuidancePassesPair(Pair):
+class GuidancePassesPair(Guided):
     r"""The reference packs its guidance passes into one batched call per step; the port calls its denoiser
     once per pass. ``bugs`` may hold ``"norm-eps"`` (one GroupNorm of the port's UNet with eps 1e-3)."""
 
-    SCALE = 3.0
-
     def __init__(self, bugs: set[str]):
-        super().__init__(bugs, vae=False)
+        super().__init__()
+        if "norm-eps" in bugs:
+            self.port_unet.down_blocks[1].resnets[0].norm1.eps = 1e-3
         embed = Embedder()
         with torch.no_grad():
             for p in embed.parameters():
@@ -447,22 +461,13 @@ class GuidancePassesPair(Pair):
         self.ref_packed = PackedGuidance(self.ref_unet, embed)
         self.port_pass = OnePass(self.port_unet, copy.deepcopy(embed))
 
-    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
-        def guided(x, t, c):
-            cond, uncond = self.ref_packed(x, t, c).chunk(2)
-            return uncond + self.SCALE * (cond - uncond)
+    def reference_passes(self, x, t, c):
+        cond, uncond = self.ref_packed(x, t, c).chunk(2)
+        return uncond, cond
 
-        return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
-
-    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
-        for t in scheduler.timesteps:
-            cond = self.port_pass(latents, t, self.cond)
-            uncond = self.port_pass(latents, t, self.cond, drop=True)
-            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
-        return latents
+    def port_passes(self, latents, t):
+        cond = self.port_pass(latents, t, self.cond)  # the conditional pass first, as the reference stacks
+        return self.port_pass(latents, t, self.cond, drop=True), cond
 
 
 def write_passes_spec(folder, bugs=()):
@@ -478,34 +483,17 @@ def write_passes_spec(folder, bugs=()):
     return path
 
 
-class SplitPassesPair(Pair):
+class SplitPassesPair(Guided):
     r"""The reference calls its denoiser once per guidance pass (cond, then uncond), each on the latents as
     they are; the port runs both passes as one batch of the latents repeated, (uncond, cond) stacked."""
 
-    SCALE = 3.0
+    def reference_passes(self, x, t, c):
+        cond = self.ref_unet(x, t, encoder_hidden_states=c).sample
+        return self.ref_unet(x, t, encoder_hidden_states=self.uncond).sample, cond
 
-    def __init__(self):
-        super().__init__(set(), vae=False)
-        self.uncond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(6))
-
-    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
-        def guided(x, t, c):
-            cond = self.ref_unet(x, t, encoder_hidden_states=c).sample
-            uncond = self.ref_unet(x, t, encoder_hidden_states=self.uncond).sample
-            return uncond + self.SCALE * (cond - uncond)
-
-        return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
-
-    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
+    def port_passes(self, latents, t):
         embeds = torch.cat([self.uncond, self.cond])
-        for t in scheduler.timesteps:
-            both = self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample
-            uncond, cond = both.chunk(2)
-            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
-        return latents
+        return self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample.chunk(2)
 
 
 def write_split_spec(folder):
