@@ -137,3 +137,14 @@ def test_nested_arguments_are_recorded_and_what_cannot_be_is_named(tmp_path):
     assert step["unrecorded"] == "handle (object)"
     assert torch.equal(step["output"], torch.stack(x) * 2)  # a list of per-sample results, stacked
     assert "step_0" in rec
+
+
+def test_a_time_embedding_named_time_is_no_timestep():
+    # round 11 (stable-diffusion-pytorch): Diffusion(latent, context, time) takes a (1, 320) time embedding;
+    # triage read its first element as the timestep
+    from paritykit.tracing.recording import timestep_argument
+
+    latents, context = torch.randn(2, 4, 8, 8), torch.randn(2, 7, 32)
+    assert timestep_argument({"latent": latents, "context": context, "time": torch.randn(1, 320)}) is None
+    found = timestep_argument({"latent": latents, "context": context, "time": torch.tensor([999.0, 999.0])})
+    assert found is not None and found[0] == "time" and found[2] == 999.0

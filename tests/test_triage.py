@@ -638,3 +638,22 @@ def test_guidance_passes_called_apart_against_one_stacked_call_compare_through_t
     assert "reference 10, port 5 (the reference calls its denoiser 2 times per timestep" in text
     assert "stacked in the order (1, 0)" in text and "latents shapes differ" not in text
     assert "ruled out: denoiser calls: inputs, timestep and output agree at every call (5)" in text
+
+
+def test_results_of_other_shapes_are_never_a_match():
+    # round 11 (v-diffusion): "verdict: match" over "results not compared: shapes differ" (batch 2 against 1)
+    from paritykit.triage.report import TriageReport
+
+    report = TriageReport(
+        spec="s.py",
+        findings=[],
+        ruled_out=[],
+        not_checked=[],
+        curve=[],
+        calls=(3, 3),
+        result={"error": "shapes differ: reference (2, 3, 16, 16), port (1, 3, 16, 16)"},
+        all_causes=False,
+        out_dir=None,
+    )
+    assert report.verdict == "differ" and report.exit_code == 1
+    assert "results not compared: shapes differ" in report.render()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from paritykit.base.naming import apply_rules, compile_rules
 from paritykit.base.report import DEFAULT_LIMIT, render_table
-from paritykit.bisection.align_sides import Side, side_of
+from paritykit.bisection.align_sides import Side, replayed_distance, side_of
 from paritykit.forensics.conversion.fingerprints import informative
 
 if TYPE_CHECKING:
@@ -193,6 +193,9 @@ def _shown(name: str) -> str:
 class _Builder:
     def __init__(self, ref: Side, port: Side):
         self.ref = ref
+        self.port_modules: dict[
+            str, Any
+        ] = {}  # the port model's modules, when it is at hand (chains replayed)
         self.port = port
         self.pairs: list[AlignedPair] = []
         self.ref_done: set[str] = set()
@@ -429,7 +432,12 @@ class _Builder:
         (best, r), (second, _) = distances[0], distances[1]
         if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
             return r
-        return None
+        # the captured outputs cannot tell (the inputs already differ upstream): the port module run on each
+        # member's own captured inputs can
+        module = self.port_modules.get(p)
+        distances = sorted((replayed_distance(module, self.ref.first_calls.get(r)), r) for r in refs)
+        (best, r), (second, _) = distances[0], distances[1]
+        return r if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12) else None
 
     def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> Confidence:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under
@@ -777,6 +785,7 @@ def align_modules(
     ref_side = side_of(reference, ref_trace)
     port_side = side_of(port, port_trace)
     builder = _Builder(ref_side, port_side)
+    builder.port_modules = dict(port.named_modules()) if port is not None else {}
     if use_weights:
         builder.by_layer_order()
     builder.by_names(rules)

@@ -97,3 +97,30 @@ def _first_output_shape(record: Record) -> tuple | None:
         return tuple(record._tensors.get(first).shape)
     except Exception:  # a trace folder with a missing shard still aligns by names and types
         return None
+
+
+def replayed_distance(module: Any, record: Any) -> float:
+    r"""How far ``module``, run on the captured positional inputs of ``record`` (a call of the other side),
+    lands from that call's captured output (relative error); ``inf`` when it cannot run there or the outputs
+    do not compare. Which member of a wrapper chain a port module computes like, measured."""
+    import math
+
+    import torch
+
+    from paritykit.base.inputs import to_device
+    from paritykit.bisection.leaves import module_device
+    from paritykit.compare.tensors import relative_error
+
+    if module is None or record is None or not record.replayable:
+        return math.inf
+    args, _ = record.call_inputs()
+    try:
+        with torch.no_grad():
+            got = module(*to_device(args, module_device(module)))
+    except Exception:  # noqa: BLE001 - a signature that does not take these inputs measures nothing
+        return math.inf
+    got = got if isinstance(got, torch.Tensor) else getattr(got, "sample", None)
+    want = record.output
+    if not isinstance(got, torch.Tensor) or want is None or got.shape != want.shape:
+        return math.inf
+    return relative_error(got.detach().to(want.device, want.dtype), want)

@@ -134,15 +134,22 @@ def scalar_value(value: Any) -> float | None:
 def timestep_argument(named: dict[str, Any]) -> tuple[str, str, float] | None:
     r"""``(argument name, "timesteps" | "sigmas", value)`` of a call: by its arguments' names, else its second
     argument when that is a number or a tensor of at most one value per sample."""
+    import torch
+
+    # a timestep is one number per sample at most: a (1, 320) time embedding named ``time`` is no timestep
+    first = next((v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    batch = first.shape[0] if first is not None else 1
+
+    def per_sample(value: Any) -> bool:
+        return not isinstance(value, torch.Tensor) or value.numel() <= max(batch, 1)
+
     for name in TIMESTEP_NAMES:
-        if name in named and (value := scalar_value(named[name])) is not None:
+        if name in named and (value := scalar_value(named[name])) is not None and per_sample(named[name]):
             return name, ("sigmas" if name.startswith("sigma") else "timesteps"), value
     names = list(named)
     if (
         len(names) > 1 and (value := scalar_value(named[names[1]])) is not None
     ):  # (sample, t, ...) by position
-        import torch
-
         second = named[names[1]]
         if not isinstance(second, torch.Tensor) or second.numel() <= named[names[0]].shape[0]:
             return names[1], "timesteps", value

@@ -89,6 +89,13 @@ class CallComparison:
         return all(c.passed for _, _, c in self.conditioning) and not self.unpaired
 
     @property
+    def inputs_agree(self) -> bool:
+        r"""Latents and conditioning agree, and the timestep too where both sides pass one the walk reads (a
+        timestep one side does not pass is not compared, and is no difference)."""
+        unread = self.t_reference is None or self.t_port is None
+        return self.latents_match and self.conditioning_match and (self.timestep_match or unread)
+
+    @property
     def inputs_match(self) -> bool:
         return self.latents_match and self.timestep_match and self.conditioning_match
 

@@ -151,7 +151,9 @@ class TriageReport:
     def verdict(self) -> Verdict:
         if self.result_matches:
             return "match"
-        return "differ" if self.findings or self.result.get("passed") is False else "match"
+        # results of other shapes are not one result: never a match
+        differ = self.findings or self.result.get("passed") is False or "error" in self.result
+        return "differ" if differ else "match"
 
     @property
     def exit_code(self) -> int:

@@ -178,7 +178,10 @@ class Triage(ScheduleChecks, DecoderChecks):
                 return self.noise()
             if i == 0:
                 self.noise()  # the first call's latents agree: said, with the layout they were read in
-            if not pair.timestep_match:
+            unread = pair.t_reference is None or pair.t_port is None
+            if not pair.timestep_match and unread and i == 0:
+                self.schedule()  # a side passes no timestep the walk can read: said once, the walk goes on
+            elif not pair.timestep_match and not unread:
                 return self.schedule()
             if any(not c.passed for _, _, c in pair.conditioning):
                 return self.conditioning()
@@ -407,7 +410,7 @@ class Triage(ScheduleChecks, DecoderChecks):
         r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else
         call 0): a difference there is the module's own, whatever differs upstream."""
         if call is None:
-            call = next((p.index for p in self.pairs if p.inputs_match), 0)
+            call = next((p.index for p in self.pairs if p.inputs_agree), 0)
         ref_x, port_x = (
             latents(self.ref.calls[call], self.ref_roles[call]),
             latents(self.port.calls[call], self.port_roles[call]),
@@ -462,14 +465,14 @@ class Triage(ScheduleChecks, DecoderChecks):
             layout=self.layout.to_port if self.layout is not None else None,
         )
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows)
-        if not module_differs(report, self.pairs[call].inputs_match and not self.pairs[call].output_match):
+        if not module_differs(report, self.pairs[call].inputs_agree and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
                 f"the port's module matches the reference's on call {call}'s inputs" + masked_words(report),
             )
             return
         finding = bisect_finding("denoiser", call, report)
-        if not self.pairs[call].inputs_match:
+        if not self.pairs[call].inputs_agree:
             finding.evidence.insert(
                 0, f"the port's own call-{call} inputs differ; it was fed the reference's"
             )
@@ -478,7 +481,7 @@ class Triage(ScheduleChecks, DecoderChecks):
 
     def _grouped_denoiser(self, call: int) -> None:
         pair = self.pairs[call]
-        if pair.inputs_match and pair.output is not None and not pair.output.passed:
+        if pair.inputs_agree and pair.output is not None and not pair.output.passed:
             self.findings.append(
                 Finding(
                     "denoiser",
@@ -595,7 +598,13 @@ class Triage(ScheduleChecks, DecoderChecks):
             said = "; ".join(f"not compared at calls {runs(calls)}: {why}" for why, calls in missed.items())
             self.skip("update", f"{words}; {said}")
         else:
-            self.skip("update", "no step with the same timesteps on both sides and an exact linear rule")
+            words = self._timesteps_words()
+            self.skip(
+                "update",
+                "no step with an exact linear rule whose timesteps agree on both sides"
+                if words == "the timesteps differ"
+                else f"no step compared: {words}",
+            )
 
     def _why_no_update_rule(self, i: int, fit: tuple[Any, Any]) -> str:
         r"""Why call ``i``'s update was not compared, measured."""
@@ -609,6 +618,13 @@ class Triage(ScheduleChecks, DecoderChecks):
                 return f"the {side}'s update is no exact linear rule there (residual {residual})"
         return "not compared"
 
+    def _timesteps_words(self) -> str:
+        r"""Why the steps cannot be matched by timestep: one side's calls carry none, or they differ."""
+        for side, values in (("reference", self.t_ref), ("port", self.t_port)):
+            if values and all(v is None for v in values):
+                return f"the {side}'s denoiser calls carry no recognisable timestep argument"
+        return "the timesteps differ"
+
     def _update_in_lockstep(self) -> bool:
         r"""With ``port_scheduler()``: its ``step()`` replayed on the reference's recorded model outputs and
         latents, update by update. A difference is a finding (with the scheduler key whose change removes
@@ -619,7 +635,7 @@ class Triage(ScheduleChecks, DecoderChecks):
         if not self.pairs or not all(p.timestep_match for p in self.pairs):
             # the port's scheduler would step other timesteps: that is the schedule's difference, not the
             # update's, and replaying it here would blame the update for it
-            self.skip("update", "not replayed in lockstep with port_scheduler(): the timesteps differ")
+            self.skip("update", f"not replayed in lockstep with port_scheduler(): {self._timesteps_words()}")
             return False
         if per_step_calls(self.t_ref, self.t_port):
             self.skip(

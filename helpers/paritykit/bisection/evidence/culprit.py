@@ -20,7 +20,11 @@ FIT_GAIN = 0.01
 
 # a module's attributes that are not settings of its computation: torch's bookkeeping, and switches that
 # change memory or speed, never the numbers (the one list for the settings evidence and the repair search)
-NOT_SETTINGS = frozenset({"training", "inplace", "dump_patches", "call_super_init", "gradient_checkpointing"})
+# attributes that compute nothing; ``name`` is the attribute a diffusers Upsample2D / Downsample2D keeps its
+# convolution under ("conv", "Conv2d_0"), never a setting of the computation
+NOT_SETTINGS = frozenset(
+    {"training", "inplace", "dump_patches", "call_super_init", "gradient_checkpointing", "name"}
+)
 
 
 # names that mean the same setting in different code bases
