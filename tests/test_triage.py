@@ -657,3 +657,15 @@ def test_results_of_other_shapes_are_never_a_match():
     )
     assert report.verdict == "differ" and report.exit_code == 1
     assert "results not compared: shapes differ" in report.render()
+
+
+def test_timestep_values_that_reach_no_output_are_measured_as_such_not_listed_as_a_place(tmp_path):
+    # round 11 (v-diffusion): the fixed port passes alpha²/sigma² where the reference passes t; every call
+    # agreed, yet "inside the run, schedule at call 0: the timesteps differ" was listed
+    from tests.triage_pairs import write_squared_spec
+
+    report = triage_spec(write_squared_spec(tmp_path), out=tmp_path / "q")
+    text = report.render()
+    assert report.verdict == "match" and not report.findings, text
+    assert "the values passed as the timestep differ from call 0" in text and "reaches no output" in text
+    assert "the timestep values do not (the schedule line above)" in text

@@ -504,3 +504,46 @@ def write_split_spec(folder):
     )
     path.write_text(text)
     return path
+
+
+class SquaredTime(torch.nn.Module):
+    r"""A port's denoiser that takes its noise level as ``(t / 1000)²`` and turns it back into ``t`` inside:
+    the same computation, called with other values."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x: torch.Tensor, level: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.unet(x, level.sqrt() * 1000, encoder_hidden_states=context).sample
+
+
+class SquaredTimePair(Pair):
+    r"""The port passes the noise level as ``(t / 1000)²``, no unit map of the timestep (a scale, a flip)."""
+
+    def __init__(self):
+        super().__init__(set(), vae=False)
+        self.squared = SquaredTime(self.port_unet)
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        for t in scheduler.timesteps:
+            level = (t.float() / 1000) ** 2
+            latents = scheduler.step(self.squared(latents, level, self.cond), t, latents, return_dict=False)[
+                0
+            ]
+        return latents
+
+
+def write_squared_spec(folder):
+    r"""A triage SPEC for :class:`SquaredTimePair`."""
+    path = folder / "squared_spec.py"
+    text = (
+        SPEC_TEXT.replace("import Pair", "import SquaredTimePair")
+        .replace("Pair({bugs!r}, vae={vae!r})", "SquaredTimePair()")
+        .replace("return PAIR.port_unet", "return PAIR.squared")
+    )
+    path.write_text(text)
+    return path

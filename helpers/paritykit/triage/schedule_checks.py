@@ -136,3 +136,26 @@ class ScheduleChecks:
             [*words, *self.commands.config_words(scheduler), "--step-check", reference]
         )
         finding.files.append(self.commands.config_file(scheduler))
+
+    def _timesteps_reach_no_output(self, first: int) -> bool:
+        r"""Timesteps that differ in value while every call's latents and output agree reach no output (the
+        two sides pass the noise level in other units or another parametrization): said once, as measured."""
+        if not all(p.latents_match and p.output_match for p in self.pairs):
+            return False
+        if not any(n.place == "schedule" for n in self.ruled_out):
+            self.rule_out(
+                "schedule",
+                f"the values passed as the timestep differ from call {first} (reference"
+                f" {format_number(self.t_ref[first])}, port {format_number(self.t_port[first])}), yet"
+                f" every call's latents and output agree ({len(self.pairs)} calls): the difference reaches no"
+                " output",
+                check="timesteps",
+            )
+        return True
+
+    def _timesteps_words(self) -> str:
+        r"""Why the steps cannot be matched by timestep: one side's calls carry none, or they differ."""
+        for side, values in (("reference", self.t_ref), ("port", self.t_port)):
+            if values and all(v is None for v in values):
+                return f"the {side}'s denoiser calls carry no recognisable timestep argument"
+        return "the timesteps differ"

@@ -181,7 +181,7 @@ class Triage(ScheduleChecks, DecoderChecks):
             unread = pair.t_reference is None or pair.t_port is None
             if not pair.timestep_match and unread and i == 0:
                 self.schedule()  # a side passes no timestep the walk can read: said once, the walk goes on
-            elif not pair.timestep_match and not unread:
+            elif not pair.timestep_match and not unread and not self._timesteps_reach_no_output(i):
                 return self.schedule()
             if any(not c.passed for _, _, c in pair.conditioning):
                 return self.conditioning()
@@ -200,7 +200,13 @@ class Triage(ScheduleChecks, DecoderChecks):
         ordered = f" ({self.batch_order.words()})" if self.batch_order is not None else ""
         self.rule_out(
             "denoiser",
-            f"inputs, timestep and output agree at every call ({len(self.pairs)}){ordered}",
+            (
+                f"latents, conditioning and output agree at every call ({len(self.pairs)}); the timestep"
+                " values do not (the schedule line above)"
+                if any("reaches no output" in n.text for n in self.ruled_out)
+                else f"inputs, timestep and output agree at every call ({len(self.pairs)})"
+            )
+            + ordered,
             check="calls",
         )
         self.decoder(independent=False)
@@ -617,13 +623,6 @@ class Triage(ScheduleChecks, DecoderChecks):
                 residual = format_number(found.residual)
                 return f"the {side}'s update is no exact linear rule there (residual {residual})"
         return "not compared"
-
-    def _timesteps_words(self) -> str:
-        r"""Why the steps cannot be matched by timestep: one side's calls carry none, or they differ."""
-        for side, values in (("reference", self.t_ref), ("port", self.t_port)):
-            if values and all(v is None for v in values):
-                return f"the {side}'s denoiser calls carry no recognisable timestep argument"
-        return "the timesteps differ"
 
     def _update_in_lockstep(self) -> bool:
         r"""With ``port_scheduler()``: its ``step()`` replayed on the reference's recorded model outputs and
