@@ -484,7 +484,7 @@ class _ResConv(nn.Module):
         return self.main(x) + x
 
 
-class _ResidualPort(nn.Module):
+class _ResConvPort(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv1, self.act, self.conv2 = (
@@ -521,7 +521,7 @@ def test_a_residual_block_pairs_with_the_chain_member_the_port_computes_like_on_
     # correct port; run on each member's own captured inputs, the port block reproduces the outer member only
     torch.manual_seed(0)
     ref_block = randomize(_ResConv())
-    port_block = _ResidualPort()
+    port_block = _ResConvPort()
     port_block.conv1.load_state_dict(ref_block.main[0].state_dict())
     port_block.conv2.load_state_dict(ref_block.main[2].state_dict())
     reference, port = _Shifted(ref_block, 0.5), _PortNet(port_block.eval())  # inputs differ upstream
