@@ -4,6 +4,7 @@ comparison and caches)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,8 +142,7 @@ class CallPairing:
     _port_calls: dict[str, list[Record]]
     _templates: dict[tuple, tuple[str, dict[int, Relation]]]
 
-    def compare(self, a: Any, b: Any, name: str, diagnose: bool = False) -> Any:
-        raise NotImplementedError
+    compare: Callable[..., Any]  # the searcher's tolerance-aware comparison of two tensors
 
     # pairing ---------------------------------------------------------------------------------------
     def port_record(self, ref_record: Record) -> Record | None:
