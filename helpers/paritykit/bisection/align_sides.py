@@ -110,6 +110,7 @@ def replayed_distance(module: Any, record: Any) -> float:
     from paritykit.base.inputs import to_device
     from paritykit.bisection.leaves import module_device
     from paritykit.compare.tensors import relative_error
+    from paritykit.tracing.recording import output_tensor
 
     if module is None or record is None or not record.replayable:
         return math.inf
@@ -119,7 +120,7 @@ def replayed_distance(module: Any, record: Any) -> float:
             got = module(*to_device(args, module_device(module)))
     except Exception:  # noqa: BLE001 - a signature that does not take these inputs measures nothing
         return math.inf
-    got = got if isinstance(got, torch.Tensor) else getattr(got, "sample", None)
+    got = output_tensor(got)
     want = record.output
     if not isinstance(got, torch.Tensor) or want is None or got.shape != want.shape:
         return math.inf

@@ -22,6 +22,7 @@ and ``constant-scale``, then the core hints of :func:`paritykit.compare.diagnose
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -445,13 +446,9 @@ def spread_of_settings(finding: Any, differences: list[Any], port: Any, pairs: i
         found = (hint.evidence or {}).get("difference") if hint.id == "module-config" else None
         if not found or found.get("kind") != "attribute":
             continue
-        same = [
-            d
-            for d in differences
-            if d.to_dict()["attr"] == found["attr"]
-            and d.to_dict()["reference_value"] == found["reference_value"]
-            and d.to_dict()["port_value"] == found["port_value"]
-        ]
+        # compared as to_dict writes them (tuples as lists)
+        pick = operator.itemgetter("attr", "reference_value", "port_value")
+        same = [d for d in differences if pick(d.to_dict()) == pick(found)]
         if len(same) < 2:
             continue
         config = getattr(port, "config", None)
