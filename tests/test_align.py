@@ -528,3 +528,55 @@ def test_a_residual_block_pairs_with_the_chain_member_the_port_computes_like_on_
     al = aligned(reference, port, ((torch.randn(1, 4, 6, 6),), {}))
     assert al.port_of("block") == "resnet"
     assert al.port_of("block.main") != "resnet"
+
+
+class _NestedUNet(nn.Module):
+    """A research layout: the whole body in one ``unet`` container, the output conv outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.unet = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.SiLU())
+        self.final = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.final(self.unet(x))
+
+
+class _FlatUNet(nn.Module):
+    """The diffusers layout of the same work: the body's layers at the top level."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, 4, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.SiLU())
+        self.conv_out = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.conv_out(self.block(self.conv_in(x)))
+
+
+def _unet_layouts(convert: bool = True):
+    torch.manual_seed(0)
+    reference, port = _NestedUNet().eval(), _FlatUNet().eval()
+    if convert:
+        port.conv_in.load_state_dict(reference.unet[0].state_dict())
+        port.block[0].load_state_dict(reference.unet[1].state_dict())
+        port.conv_out.load_state_dict(reference.final.state_dict())
+    return reference, port, ((torch.randn(1, 3, 6, 6),), {})
+
+
+@pytest.mark.parametrize("convert", [True, False])
+def test_a_container_whose_weights_the_port_spreads_over_several_blocks_never_pairs_by_order(convert):
+    from paritykit.bisection.zoom import capture_level
+
+    reference, port, (args, kwargs) = _unet_layouts(convert)
+    # one level of each, as the zoom captures it: the reference's ``unet`` holds the port's ``conv_in`` and
+    # ``block``; it has the output shape of ``block`` only
+    ref_level, port_level = capture_level(reference, args, kwargs), capture_level(port, args, kwargs)
+    al = align_modules(reference, port, ref_level, port_level)
+    assert al.port_of("final") == "conv_out"
+    if convert:  # the weights place unet's work in conv_in and block: no order pairs it with block
+        assert al.port_of("unet") is None and al.pair_of("final").how == "weights"
+    else:  # unrelated weights say nothing: order and shape still pair them, at low confidence
+        pair = al.pair_of("unet")
+        assert (pair.port, pair.how, pair.confidence) == ("block", "order", "low")

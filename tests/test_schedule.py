@@ -570,3 +570,38 @@ def test_a_ports_own_scheduler_subclass_is_fitted_by_module_and_class_name(tmp_p
         resolve_scheduler("myport.sched:Nope")
     with pytest.raises(ParityKitError, match="cannot import"):
         resolve_scheduler("no_such_module:Mine")
+
+
+_LOG_SIGMA_SPEC = """
+import numpy as np
+
+def ref_schedule(n):
+    # the CompVis / k-diffusion Euler sampler: integer-spaced timesteps from 999 to 0, each step's sigma read
+    # off the trained table by interpolating log sigma, and a final sigma of 0
+    betas = np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2
+    alphas_cumprod = np.cumprod(1.0 - betas)
+    log_sigmas = np.log(((1 - alphas_cumprod) / alphas_cumprod) ** 0.5)
+    timesteps = np.linspace(999, 0, n)
+    sigmas = np.exp(np.interp(timesteps, np.arange(1000), log_sigmas))
+    return {"timesteps": timesteps.tolist(), "sigmas": [*sigmas.tolist(), 0.0]}
+"""
+
+
+@pytest.mark.parametrize("interpolation", ["log_linear", "linear"])
+def test_log_spaced_sigmas_are_fitted_with_the_config_key_not_a_pasted_list(tmp_path, interpolation):
+    # round 11 (stable-diffusion-pytorch): the port's EulerDiscreteScheduler had
+    # interpolation_type="log_linear"; the fit offered set_timesteps(sigmas=REF_SIGMAS), the reference's
+    # list pasted in, as its only fix
+    spec = tmp_path / "ref_loop.py"
+    spec.write_text(_LOG_SIGMA_SPEC)
+    base = {**SD_BETAS, "timestep_spacing": "linspace", "interpolation_type": interpolation}
+    fit = fit_scheduler(EulerDiscreteScheduler, str(spec), steps=4, base_config=base)
+    text = fit.render()
+    assert fit.fits and "REF_SIGMAS" not in text, text
+    if interpolation == "log_linear":
+        assert fit.fits[0].changes == {"interpolation_type": "linear"}
+        fix = 'EulerDiscreteScheduler.from_config(pipe.scheduler.config, interpolation_type="linear")'
+        assert f"fix: {fix}" in text
+        assert set(fit.fits[0].counts_matched) >= {4, 7, 13}
+    else:  # must not fire: the port already reads sigmas so; nothing to change
+        assert fit.unchanged and "fix:" not in text

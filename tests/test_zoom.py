@@ -7,7 +7,7 @@ import pytest
 import torch
 from paritykit.base.errors import ParityKitError
 from paritykit.bisection.entry import bisect
-from paritykit.bisection.zoom import ZOOM_MODULES, capture_level, level_children, use_zoom
+from paritykit.bisection.zoom import ZOOM_BYTES, capture_level, level_children, use_zoom
 from paritykit.tracing.trace import capture
 from torch import nn
 
@@ -63,10 +63,13 @@ def test_level_children_look_through_module_lists():
     assert level_children(model, "embed") == []
 
 
-def test_levels_rule():
-    small = nn.Sequential(*[nn.Identity() for _ in range(ZOOM_MODULES - 1)])  # with the root: ZOOM_MODULES
-    big = nn.Sequential(*[nn.Identity() for _ in range(ZOOM_MODULES)])
-    assert not use_zoom("auto", small) and use_zoom("auto", big)
+def test_levels_rule_follows_the_parameter_bytes_not_the_module_count():
+    linear = nn.Linear(4, 4)  # 20 float32 parameters: 80 bytes
+    assert not use_zoom("auto", linear, zoom_bytes=80) and use_zoom("auto", linear, zoom_bytes=79)
+    many = nn.Sequential(*[nn.Identity() for _ in range(5000)])  # thousands of modules, no weight at all
+    assert ZOOM_BYTES >= 1 << 30 and not use_zoom("auto", many)
+    small, big = linear, nn.Linear(4, 4).half()
+    assert use_zoom("auto", big, zoom_bytes=39) and not use_zoom("auto", big, zoom_bytes=40)  # by bytes
     assert use_zoom("zoom", small) and not use_zoom("full", big)
     with pytest.raises(ParityKitError, match="--levels"):
         use_zoom("deep", small)

@@ -201,6 +201,8 @@ class _Builder:
         self.ref_done: set[str] = set()
         self.port_done: set[str] = set()
         self.cmap: Any = None
+        # port tensor -> the reference tensors it is made of, from the weights pass (empty without weights)
+        self.sources_of: dict[str, list[str]] = {}
         self.layer_orders: list[Any] = []
 
     def add(self, r: str, p: str, how: str, confidence: Confidence = "high", group: bool = False) -> None:
@@ -305,6 +307,7 @@ class _Builder:
         ambiguous = {a.target for a in cmap.ambiguous}
         identifying = {t for t in sources_of_all(cmap) if t not in ambiguous and informative(port_sd.get(t))}
         sources_of = {e.target: list(e.sources) for e in cmap.mapping if e.target not in ambiguous}
+        self.sources_of = sources_of
         port_keys = list(port_sd)
         first_new = len(self.pairs)
         self.pair_by_sources(sources_of, identifying, list(ref_sd), port_keys)
@@ -615,10 +618,26 @@ class _Builder:
                     self.port.out_shapes.get(ports[k]) == shape
                     and self._alike(r, ports[k])
                     and self.nests(r, ports[k])
+                    and not self._weights_elsewhere(r, ports[k])
                 ):
                     self.add(r, ports[k], "order", confidence="low")
                     j = k + 1
                     break
+
+    def _weights_elsewhere(self, r: str, p: str) -> bool:
+        r"""Whether the weights pass places ``r``'s work outside ``p``: a port tensor under ``p`` is made from
+        a reference tensor outside ``r``, or a tensor made from ``r``'s lies outside ``p`` (a research UNet
+        whose tensors the port spreads over ``conv_in``, ``down_blocks`` and ``up_blocks`` is no pair for
+        ``up_blocks.2``, whatever their output shapes)."""
+        if not r or not p or not self.sources_of:
+            return False
+        r_prefix, p_prefix = r + ".", p + "."
+        for target, sources in self.sources_of.items():
+            inside_p = target.startswith(p_prefix)
+            from_r = [s.startswith(r_prefix) for s in sources]
+            if (inside_p and not all(from_r)) or (any(from_r) and not inside_p):
+                return True
+        return False
 
     def _alike(self, r: str, p: str) -> bool:
         """Same parameter shapes (a norm never pairs with a dropout that happens to return the same shape);

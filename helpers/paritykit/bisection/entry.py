@@ -340,8 +340,8 @@ def bisect(
             difference within a small multiple of the larger side's float32 error is float noise, not a
             divergence (:mod:`paritykit.bisection.floor`); ``False`` is ``--no-float-floor``.
         levels: ``full`` captures every module at once; ``zoom`` captures one level of blocks at a time
-            (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference has more than 300 modules or
-            its weights are offloaded by accelerate.
+            (:mod:`paritykit.bisection.zoom`); ``auto`` zooms when the reference's parameters take more than
+            1 GiB or are offloaded by accelerate.
 
     Returns:
         A :class:`BisectReport`: ``verdict`` (``match``/``diverge``/``masked``), ``culprit`` (and

@@ -37,21 +37,27 @@ if TYPE_CHECKING:
     from paritykit.bisection.searcher import Searcher
     from paritykit.tracing.trace import Record, Trace
 
-# ``levels="auto"``: zoom when the reference has more modules than this; below it a full capture is small.
-ZOOM_MODULES = 300
+# ``levels="auto"``: zoom when the reference's parameters take more bytes than this. A full capture keeps
+# every module's output, and a model's activations grow with its width and depth as its weights do; under
+# this size a full capture is small, and it pairs modules across hierarchies that differ (a research UNet's
+# ``encoders`` list against diffusers' ``down_blocks``), which the zoom, one level at a time, cannot.
+ZOOM_BYTES = 1 << 30
 LEVELS = ("auto", "zoom", "full")
 
 
-def use_zoom(levels: str, model: Any) -> bool:
-    r"""Whether ``levels`` (``auto``/``zoom``/``full``) means the zoom for ``model`` (``auto``: more than
-    :data:`ZOOM_MODULES` modules, or weights offloaded to ``meta`` by accelerate)."""
+def use_zoom(levels: str, model: Any, zoom_bytes: int = ZOOM_BYTES) -> bool:
+    r"""Whether ``levels`` (``auto``/``zoom``/``full``) means the zoom for ``model`` (``auto``: parameters
+    of more than ``zoom_bytes`` bytes, :data:`ZOOM_BYTES` by default, or weights offloaded to ``meta`` by
+    accelerate)."""
     if levels not in LEVELS:
         raise ParityKitError(f"--levels {levels!r}: expected one of {', '.join(LEVELS)}")
     if levels == "auto":
-        return model is not None and (
-            sum(1 for _ in model.named_modules()) > ZOOM_MODULES or _offloaded(model)
-        )
+        return model is not None and (_parameter_bytes(model) > zoom_bytes or _offloaded(model))
     return levels == "zoom"
+
+
+def _parameter_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _offloaded(model: Any) -> bool:

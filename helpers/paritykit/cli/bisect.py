@@ -78,8 +78,8 @@ your files).
     show_default=True,
     help=(
         "full: capture every module at once. zoom: capture the top-level blocks, then only inside the "
-        "first failing block, one level at a time (memory of one level). auto: zoom when the reference has "
-        "more than 300 modules or accelerate keeps its weights offloaded (on meta)."
+        "first failing block, one level at a time (memory of one level). auto: zoom when the reference's "
+        "parameters take more than 1 GiB or accelerate keeps its weights offloaded (on meta)."
     ),
 )
 @click.option(

@@ -66,6 +66,11 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
     types = [k for k in _SIGMA_TYPE_KEYS if k in keys]
     if types:
         axes.append([{k: False for k in types}] + [{k: k == t for k in types} for t in types])
+    if "interpolation_type" in keys:
+        # "linear" reads each step's sigma off the trained table at its timestep (as k-diffusion's samplers
+        # do); "log_linear" spaces the sigmas evenly in log between the table's two ends
+        values = dict.fromkeys([now("interpolation_type"), "linear", "log_linear"])
+        axes.append([{"interpolation_type": v} for v in values])
     if "final_sigmas_type" in keys:
         axes.append([{"final_sigmas_type": v} for v in ("zero", "sigma_min")])
     if "beta_schedule" in keys and not base.get("trained_betas"):
