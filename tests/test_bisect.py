@@ -692,3 +692,73 @@ def test_a_setting_that_differs_in_every_module_of_its_kind_is_counted_and_its_c
     reference, port, x = null_kv_pairs.build("final_eps")
     alone = bisect(reference, port, ((x,), {}))
     assert not any("the same setting differs" in h.message for h in alone.culprit.hints)
+
+
+class _PositionsInParent(torch.nn.Module):
+    """Research layout: the patch embedding, then the position table added in the parent's forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8))
+        with torch.no_grad():
+            self.patch[1].weight.uniform_(0.5, 1.5)
+        self.pos = torch.nn.Parameter(torch.randn(5, 8))
+        self.drop = torch.nn.Dropout(0.0)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(self.patch(x) + self.pos))
+
+
+class _PatchWithPositions(torch.nn.Module):
+    def __init__(self, pos: torch.Tensor):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.register_buffer("pos", pos.clone(), persistent=False)
+
+    def forward(self, x):
+        return self.norm(self.proj(x)) + self.pos
+
+
+class _PositionsInPatch(torch.nn.Module):
+    """Port layout: the position table added inside the patch-embedding module; ``twice`` adds it again."""
+
+    def __init__(self, reference: _PositionsInParent, pos: torch.Tensor, twice: bool = False):
+        super().__init__()
+        self.pos_embed = _PatchWithPositions(pos)
+        self.pos_embed.proj.load_state_dict(reference.patch[0].state_dict())
+        self.pos_embed.norm.load_state_dict(reference.patch[1].state_dict())
+        self.dropout = torch.nn.Dropout(0.0)
+        self.proj_out = torch.nn.Linear(8, 3)
+        self.proj_out.load_state_dict(reference.head.state_dict())
+        self.twice = twice
+
+    def forward(self, x):
+        h = self.pos_embed(x)
+        return self.proj_out(self.dropout(h + self.pos_embed.pos if self.twice else h))
+
+
+@pytest.mark.parametrize("case", ["correct", "swapped table", "added twice"])
+def test_a_module_that_ends_where_the_references_next_call_begins_is_no_culprit(case):
+    # round 12 (rectified-flow-pytorch): the research adds its position table in the DiT's forward after
+    # `patch_embeds.0`, the port inside `pos_embed`; on the correct port bisect said "verdict: masked",
+    # culprit patch_embeds.0 <-> pos_embed
+    reference = _PositionsInParent().eval()
+    pos = reference.pos.detach()
+    if case == "swapped table":
+        pos = torch.cat([pos[:, 4:], pos[:, :4]], 1)
+    port = _PositionsInPatch(reference, pos, twice=case == "added twice").eval()
+    inputs = ((torch.randn(2, 5, 6),), {})
+    report = bisect(reference, port, inputs)
+    row = next(t for t in report.tested if t.reference == "patch")
+    if case == "correct":
+        assert report.verdict == "match" and report.culprit is None and report.first_output_divergence is None
+        assert row.status == "pass" and "ends where the reference's drop begins" in row.note
+    elif case == "swapped table":  # must not fire: the port's output is not the reference's a step later
+        assert report.verdict == "diverge" and report.culprit.port == "pos_embed"
+        assert row.status == "fail" and "ends where" not in (row.note or "")
+    else:  # the boundary holds, and the table added once more in the port's forward is found there
+        assert row.status == "pass" and report.verdict == "diverge"
+        assert report.culprit.reference == "" and report.culprit.inline

@@ -669,3 +669,26 @@ def test_timestep_values_that_reach_no_output_are_measured_as_such_not_listed_as
     assert report.verdict == "match" and not report.findings, text
     assert "the values passed as the timestep differ from call 0" in text and "reaches no output" in text
     assert "the timestep values do not (the schedule line above)" in text
+
+
+@pytest.mark.parametrize("clamp_copy", [True, False])
+def test_all_reports_the_update_that_changes_latents_after_a_step_whose_inputs_and_output_agree(
+    tmp_path, clamp_copy
+):
+    # round 12 (rectified-flow-pytorch): the port clipped only its denoiser's input copy; with --all triage
+    # said "the results differ, and no place the walk compared differs" where the walk without --all named
+    # the update after step 0
+    from tests.triage_pairs import write_clamped_spec
+
+    spec = write_clamped_spec(tmp_path, clamp_copy)
+    first = triage_spec(spec, out=tmp_path / "first")
+    every = triage_spec(spec, out=tmp_path / "all", all_causes=True)
+    if clamp_copy:
+        step = first.findings[0].call  # where the clamped values come back within range
+        for report in (first, every):
+            assert report.verdict == "differ" and [f.place for f in report.findings] == ["update"]
+            finding = report.findings[0]
+            assert finding.call == step and f"the latents after step {step} differ while" in finding.summary
+        assert "no place the walk compared differs" not in every.render()
+    else:  # must not fire: both clamp the state; every place agrees
+        assert first.verdict == every.verdict == "match" and not every.findings

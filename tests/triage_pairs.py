@@ -547,3 +547,47 @@ def write_squared_spec(folder):
     )
     path.write_text(text)
     return path
+
+
+# the clamp both sides put on the latents before the denoiser (an x0-style clip of the sampler's state)
+CLAMP = 1.5
+
+
+class ClampedStatePair(Pair):
+    r"""The reference clamps its sampler state in place before each denoiser call (rectified-flow-pytorch's
+    ``maybe_clip`` with ``clamp_``), so the update starts from the clamped state; the port
+    (``clamp_copy=True``) clamps only the copy it feeds its denoiser and steps from the unclamped latents.
+    Each call's inputs and output agree; the latents after it do not."""
+
+    def __init__(self, clamp_copy: bool):
+        super().__init__(set(), vae=False)
+        self.clamp_copy = clamp_copy
+
+    def run_reference(self, steps: int = STEPS) -> torch.Tensor:
+        def denoiser(x, t, c):
+            x.clamp_(-CLAMP, CLAMP)  # in place: the loop's own state
+            return self.ref_unet(x, t, encoder_hidden_states=c).sample
+
+        return ddim_loop(denoiser, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        for t in scheduler.timesteps:
+            clamped = latents.clamp(-CLAMP, CLAMP)
+            if not self.clamp_copy:
+                latents = clamped
+            eps = self.port_unet(clamped, t, encoder_hidden_states=self.cond).sample
+            latents = scheduler.step(eps, t, latents, return_dict=False)[0]
+        return latents
+
+
+def write_clamped_spec(folder, clamp_copy: bool):
+    r"""A triage SPEC for :class:`ClampedStatePair`."""
+    path = folder / "clamped_spec.py"
+    text = SPEC_TEXT.replace("import Pair", "import ClampedStatePair").replace(
+        "Pair({bugs!r}, vae={vae!r})", f"ClampedStatePair(clamp_copy={clamp_copy!r})"
+    )
+    path.write_text(text)
+    return path

@@ -33,6 +33,7 @@ def first_divergence(
     port_record: Callable[[Record], Record | None] | None = None,
     floor: FloatFloor | None = None,
     layouts: dict[str, dict[str, tuple[int, ...]]] | None = None,
+    done_after: Callable[[Record, Any], str] | None = None,
 ) -> ModuleFinding | None:
     r"""The first aligned call, in completion order, whose *captured* outputs differ between the two traces.
 
@@ -41,7 +42,9 @@ def first_divergence(
     ``port_record`` pairs a reference call with its port call (a searcher's, by input value); default: the
     aligned module's call in the same place of the order. With a measured ``floor``, a call whose outputs
     differ by float noise only is passed over. ``layouts`` (a searcher's, by reference call): the dim orders
-    its replays measured for a call's port outputs, applied before comparing.
+    its replays measured for a call's port outputs, applied before comparing. ``done_after(record,
+    port_leaves)`` (a searcher's): a non-empty note where the port's outputs are what the reference holds at
+    its next call, a pair whose boundaries differ: passed over.
     """
     from paritykit.compare.tensors import compare_tensors
 
@@ -67,6 +70,8 @@ def first_divergence(
             cmp = compare_tensors(a[i][1], b[j][1], atol=atol, rtol=rtol, name=record.name)
             if not cmp.passed and floor is not None and within(cmp.max_abs, floor.of(record, other)):
                 continue
+            if not cmp.passed and done_after is not None and done_after(record, b_leaves):
+                break
             if not cmp.passed:
                 from paritykit.bisection.value_relations import relate
 

@@ -320,6 +320,8 @@ class Searcher(CallPairing):
         if not cmp.passed and self.float_floor is not None:
             floor, noise = self._replay_floor(ref_record, ref_out, cmp.max_abs)
         passed = cmp.passed or bool(noise)
+        boundary = "" if passed else self.done_after(ref_record, port_out)
+        passed = passed or bool(boundary)
         if not passed:
             # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
             # call's are dropped (a deep model's passing blocks would otherwise hold a copy of every level)
@@ -351,7 +353,7 @@ class Searcher(CallPairing):
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(noise, relaid, own_note, settings_note, layout_note(orders)),
+            note=join_notes(boundary, noise, relaid, own_note, settings_note, layout_note(orders)),
             floor=floor,
             arguments=(
                 pairing.rows(
@@ -361,6 +363,36 @@ class Searcher(CallPairing):
                 else []
             ),
         )
+
+    def done_after(self, ref_record: Record, port_out: Leaves) -> str:
+        r"""Whether the port module's replayed output is what the reference holds a step later: the input of
+        the reference call that starts next outside ``ref_record`` (a position table the research adds in
+        the parent's forward, after its patch embedding, and the port inside its patch-embedding module).
+        Then the two modules end at different places and no difference is made here: a note saying so, with
+        the measurement; empty otherwise."""
+        if len(port_out) != 1:
+            return ""
+        # the next call of the same parent (every call inside ref_record has another parent)
+        siblings = [
+            r for r in self.ref_trace.records if r.parent == ref_record.parent and r.order > ref_record.order
+        ]
+        if ref_record.parent is None or not siblings:
+            return ""
+        after = min(siblings, key=lambda r: r.order)
+        shape = tuple(port_out[0][1].shape)
+        for path, value in after.inputs.items():
+            if not is_tensor(value) or tuple(value.shape) != shape:
+                continue
+            cmp = self.compare(value, port_out[0][1], f"{after.name}:{path}")
+            if cmp.passed:
+                parent = ref_record.parent or "(top level)"
+                return (
+                    f"ends where the reference's {after.module} begins: the port's output equals that call's"
+                    f" input {path} (max_abs {format_number(cmp.max_abs)}), so the work the reference's"
+                    f" {parent} does between the two calls the port does inside this module; the pair's"
+                    " boundaries differ, not its values"
+                )
+        return ""
 
     def _replay_floor(
         self, ref_record: Record, ref_out: Leaves, difference: float | None
@@ -538,6 +570,8 @@ class Searcher(CallPairing):
         )
         if paired is None or paired.worst.passed:
             return None
+        if self.done_after(record, list(port_record.outputs.items())):
+            return None  # the two end at different places; the port's output is the reference's a step later
         floor = None
         if self.float_floor is not None and self.float_floor.measured:
             floor = self.float_floor.of(record, port_record)

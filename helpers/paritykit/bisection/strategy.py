@@ -315,6 +315,7 @@ def run_strategy(
         port_record=top.port_record,
         floor=floor,
         layouts=top.layouts,
+        done_after=top.done_after,
     )
     if first is not None and first.reference in top.ref_trace:
         record = top.ref_trace[first.reference]

@@ -136,8 +136,9 @@ class Triage(ScheduleChecks, DecoderChecks):
     # -------------------------------------------------------------------------------------------- report
     def report(self) -> TriageReport:
         if self.all_causes:
-            for check in (self.noise, self.schedule, self.conditioning, self.denoiser, self.update):
+            for check in (self.noise, self.schedule, self.conditioning, self.denoiser):
                 check()
+            self.update(step=self._update_step())
             self.decoder(independent=True)
         else:
             self.first_difference()
@@ -611,6 +612,18 @@ class Triage(ScheduleChecks, DecoderChecks):
                 if words == "the timesteps differ"
                 else f"no step compared: {words}",
             )
+
+    def _update_step(self) -> int | None:
+        r"""The first step whose inputs and output agree on both sides while the latents after it differ (the
+        next call's, or the final latents after the last call): a difference the update makes, measured, be
+        the update a linear rule or not. ``None`` where no step is so."""
+        for i, pair in enumerate(self.pairs):
+            if not (pair.inputs_agree and pair.output_match and self._same_step_times(i)):
+                continue
+            last = i + 1 == len(self.pairs)
+            if self.final_latents_differ() if last else not self.pairs[i + 1].latents_match:
+                return i
+        return None
 
     def _why_no_update_rule(self, i: int, fit: tuple[Any, Any]) -> str:
         r"""Why call ``i``'s update was not compared, measured."""
