@@ -762,3 +762,63 @@ def test_a_module_that_ends_where_the_references_next_call_begins_is_no_culprit(
     else:  # the boundary holds, and the table added once more in the port's forward is found there
         assert row.status == "pass" and report.verdict == "diverge"
         assert report.culprit.reference == "" and report.culprit.inline
+
+
+class _Parallel(torch.nn.Module):
+    def __init__(self, *fns):
+        super().__init__()
+        self.fns = torch.nn.ModuleList(fns)
+
+    def forward(self, x):
+        return sum(f(x) for f in self.fns)
+
+
+class _TwoBranchRef(torch.nn.Module):
+    """imagen-pytorch's last down level: a 3x3 and a 1x1 convolution run in parallel and summed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.down = _Parallel(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 1))
+        self.head = torch.nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.down(torch.relu(self.stem(x)))))
+
+
+class _MergedBranchPort(torch.nn.Module):
+    """The port merges both branches into one 3x3 convolution (the 1x1 kernel added at the centre)."""
+
+    def __init__(self, ref, both_biases=True):
+        super().__init__()
+        self.conv_in = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.downsample = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.conv_out = torch.nn.Conv2d(4, 3, 1)
+        self.conv_in.load_state_dict(ref.stem.state_dict())
+        self.conv_out.load_state_dict(ref.head.state_dict())
+        a, b = ref.down.fns
+        with torch.no_grad():
+            w = a.weight.clone()
+            w[:, :, 1, 1] += b.weight[:, :, 0, 0]
+            self.downsample.weight.copy_(w)
+            self.downsample.bias.copy_(a.bias + b.bias if both_biases else a.bias)
+
+    def forward(self, x):
+        return self.conv_out(torch.relu(self.downsample(torch.relu(self.conv_in(x)))))
+
+
+@pytest.mark.parametrize("both_biases", [True, False])
+def test_a_branch_paired_by_order_with_a_merged_conv_is_no_culprit_on_a_correct_port(both_biases):
+    # round 12 (imagen-pytorch): the research's Parallel(3x3, 1x1) against the port's one merged 3x3 conv;
+    # by order the first branch paired with the merged conv, and the correct port got "verdict: masked",
+    # culprit downs.1.4.fns.0 <-> down_blocks.1.downsample
+    reference = _TwoBranchRef().eval()
+    port = _MergedBranchPort(reference, both_biases).eval()
+    report = bisect(reference, port, ((torch.randn(2, 3, 8, 8),), {}))
+    if both_biases:
+        assert report.verdict == "match" and report.culprit is None, report.render()
+        assert [(c.reference, c.port) for c in report.candidates] == [("down.fns.0", "downsample")]
+        assert "lead: reference down.fns.0 <-> port downsample fails on identical inputs" in report.render()
+    else:  # must not fire: the merged conv that keeps one bias only still diverges there
+        assert report.verdict == "diverge" and report.culprit.port == "downsample"

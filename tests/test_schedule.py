@@ -605,3 +605,18 @@ def test_log_spaced_sigmas_are_fitted_with_the_config_key_not_a_pasted_list(tmp_
         assert set(fit.fits[0].counts_matched) >= {4, 7, 13}
     else:  # must not fire: the port already reads sigmas so; nothing to change
         assert fit.unchanged and "fix:" not in text
+
+
+def test_a_schedule_in_other_units_is_named_as_such_and_nothing_else_is():
+    # round 12 (rectified-flow-pytorch): times i/8 against the port's 125·i were "unknown cause: not
+    # reversed, not a constant offset, … neither side follows a closed form that would name the difference"
+    times = [i / 8 for i in range(8)]
+    scaled = compare_schedules({"timesteps": times}, {"timesteps": [1000 * t for t in times]})
+    assert [h.id for h in scaled.hints] == ["units"] and "B = 1000 × A at every step" in scaled.render()
+    flipped = compare_schedules({"timesteps": times}, {"timesteps": [1000 - 1000 * t for t in times]})
+    assert [h.id for h in flipped.hints] == ["units"] and "B = -1000 × A + 1000" in flipped.render()
+    # must not fire: a constant offset is an offset, and a squared list no affine map of the other
+    shifted = compare_schedules({"timesteps": [999.0, 666.0, 333.0]}, {"timesteps": [998.0, 665.0, 332.0]})
+    assert "offset" in [h.id for h in shifted.hints] and "units" not in [h.id for h in shifted.hints]
+    squared = compare_schedules({"timesteps": times}, {"timesteps": [t * t for t in times]})
+    assert "units" not in [h.id for h in squared.hints]

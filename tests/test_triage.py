@@ -692,3 +692,21 @@ def test_all_reports_the_update_that_changes_latents_after_a_step_whose_inputs_a
         assert "no place the walk compared differs" not in every.render()
     else:  # must not fire: both clamp the state; every place agrees
         assert first.verdict == every.verdict == "match" and not every.findings
+
+
+@pytest.mark.parametrize("case", ["converted", "scheduler"])
+def test_a_schedule_finding_says_when_the_port_feeds_its_denoiser_other_values_than_its_scheduler(
+    tmp_path, case
+):
+    # round 12 (imagen-pytorch): the port's scheduler was right and its pipeline divided the timestep by the
+    # wrong count before the call; "schedule at call 0: the timesteps differ" sent the agent to the scheduler
+    from tests.triage_pairs import write_shifted_spec
+
+    if case == "converted":
+        spec = write_shifted_spec(tmp_path, shifted=True)
+    else:  # must not fire: the scheduler's own list differs and is fed as it is
+        spec = write_shifted_spec(tmp_path, shifted=False, bugs=("spacing-leading",))
+    report = triage_spec(spec, out=tmp_path / "t")
+    assert report.findings[0].place == "schedule", report.render()
+    said = "its denoiser is fed" in report.render() and "the port's pipeline converts them" in report.render()
+    assert said == (case == "converted"), report.render()

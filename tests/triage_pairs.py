@@ -591,3 +591,32 @@ def write_clamped_spec(folder, clamp_copy: bool):
     )
     path.write_text(text)
     return path
+
+
+class ShiftedTimePair(Pair):
+    r"""The port's scheduler is right, and its loop feeds the denoiser ``t + 1`` (a conversion slip between
+    the scheduler and the model); ``bugs`` may plant the Pair's own slips instead."""
+
+    def __init__(self, shifted: bool, bugs: tuple[str, ...] = ()):
+        super().__init__(set(bugs), vae=False)
+        self.shifted = shifted
+
+    def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
+        scheduler = scheduler or self.port_scheduler()
+        scheduler.set_timesteps(steps)
+        latents = torch.randn(1, 4, 8, 8)
+        for t in scheduler.timesteps:
+            fed = t + 1 if self.shifted else t
+            eps = self.port_unet(latents, fed, encoder_hidden_states=self.cond).sample
+            latents = scheduler.step(eps, t, latents, return_dict=False)[0]
+        return latents
+
+
+def write_shifted_spec(folder, shifted: bool, bugs: tuple[str, ...] = ()):
+    r"""A triage SPEC for :class:`ShiftedTimePair`."""
+    path = folder / "shifted_spec.py"
+    text = SPEC_TEXT.replace("import Pair", "import ShiftedTimePair").replace(
+        "Pair({bugs!r}, vae={vae!r})", f"ShiftedTimePair({shifted!r}, {tuple(bugs)!r})"
+    )
+    path.write_text(text)
+    return path

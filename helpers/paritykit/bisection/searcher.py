@@ -518,7 +518,23 @@ class Searcher(CallPairing):
         if pair.confidence != "low":
             return True
         port_record = self.port_record(record)
-        return not strict and port_record is not None and port_record.type == record.type
+        if strict or port_record is None or port_record.type != record.type:
+            return False
+        # paired by order: only where weights could not have paired them (a side without informative
+        # parameters); two convolutions whose trained weights match nothing of each other are a guess (a
+        # research Parallel's first branch against the port's conv that merged both branches)
+        return pair.how != "order" or not (
+            self._holds_informative(self.ref_modules.get(record.module))
+            and self._holds_informative(self.port_modules.get(port_record.module))
+        )
+
+    @staticmethod
+    def _holds_informative(module: Any) -> bool:
+        from paritykit.forensics.conversion.fingerprints import informative
+
+        if module is None:
+            return False
+        return any(informative(p.detach()) for p in module.parameters(recurse=False))
 
     def passed_below(self, record: Record) -> int:
         r"""How many of ``record``'s nearest aligned calls passed their tests."""
@@ -537,7 +553,7 @@ class Searcher(CallPairing):
             pair = self.alignment.pair_of(module_of(test.reference))
             if test.status != "fail" or pair is None or not self.fed_alike(test.reference):
                 continue
-            if pair.confidence != "low" or (far_above(test.max_abs, test.floor) and self._same_class(test)):
+            if pair.confidence != "low" or (far_above(test.max_abs, test.floor) and self._trusted_low(test)):
                 return True
         return False
 
@@ -550,13 +566,11 @@ class Searcher(CallPairing):
         port_record = self.port_record(record) if record is not None else None
         return port_record is not None and self._inputs_agree(record, port_record)
 
-    def _same_class(self, test: ModuleTest) -> bool:
-        r"""Whether a test's two calls are of one module class (a pair aligned on order and shape alone
-        counts as evidence only then)."""
-        ref, port = self.ref_trace, self.port_trace
-        if test.reference not in ref or test.port not in port:
-            return False
-        return ref[test.reference].type == port[test.port].type
+    def _trusted_low(self, test: ModuleTest) -> bool:
+        r"""Whether a low-confidence test's pair counts as evidence: its two calls of one module class, and
+        not two modules whose informative weights the weights pass could not pair (:meth:`confident`)."""
+        ref = self.ref_trace
+        return test.reference in ref and self.confident(ref[test.reference])
 
     def captured_difference(self, record: Record) -> tuple[float | None, float | None] | None:
         r"""The captured outputs of aligned call ``record`` against its port call's: ``(max_abs, floor)``
@@ -597,9 +611,7 @@ class Searcher(CallPairing):
             found = self.captured_difference(record)
             if found is None:
                 continue
-            port_record = self.port_record(record)
-            same_class = port_record is not None and port_record.type == record.type
-            if pair.confidence != "low" or (far_above(*found) and same_class):
+            if pair.confidence != "low" or (far_above(*found) and self.confident(record)):
                 out.append(record)
         return out
 
@@ -620,9 +632,11 @@ class Searcher(CallPairing):
             found, _ = self._failing_below(record)
             if found is not None:
                 return found
-            # the nearest confidently aligned call above the lead holds the difference
+            # the nearest confidently aligned call above the lead holds the difference, when it fails itself;
+            # the top level, whose output matches here, never does
             above = self.confident_ancestor(record)
-            return above, self.passed_below(above)
+            if above.parent is not None and self.test(above).status == "fail":
+                return above, self.passed_below(above)
         return None
 
     def confident_ancestor(self, record: Record) -> Record:

@@ -219,11 +219,16 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                     "offset", kind, f"B ≈ A {sign} {format_number(abs(c))} at every step{where}.", keys
                 )
             )
+        else:
+            units = _units(a, b, kind)
+            if units is not None:
+                hints.append(units)
     fa, fb = k.family_a, k.family_b
     twice = _shift_twice(fa, fb)
     if twice is not None:
         hints.append(twice)
-    elif fa is not None or fb is not None:
+    elif (fa is not None or fb is not None) and not any(h.id == "units" for h in hints):
+        # (two lists in other units are not two closed forms to set side by side)
         da = fa.describe() if fa else "no closed form found"
         db = fb.describe() if fb else "no closed form found"
         if da == db and not hints:
@@ -249,6 +254,29 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
                 )
             )
     return hints
+
+
+def _units(a: list[float], b: list[float], kind: str) -> ScheduleHint | None:
+    r"""``B = s·A + c`` at every step with ``s`` not 1 (least squares, every residual within tolerance): one
+    schedule in other units (a timestep in [0, 1] against [0, 1000], or ``1000 - t``); ``None`` otherwise."""
+    n = len(a)
+    mean_a, mean_b = sum(a) / n, sum(b) / n
+    var = sum((x - mean_a) ** 2 for x in a)
+    if var == 0:
+        return None
+    s = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b)) / var
+    c = mean_b - s * mean_a
+    base = TIMESTEP_ATOL if kind == "timesteps" else SIGMA_ATOL
+    tol = max(base, SIGMA_RTOL * max(map(abs, b)))
+    if abs(s - 1) <= 1e-6 or any(abs(s * x + c - y) > tol for x, y in zip(a, b)):
+        return None
+    offset = "" if abs(c) <= tol else f" {'+' if c > 0 else '−'} {format_number(abs(c))}"
+    return ScheduleHint(
+        "units",
+        kind,
+        f"B = {format_number(s)} × A{offset} at every step (within {format_number(tol)}): the same values"
+        " in other units.",
+    )
 
 
 def _differing_parameters(fa: Family | None, fb: Family | None) -> str:

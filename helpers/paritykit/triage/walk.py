@@ -348,6 +348,7 @@ class Triage(ScheduleChecks, DecoderChecks):
             f"reference {head(t_ref)}",
             f"port      {head(t_port)}",
             *(f"{h.message} (A: the reference, B: the port)" for h in getattr(comparison, "hints", [])[:3]),
+            *self._converted_timesteps(t_port),
         ]
         finding = Finding(
             "schedule",
@@ -710,6 +711,28 @@ class Triage(ScheduleChecks, DecoderChecks):
         return len(timesteps) == len(self.t_port) and all(
             same_timestep(a, b) for a, b in zip(timesteps, self.t_port)
         )
+
+    def _converted_timesteps(self, t_port: list[float]) -> list[str]:
+        r"""A line where ``port_scheduler()``, set to the run's step count, gives timesteps other than those
+        the port's denoiser was fed: the port's pipeline converts them before the call, so what differs may
+        be that conversion as well as the schedule."""
+        if not self.spec.has("port_scheduler"):
+            return []
+        import copy
+
+        scheduler = copy.deepcopy(self.port_scheduler)
+        try:
+            scheduler.set_timesteps(len(t_port))
+            own = [float(t) for t in scheduler.timesteps]
+        except Exception:
+            return []
+        if len(own) != len(t_port) or all(same_timestep(a, b) for a, b in zip(own, t_port)):
+            return []
+        return [
+            f"the port's scheduler gives the timesteps {head(own)}, and its denoiser is fed {head(t_port)}:"
+            " the port's pipeline converts them before each call (a lead: the difference may be made in that"
+            " conversion, not in the scheduler)"
+        ]
 
     def _same_step_times(self, i: int) -> bool:
         if not self.pairs[i].timestep_match:
