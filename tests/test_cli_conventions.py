@@ -1068,3 +1068,19 @@ def test_a_missing_path_is_one_line_before_torch_is_imported(tmp_path, args):
     assert lines[-1] == "exit 2 False", run.stderr
     assert len(lines) == 2 and lines[0].startswith("paritykit: error: "), run.stderr
     assert lines[0].endswith("': no such file or folder")
+
+
+@pytest.mark.parametrize("command", ["bisect", "triage"])
+@pytest.mark.parametrize("tolerance", ["1e-4", "{'atol': 1e-4, 'eps': 1}", "{'atol': '1e-4'}"])
+def test_a_tolerance_written_wrong_is_refused_before_the_spec_runs(tmp_path, command, tolerance):
+    # round 12: an agent's `TOLERANCE = 1e-4` was refused only after the SPEC had built both models (12 s)
+    marker = tmp_path / "ran.txt"
+    spec = tmp_path / "spec_tol.py"
+    head = f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('built')\n"
+    spec.write_text(head + f"TOLERANCE = {tolerance}\n")
+    line = assert_one_line_error(invoke(tmp_path, command, spec.name), "spec_tol.py", "TOLERANCE")
+    assert "'atol'" in line and not marker.exists()
+    # must not fire: a well-formed TOLERANCE, or one computed at import, is left to the run
+    spec.write_text(head + "TOLERANCE = dict(atol=1e-4)\n")
+    run = invoke(tmp_path, command, spec.name)
+    assert marker.exists() and "TOLERANCE" not in run.stderr, run.stderr

@@ -41,13 +41,7 @@ class Spec:
 
     @property
     def tolerance(self) -> dict[str, float]:
-        tol = getattr(self.module, "TOLERANCE", None) or {}
-        if not isinstance(tol, dict) or set(tol) - {"atol", "rtol"}:
-            raise ParityKitError(
-                f"{self.path}: TOLERANCE = {tol!r}: expected a dict with 'atol' and/or 'rtol'"
-                " (e.g. {'atol': 1e-4})"
-            )
-        return {k: float(v) for k, v in tol.items()}
+        return check_tolerance(self.path, getattr(self.module, "TOLERANCE", None))
 
     def inputs(self, side: str, device: Any = None) -> tuple[tuple, dict]:
         r"""One side's inputs, for a run that traces one side per process (``paritykit trace``):
@@ -167,6 +161,40 @@ def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> 
         ) from exc
 
 
+def check_tolerance(path: Any, tol: Any) -> dict[str, float]:
+    r"""A SPEC's ``TOLERANCE`` as ``{'atol': …, 'rtol': …}``; one line naming the file otherwise."""
+    tol = tol or {}
+    if (
+        not isinstance(tol, dict)
+        or set(tol) - {"atol", "rtol"}
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tol.values())
+    ):
+        raise ParityKitError(
+            f"{path}: TOLERANCE = {tol!r}: expected a dict with 'atol' and/or 'rtol' numbers"
+            " (e.g. {'atol': 1e-4, 'rtol': 1e-4})"
+        )
+    return {k: float(v) for k, v in tol.items()}
+
+
+def _check_before_running(path: Any) -> None:
+    r"""What a SPEC's source says without running it, so a slip costs no model build: its syntax, and a
+    ``TOLERANCE`` written as a literal."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (SyntaxError, OSError, UnicodeDecodeError, ValueError):
+        return  # importing it says so, with the user's own lines
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "TOLERANCE" for t in targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue  # computed: checked once the module has run
+            check_tolerance(path, value)
+
+
 def load_spec(path: Any, command: str = "bisect") -> Spec:
     r"""Import ``SPEC.py`` with its own folder on ``sys.path`` (so it may import sibling files)."""
     import importlib.util
@@ -178,6 +206,7 @@ def load_spec(path: Any, command: str = "bisect") -> Spec:
         raise ParityKitError(f"SPEC {str(path)!r}: no such file")
     if path.suffix != ".py":
         raise ParityKitError(f"SPEC {str(path)!r}: expected a .py file")
+    _check_before_running(path)
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
