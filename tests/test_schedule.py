@@ -620,3 +620,6 @@ def test_a_schedule_in_other_units_is_named_as_such_and_nothing_else_is():
     assert "offset" in [h.id for h in shifted.hints] and "units" not in [h.id for h in shifted.hints]
     squared = compare_schedules({"timesteps": times}, {"timesteps": [t * t for t in times]})
     assert "units" not in [h.id for h in squared.hints]
+    # nor two spacings: evenly spaced lists are always some affine map of each other
+    spaced = compare_schedules(R.ddim_timesteps(10, "linspace"), R.ddim_timesteps(10, "trailing"))
+    assert "units" not in [h.id for h in spaced.hints]

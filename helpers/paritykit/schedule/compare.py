@@ -256,9 +256,15 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
     return hints
 
 
+# the scale between timesteps in [0, 1] and in [0, 1000) / [0, 1000], either way round
+_UNIT_SCALES = (1000.0, 999.0, 1 / 1000, 1 / 999)
+
+
 def _units(a: list[float], b: list[float], kind: str) -> ScheduleHint | None:
-    r"""``B = s·A + c`` at every step with ``s`` not 1 (least squares, every residual within tolerance): one
-    schedule in other units (a timestep in [0, 1] against [0, 1000], or ``1000 - t``); ``None`` otherwise."""
+    r"""``B = s·A + c`` at every step (least squares, every residual within tolerance) with ``s`` a unit
+    change (±1000 or ±999, or their inverses) and ``c`` none or the range's end: one schedule in other units
+    (a timestep in [0, 1] against [0, 1000], or ``1000 - t``); ``None`` otherwise. Any two evenly spaced lists
+    are some affine map of each other (linspace against trailing spacing): only a unit change says "units"."""
     n = len(a)
     mean_a, mean_b = sum(a) / n, sum(b) / n
     var = sum((x - mean_a) ** 2 for x in a)
@@ -268,7 +274,9 @@ def _units(a: list[float], b: list[float], kind: str) -> ScheduleHint | None:
     c = mean_b - s * mean_a
     base = TIMESTEP_ATOL if kind == "timesteps" else SIGMA_ATOL
     tol = max(base, SIGMA_RTOL * max(map(abs, b)))
-    if abs(s - 1) <= 1e-6 or any(abs(s * x + c - y) > tol for x, y in zip(a, b)):
+    unit = any(abs(abs(s) - u) <= 1e-3 * u for u in _UNIT_SCALES)
+    end = any(abs(abs(c) - e) <= tol for e in (0.0, 1.0, 999.0, 1000.0))
+    if not (unit and end) or any(abs(s * x + c - y) > tol for x, y in zip(a, b)):
         return None
     offset = "" if abs(c) <= tol else f" {'+' if c > 0 else '−'} {format_number(abs(c))}"
     return ScheduleHint(
