@@ -1,4 +1,4 @@
-"""Benchmark: `weights map` of two ~1.1 GB bf16 safetensors files: time against reading both, peak memory.
+"""Benchmark: `weights map` of two bf16 safetensors files: time against reading both, peak memory.
 
 A FluxTransformer2DModel (8 double + 16 single blocks, width 1024, bf16: 0.56 B parameters) is saved twice: in
 the original repository's layout (fused QKV and QKV+MLP, swapped shift/scale, renamed; the test helper) and as
@@ -8,10 +8,17 @@ and its peak RSS growth (VmHWM after the run minus VmRSS before it, the peak res
 imported before). Reading both files once is timed with `cat` (warm page cache, as the mapping reads them).
 
     python benchmarks/bench_weights_map_files.py  # writes benchmarks/results/weights_map_files.txt
+
+``--depth dev`` builds the pair at FLUX.1-dev's depth (19 double + 38 single blocks, width 1024: 2 × ~2.7 GB)
+and, where a cgroup-v1 memory controller is writable (``/sys/fs/cgroup/memory``), runs each child in a memory
+cgroup limited to ``--limit`` GiB (1.5 by default), page cache included: pages of a file read once can be
+reclaimed under the limit, a copy of both files cannot, and the kernel kills the child that holds one. Writes
+``benchmarks/results/weights_map_files_dev.txt``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -28,7 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "weights_map_child.py"
 
 
-def write_pair(folder: Path) -> tuple[Path, Path, int]:
+# (double blocks, single blocks) per depth
+DEPTHS = {"small": (8, 16), "dev": (19, 38)}
+
+
+def write_pair(folder: Path, depth: str = "small") -> tuple[Path, Path, int]:
     import torch
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
@@ -36,12 +47,13 @@ def write_pair(folder: Path) -> tuple[Path, Path, int]:
     sys.path.insert(0, str(REPO / "tests"))
     from test_convert import _research_layout  # the research layout the tests map back
 
+    double, single = DEPTHS[depth]
     torch.manual_seed(0)
     model = FluxTransformer2DModel(
         patch_size=1,
         in_channels=64,
-        num_layers=8,
-        num_single_layers=16,
+        num_layers=double,
+        num_single_layers=single,
         attention_head_dim=128,
         num_attention_heads=8,
         joint_attention_dim=1024,
@@ -50,7 +62,7 @@ def write_pair(folder: Path) -> tuple[Path, Path, int]:
     )
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     del model
-    order = sorted(range(16), key=str)
+    order = sorted(range(single), key=str)
     port = {}
     for key, value in sd.items():
         m = re.match(r"single_transformer_blocks\.(\d+)\.(.*)", key)
@@ -61,14 +73,42 @@ def write_pair(folder: Path) -> tuple[Path, Path, int]:
     return source, target, sum(t.numel() * t.element_size() for t in sd.values())
 
 
+CGROUPS = Path("/sys/fs/cgroup/memory")
+
+
+def memory_cgroup(gib: float) -> Path | None:
+    r"""A fresh cgroup-v1 memory group limited to ``gib`` GiB, or ``None`` where none can be made."""
+    group = CGROUPS / f"paritykit_bench_{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(int(gib * 2**30)))
+    except OSError:
+        return None
+    return group
+
+
+def _join(group: Path):
+    def enter() -> None:  # runs in the child before it execs: the child and what it reads are charged there
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    return enter
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", choices=sorted(DEPTHS), default="small")
+    parser.add_argument(
+        "--limit", type=float, default=1.5, help="memory cgroup limit in GiB (dev depth only)"
+    )
+    options = parser.parse_args()
+    group = memory_cgroup(options.limit) if options.depth == "dev" else None
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "helpers"), os.environ.get("PYTHONPATH", "")]),
         "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        source, target, nbytes = write_pair(Path(tmp))
+        source, target, nbytes = write_pair(Path(tmp), options.depth)
         reads = []
         for _ in range(3):
             start = time.perf_counter()
@@ -82,18 +122,34 @@ def main() -> None:
                 text=True,
                 env=env,
                 check=True,
+                preexec_fn=_join(group) if group is not None else None,
             )
             runs.append(json.loads(done.stdout.splitlines()[-1]))
+        peak = int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
+        if group is not None:
+            group.rmdir()
         files = source.stat().st_size + target.stat().st_size
     read = statistics.median(reads)
     wall = statistics.median(r["wall"] for r in runs)
     growth = max(r["growth"] for r in runs)
     layer_order = runs[0]["layer_order"]
+    double, single = DEPTHS[options.depth]
+    if group is not None:
+        limit = (
+            f"; each child in a memory cgroup limited to {options.limit:g} GiB, page cache included"
+            f" (peak usage {peak / 2**30:.2f} GiB)"
+        )
+    else:
+        limit = (
+            "; no memory cgroup could be made here: the limit was not applied"
+            if options.depth == "dev"
+            else ""
+        )
     lines = [
-        "paritykit weights map: two bf16 safetensors files of a FluxTransformer2DModel (8 + 16 blocks,"
-        " width 1024),",
+        f"paritykit weights map: two bf16 safetensors files of a FluxTransformer2DModel ({double} + {single}"
+        " blocks, width 1024),",
         f"research layout vs diffusers with the single blocks in text order; {platform.machine()},"
-        f" torch in a child per run, median of 3",
+        f" torch in a child per run, median of 3{limit}",
         "",
         f"files                 {files / 1e9:.2f} GB in all ({nbytes / 1e9:.2f} GB of weights per side)",
         f"cat of both files     {read:.2f} s (warm page cache)",
@@ -104,7 +160,8 @@ def main() -> None:
         "",
         f"load average during the run: {', '.join(f'{x:.1f}' for x in os.getloadavg())}",
     ]
-    out = REPO / "benchmarks" / "results" / "weights_map_files.txt"
+    name = "weights_map_files.txt" if options.depth == "small" else f"weights_map_files_{options.depth}.txt"
+    out = REPO / "benchmarks" / "results" / name
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

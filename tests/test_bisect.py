@@ -822,3 +822,67 @@ def test_a_branch_paired_by_order_with_a_merged_conv_is_no_culprit_on_a_correct_
         assert "lead: reference down.fns.0 <-> port downsample fails on identical inputs" in report.render()
     else:  # must not fire: the merged conv that keeps one bias only still diverges there
         assert report.verdict == "diverge" and report.culprit.port == "downsample"
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) + x
+
+
+class _ResidualRef(torch.nn.Module):
+    """A research block wrapped in a residual: the input added after the block, by its wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.res = _Residual(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.res(x))
+
+
+class _BlockAddingInput(torch.nn.Module):
+    def __init__(self, times: int):
+        super().__init__()
+        self.norm, self.proj, self.times = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), times
+
+    def forward(self, x):
+        return self.proj(self.norm(x)) + self.times * x
+
+
+class _ResidualInsidePort(torch.nn.Module):
+    """The port's block adds its input itself (``times`` times)."""
+
+    def __init__(self, reference: _ResidualRef, times: int = 1):
+        super().__init__()
+        self.block = _BlockAddingInput(times)
+        self.block.norm.load_state_dict(reference.res.fn[0].state_dict())
+        self.block.proj.load_state_dict(reference.res.fn[1].state_dict())
+        self.head = torch.nn.Linear(8, 3)
+        self.head.load_state_dict(reference.head.state_dict())
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_block_paired_inside_a_residual_wrapper_that_adds_the_input_is_no_culprit(times):
+    # round 13 (video-diffusion-pytorch): the port's temporal attention (residual inside) paired with the
+    # research's PreNorm inside its Residual wrapper gave `fix (verified): input x is added to its output once
+    # too often` on a correct block
+    reference = _ResidualRef().eval()
+    port = _ResidualInsidePort(reference, times).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, 8),), {}), rules=[(r"^res\.fn$", "block")])
+    row = next(t for t in report.tested if t.reference == "res.fn")
+    assert row.port == "block"
+    if times == 1:
+        assert report.verdict == "match" and report.culprit is None, report.render()
+        assert row.status == "pass" and "ends where the reference's res ends" in row.note
+        assert "once too often" not in report.render()
+    else:  # must not fire: a block that adds its input twice is the difference
+        assert report.verdict == "diverge" and row.status == "fail" and "ends where" not in (row.note or "")

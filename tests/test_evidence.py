@@ -619,3 +619,17 @@ def test_an_enum_setting_equals_the_string_of_its_value_or_name():
             _RopeAttention(_Rope.INTERLEAVED), _RopeAttention(port_value), [("", "")]
         )
         assert [d.name for d in diffs] == ["rope_type"], port_value
+
+
+def test_a_per_frame_conv3d_and_a_conv2d_compare_their_settings_without_the_frame_axis():
+    # round 13 (video-diffusion-pytorch): the research's Conv3d with kernel (1, 7, 7) against the port's
+    # Conv2d applied per frame printed "[module-config] … dilation=(1, 1, 1), port dilation=(1, 1) …" four times
+    from paritykit.bisection.evidence.settings import settings_diff
+
+    per_frame = nn.Conv3d(4, 4, (1, 7, 7), padding=(0, 3, 3))
+    assert settings_diff(per_frame, nn.Conv2d(4, 4, 7, padding=3)) == []
+    assert settings_diff(nn.Conv2d(4, 4, 7, padding=3), per_frame) == []
+    # must fire: a padding that differs in the axes both have, and a Conv3d whose frame axis does work
+    assert [d.name for d in settings_diff(per_frame, nn.Conv2d(4, 4, 7, padding=2))] == ["padding"]
+    temporal = nn.Conv3d(4, 4, (3, 7, 7), padding=(1, 3, 3))
+    assert "kernel_size" in [d.name for d in settings_diff(temporal, nn.Conv2d(4, 4, 7, padding=3))]

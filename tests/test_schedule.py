@@ -623,3 +623,15 @@ def test_a_schedule_in_other_units_is_named_as_such_and_nothing_else_is():
     # nor two spacings: evenly spaced lists are always some affine map of each other
     spaced = compare_schedules(R.ddim_timesteps(10, "linspace"), R.ddim_timesteps(10, "trailing"))
     assert "units" not in [h.id for h in spaced.hints]
+
+
+def test_a_config_holding_its_betas_as_an_array_is_searched_without_error():
+    # round 13 (audio-diffusion-pytorch): a port's DDIMScheduler built with trained_betas=numpy array made
+    # `triage --all` end in a traceback ("The truth value of an array … is ambiguous")
+    import numpy as np
+
+    betas = np.linspace(1e-4, 0.02, 1000)
+    base = dict(DDIMScheduler(trained_betas=betas, clip_sample=False).config)
+    assert isinstance(base["trained_betas"], np.ndarray)
+    fit = fit_scheduler(DDIMScheduler, {"timesteps": [999, 899, 799, 699, 599]}, base_config=base)
+    assert fit.searched > 0 and "beta_schedule" not in {k for c in fit.fits for k in c.changes}

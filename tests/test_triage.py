@@ -710,3 +710,19 @@ def test_a_schedule_finding_says_when_the_port_feeds_its_denoiser_other_values_t
     assert report.findings[0].place == "schedule", report.render()
     said = "its denoiser is fed" in report.render() and "the port's pipeline converts them" in report.render()
     assert said == (case == "converted"), report.render()
+
+
+def test_a_unit_map_is_read_only_where_each_sides_values_lie_in_its_range():
+    # round 13 (audio-diffusion-pytorch): a reference at sigma 1.0 and a port fed 0.999 (t/1000 for t = 999)
+    # were "read in other units: the reference gives t in [0, 1000] (noise at 1000), the port 1 - t/1000", and
+    # the denoiser was then replayed on the port's own 0.999
+    from paritykit.triage.pairs import SAME_UNITS, leading_units, timestep_units
+
+    ref = [1.0 - i / 10 for i in range(10)]
+    port = [(999 - 100 * i) / 1000 for i in range(10)]
+    assert leading_units(ref, port) == (SAME_UNITS, 0)
+    # must not fire: a reference counting to 1000 against a port in [0, 1] agreeing at the first call only
+    units, lead = leading_units([1000.0, 800.0, 600.0], [1.0, 0.75, 0.5])
+    assert lead == 1 and units.scale == 0.001
+    assert timestep_units([1.0, 0.5], [1000.0, 500.0]).scale == 1000.0
+    assert timestep_units([0.5, 0.25], [0.9995, 0.99975]) == SAME_UNITS  # 1 - t/1000 of values in [0, 1]

@@ -126,6 +126,18 @@ class Pair:
         return image if "no-denormalize" in self.bugs else (image / 2 + 0.5).clamp(0, 1)
 
 
+def port_steps(
+    scheduler: DDIMScheduler, steps: int, predict, latents: torch.Tensor | None = None
+) -> torch.Tensor:
+    r"""A port's loop: ``predict(latents, t)`` gives the model output and the latents the step starts from."""
+    scheduler.set_timesteps(steps)
+    latents = torch.randn(1, 4, 8, 8) if latents is None else latents
+    for t in scheduler.timesteps:
+        out, latents = predict(latents, t)
+        latents = scheduler.step(out, t, latents, return_dict=False)[0]
+    return latents
+
+
 # --- what `paritykit new triage-spec` names: a pipeline object and the reference's functions ----------------
 _CLEAN: Pair | None = None
 
@@ -325,13 +337,11 @@ class PackedPair(Pair):
         self.packed = PackedDenoiser(self.port_unet)
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
+        def packed(x, t):
+            return self.packed(x, t, self.cond), x
+
         latents = pack(torch.randn(1, 4, 8, 8))
-        for t in scheduler.timesteps:
-            out = self.packed(latents, t, self.cond)
-            latents = scheduler.step(out, t, latents, return_dict=False)[0]
-        return unpack(latents)
+        return unpack(port_steps(scheduler or self.port_scheduler(), steps, packed, latents))
 
 
 PACKED_SPEC_TEXT = (
@@ -366,13 +376,11 @@ class Guided(Pair):
         return ddim_loop(guided, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
-        for t in scheduler.timesteps:
-            uncond, cond = self.port_passes(latents, t)
-            latents = scheduler.step(uncond + self.SCALE * (cond - uncond), t, latents, return_dict=False)[0]
-        return latents
+        def guided(x, t):
+            uncond, cond = self.port_passes(x, t)
+            return uncond + self.SCALE * (cond - uncond), x
+
+        return port_steps(scheduler or self.port_scheduler(), steps, guided)
 
 
 class GuidancePair(Guided):
@@ -526,15 +534,10 @@ class SquaredTimePair(Pair):
         self.squared = SquaredTime(self.port_unet)
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
-        for t in scheduler.timesteps:
-            level = (t.float() / 1000) ** 2
-            latents = scheduler.step(self.squared(latents, level, self.cond), t, latents, return_dict=False)[
-                0
-            ]
-        return latents
+        def squared(x, t):
+            return self.squared(x, (t.float() / 1000) ** 2, self.cond), x
+
+        return port_steps(scheduler or self.port_scheduler(), steps, squared)
 
 
 def write_squared_spec(folder):
@@ -571,16 +574,13 @@ class ClampedStatePair(Pair):
         return ddim_loop(denoiser, torch.randn(1, 4, 8, 8), self.cond, steps, spacing="trailing")
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
-        for t in scheduler.timesteps:
-            clamped = latents.clamp(-CLAMP, CLAMP)
-            if not self.clamp_copy:
-                latents = clamped
-            eps = self.port_unet(clamped, t, encoder_hidden_states=self.cond).sample
-            latents = scheduler.step(eps, t, latents, return_dict=False)[0]
-        return latents
+        def clamped(x, t):
+            fed = x.clamp(-CLAMP, CLAMP)
+            return self.port_unet(
+                fed, t, encoder_hidden_states=self.cond
+            ).sample, x if self.clamp_copy else fed
+
+        return port_steps(scheduler or self.port_scheduler(), steps, clamped)
 
 
 def write_clamped_spec(folder, clamp_copy: bool):
@@ -602,14 +602,10 @@ class ShiftedTimePair(Pair):
         self.shifted = shifted
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        scheduler = scheduler or self.port_scheduler()
-        scheduler.set_timesteps(steps)
-        latents = torch.randn(1, 4, 8, 8)
-        for t in scheduler.timesteps:
-            fed = t + 1 if self.shifted else t
-            eps = self.port_unet(latents, fed, encoder_hidden_states=self.cond).sample
-            latents = scheduler.step(eps, t, latents, return_dict=False)[0]
-        return latents
+        def shifted(x, t):
+            return self.port_unet(x, t + 1 if self.shifted else t, encoder_hidden_states=self.cond).sample, x
+
+        return port_steps(scheduler or self.port_scheduler(), steps, shifted)
 
 
 def write_shifted_spec(folder, shifted: bool, bugs: tuple[str, ...] = ()):

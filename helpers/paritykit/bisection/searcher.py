@@ -365,34 +365,65 @@ class Searcher(CallPairing):
         )
 
     def done_after(self, ref_record: Record, port_out: Leaves) -> str:
-        r"""Whether the port module's replayed output is what the reference holds a step later: the input of
-        the reference call that starts next outside ``ref_record`` (a position table the research adds in
-        the parent's forward, after its patch embedding, and the port inside its patch-embedding module).
-        Then the two modules end at different places and no difference is made here: a note saying so, with
-        the measurement; empty otherwise."""
-        if len(port_out) != 1:
+        r"""Whether the port module's output is what the reference holds a step later, so the two modules end
+        at different places and no difference is made here: the input of the reference call that starts
+        next in the same parent (a position table the research adds in the parent's forward after its patch
+        embedding, the port inside its patch-embedding module); or, for the parent's last call, the parent's
+        output where the parent takes the same input (a residual wrapper adding its input after the call,
+        which the port's block adds itself). A note saying so, with the measurement; empty otherwise."""
+        if len(port_out) != 1 or ref_record.parent is None or ref_record.parent not in self.ref_trace:
             return ""
-        # the next call of the same parent (every call inside ref_record has another parent)
+        parent = self.ref_trace[ref_record.parent]
         siblings = [
             r for r in self.ref_trace.records if r.parent == ref_record.parent and r.order > ref_record.order
         ]
-        if ref_record.parent is None or not siblings:
-            return ""
-        after = min(siblings, key=lambda r: r.order)
-        shape = tuple(port_out[0][1].shape)
-        for path, value in after.inputs.items():
-            if not is_tensor(value) or tuple(value.shape) != shape:
-                continue
-            cmp = self.compare(value, port_out[0][1], f"{after.name}:{path}")
-            if cmp.passed:
-                parent = ref_record.parent or "(top level)"
+        if siblings:
+            after = min(siblings, key=lambda r: r.order)
+            found = self._equal_leaf(after.inputs, port_out, after.name)
+            if found is not None:
+                path, max_abs = found
                 return (
                     f"ends where the reference's {after.module} begins: the port's output equals that call's"
-                    f" input {path} (max_abs {format_number(cmp.max_abs)}), so the work the reference's"
-                    f" {parent} does between the two calls the port does inside this module; the pair's"
-                    " boundaries differ, not its values"
+                    f" input {path} (max_abs {format_number(max_abs)}), so the work the reference's"
+                    f" {parent.module or '(top level)'} does between the two calls the port does inside this"
+                    " module; the pair's boundaries differ, not its values"
                 )
-        return ""
+            return ""
+        if parent.parent is None or not self._same_first_input(parent, ref_record):
+            return ""
+        found = self._equal_leaf(parent.outputs, port_out, parent.name)
+        if found is None:
+            return ""
+        path, max_abs = found
+        return (
+            f"ends where the reference's {parent.module} ends: the port's output equals that call's output"
+            f" (max_abs {format_number(max_abs)}), and {parent.module} takes the same input, so the work it"
+            " does after this call (a residual added, say) the port does inside this module; the pair's"
+            " boundaries differ, not its values"
+        )
+
+    def _equal_leaf(self, leaves: dict[str, Any], port_out: Leaves, name: str) -> tuple[str, float] | None:
+        r"""The first of ``leaves`` the one port leaf equals at the tolerance (up to a dim permutation)."""
+        for path, value in leaves.items():
+            if not is_tensor(value):
+                continue
+            paired = self.compare_paired([(path, value)], port_out, f"{name}:{path}")
+            if paired is not None and paired.worst.passed:
+                return path, paired.worst.max_abs or 0.0
+        return None
+
+    @staticmethod
+    def _same_first_input(a: Record, b: Record) -> bool:
+        import torch
+
+        first_a = next((v for v in a.inputs.values() if is_tensor(v)), None)
+        first_b = next((v for v in b.inputs.values() if is_tensor(v)), None)
+        return (
+            first_a is not None
+            and first_b is not None
+            and first_a.shape == first_b.shape
+            and torch.equal(first_a, first_b)
+        )
 
     def _replay_floor(
         self, ref_record: Record, ref_out: Leaves, difference: float | None

@@ -73,7 +73,7 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
         axes.append([{"interpolation_type": v} for v in values])
     if "final_sigmas_type" in keys:
         axes.append([{"final_sigmas_type": v} for v in ("zero", "sigma_min")])
-    if "beta_schedule" in keys and not base.get("trained_betas"):
+    if "beta_schedule" in keys and base.get("trained_betas") is None:
         # a name that means another schedule in the reference's code base (CompVis "linear" is diffusers'
         # "scaled_linear")
         named = ("linear", "scaled_linear", "squaredcos_cap_v2")

@@ -47,9 +47,24 @@ class TimestepUnits:
     scale: float = 1.0
     offset: float = 0.0
     words: str = ""
+    # the largest timestep each side gives in these units (1 or 1000); 0: either
+    ref_top: float = 0.0
+    port_top: float = 0.0
 
     def __call__(self, t: float) -> float:
         return t * self.scale + self.offset
+
+    def fits_ranges(self, t_ref: list[float | None], t_port: list[float | None]) -> bool:
+        r"""Whether the values each side gives lie in the range these units say: a reference said to count
+        to 1000 gives some value above 1, one said to count to 1 none above it (a reference at 1.0 and a port
+        at 0.999 are no "t in [0, 1000] against 1 - t/1000")."""
+        for top, values in ((self.ref_top, t_ref), (self.port_top, t_port)):
+            largest = max((abs(v) for v in values if v is not None), default=0.0)
+            if top == 1.0 and largest > 1.0 + 1e-6:
+                return False
+            if top == 1000.0 and largest <= 1.0 + 1e-6:
+                return False
+        return True
 
 
 @dataclass
@@ -106,12 +121,18 @@ class CallComparison:
 
 # units a timestep is given in on one side and the other
 TIMESTEP_UNITS = (
-    TimestepUnits(1000.0, 0.0, "the reference gives its timesteps in [0, 1], the port in [0, 1000]"),
-    TimestepUnits(0.001, 0.0, "the reference gives its timesteps in [0, 1000], the port in [0, 1]"),
-    TimestepUnits(-0.001, 1.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1 - t/1000"),
-    TimestepUnits(-1000.0, 1000.0, "the reference gives t in [0, 1] (noise at 1), the port 1000·(1 - t)"),
-    TimestepUnits(-1.0, 1.0, "the reference gives t in [0, 1] (noise at 1), the port 1 - t"),
-    TimestepUnits(-1.0, 1000.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1000 - t"),
+    TimestepUnits(1000.0, 0.0, "the reference gives its timesteps in [0, 1], the port in [0, 1000]", 1, 1000),
+    TimestepUnits(0.001, 0.0, "the reference gives its timesteps in [0, 1000], the port in [0, 1]", 1000, 1),
+    TimestepUnits(
+        -0.001, 1.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1 - t/1000", 1000, 1
+    ),
+    TimestepUnits(
+        -1000.0, 1000.0, "the reference gives t in [0, 1] (noise at 1), the port 1000·(1 - t)", 1, 1000
+    ),
+    TimestepUnits(-1.0, 1.0, "the reference gives t in [0, 1] (noise at 1), the port 1 - t", 1, 1),
+    TimestepUnits(
+        -1.0, 1000.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1000 - t", 1000, 1000
+    ),
 )
 SAME_UNITS = TimestepUnits()
 
@@ -122,7 +143,11 @@ def timestep_units(t_ref: list[float | None], t_port: list[float | None]) -> Tim
     if not t_ref or len(t_ref) != len(t_port) or None in t_ref or None in t_port:
         return SAME_UNITS
     for units in TIMESTEP_UNITS:
-        if all(same_timestep(units(r), p) for r, p in zip(t_ref, t_port)) and len(set(t_ref)) > 1:
+        if (
+            all(same_timestep(units(r), p) for r, p in zip(t_ref, t_port))
+            and len(set(t_ref)) > 1
+            and units.fits_ranges(t_ref, t_port)
+        ):
             return units
     return SAME_UNITS
 
@@ -143,7 +168,9 @@ def leading_units(t_ref: list[float | None], t_port: list[float | None]) -> tupl
 
     if prefix(SAME_UNITS):
         return SAME_UNITS, 0
-    runs = [(prefix(u), u) for u in TIMESTEP_UNITS]
+    runs = [(prefix(u), u) for u in TIMESTEP_UNITS if u.fits_ranges(t_ref, t_port)]
+    if not runs:
+        return SAME_UNITS, 0
     best = max(n for n, _ in runs)
     winners = [u for n, u in runs if n == best]
     return (winners[0], best) if best and len(winners) == 1 else (SAME_UNITS, 0)

@@ -180,6 +180,34 @@ def _names_class(value: Any, module: Any) -> bool:
     )
 
 
+_CONV_AXES = {"kernel_size": 1, "stride": 1, "padding": 0, "dilation": 1, "output_padding": 0}
+
+
+def _per_frame(reference: Any, port: Any, ref_cfg: dict, port_cfg: dict) -> tuple[dict, dict]:
+    r"""Two convolutions of which one has an extra leading axis that does nothing (kernel 1, stride 1, no
+    padding: a video model's ``Conv3d`` with kernel ``(1, k, k)`` against the port's ``Conv2d`` applied per
+    frame) compare their settings without that axis; the configs as they are otherwise."""
+    import torch
+
+    conv = torch.nn.modules.conv._ConvNd
+    if not (isinstance(reference, conv) and isinstance(port, conv)):
+        return ref_cfg, port_cfg
+    ref_dims, port_dims = len(reference.kernel_size), len(port.kernel_size)
+    if abs(ref_dims - port_dims) != 1:
+        return ref_cfg, port_cfg
+    wide = reference if ref_dims > port_dims else port
+    if any(tuple(getattr(wide, k, (v,)))[0] != v for k, v in _CONV_AXES.items() if hasattr(wide, k)):
+        return ref_cfg, port_cfg
+
+    def narrowed(cfg: dict) -> dict:
+        return {
+            name: (attr, value[1:] if name in _CONV_AXES and isinstance(value, tuple) else value)
+            for name, (attr, value) in cfg.items()
+        }
+
+    return (narrowed(ref_cfg), port_cfg) if wide is reference else (ref_cfg, narrowed(port_cfg))
+
+
 def settings_diff(
     reference: Any, port: Any, reference_name: str = "", port_name: str = ""
 ) -> list[SettingDifference]:
@@ -188,7 +216,7 @@ def settings_diff(
     import torch
 
     out = []
-    ref_cfg, port_cfg = config_of(reference), config_of(port)
+    ref_cfg, port_cfg = _per_frame(reference, port, config_of(reference), config_of(port))
     for name in sorted(ref_cfg.keys() & port_cfg.keys()):
         (_, a), (attr, b) = ref_cfg[name], port_cfg[name]
         if not _same(a, b) and not (_names_class(a, reference) and _names_class(b, port)):
