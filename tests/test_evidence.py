@@ -623,7 +623,7 @@ def test_an_enum_setting_equals_the_string_of_its_value_or_name():
 
 def test_a_per_frame_conv3d_and_a_conv2d_compare_their_settings_without_the_frame_axis():
     # round 13 (video-diffusion-pytorch): the research's Conv3d with kernel (1, 7, 7) against the port's
-    # Conv2d applied per frame printed "[module-config] … dilation=(1, 1, 1), port dilation=(1, 1) …" four times
+    # Conv2d applied per frame printed "[module-config] … dilation=(1, 1, 1), port dilation=(1, 1) …" 4 times
     from paritykit.bisection.evidence.settings import settings_diff
 
     per_frame = nn.Conv3d(4, 4, (1, 7, 7), padding=(0, 3, 3))
