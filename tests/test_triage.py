@@ -726,3 +726,24 @@ def test_a_unit_map_is_read_only_where_each_sides_values_lie_in_its_range():
     assert lead == 1 and units.scale == 0.001
     assert timestep_units([1.0, 0.5], [1000.0, 500.0]).scale == 1000.0
     assert timestep_units([0.5, 0.25], [0.9995, 0.99975]) == SAME_UNITS  # 1 - t/1000 of values in [0, 1]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_context_a_flagged_call_replaces_inside_is_not_compared_on_that_calls_rows(tmp_path, scaled):
+    # round 13 (video-diffusion-pytorch): the research passes its real `cond` to both calls of a step and
+    # swaps in the null embedding inside the call with null_cond_prob=1.0; the port stacks (null, cond) into
+    # one call: "conditioning at call 0: … cond (port: encoder_hidden_states) differs at call 0, before any
+    # denoiser computation" on a port whose conditioning was right
+    from tests.triage_pairs import write_drop_flag_spec
+
+    spec = write_drop_flag_spec(tmp_path, scaled)
+    for all_causes in (False, True):
+        report = triage_spec(spec, out=tmp_path / f"t{all_causes}", all_causes=all_causes)
+        text = report.render()
+        if not scaled:
+            assert report.verdict == "match" and not report.findings, text
+            assert "which differ in drop (True, None)" in text or "which differ in drop (True, False)" in text
+            assert "not in that of drop=True" in text and "inside its denoiser (not compared)" in text
+        else:  # must not fire: the conditional rows differ too
+            assert [f.place for f in report.findings][:1] == ["conditioning"], text
+            assert "not compared" not in text

@@ -616,3 +616,50 @@ def write_shifted_spec(folder, shifted: bool, bugs: tuple[str, ...] = ()):
     )
     path.write_text(text)
     return path
+
+
+class EmbeddedContext(torch.nn.Module):
+    r"""The port side of :class:`DropFlagPair`: the context embedded as given, no drop flag."""
+
+    def __init__(self, unet: torch.nn.Module, embed: Embedder):
+        super().__init__()
+        self.unet, self.embed = unet, embed
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.unet(x, t, encoder_hidden_states=self.embed(context)).sample
+
+
+class DropFlagPair(Guided):
+    r"""The reference calls its denoiser twice per step with the same context, the unconditional call with
+    ``drop=True`` (video-diffusion-pytorch's ``null_cond_prob=1.0``: the context replaced inside); the port
+    stacks (zeros, context) into one batched call. ``scaled`` plants a port whose conditional rows differ."""
+
+    def __init__(self, scaled: bool = False):
+        super().__init__()
+        embed = Embedder()
+        with torch.no_grad():
+            for p in embed.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.5)
+        self.ref_pass = OnePass(self.ref_unet, embed)
+        self.port_embedded = EmbeddedContext(self.port_unet, copy.deepcopy(embed))
+        self.scaled = scaled
+
+    def reference_passes(self, x, t, c):
+        return self.ref_pass(x, t, c, drop=True), self.ref_pass(x, t, c)
+
+    def port_passes(self, latents, t):
+        context = torch.cat([torch.zeros_like(self.cond), self.cond * (1.5 if self.scaled else 1.0)])
+        return self.port_embedded(torch.cat([latents, latents]), t, context).chunk(2)
+
+
+def write_drop_flag_spec(folder, scaled: bool = False):
+    r"""A triage SPEC for :class:`DropFlagPair`."""
+    path = folder / "drop_flag_spec.py"
+    text = (
+        SPEC_TEXT.replace("import Pair", "import DropFlagPair")
+        .replace("Pair({bugs!r}, vae={vae!r})", f"DropFlagPair({scaled!r})")
+        .replace("PAIR.ref_unet", "PAIR.ref_pass")
+        .replace("PAIR.port_unet", "PAIR.port_embedded")
+    )
+    path.write_text(text)
+    return path

@@ -365,7 +365,7 @@ def flow_timestep_family(ts: Sequence[float], train_steps: int) -> Family | None
         def generate(m: int, inner=inner, scale=scale) -> list[float]:
             return [scale * v for v in inner(m)] if inner is not None else []
 
-        unit = f"timesteps = {format_number(scale)} × sigma" if scale != 1.0 else "the values are sigmas"
+        unit = f"timesteps = {format_number(scale)} × sigma" if scale != 1.0 else "the values read as sigmas"
         detail = f"{family.detail}; {unit}" if family.detail else unit
         return Family(family.name, dict(family.params), generate, detail=detail)
     return None

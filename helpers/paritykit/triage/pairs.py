@@ -412,6 +412,14 @@ class BatchOrder:
         return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
 
 
+def _plain(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str)) or value is None
+
+
+def _one(values: set) -> str:
+    return " or ".join(repr(v) for v in sorted(values, key=repr))
+
+
 @dataclass
 class CallGroups:
     r"""One side calls its denoiser ``k`` times per timestep (a guidance half per call) where the other calls
@@ -425,6 +433,11 @@ class CallGroups:
     # the tensor shapes of the other side's first call: an argument the k calls share is stacked k times
     # when the other side holds it stacked (latents repeated for each pass), else kept once
     other_shapes: set[tuple[int, ...]] = field(default_factory=set)
+    # plain settings the k calls of a step pass with other values, in stacking order (null_cond_prob 0 and
+    # 1: a call that swaps its conditioning for a null one inside), and the tensors the k calls pass alike,
+    # stacked as repeats: what such a call does with them happens inside the denoiser
+    settings_apart: dict[str, tuple] = field(default_factory=dict)
+    repeated: set[str] = field(default_factory=set)
 
     @classmethod
     def read(cls, ref: list[Call], port: list[Call], t_ref: list, t_port: list) -> CallGroups | None:
@@ -461,6 +474,11 @@ class CallGroups:
         import torch
 
         group = [group[j] for j in self.order]
+        for key, value in group[0].named.items():
+            if batch_of(value) is None and _plain(value):
+                values = tuple(c.named.get(key) for c in group)
+                if any(v != values[0] for v in values[1:]):
+                    self.settings_apart.setdefault(key, values)
         named = {}
         for key, value in group[0].named.items():
             values = [batch_of(c.named.get(key)) for c in group]
@@ -472,8 +490,39 @@ class CallGroups:
             repeated = stacked in self.other_shapes and tuple(values[0].shape) not in self.other_shapes
             if not shared or repeated:
                 named[key] = torch.cat(values)
+            if shared and repeated:
+                self.repeated.add(key)
         outs = [output_tensor(c.output) for c in group]
         return Call(group[0].args, group[0].kwargs, named, _stack(outs))
+
+    def flagged_rows(self, key: str, ref: Any, port: Any, tol: Tolerance) -> tuple[str, list[int]]:
+        r"""Where the reference passes one tensor ``key`` alike to its ``k`` calls of a step and those calls
+        differ in a plain setting: a note, and the rows that agree, when the port's rows agree with the
+        blocks of the calls of one setting value and differ in the others' only (what those calls do with it
+        happens inside the denoiser); ``("", [])`` otherwise."""
+        if self.side != "reference" or key not in self.repeated or not self.settings_apart:
+            return "", []
+        if ref is None or port is None or ref.shape != port.shape or ref.shape[0] % self.k:
+            return "", []
+        size = ref.shape[0] // self.k
+        agree = [
+            bool(compare(ref[j * size : (j + 1) * size], port[j * size : (j + 1) * size], tol, key).passed)
+            for j in range(self.k)
+        ]
+        if all(agree) or not any(agree):
+            return "", []
+        rows = [j * size + q for j in range(self.k) if agree[j] for q in range(size)]
+        for setting, values in self.settings_apart.items():
+            good = {values[j] for j in range(self.k) if agree[j]}
+            bad = {values[j] for j in range(self.k) if not agree[j]}
+            if not good & bad:
+                return (
+                    f"the reference passes the same {key} to its {self.k} calls per step, which differ in"
+                    f" {setting} ({', '.join(map(repr, values))}); the port's rows agree with it in the block"
+                    f" of {setting}={_one(good)} and not in that of {setting}={_one(bad)}: what the"
+                    f" reference's call does with {key} there happens inside its denoiser (not compared)"
+                ), rows
+        return "", []
 
     def first_of(self, step: int, port_calls: list[Call]) -> tuple[Call, tuple[int, int]] | None:
         r"""The port's first recorded call of ``step`` and the rows of the reference's batch it computes

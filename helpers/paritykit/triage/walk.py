@@ -51,6 +51,7 @@ from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place
 from paritykit.triage.reproduce import Commands
 from paritykit.triage.roles import (
     Roles,
+    argument,
     latents,
     output,
     roles_of,
@@ -121,6 +122,25 @@ class Triage(ScheduleChecks, DecoderChecks):
             )
             for i in range(n)
         ]
+        self.flagged = self._flagged_conditioning(tol)
+
+    def _flagged_conditioning(self, tol: Tolerance) -> str:
+        r"""A conditioning tensor the reference passes alike to its calls of a step that differ in a setting
+        (``null_cond_prob`` 0 and 1) is compared on the rows of the calls whose setting value the port's rows
+        agree with; the note that says so, once (empty when no call needed it)."""
+        if self.grouping is None or self.grouping.side != "reference":
+            return ""
+        said = ""
+        for pair in self.pairs:
+            for n, (r, p, c) in enumerate(pair.conditioning):
+                if c is None or c.passed:
+                    continue
+                a, b = argument(self.ref.calls[pair.index], r), argument(self.port.calls[pair.index], p)
+                note, rows = self.grouping.flagged_rows(r, a, b, tol)
+                if note:
+                    pair.conditioning[n] = (r, p, compare(a[rows], b[rows], tol, r))
+                    said = said or note
+        return said
 
     def rule_out(self, place: Place, text: str, check: str | None = None) -> None:
         self.ruled_out.append(Note(place, text, check))
@@ -142,6 +162,8 @@ class Triage(ScheduleChecks, DecoderChecks):
             self.decoder(independent=True)
         else:
             self.first_difference()
+        if self.flagged:
+            self.skip("conditioning", self.flagged)
         self.findings.sort(key=lambda f: (PLACE_ORDER[f.place], f.call or 0))
         result = self.result_comparison()
         if result.get("passed") is False and not self.findings:
@@ -665,7 +687,7 @@ class Triage(ScheduleChecks, DecoderChecks):
             self.skip(
                 "update",
                 "not replayed in lockstep with port_scheduler(): its set_timesteps(n) gives other timesteps"
-                " than the port's run used (the pipeline passes its own timesteps or sigmas)",
+                " than the port's denoiser was fed",
             )
             return False
         from paritykit.schedule.step_check import lockstep
