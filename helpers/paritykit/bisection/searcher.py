@@ -92,6 +92,8 @@ class Searcher(CallPairing):
         # failing pairs aligned on order and shape alone: leads the report lists, never the culprit
         self.candidates: list[ModuleTest] = []
         self.why_not_replayed: dict[str, str] = {}
+        # the reference's calls by parent, in start order (built on first use)
+        self._children: dict[str | None, list[Record]] | None = None
         # What the tests found out, by call name: written by the tests (replay, jump, and replayed_outputs
         # for a culprit whose passing replay was not kept) and by inherit, never by a comparison.
         # A failing replay's outputs, the port's in the reference's layout:
@@ -374,11 +376,8 @@ class Searcher(CallPairing):
         if len(port_out) != 1 or ref_record.parent is None or ref_record.parent not in self.ref_trace:
             return ""
         parent = self.ref_trace[ref_record.parent]
-        siblings = [
-            r for r in self.ref_trace.records if r.parent == ref_record.parent and r.order > ref_record.order
-        ]
-        if siblings:
-            after = min(siblings, key=lambda r: r.order)
+        after = self._next_sibling(ref_record)
+        if after is not None:
             found = self._equal_leaf(after.inputs, port_out, after.name)
             if found is not None:
                 path, max_abs = found
@@ -401,6 +400,16 @@ class Searcher(CallPairing):
             " does after this call (a residual added, say) the port does inside this module; the pair's"
             " boundaries differ, not its values"
         )
+
+    def _next_sibling(self, record: Record) -> Record | None:
+        r"""The reference call that starts next under ``record``'s parent (calls inside ``record`` have
+        another parent); ``None`` for the parent's last call."""
+        if self._children is None:
+            self._children = {}
+            for r in sorted(self.ref_trace.records, key=lambda r: r.order):
+                self._children.setdefault(r.parent, []).append(r)
+        calls = self._children.get(record.parent, [])
+        return next((r for r in calls if r.order > record.order), None)
 
     def _equal_leaf(self, leaves: dict[str, Any], port_out: Leaves, name: str) -> tuple[str, float] | None:
         r"""The first of ``leaves`` the one port leaf equals at the tolerance (up to a dim permutation)."""
