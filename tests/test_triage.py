@@ -747,3 +747,15 @@ def test_a_context_a_flagged_call_replaces_inside_is_not_compared_on_that_calls_
         else:  # must not fire: the conditional rows differ too
             assert [f.place for f in report.findings][:1] == ["conditioning"], text
             assert "not compared" not in text
+
+
+def test_a_denoiser_is_not_replayed_on_a_timestep_of_other_units_no_map_pairs(tmp_path):
+    # round 13 (audio-diffusion-pytorch): a replay that feeds the port's denoiser the reference's timestep as
+    # it is, where the two count in other ranges, is no replay on identical inputs
+    from tests.triage_pairs import write_unit_spec
+
+    report = triage_spec(write_unit_spec(tmp_path, ["spacing-leading"]), out=tmp_path / "t", all_causes=True)
+    text = report.render()
+    assert [f.place for f in report.findings] == ["schedule"], text
+    assert "not checked: denoiser: not bisected on call 0: the reference gives timesteps up to 0.999" in text
+    # must not fire where a unit map pairs them: test_timesteps_in_other_units_are_one_schedule_and_replayed…

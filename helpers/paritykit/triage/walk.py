@@ -452,6 +452,10 @@ class Triage(ScheduleChecks, DecoderChecks):
                 f" port {tuple(port_x.shape)}), so the port's module cannot be fed the reference's inputs",
             )
             return
+        apart = self._timestep_ranges_apart()
+        if apart:
+            self.skip("denoiser", f"not bisected on call {call}: {apart}")
+            return
         if self.pairs[call].unpaired:
             # an input of another length stays the port's own: the module would not be isolated, and what
             # differs could come from that input
@@ -732,6 +736,22 @@ class Triage(ScheduleChecks, DecoderChecks):
             return False
         return len(timesteps) == len(self.t_port) and all(
             same_timestep(a, b) for a, b in zip(timesteps, self.t_port)
+        )
+
+    def _timestep_ranges_apart(self) -> str:
+        r"""Why the reference's timestep cannot be fed to the port's denoiser as it is: the two sides give
+        timesteps in other ranges (one within [0, 1], the other beyond it) and no unit map pairs them; empty
+        otherwise."""
+        if self.t_units is not SAME_UNITS or None in self.t_ref or None in self.t_port:
+            return ""
+        top_ref = max((abs(t) for t in self.t_ref), default=0.0)
+        top_port = max((abs(t) for t in self.t_port), default=0.0)
+        if (top_ref <= 1.0 + 1e-6) == (top_port <= 1.0 + 1e-6):
+            return ""
+        return (
+            f"the reference gives timesteps up to {format_number(top_ref)}, the port up to"
+            f" {format_number(top_port)}, and no unit map pairs them at the first calls: fed the reference's"
+            " timestep, the port's module would not get identical inputs"
         )
 
     def _converted_timesteps(self, t_port: list[float]) -> list[str]:
