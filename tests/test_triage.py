@@ -266,7 +266,8 @@ def test_bad_specs_are_one_line_errors(tmp_path):
         "def reference_denoiser():\n    return M\n\ndef port_denoiser():\n    return M\n\n"
         "def run_reference():\n    return torch.zeros(2)\n\ndef run_port():\n    return torch.zeros(2)\n"
     )
-    with pytest.raises(ParityKitError, match="never called reference_denoiser"):
+    recorded = r"no call of reference_denoiser\(\)'s module was recorded during run_reference"
+    with pytest.raises(ParityKitError, match=recorded):
         triage_spec(unused, out=None)
 
 
@@ -759,3 +760,26 @@ def test_a_denoiser_is_not_replayed_on_a_timestep_of_other_units_no_map_pairs(tm
     assert [f.place for f in report.findings] == ["schedule"], text
     assert "not checked: denoiser: not bisected on call 0: the reference gives timesteps up to 0.999" in text
     # must not fire where a unit map pairs them: test_timesteps_in_other_units_are_one_schedule_and_replayed…
+
+
+def test_conditioning_one_side_passes_at_some_calls_only_is_said_compared_there_only(tmp_path):
+    # round 14 (e2-tts-pytorch): the port's unconditional calls pass text_ids=None; triage said "text /
+    # text_ids (2, 9) … agree element by element at all 10 calls" and "inputs, timestep and output agree at
+    # every call (10)"
+    from tests.triage_pairs import write_none_context_spec
+
+    spec = write_none_context_spec(tmp_path)
+    first = triage_spec(spec, out=tmp_path / "t").render()
+    every = triage_spec(spec, out=tmp_path / "a", all_causes=True).render()
+    for text in (first, every):
+        assert "verdict: match" in text and "agree element by element at all" not in text, text
+    assert "inputs, timestep and output agree" not in first
+    assert (
+        "latents, conditioning (where both sides pass it: context / context (1, 3, 8) at some calls only)"
+        in first
+    )
+    assert (
+        "context / context (1, 3, 8) agree element by element at the calls where both sides pass them"
+        in every
+    )
+    assert "at calls 0, 2, 4, 6, 8 one side passes none, so they are not compared there" in every

@@ -663,3 +663,40 @@ def write_drop_flag_spec(folder, scaled: bool = False):
     )
     path.write_text(text)
     return path
+
+
+class OptionalContext(torch.nn.Module):
+    r"""A port denoiser whose unconditional pass is called with ``context=None`` (zeros embedded)."""
+
+    def __init__(self, unet: torch.nn.Module, embed: Embedder, like: torch.Tensor):
+        super().__init__()
+        self.unet, self.embed, self.like = unet, embed, like
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        embedded = self.embed(self.like, drop=True) if context is None else self.embed(context)
+        return self.unet(x, t, encoder_hidden_states=embedded).sample
+
+
+class NoneContextPair(DropFlagPair):
+    r"""Both sides call their denoiser once per guidance pass; the reference passes its context to the
+    unconditional pass with ``drop=True``, the port passes ``context=None`` there (E2 TTS's ``text=None``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.port_optional = OptionalContext(self.port_unet, self.port_embedded.embed, self.cond)
+
+    def port_passes(self, latents, t):
+        return self.port_optional(latents, t), self.port_optional(latents, t, self.cond)
+
+
+def write_none_context_spec(folder):
+    r"""A triage SPEC for :class:`NoneContextPair`."""
+    path = folder / "none_context_spec.py"
+    text = (
+        SPEC_TEXT.replace("import Pair", "import NoneContextPair")
+        .replace("Pair({bugs!r}, vae={vae!r})", "NoneContextPair()")
+        .replace("PAIR.ref_unet", "PAIR.ref_pass")
+        .replace("PAIR.port_unet", "PAIR.port_optional")
+    )
+    path.write_text(text)
+    return path

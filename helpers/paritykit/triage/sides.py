@@ -65,7 +65,11 @@ def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
         decoder_calls = stack.enter_context(record_calls(vae)) if vae is not None else []
         result = spec.call(f"run_{side}")
     if not calls:
-        raise ParityKitError(f"{spec.path}: run_{side}() never called {side}_denoiser()'s module")
+        raise ParityKitError(
+            f"{spec.path}: no call of {side}_denoiser()'s module was recorded during run_{side}() (calls are"
+            " recorded by its forward hooks: one through .forward() directly, or on another copy of the"
+            " module, is not seen)"
+        )
     return SideRun(side, denoiser, vae, calls, decoder_calls, result_tensor(result, f"run_{side}()", spec))
 
 

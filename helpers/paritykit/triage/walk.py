@@ -227,7 +227,7 @@ class Triage(ScheduleChecks, DecoderChecks):
                 f"latents, conditioning and output agree at every call ({len(self.pairs)}); the timestep"
                 " values do not (the schedule line above)"
                 if any("reaches no output" in n.text for n in self.ruled_out)
-                else f"inputs, timestep and output agree at every call ({len(self.pairs)})"
+                else f"{self._inputs_words()} and output agree at every call ({len(self.pairs)})"
             )
             + ordered,
             check="calls",
@@ -421,19 +421,59 @@ class Triage(ScheduleChecks, DecoderChecks):
                 )
                 return
         first = self.pairs[0]
-        shapes = ", ".join(f"{r} / {p} {tuple(c.shape_a)}" for r, p, c in first.conditioning)
         ordered = f" ({self.batch_order.words()})" if self.batch_order is not None else ""
-        self.rule_out(
-            "conditioning",
-            f"{shapes} are equal in shape and agree element by element at all {len(self.pairs)} calls"
-            + ordered,
-        )
+        everywhere, partly = self._conditioning_coverage()
+        if everywhere:
+            self.rule_out(
+                "conditioning",
+                f"{', '.join(everywhere)} are equal in shape and agree element by element at all"
+                f" {len(self.pairs)} calls" + ordered,
+            )
+        for words, missing in partly:
+            self.skip(
+                "conditioning",
+                f"{words} agree element by element at the calls where both sides pass them; at calls"
+                f" {runs(missing)} one side passes none, so they are not compared there",
+            )
         if first.one_sided:
             self.skip(
                 "conditioning",
                 "paired with no input of the other side by name, shape or value, not compared: "
                 + ", ".join(first.one_sided),
             )
+
+    def _inputs_words(self) -> str:
+        r"""What of the calls' inputs was compared at every call: the timestep only where both sides pass one
+        the walk reads, the conditioning only where each input is passed at every call."""
+        unread = None in self.t_ref or None in self.t_port
+        _, partly = self._conditioning_coverage()
+        if not unread and not partly:
+            return "inputs, timestep"
+        said = "latents, conditioning" + (
+            " (where both sides pass it: " + "; ".join(w for w, _ in partly) + " at some calls only)"
+            if partly
+            else ""
+        )
+        return said + ("" if unread else ", timestep")
+
+    def _conditioning_coverage(self) -> tuple[list[str], list[tuple[str, list[int]]]]:
+        r"""The conditioning pairs compared at every call (``"r / p (shape)"``), and those compared at some
+        calls only, with the calls where one side passes no such input (a port whose unconditional pass
+        gives ``text_ids=None`` where the reference passes its text with a drop flag)."""
+        seen: dict[tuple[str, str], list[int]] = {}
+        shape: dict[tuple[str, str], tuple] = {}
+        for pair in self.pairs:
+            for r, p, c in pair.conditioning:
+                seen.setdefault((r, p), []).append(pair.index)
+                shape.setdefault((r, p), tuple(c.shape_a))
+        everywhere, partly = [], []
+        for key, calls in seen.items():
+            words = f"{key[0]} / {key[1]} {shape[key]}"
+            if len(calls) == len(self.pairs):
+                everywhere.append(words)
+            else:
+                partly.append((words, [p.index for p in self.pairs if p.index not in calls]))
+        return everywhere, partly
 
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
