@@ -886,3 +886,59 @@ def test_a_block_paired_inside_a_residual_wrapper_that_adds_the_input_is_no_culp
         assert "once too often" not in report.render()
     else:  # must not fire: a block that adds its input twice is the difference
         assert report.verdict == "diverge" and row.status == "fail" and "ends where" not in (row.note or "")
+
+
+class _GammaBlock(torch.nn.Module):
+    """Research FiLM: a Linear gives gamma, the block multiplies by it."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_gamma = torch.nn.Linear(4, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.proj(x) * self.to_gamma(t)
+
+
+class _OnePlusScaleBlock(torch.nn.Module):
+    """Port FiLM: the Linear gives scale, the block multiplies by 1 + scale."""
+
+    def __init__(self, reference: _GammaBlock, shifted: bool):
+        super().__init__()
+        self.film, self.proj = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+        self.proj.load_state_dict(reference.proj.state_dict())
+        self.film.load_state_dict(reference.to_gamma.state_dict())
+        if shifted:  # the conversion folds the 1 into the bias, as the port's forward adds it back
+            with torch.no_grad():
+                self.film.bias.sub_(1.0)
+
+    def forward(self, x, t):
+        return self.proj(x) * (1 + self.film(t))
+
+
+class _FilmModel(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, t):
+        return self.head(self.block(x, t))
+
+
+@pytest.mark.parametrize("shifted", [True, False])
+def test_a_bias_moved_across_a_boundary_and_taken_back_above_is_no_culprit(shifted):
+    # round 14 (naturalspeech2-pytorch): the research's `to_time_cond` gives gamma, the port's `film` gives
+    # scale for `1 + scale` (its bias converted with -1); on the correct port bisect said "verdict: masked",
+    # culprit to_time_cond <-> film
+    torch.manual_seed(0)
+    reference = _FilmModel(_GammaBlock()).eval()
+    port = _FilmModel(_OnePlusScaleBlock(reference.block, shifted)).eval()
+    port.head.load_state_dict(reference.head.state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 5, 8), torch.randn(2, 1, 4)), {}))
+    if shifted:
+        assert report.verdict == "match" and report.culprit is None, report.render()
+        assert report.first_output_divergence is None  # the captured outputs differ by what block takes back
+    else:  # must not fire: the same constant, not taken back (the bias never shifted), is the difference
+        assert report.verdict == "diverge" and report.culprit.reference == "block", report.render()
+        assert "taken back" not in report.render()

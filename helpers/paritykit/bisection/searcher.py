@@ -322,7 +322,7 @@ class Searcher(CallPairing):
         if not cmp.passed and self.float_floor is not None:
             floor, noise = self._replay_floor(ref_record, ref_out, cmp.max_abs)
         passed = cmp.passed or bool(noise)
-        boundary = "" if passed else self.done_after(ref_record, port_out)
+        boundary = "" if passed else self.boundary(ref_record, ref_out, in_layout(port_out, orders))
         passed = passed or bool(boundary)
         if not passed:
             # the port's outputs kept in the reference's layout, for the evidence read at a culprit; a passing
@@ -366,6 +366,12 @@ class Searcher(CallPairing):
             ),
         )
 
+    def boundary(self, ref_record: Record, ref_out: Leaves, port_out: Leaves) -> str:
+        r"""Why a pair whose outputs differ makes no difference itself, measured: the port module ends where
+        the reference's next call begins (:meth:`done_after`), or its output is the reference's plus a
+        constant the call above takes back (:meth:`_offset_absorbed`); empty otherwise."""
+        return self.done_after(ref_record, port_out) or self._offset_absorbed(ref_record, ref_out, port_out)
+
     def done_after(self, ref_record: Record, port_out: Leaves) -> str:
         r"""Whether the port module's output is what the reference holds a step later, so the two modules end
         at different places and no difference is made here: the input of the reference call that starts
@@ -399,6 +405,37 @@ class Searcher(CallPairing):
             f" (max_abs {format_number(max_abs)}), and {parent.module} takes the same input, so the work it"
             " does after this call (a residual added, say) the port does inside this module; the pair's"
             " boundaries differ, not its values"
+        )
+
+    def _offset_absorbed(self, ref_record: Record, ref_out: Leaves, port_out: Leaves) -> str:
+        r"""Whether the port's output is the reference's plus a constant the inputs do not change (the same
+        for every sample and position, one value per channel at most: a bias moved across the boundary, as
+        a port reading ``1 + scale`` where the research reads ``gamma``) that the nearest aligned call above
+        takes back: that call passes on identical inputs. A note saying so; empty otherwise."""
+        if len(ref_out) != 1 or len(port_out) != 1:
+            return ""
+        a, b = ref_out[0][1], port_out[0][1]
+        if not (is_tensor(a) and is_tensor(b)) or a.shape != b.shape or not a.is_floating_point():
+            return ""
+        if a.dim() < 2:
+            return ""
+        d = (b - a).double()
+
+        def constant_but(k: int) -> bool:  # d takes one value per index of axis k, whatever the inputs
+            mean = d.mean([i for i in range(d.dim()) if i != k], keepdim=True).expand_as(d)
+            return bool(self.compare(d, mean, "offset").passed)
+
+        axis = next((k for k in range(d.dim()) if constant_but(k)), None)
+        if axis is None or ref_record.parent is None:
+            return ""
+        above = self.confident_ancestor(ref_record)
+        if above.parent is None or self.test(above).status != "pass":
+            return ""
+        size = format_number(float(d.abs().max()))
+        return (
+            f"its output is the reference's plus a constant the inputs do not change (up to {size}, one value"
+            f" per index of axis {axis}), and {above.module}, the aligned call above it, passes on identical"
+            " inputs: a bias moved across the boundary and taken back there, not a difference"
         )
 
     def _next_sibling(self, record: Record) -> Record | None:
@@ -624,8 +661,8 @@ class Searcher(CallPairing):
         )
         if paired is None or paired.worst.passed:
             return None
-        if self.done_after(record, list(port_record.outputs.items())):
-            return None  # the two end at different places; the port's output is the reference's a step later
+        if self.boundary(record, list(record.outputs.items()), list(port_record.outputs.items())):
+            return None  # the two end at different places, or differ by what the call above takes back
         floor = None
         if self.float_floor is not None and self.float_floor.measured:
             floor = self.float_floor.of(record, port_record)

@@ -315,7 +315,9 @@ def run_strategy(
         port_record=top.port_record,
         floor=floor,
         layouts=top.layouts,
-        done_after=top.done_after,
+        done_after=lambda record, port_leaves: top.boundary(
+            record, list(record.outputs.items()), port_leaves
+        ),
     )
     if first is not None and first.reference in top.ref_trace:
         record = top.ref_trace[first.reference]
