@@ -100,9 +100,13 @@ def test_bisect_says_the_layer_order_first_and_aligns_by_it(text_ordered_wan):
     # by order made "the port wires this call to another input" false)
     assert "lead: the call is wired to another input on one side" in fed[0].message
     assert "the port wires this call" not in fed[0].message
-    # the research pipeline calls the model's blocks, never the model: the zoom cannot pair levels, so the
-    # auto levels capture whole (and say so)
-    assert report.environment["levels"].startswith("full (the zoom cannot pair levels")
+    # a model this small is captured whole (levels=auto zooms above 1 GiB of parameters only); asked to zoom,
+    # the research pipeline calling the model's blocks, never the model, leaves levels unpaired: one line
+    assert "levels" not in report.environment
+    from paritykit.base.errors import ParityKitError
+
+    with pytest.raises(ParityKitError, match="--levels zoom: dit never called .*; use --levels full"):
+        bisect(ResearchDenoise(research), PortDenoise(port), inputs, levels="zoom")
 
 
 def test_trace_folders_hold_weight_hashes_and_bisect_reads_the_layer_order_from_them(
