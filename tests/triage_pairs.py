@@ -212,6 +212,19 @@ def port_vae():
 """
 
 
+def spec_for(folder, name: str, pair: str, made: str, reference: str = "", port: str = ""):
+    r"""A triage SPEC file ``name`` in ``folder`` for test pair class ``pair``, built by the expression
+    ``made``; ``reference`` / ``port``: the pair attributes its denoisers are (default: the UNets)."""
+    text = SPEC_TEXT.replace("import Pair", f"import {pair}").replace("Pair({bugs!r}, vae={vae!r})", made)
+    if reference:
+        text = text.replace("PAIR.ref_unet", f"PAIR.{reference}")
+    if port:
+        text = text.replace("PAIR.port_unet", f"PAIR.{port}")
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
 def write_spec(folder, bugs=(), vae: bool = True, name: str = "triage_spec.py"):
     r"""A triage SPEC for the pair with ``bugs`` planted, written into ``folder``; returns its path."""
     path = folder / name
@@ -542,14 +555,7 @@ class SquaredTimePair(Pair):
 
 def write_squared_spec(folder):
     r"""A triage SPEC for :class:`SquaredTimePair`."""
-    path = folder / "squared_spec.py"
-    text = (
-        SPEC_TEXT.replace("import Pair", "import SquaredTimePair")
-        .replace("Pair({bugs!r}, vae={vae!r})", "SquaredTimePair()")
-        .replace("return PAIR.port_unet", "return PAIR.squared")
-    )
-    path.write_text(text)
-    return path
+    return spec_for(folder, "squared_spec.py", "SquaredTimePair", "SquaredTimePair()", port="squared")
 
 
 # the clamp both sides put on the latents before the denoiser (an x0-style clip of the sampler's state)
@@ -585,12 +591,8 @@ class ClampedStatePair(Pair):
 
 def write_clamped_spec(folder, clamp_copy: bool):
     r"""A triage SPEC for :class:`ClampedStatePair`."""
-    path = folder / "clamped_spec.py"
-    text = SPEC_TEXT.replace("import Pair", "import ClampedStatePair").replace(
-        "Pair({bugs!r}, vae={vae!r})", f"ClampedStatePair(clamp_copy={clamp_copy!r})"
-    )
-    path.write_text(text)
-    return path
+    made = f"ClampedStatePair(clamp_copy={clamp_copy!r})"
+    return spec_for(folder, "clamped_spec.py", "ClampedStatePair", made)
 
 
 class ShiftedTimePair(Pair):
@@ -610,12 +612,8 @@ class ShiftedTimePair(Pair):
 
 def write_shifted_spec(folder, shifted: bool, bugs: tuple[str, ...] = ()):
     r"""A triage SPEC for :class:`ShiftedTimePair`."""
-    path = folder / "shifted_spec.py"
-    text = SPEC_TEXT.replace("import Pair", "import ShiftedTimePair").replace(
-        "Pair({bugs!r}, vae={vae!r})", f"ShiftedTimePair({shifted!r}, {tuple(bugs)!r})"
-    )
-    path.write_text(text)
-    return path
+    made = f"ShiftedTimePair({shifted!r}, {tuple(bugs)!r})"
+    return spec_for(folder, "shifted_spec.py", "ShiftedTimePair", made)
 
 
 class EmbeddedContext(torch.nn.Module):
@@ -654,15 +652,8 @@ class DropFlagPair(Guided):
 
 def write_drop_flag_spec(folder, scaled: bool = False):
     r"""A triage SPEC for :class:`DropFlagPair`."""
-    path = folder / "drop_flag_spec.py"
-    text = (
-        SPEC_TEXT.replace("import Pair", "import DropFlagPair")
-        .replace("Pair({bugs!r}, vae={vae!r})", f"DropFlagPair({scaled!r})")
-        .replace("PAIR.ref_unet", "PAIR.ref_pass")
-        .replace("PAIR.port_unet", "PAIR.port_embedded")
-    )
-    path.write_text(text)
-    return path
+    made = f"DropFlagPair({scaled!r})"
+    return spec_for(folder, "drop_flag_spec.py", "DropFlagPair", made, "ref_pass", "port_embedded")
 
 
 class OptionalContext(torch.nn.Module):
@@ -691,12 +682,5 @@ class NoneContextPair(DropFlagPair):
 
 def write_none_context_spec(folder):
     r"""A triage SPEC for :class:`NoneContextPair`."""
-    path = folder / "none_context_spec.py"
-    text = (
-        SPEC_TEXT.replace("import Pair", "import NoneContextPair")
-        .replace("Pair({bugs!r}, vae={vae!r})", "NoneContextPair()")
-        .replace("PAIR.ref_unet", "PAIR.ref_pass")
-        .replace("PAIR.port_unet", "PAIR.port_optional")
-    )
-    path.write_text(text)
-    return path
+    made = "NoneContextPair()"
+    return spec_for(folder, "none_context_spec.py", "NoneContextPair", made, "ref_pass", "port_optional")
