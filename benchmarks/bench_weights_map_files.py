@@ -126,7 +126,19 @@ def main() -> None:
             )
             runs.append(json.loads(done.stdout.splitlines()[-1]))
         peak = int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
+        copied = None
         if group is not None:
+            # the limit holds: a child that copies both files into memory is killed under it
+            copy = (
+                "from safetensors.torch import load_file; import sys;"
+                " kept = [{k: v.clone() for k, v in load_file(p).items()} for p in sys.argv[1:]]"
+            )
+            done = subprocess.run(
+                [sys.executable, "-c", copy, str(source), str(target)],
+                capture_output=True,
+                preexec_fn=_join(group),
+            )
+            copied = done.returncode
             group.rmdir()
         files = source.stat().st_size + target.stat().st_size
     read = statistics.median(reads)
@@ -135,9 +147,10 @@ def main() -> None:
     layer_order = runs[0]["layer_order"]
     double, single = DEPTHS[options.depth]
     if group is not None:
+        fate = "killed" if copied is not None and copied < 0 else f"exit {copied}"
         limit = (
             f"; each child in a memory cgroup limited to {options.limit:g} GiB, page cache included"
-            f" (peak usage {peak / 2**30:.2f} GiB)"
+            f" (peak usage {peak / 2**30:.2f} GiB; a child copying both files into memory there: {fate})"
         )
     else:
         limit = (
