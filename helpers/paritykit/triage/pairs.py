@@ -59,12 +59,14 @@ class TimestepUnits:
         to 1000 gives some value above 1, one said to count to 1 none above it (a reference at 1.0 and a port
         at 0.999 are no "t in [0, 1000] against 1 - t/1000")."""
         for top, values in ((self.ref_top, t_ref), (self.port_top, t_port)):
-            largest = max((abs(v) for v in values if v is not None), default=0.0)
-            if top == 1.0 and largest > 1.0 + 1e-6:
-                return False
-            if top == 1000.0 and largest <= 1.0 + 1e-6:
+            if top and within_unit(values) != (top == 1.0):
                 return False
         return True
+
+
+def within_unit(values: list[float | None]) -> bool:
+    r"""Whether every timestep given lies within [-1, 1] (a side counting to 1, not to 1000)."""
+    return max((abs(v) for v in values if v is not None), default=0.0) <= 1.0 + 1e-6
 
 
 @dataclass

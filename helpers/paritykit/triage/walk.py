@@ -47,6 +47,7 @@ from paritykit.triage.pairs import (
     rel,
     same_timestep,
     timestep_units,
+    within_unit,
 )
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
 from paritykit.triage.reproduce import Commands
@@ -677,12 +678,14 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         r"""Why the reference's timestep cannot be fed to the port's denoiser as it is: the two sides give
         timesteps in other ranges (one within [0, 1], the other beyond it) and no unit map pairs them; empty
         otherwise."""
-        if self.t_units is not SAME_UNITS or None in self.t_ref or None in self.t_port:
+        if self.t_units is not SAME_UNITS or not self.t_ref or not self.t_port:
             return ""
-        top_ref = max((abs(t) for t in self.t_ref), default=0.0)
-        top_port = max((abs(t) for t in self.t_port), default=0.0)
-        if (top_ref <= 1.0 + 1e-6) == (top_port <= 1.0 + 1e-6):
+        if None in self.t_ref or None in self.t_port:
             return ""
+        if within_unit(self.t_ref) == within_unit(self.t_port):
+            return ""
+        top_ref = max(abs(t) for t in self.t_ref)
+        top_port = max(abs(t) for t in self.t_port)
         return (
             f"the reference gives timesteps up to {format_number(top_ref)}, the port up to"
             f" {format_number(top_port)}, and no unit map pairs them at the first calls: fed the reference's"
