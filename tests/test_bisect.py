@@ -820,6 +820,10 @@ def test_a_branch_paired_by_order_with_a_merged_conv_is_no_culprit_on_a_correct_
         assert report.verdict == "match" and report.culprit is None, report.render()
         assert [(c.reference, c.port) for c in report.candidates] == [("down.fns.0", "downsample")]
         assert "lead: reference down.fns.0 <-> port downsample fails on identical inputs" in report.render()
+        (row,) = [line for line in report.render().splitlines() if line.startswith("down.fns.0 ")]
+        assert "fail" in row and "paired by order and output shape only: a lead" in row
+        # must not fire on the rows of pairs aligned by weights
+        assert all("a lead" not in line for line in report.render().splitlines() if line.startswith("stem "))
     else:  # must not fire: the merged conv that keeps one bias only still diverges there
         assert report.verdict == "diverge" and report.culprit.port == "downsample"
 

@@ -635,3 +635,21 @@ def test_a_config_holding_its_betas_as_an_array_is_searched_without_error():
     assert isinstance(base["trained_betas"], np.ndarray)
     fit = fit_scheduler(DDIMScheduler, {"timesteps": [999, 899, 799, 699, 599]}, base_config=base)
     assert fit.searched > 0 and "beta_schedule" not in {k for c in fit.fits for k in c.changes}
+
+
+def test_interpolation_type_is_searched_only_where_the_reference_holds_sigmas():
+    # nothing runs that cannot change the answer: interpolation_type changes the sigmas only, so a reference
+    # of timesteps alone cannot tell its two values apart (and the search would double for nothing)
+    from paritykit.schedule.fit import _axes
+    from paritykit.schedule.load import Schedule
+    from paritykit.schedule.schedulers import accepted_keys
+
+    keys = accepted_keys(EulerDiscreteScheduler)
+    timesteps = Schedule("list", [999.0, 666.0, 333.0, 0.0], None)
+    with_sigmas = Schedule("list", [999.0, 666.0, 333.0, 0.0], [14.6, 3.2, 0.8, 0.03, 0.0])
+
+    def searched(ref):
+        return {key for axis in _axes(keys, {}, ref, set()) for option in axis for key in option}
+
+    assert "interpolation_type" not in searched(timesteps)
+    assert "interpolation_type" in searched(with_sigmas)

@@ -264,6 +264,17 @@ class BisectReport:
             "config_differences": [d.to_dict() for d in self.config_differences],
         }
 
+    def _row_note(self, test: ModuleTest) -> str:
+        r"""A table row's note, led by what a failing pair aligned on order and output shape alone is: a
+        lead, never the culprit."""
+        from paritykit.tracing.trace import module_of
+
+        pair = self.alignment.pair_of(module_of(test.reference))
+        if test.status == "fail" and pair is not None and pair.how == "order" and pair.confidence == "low":
+            lead = "paired by order and output shape only: a lead"
+            return f"{lead}; {test.note}" if test.note else lead
+        return test.note
+
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         out = _comparison_summary(self.output) or {}
         dtypes = (out.get("dtype_reference"), out.get("dtype_port"))
@@ -341,7 +352,7 @@ class BisectReport:
                 t.status,
                 t.max_abs,
                 format_cosine(t.cosine),
-                t.note,
+                self._row_note(t),
             ]
             for t in self.tested
         ]

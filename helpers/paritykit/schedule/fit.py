@@ -66,9 +66,10 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
     types = [k for k in _SIGMA_TYPE_KEYS if k in keys]
     if types:
         axes.append([{k: False for k in types}] + [{k: k == t for k in types} for t in types])
-    if "interpolation_type" in keys:
+    if "interpolation_type" in keys and ref.sigmas:
         # "linear" reads each step's sigma off the trained table at its timestep (as k-diffusion's samplers
-        # do); "log_linear" spaces the sigmas evenly in log between the table's two ends
+        # do); "log_linear" spaces the sigmas evenly in log between the table's two ends. It changes the
+        # sigmas only: a reference of timesteps alone cannot tell the two apart
         values = dict.fromkeys([now("interpolation_type"), "linear", "log_linear"])
         axes.append([{"interpolation_type": v} for v in values])
     if "final_sigmas_type" in keys:
