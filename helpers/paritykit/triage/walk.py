@@ -662,17 +662,24 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
     def _scheduler_steps_the_run(self) -> bool:
         r"""Whether ``port_scheduler()`` set to the run's step count gives the timesteps the port's run
         passed its denoiser (the lockstep replay builds it so)."""
+        timesteps = self._scheduler_timesteps(len(self.port.calls))
+        return (
+            timesteps is not None
+            and len(timesteps) == len(self.t_port)
+            and all(same_timestep(a, b) for a, b in zip(timesteps, self.t_port))
+        )
+
+    def _scheduler_timesteps(self, n: int) -> list[float] | None:
+        r"""The timesteps ``port_scheduler()`` gives for ``n`` steps, on a copy (the SPEC's stays as it was);
+        ``None`` where it refuses that count."""
         import copy
 
         scheduler = copy.deepcopy(self.port_scheduler)
         try:
-            scheduler.set_timesteps(len(self.port.calls))
-            timesteps = [float(t) for t in scheduler.timesteps]
+            scheduler.set_timesteps(n)
+            return [float(t) for t in scheduler.timesteps]
         except Exception:
-            return False
-        return len(timesteps) == len(self.t_port) and all(
-            same_timestep(a, b) for a, b in zip(timesteps, self.t_port)
-        )
+            return None
 
     def _timestep_ranges_apart(self) -> str:
         r"""Why the reference's timestep cannot be fed to the port's denoiser as it is: the two sides give
@@ -696,17 +703,8 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         r"""A line where ``port_scheduler()``, set to the run's step count, gives timesteps other than those
         the port's denoiser was fed: the port's pipeline converts them before the call, so what differs may
         be that conversion as well as the schedule."""
-        if not self.spec.has("port_scheduler"):
-            return []
-        import copy
-
-        scheduler = copy.deepcopy(self.port_scheduler)
-        try:
-            scheduler.set_timesteps(len(t_port))
-            own = [float(t) for t in scheduler.timesteps]
-        except Exception:
-            return []
-        if len(own) != len(t_port) or all(same_timestep(a, b) for a, b in zip(own, t_port)):
+        own = self._scheduler_timesteps(len(t_port)) if self.spec.has("port_scheduler") else None
+        if own is None or len(own) != len(t_port) or all(same_timestep(a, b) for a, b in zip(own, t_port)):
             return []
         return [
             f"the port's scheduler gives the timesteps {head(own)}, and its denoiser is fed {head(t_port)}:"
