@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import diffusers
 import pytest
 import torch
 from click.testing import CliRunner
@@ -653,3 +654,20 @@ def test_interpolation_type_is_searched_only_where_the_reference_holds_sigmas():
 
     assert "interpolation_type" not in searched(timesteps)
     assert "interpolation_type" in searched(with_sigmas)
+
+
+def test_a_scheduler_built_before_is_handed_out_fresh_and_unshared():
+    # the fit builds each config at several counts and keeps one built copy per config: what it hands out is
+    # the constructor's state every time, never a scheduler a caller already moved
+    from paritykit.schedule.schedulers import make_scheduler
+
+    config = {"num_train_timesteps": 1000, "timestep_spacing": "trailing"}
+    first = make_scheduler(diffusers.KDPM2DiscreteScheduler, config)
+    built = first.timesteps.clone()
+    first.set_timesteps(7)
+    second = make_scheduler(diffusers.KDPM2DiscreteScheduler, config)
+    assert second is not first and torch.equal(second.timesteps, built)
+    other = make_scheduler(diffusers.KDPM2DiscreteScheduler, {**config, "use_karras_sigmas": True})
+    other.set_timesteps(7)
+    second.set_timesteps(7)
+    assert not torch.equal(other.sigmas, second.sigmas)

@@ -21,6 +21,8 @@ def surveyed() -> dict[str, shaped_inputs.Survey]:
     return {model_class.__name__: survey(model_class) for model_class in model_classes()}
 
 
+# both tests read the survey (a minute of model runs): one worker makes it once (``--dist loadgroup``)
+@pytest.mark.xdist_group("survey")
 def test_every_model_class_runs_on_its_inputs_or_says_why_not(surveyed):
     assert len(surveyed) > 50  # the classes diffusers exports, not a filtered few
     failures = []
@@ -52,6 +54,7 @@ def test_every_model_class_runs_on_its_inputs_or_says_why_not(surveyed):
     assert expected <= runs, sorted(expected - runs)
 
 
+@pytest.mark.xdist_group("survey")
 def test_the_shipped_listing_is_what_this_diffusers_gives(surveyed):
     # benchmarks/results/model_inputs.txt says which classes cannot and why; it must stay true
     text = LISTING.read_text()
@@ -119,6 +122,9 @@ def test_an_argument_nothing_in_the_config_shapes_is_an_error_naming_it():
     message = str(raised.value)
     assert message.startswith("CogView4Transformer2DModel: no inputs found")
     assert "original_size" in message and "--inputs MODULE:FUNCTION" in message and "\n" not in message
+    with pytest.raises(ParityKitError) as again:  # the search is not run twice; its answer is the same
+        model_inputs(CogView4Transformer2DModel, tiny_config(CogView4Transformer2DModel))
+    assert str(again.value) == message
 
 
 def test_a_layout_no_candidate_fits_reports_the_first_candidates_error():
@@ -134,6 +140,7 @@ def test_a_layout_no_candidate_fits_reports_the_first_candidates_error():
         model_inputs(NeedsEightFrames, tiny_config(UNet2DModel))
 
 
+@pytest.mark.xdist_group("survey")
 def test_classes_that_cannot_be_built_tiny_say_why(surveyed):
     # no defaults (a wrapper of several models), a default config that does not build, too large when shrunk
     assert surveyed["MultiControlNetModel"].reason == "its constructor has no default for controlnets"

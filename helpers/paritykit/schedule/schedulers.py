@@ -131,10 +131,26 @@ def scheduler_lists(scheduler: Any, n: int | None, **call: Any) -> dict[str, lis
 
 
 def make_scheduler(cls: type, config: dict[str, Any]) -> Any:
-    # keys are filtered to those __init__ accepts, so the constructor is enough (from_config re-reads the
-    # signature for every key: 10x slower over a search)
-    with quiet_diffusers():
-        return cls(**config)
+    r"""A fresh ``cls(**config)``: a copy of one built before with the same config where there is one (a
+    search builds each config at several step counts, and some constructors take most of a second:
+    KDPM2's computes its 1000 training timesteps one at a time)."""
+    import copy
+
+    key = (cls, repr(sorted(config.items())))
+    built = _BUILT.pop(key, None)
+    if built is None:
+        # keys are filtered to those __init__ accepts, so the constructor is enough (from_config re-reads
+        # the signature for every key: 10x slower over a search)
+        with quiet_diffusers():
+            built = cls(**config)
+    _BUILT[key] = built  # the newest last: the oldest goes first
+    while len(_BUILT) > 64:
+        del _BUILT[next(iter(_BUILT))]
+    return copy.deepcopy(built)
+
+
+# (class, config) -> a scheduler as its constructor left it, never handed out
+_BUILT: dict[tuple, Any] = {}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ worked and whether inputs were found, and why not (benchmarks/model_inputs.py li
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import re
@@ -430,8 +431,11 @@ def build(model_class: type, config: dict, device: str = "cpu") -> Any:
 
     from paritykit.base.quiet import quiet_diffusers
 
+    # on the meta device there are no values to initialise: diffusers' switch skips torch's init functions,
+    # which cost more than the build itself there
+    skip_init = _no_init_weights() if device == "meta" else contextlib.nullcontext()
     try:
-        with quiet_diffusers(), torch.device(device), warnings.catch_warnings():
+        with quiet_diffusers(), torch.device(device), skip_init, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if hasattr(model_class, "from_config"):
                 model = model_class.from_config(config)
@@ -445,6 +449,12 @@ def build(model_class: type, config: dict, device: str = "cpu") -> Any:
     return model.eval()
 
 
+def _no_init_weights():
+    from diffusers.models.modeling_utils import no_init_weights
+
+    return no_init_weights()
+
+
 def _full_config(model_class: type, config: dict | None) -> dict[str, Any]:
     merged = {**init_defaults(model_class), **dict(config or {})}
     return {k: v for k, v in merged.items() if not k.startswith("_")}
@@ -454,6 +464,24 @@ def input_layout(model_class: type, config: dict | None = None) -> Shape:
     r"""The layout of inputs ``model_class`` built from ``config`` runs on: found on the ``meta`` device, else
     (models whose forward reads values) on the CPU when the model is small enough to build there."""
     config = _full_config(model_class, config)
+    key = (model_class, repr(sorted(config.items())))
+    if key not in _LAYOUTS:
+        try:
+            _LAYOUTS[key] = _search_layout(model_class, config)
+        except ParityKitError as error:
+            _LAYOUTS[key] = error
+    found = _LAYOUTS[key]
+    if isinstance(found, ParityKitError):
+        raise ParityKitError(str(found))
+    return found
+
+
+# (class, config) -> the layout found, or the error: the search runs the model many times, its answer never
+# changes within a process
+_LAYOUTS: dict[tuple, Any] = {}
+
+
+def _search_layout(model_class: type, config: dict) -> Shape:
     try:
         return _find_layout(build(model_class, config, "meta"), config, "meta")
     except _Unshapeable as error:

@@ -29,7 +29,7 @@ MANIFEST = "trace.json"
 WEIGHTS_FILE = "weights.safetensors"  # a copy of the weights, written by paritykit before 0.9
 FINGERPRINTS_FILE = "weights.json"
 FORMAT = "paritykit-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights.json hashes by the weighted position sum
 _SHARD_BYTES = 256 * 2**20
 _COMPLEX = "paritykit.complex"  # a shard's metadata key: its tensors stored as their real view
 

@@ -3,6 +3,7 @@ r"""Reading the two sides of a conversion: state dicts, safetensors files (memor
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,19 @@ class _Pages:
 
         self.maps: weakref.WeakSet = weakref.WeakSet()
         self.since = 0
+        self._lock = threading.Lock()  # the matcher reads on several threads
 
     def read(self, nbytes: int) -> None:
-        self.since += nbytes
-        if self.since > self.BUDGET:
-            self.release()
+        with self._lock:
+            self.since += nbytes
+            if self.since > self.BUDGET:
+                self._release()
 
     def release(self) -> None:
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         import mmap
 
         for mm in list(self.maps):

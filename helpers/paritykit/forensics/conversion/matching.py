@@ -147,6 +147,13 @@ class _Matcher:
             self._cast_cache = {(key, dtype): t.to(dtype)}  # keep one: memory stays bounded
         return self._cast_cache[(key, dtype)]
 
+    def _resolve_pair(self, pair: tuple[str, str]) -> list[dict[str, Any]] | None:
+        r""":func:`resolve_candidates` of one (target, source) pair; safe on a thread (no cache touched)."""
+        tkey, skey = pair
+        t, s = self.target[tkey], self.source[skey]
+        PAGES.read(2 * t.nbytes)
+        return resolve_candidates(s if s.dtype == t.dtype else s.to(t.dtype), t)
+
     def position_class(self, side: str, key: str, dtype) -> tuple:
         tensors = self.source if side == "s" else self.target
         if (side, key, dtype) not in self._poshash:
@@ -156,24 +163,35 @@ class _Matcher:
 
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
-        for key, t in self.target.items():
-            PAGES.read(t.nbytes)
-            self.tgt_hash[key] = multiset_hashes(t, t.dtype)[0]
-        for key, s in self.source.items():
-            PAGES.read(s.nbytes * len(self.dtypes))
-            for dtype in self.dtypes:
-                if castable(s.dtype, dtype):
-                    h = multiset_hashes(s, dtype)[0]
-                    self.src_table[(dtype, s.numel(), h)].append(key)
-                    self.src_numels[dtype].add(s.numel())
+        jobs = [("t", key, t, t.dtype) for key, t in self.target.items()]
+        jobs += [
+            ("s", key, s, dtype)
+            for key, s in self.source.items()
+            for dtype in self.dtypes
+            if castable(s.dtype, dtype)
+        ]
+        for (side, key, t, dtype), h in zip(jobs, _in_threads(_full_hash, jobs), strict=True):
+            if side == "t":
+                self.tgt_hash[key] = h
+            else:
+                self.src_table[(dtype, t.numel(), h)].append(key)
+                self.src_numels[dtype].add(t.numel())
 
     # -- phase 2: whole tensors ---------------------------------------------------------------------------
     def match_whole(self) -> None:
+        # a target whose hash one source shares is compared with it on the threads, before the walk below
+        singles = [
+            (key, bucket[0])
+            for key, t in self.target.items()
+            if len(bucket := self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])) == 1
+        ]
+        single_steps = dict(zip(singles, _in_threads(self._resolve_pair, singles), strict=True))
         for key, t in self.target.items():
             bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
             if not bucket:
                 continue
-            PAGES.read(2 * t.nbytes)
+            if len(bucket) > 1:
+                PAGES.read(2 * t.nbytes)
             results: list[_Found] = []
             if len(bucket) == 1:
                 classes = {None: bucket}
@@ -191,6 +209,8 @@ class _Matcher:
                 cache_key = (cls, self.position_class("t", key, t.dtype)) if cls is not None else None
                 if cache_key is not None and cache_key in self._resolved:
                     steps = self._resolved[cache_key]
+                elif cls is None:
+                    steps = single_steps[(key, members[0])]
                 else:
                     steps = resolve_candidates(self.cast(members[0], t.dtype), t)
                     if cache_key is not None:
@@ -255,10 +275,10 @@ class _Matcher:
         pools = {id(p): p for fs in self.found.values() for f in fs for p in (f.sources, f.members or [])}
         used = {s for pool in pools.values() for s in pool}
         candidates: dict[str, list[_Found]] = defaultdict(list)
+        jobs = []
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
                 continue
-            PAGES.read(2 * s.nbytes)
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
@@ -268,31 +288,33 @@ class _Matcher:
                     for k in range(2, min(s.shape[d], MAX_PIECES) + 1)
                     if s.shape[d] % k == 0 and s.numel() // k in numels[dtype]
                 ]
-                if not splits:
-                    continue
-                _, pieces = multiset_hashes(s, dtype, splits)
-                covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
-                for (dim, count), hashes in pieces.items():
-                    size = s.shape[dim] // count
-                    for index, h in enumerate(hashes):
-                        for tkey in table.get((dtype, s.numel() // count, h), []):
-                            start = index * size
-                            f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
-                            if f is not None:
-                                candidates[tkey].append(f)
-                                covered[dim].append((start, start + size))
-                # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
-                for dim, spans in covered.items():
-                    for start, stop in _gaps(spans, s.shape[dim]):
-                        numel = (stop - start) * (s.numel() // s.shape[dim])
-                        if numel not in numels[dtype]:
-                            continue
-                        piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
-                        h = multiset_hashes(piece, dtype)[0]
-                        for tkey in table.get((dtype, numel, h), []):
-                            f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
-                            if f is not None:
-                                candidates[tkey].append(f)
+                if splits:
+                    jobs.append((skey, s, dtype, splits))
+        for skey, s, dtype, splits in jobs:
+            PAGES.read(2 * s.nbytes)
+            _, pieces = multiset_hashes(s, dtype, splits)
+            covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            for (dim, count), hashes in pieces.items():
+                size = s.shape[dim] // count
+                for index, h in enumerate(hashes):
+                    for tkey in table.get((dtype, s.numel() // count, h), []):
+                        start = index * size
+                        f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
+                        if f is not None:
+                            candidates[tkey].append(f)
+                            covered[dim].append((start, start + size))
+            # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
+            for dim, spans in covered.items():
+                for start, stop in _gaps(spans, s.shape[dim]):
+                    numel = (stop - start) * (s.numel() // s.shape[dim])
+                    if numel not in numels[dtype]:
+                        continue
+                    piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
+                    h = multiset_hashes(piece, dtype)[0]
+                    for tkey in table.get((dtype, numel, h), []):
+                        f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
+                        if f is not None:
+                            candidates[tkey].append(f)
         for tkey, fs in candidates.items():
             self.found[tkey] = fs
 
@@ -638,6 +660,25 @@ _EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema(
 
 _PARAM_LEAVES = ("weight", "bias")
 _PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(_PARAM_LEAVES)})")
+
+
+def _full_hash(job: tuple) -> int:
+    _, _, t, dtype = job
+    PAGES.read(t.nbytes)
+    return multiset_hashes(t, dtype)[0]
+
+
+def _in_threads(fn, items: list) -> Iterable:
+    r"""``fn`` over ``items`` in order, on up to four threads: the hashing and comparing are numpy and torch
+    reductions that release the GIL, so the cores read the checkpoint side by side."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = min(4, os.cpu_count() or 1)
+    if workers == 1 or len(items) < 2:
+        return map(fn, items)
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def _param_stem(name: str) -> tuple[str, str]:

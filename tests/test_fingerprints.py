@@ -1,0 +1,96 @@
+"""The value fingerprints weights are matched by: the fast CPU paths (numpy views, int32 runs, wide byte
+compares, the weighted position sum) give exactly what the plain definitions give, on the values where a
+shortcut could go wrong (-0.0, NaN, the extremes of a 16-bit pattern, offsets a wide view cannot take)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from paritykit.forensics.conversion import fingerprints as fp
+
+
+def _bf16(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _plain_multiset(t: torch.Tensor) -> int:
+    # the definition: the wrapping int64 sum of every element's bit pattern, -0.0 taken as 0.0
+    bits = (t.reshape(-1) + 0.0).view(torch.int16).numpy().astype(np.int64)
+    total = int(bits.sum())
+    return (total + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def test_int32_runs_sum_exactly_at_the_extremes_of_a_16_bit_pattern():
+    for value in (-32768, 32767):
+        a = np.full(5 * (1 << 15) + 7, value, dtype=np.int16)  # several whole runs and a tail
+        assert fp._numpy_sum(a) == value * a.size
+    b = np.random.default_rng(0).integers(-32768, 32768, size=300_001, dtype=np.int16)
+    assert fp._numpy_sum(b) == int(b.astype(np.int64).sum())
+
+
+def test_the_numpy_view_path_hashes_as_the_definition_says():
+    w = _bf16(0, 96, 40)
+    w[3, 5] = -0.0
+    w[7, 1] = 0.0
+    assert fp.multiset_hashes(w, torch.bfloat16)[0] == _plain_multiset(w)
+    # a strided view takes the torch path: the same answer
+    assert fp.multiset_hashes(w.t(), torch.bfloat16)[0] == _plain_multiset(w)
+    # -0.0 and 0.0 are one value to torch.equal, so to the hash; any other change is seen
+    flipped = w.clone()
+    flipped[3, 5] = 0.0
+    assert fp.multiset_hashes(flipped, torch.bfloat16)[0] == fp.multiset_hashes(w, torch.bfloat16)[0]
+    flipped[0, 0] = flipped[0, 0] * 2 + 1
+    assert fp.multiset_hashes(flipped, torch.bfloat16)[0] != fp.multiset_hashes(w, torch.bfloat16)[0]
+
+
+def test_pieces_are_the_same_whichever_path_reads_them():
+    w = _bf16(1, 48, 30)
+    fast = fp.multiset_hashes(w, torch.bfloat16, [(0, 3), (1, 5)])
+    slow = fp.multiset_hashes(w.t().contiguous().t(), torch.bfloat16, [(0, 3), (1, 5)])  # not contiguous
+    assert fast == slow
+    assert fast[1][(0, 3)] == [_plain_multiset(p) for p in w.chunk(3, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_equal_values_keeps_torch_equal_semantics(dtype):
+    a = torch.randn(64, 33, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert fp.equal_values(a, a.clone())
+    b = a.clone()
+    b[10, 3] = b[10, 3] + 1
+    assert not fp.equal_values(a, b)
+    z, nz = a.clone(), a.clone()
+    z[0, 0], nz[0, 0] = 0.0, -0.0
+    assert fp.equal_values(z, nz) and torch.equal(z, nz)
+    n = a.clone()
+    n[5, 5] = float("nan")
+    assert not fp.equal_values(n, n.clone())  # NaN equals nothing, itself included
+    neg = a.clone()
+    neg[6, 6] = -float("nan")
+    assert not fp.equal_values(neg, neg.clone())
+
+
+def test_equal_values_at_an_offset_no_wide_view_can_take():
+    base = _bf16(3, 1001)
+    a, b = base[1:], base.clone()[1:]  # 1000 elements starting 2 bytes into their storage
+    assert fp.equal_values(a, b)
+    b[999] = b[999] + 1
+    assert not fp.equal_values(a, b)
+
+
+def test_position_hash_sees_order_and_is_the_same_by_numpy_and_by_torch():
+    w = torch.randn(3 * fp.BLOCK // 64 + 5, 64, generator=torch.Generator().manual_seed(4))  # past one block
+    h = fp.position_hash(w)
+    assert h == fp.position_hash(w.clone())
+    assert h != fp.position_hash(w.flip(0))
+    swapped = w.clone().reshape(-1)
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert h != fp.position_hash(swapped)
+    z = w.clone()
+    z[0, 0] = 0.0
+    nz = z.clone()
+    nz[0, 0] = -0.0
+    assert fp.position_hash(z) == fp.position_hash(nz)
+    # what a GPU computes: the same sums by torch ops on the tensor's own device (here the CPU)
+    assert h == fp._position_hash(w, by_numpy=False)
+    assert fp.position_hash(nz) == fp._position_hash(nz, by_numpy=False)
