@@ -70,6 +70,11 @@ def test_equal_values_keeps_torch_equal_semantics(dtype):
     assert not fp.equal_values(neg, neg.clone())
 
 
+def test_empty_tensors_are_equal():
+    empty = torch.zeros(0, 4, dtype=torch.bfloat16)
+    assert fp.equal_values(empty, empty.clone())
+
+
 def test_equal_values_at_an_offset_no_wide_view_can_take():
     base = _bf16(3, 1001)
     a, b = base[1:], base.clone()[1:]  # 1000 elements starting 2 bytes into their storage

@@ -100,7 +100,7 @@ def test_damaged_and_newer_trace_folders_are_named(folders, tmp_path):
     manifest = json.loads((newer / "trace.json").read_text())
     (newer / "trace.json").write_text(json.dumps({**manifest, "version": 99}))
     code, out = run("bisect", "--traces", newer, folders / "port")
-    assert code == 2 and "trace format 99, this paritykit reads 1" in out
+    assert code == 2 and "trace format 99, this paritykit reads 2" in out
 
 
 def test_a_newer_checkpoint_schema_is_refused_and_a_self_compare_warns(tmp_path):

@@ -312,7 +312,7 @@ def _numpy_equal(a, b) -> bool | None:
             return None
     ia, ib = a.view(torch.int16).numpy(), b.view(torch.int16).numpy()  # numpy has no bfloat16
     if np.array_equal(*_widest(ia, ib)):
-        return int((ia & 0x7FFF).max()) <= 0x7F80  # equal patterns are unequal values only as NaN
+        return not ia.size or int((ia & 0x7FFF).max()) <= 0x7F80  # equal patterns differ only as NaN
     if ia.size and min(int(ia.min()), int(ib.min())) == -32768:
         return None  # a -0.0 on either side: torch compares it equal to 0.0
     return False
