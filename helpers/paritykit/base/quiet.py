@@ -10,8 +10,15 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def quiet_diffusers() -> Iterator[None]:
-    r"""diffusers' loggers at ERROR inside the block, restored after."""
+    r"""diffusers' loggers at ERROR inside the block, restored after. Also a decorator.
+
+    Inside a block already quiet it changes nothing: every ``setLevel`` clears the cache of every logger in
+    the process (hundreds once transformers is imported), which a search building thousands of schedulers
+    felt."""
     logger = logging.getLogger("diffusers")
+    if logger.getEffectiveLevel() >= logging.ERROR:
+        yield
+        return
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

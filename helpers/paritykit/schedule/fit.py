@@ -13,6 +13,7 @@ from typing import Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.minimize import golden_section
+from paritykit.base.quiet import quiet_diffusers
 from paritykit.base.report import format_number
 from paritykit.schedule.families import Family, family_of, lists_close, sigma_family
 from paritykit.schedule.fit_inputs import (
@@ -218,6 +219,8 @@ def _reference_at(
     return out
 
 
+# the search builds thousands of schedulers: diffusers is quieted once for all of them
+@quiet_diffusers()
 def fit_scheduler(
     cls: Any,
     reference: Any,
