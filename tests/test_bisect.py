@@ -892,6 +892,73 @@ def test_a_block_paired_inside_a_residual_wrapper_that_adds_the_input_is_no_culp
         assert report.verdict == "diverge" and row.status == "fail" and "ends where" not in (row.note or "")
 
 
+class _Fourier(torch.nn.Module):
+    """cos of a fixed random projection of the timestep, scaled by ``scale``."""
+
+    def __init__(self, scale: float = 2**0.5):
+        super().__init__()
+        self.register_buffer("freqs", torch.randn(8, generator=torch.Generator().manual_seed(3)))
+        self.scale = scale
+
+    def forward(self, t):
+        return torch.cos(t[:, None] * self.freqs) * self.scale
+
+
+class _TimeRef(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.to_time_emb = torch.nn.Sequential(_Fourier(), torch.nn.Linear(8, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.proj(x + self.to_time_emb(t)[:, None])
+
+
+class _TimePort(torch.nn.Module):
+    """The port's time projection returns the reference's value over sqrt(2), and its forward multiplies by
+    sqrt(2) before the MLP (``compensate``); ``bug`` adds a slip in the output projection."""
+
+    def __init__(self, reference: _TimeRef, compensate: bool, bug: bool):
+        super().__init__()
+        self.time_proj = _Fourier(scale=1.0)
+        self.time_proj.freqs.copy_(reference.to_time_emb[0].freqs)
+        self.time_embedding = copy.deepcopy(reference.to_time_emb[1])
+        self.proj_out = copy.deepcopy(reference.proj)
+        self.compensate, self.bug = compensate, bug
+
+    def forward(self, x, t):
+        emb = self.time_proj(t) * (2**0.5 if self.compensate else 1.0)
+        h = self.proj_out(x + self.time_embedding(emb)[:, None])
+        return h * 1.5 if self.bug else h
+
+
+@pytest.mark.parametrize("case", ["taken back", "taken back, slip later", "not taken back"])
+def test_a_difference_the_port_takes_back_before_the_next_call_is_no_culprit(case):
+    # round 15 (denoising-diffusion-pytorch's KarrasUnet): the port's Fourier projection leaves out the
+    # sqrt(2) the research applies inside it and multiplies by sqrt(2) right after; bisect printed "fix
+    # (verified): time_proj: ... multiply it by sqrt(2)", which breaks the port
+    reference = _TimeRef().eval()
+    port = _TimePort(
+        reference, compensate=case != "not taken back", bug=case == "taken back, slip later"
+    ).eval()
+    inputs = ((torch.randn(2, 5, 8), torch.rand(2) * 10), {})
+    report = bisect(reference, port, inputs)
+    row = next(t for t in report.tested if t.reference == "to_time_emb.0")
+    assert row.port == "time_proj"
+    if case == "not taken back":  # must not fire: the next call gets what the port computed
+        assert report.culprit.port == "time_proj" and row.status == "fail"
+        assert "takes back" not in (row.note or "")
+        return
+    assert row.status == "pass" and "the port takes back between the two calls" in row.note, row.note
+    fixes = [line for line in report.render().splitlines() if line.strip().startswith("fix")]
+    assert not any("time_proj" in line or "1.41421" in line for line in fixes), fixes
+    if case == "taken back":
+        assert report.verdict == "match" and report.culprit is None
+    else:
+        assert report.culprit.port == "proj_out" or report.culprit.inline, report.render()
+
+
 class _GammaBlock(torch.nn.Module):
     """Research FiLM: a Linear gives gamma, the block multiplies by it."""
 

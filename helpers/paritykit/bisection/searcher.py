@@ -370,7 +370,11 @@ class Searcher(CallPairing):
         r"""Why a pair whose outputs differ makes no difference itself, measured: the port module ends where
         the reference's next call begins (:meth:`done_after`), or its output is the reference's plus a
         constant the call above takes back (:meth:`_offset_absorbed`); empty otherwise."""
-        return self.done_after(ref_record, port_out) or self._offset_absorbed(ref_record, ref_out, port_out)
+        return (
+            self.done_after(ref_record, port_out)
+            or self._taken_back_before_next(ref_record, ref_out)
+            or self._offset_absorbed(ref_record, ref_out, port_out)
+        )
 
     def done_after(self, ref_record: Record, port_out: Leaves) -> str:
         r"""Whether the port module's output is what the reference holds a step later, so the two modules end
@@ -405,6 +409,26 @@ class Searcher(CallPairing):
             f" (max_abs {format_number(max_abs)}), and {parent.module} takes the same input, so the work it"
             " does after this call (a residual added, say) the port does inside this module; the pair's"
             " boundaries differ, not its values"
+        )
+
+    def _taken_back_before_next(self, ref_record: Record, ref_out: Leaves) -> str:
+        r"""Whether the port undoes its module's difference before it is used: the reference feeds this call's
+        output straight into the call that starts next in the same parent, and the port call aligned with
+        that one received exactly the reference's input in the runs (a port whose time projection returns
+        the reference's value divided by sqrt(2) and multiplies by sqrt(2) before its MLP). A note saying so,
+        with both measurements; empty otherwise."""
+        after = self._next_sibling(ref_record)
+        if after is None or len(ref_out) != 1:
+            return ""
+        fed = self._equal_leaf(after.inputs, ref_out, after.name)
+        port_after = self.port_record(after)
+        if fed is None or port_after is None or not self._inputs_agree(after, port_after):
+            return ""
+        path, _ = fed
+        return (
+            f"the reference passes this output on as {after.module}'s input {path}, and the port's"
+            f" {port_after.module} received that same input in the runs: what differs here the port takes"
+            " back between the two calls, not a difference it passes on"
         )
 
     def _offset_absorbed(self, ref_record: Record, ref_out: Leaves, port_out: Leaves) -> str:
