@@ -959,6 +959,72 @@ def test_a_difference_the_port_takes_back_before_the_next_call_is_no_culprit(cas
         assert report.culprit.port == "proj_out" or report.culprit.inline, report.render()
 
 
+class _AdaNormRef(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8, elementwise_affine=False)
+        self.to_gamma = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cond):
+        return self.norm(x) * self.to_gamma(cond)[:, None]
+
+
+class _SiluInsideRef(torch.nn.Module):
+    """The research applies the SiLU to its time embedding in its forward, before every norm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.time_mlp = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.SiLU())
+        self.ada = _AdaNormRef()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.proj(self.ada(x, self.time_mlp(t[:, None])))
+
+
+class _AdaNormPort(torch.nn.Module):
+    def __init__(self, reference: _AdaNormRef, slip: bool):
+        super().__init__()
+        self.silu = torch.nn.SiLU()
+        self.linear = copy.deepcopy(reference.to_gamma)
+        self.norm = torch.nn.LayerNorm(8, elementwise_affine=False, eps=1e-2 if slip else 1e-5)
+
+    def forward(self, x, emb):
+        return self.norm(x) * self.linear(self.silu(emb))[:, None]
+
+
+class _SiluInsidePort(torch.nn.Module):
+    """diffusers' layout: the time embedding leaves without the SiLU; the adaptive norm applies it."""
+
+    def __init__(self, reference: _SiluInsideRef, slip: bool):
+        super().__init__()
+        self.time_embedding = copy.deepcopy(reference.time_mlp[0])
+        self.norm1 = _AdaNormPort(reference.ada, slip)
+        self.proj_out = copy.deepcopy(reference.proj)
+
+    def forward(self, x, t):
+        return self.proj_out(self.norm1(x, self.time_embedding(t[:, None])))
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_a_module_that_begins_with_the_references_previous_call_is_replayed_from_there(slip):
+    # round 15 (voicebox-pytorch): the research's time MLP ends in a SiLU, diffusers' AdaLayerNormContinuous
+    # applies it itself; replayed on the research's (activated) conditioning the port's norms "failed on
+    # identical inputs" and were named culprits, on the correct port too
+    reference = _SiluInsideRef().eval()
+    port = _SiluInsidePort(reference, slip).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, 8), torch.rand(2)), {}))
+    row = next(t for t in report.tested if t.reference == "ada")
+    assert row.port == "norm1"
+    if not slip:
+        assert report.verdict == "match" and report.culprit is None, report.render()
+        assert row.status == "pass" and "begins where the reference's time_mlp.1 begins" in row.note
+    else:  # must not fire: fed from the earlier call's input, the slipped norm still differs
+        assert report.culprit.port.startswith("norm1") and row.status == "fail", report.render()
+        assert "begins where" not in (row.note or "")
+
+
 class _GammaBlock(torch.nn.Module):
     """Research FiLM: a Linear gives gamma, the block multiplies by it."""
 

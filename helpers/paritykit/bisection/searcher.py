@@ -279,6 +279,46 @@ class Searcher(CallPairing):
                 return note, outcome[0], outcome[1], paired, tuple(order)
         return None
 
+    def _replay_begun_earlier(
+        self, ref_record: Record, port_record: Record, pairing: InputPairing
+    ) -> tuple[str, Leaves, Leaves, PairedComparison] | None:
+        r"""A failed replay run again where the port module begins earlier than its pair: an input of the
+        reference call is the output of an earlier reference call of one tensor input (an activation the
+        research applies to its time embedding before the norm, which the port's norm applies itself). Fed
+        that earlier call's input in its place, the port module must give the reference's output: the note,
+        outputs and comparison then, or ``None``."""
+        import dataclasses
+
+        earlier = [r for r in self.ref_trace.records if r.order < ref_record.order and len(r.outputs) == 1]
+        for index, (path, value) in enumerate(pairing.ref_leaves):
+            if not is_tensor(value):
+                continue
+            for record in earlier:
+                made = next(iter(record.outputs.values()))
+                tensors = [v for v in record.inputs.values() if is_tensor(v)]
+                if len(tensors) != 1 or not is_tensor(made) or made.shape != value.shape:
+                    continue
+                if not self.compare(made, value, "input").passed:
+                    continue
+                leaves = list(pairing.ref_leaves)
+                leaves[index] = (path, tensors[0])
+                outcome = self.run_replay(
+                    ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves)
+                )
+                if isinstance(outcome, str):
+                    continue
+                paired = self.compare_paired(outcome[0], outcome[1], ref_record.name)
+                if paired is not None and paired.worst.passed:
+                    note = (
+                        f"begins where the reference's {record.module} begins: the reference's input {path}"
+                        f" is that call's output; fed that call's input in its place, the port module gives"
+                        f" the reference's output (max_abs {format_number(paired.worst.max_abs or 0.0)}),"
+                        f" so it does {record.module}'s work itself; the pair's boundaries differ, not its"
+                        " values"
+                    )
+                    return note, outcome[0], outcome[1], paired
+        return None
+
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
         r"""A replayed call's outputs (the port's in the reference's layout); a passing call's were not kept,
         so they are computed again here, once, for the culprit that needs them. ``None`` if it cannot be
@@ -315,6 +355,11 @@ class Searcher(CallPairing):
             other = self._replay_relaid(ref_record, port_record, pairing)
             if other is not None:
                 relaid, ref_out, port_out, paired, self.input_layouts[ref_record.name] = other
+                cmp, orders = paired.worst, paired.orders
+        if not cmp.passed and pairing is not None:
+            other = self._replay_begun_earlier(ref_record, port_record, pairing)
+            if other is not None:
+                relaid, ref_out, port_out, paired = other
                 cmp, orders = paired.worst, paired.orders
         if orders:
             self.layouts[ref_record.name] = orders
@@ -425,11 +470,23 @@ class Searcher(CallPairing):
         if fed is None or port_after is None or not self._inputs_agree(after, port_after):
             return ""
         path, _ = fed
-        return (
+        said = (
             f"the reference passes this output on as {after.module}'s input {path}, and the port's"
-            f" {port_after.module} received that same input in the runs: what differs here the port takes"
-            " back between the two calls, not a difference it passes on"
+            f" {port_after.module} received that same input in the runs"
         )
+        own = self.port_record(ref_record)
+        if own is None:
+            return ""
+        paired = self.compare_paired(ref_out, list(own.outputs.items()), ref_record.name)
+        if paired is not None and paired.worst.passed:
+            # the runs agree here too: the replay differs only on inputs the port never gives this module
+            if self._inputs_agree(ref_record, own):
+                return ""
+            return (
+                f"{said}, and in the runs this pair's outputs agree too: it differs only when fed the"
+                " reference's inputs, which differ from the port's own here; not a difference the run makes"
+            )
+        return f"{said}: what differs here the port takes back between the two calls, not one it passes on"
 
     def _offset_absorbed(self, ref_record: Record, ref_out: Leaves, port_out: Leaves) -> str:
         r"""Whether the port's output is the reference's plus a constant the inputs do not change (the same
