@@ -256,8 +256,6 @@ class Searcher(CallPairing):
         r"""A failed replay run again with the reference's inputs read with equal-sized dims exchanged (a
         channels-first ``[B, C, L]`` fed to a channels-last module whose ``[B, L, C]`` has the same shape):
         the note, outputs and comparison of the first order under which the outputs agree, or ``None``."""
-        import dataclasses
-
         floats = [t for _, t in pairing.ref_leaves if is_tensor(t) and t.is_floating_point()]
         shape = tuple(floats[0].shape) if floats else ()
         for order in same_shape_orders(shape):
@@ -265,19 +263,29 @@ class Searcher(CallPairing):
                 (path, t.permute(order).contiguous() if is_tensor(t) and tuple(t.shape) == shape else t)
                 for path, t in pairing.ref_leaves
             ]
-            outcome = self.run_replay(
-                ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves)
-            )
-            if isinstance(outcome, str):
-                continue
-            paired = self.compare_paired(outcome[0], outcome[1], ref_record.name)
-            if paired is not None and paired.worst.passed:
+            found = self._passes_with(ref_record, port_record, pairing, leaves)
+            if found is not None:
                 note = (
                     f"passes with the reference's inputs of shape {list(shape)} read with dims permuted"
                     f" {tuple(order)} (the same shape in another layout)"
                 )
-                return note, outcome[0], outcome[1], paired, tuple(order)
+                return (note, *found, tuple(order))
         return None
+
+    def _passes_with(
+        self, ref_record: Record, port_record: Record, pairing: InputPairing, leaves: Leaves
+    ) -> tuple[Leaves, Leaves, PairedComparison] | None:
+        r"""The replay's outputs and comparison with the reference's input leaves replaced by ``leaves``, when
+        the outputs then agree; ``None`` otherwise."""
+        import dataclasses
+
+        outcome = self.run_replay(ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves))
+        if isinstance(outcome, str):
+            return None
+        paired = self.compare_paired(outcome[0], outcome[1], ref_record.name)
+        if paired is None or not paired.worst.passed:
+            return None
+        return outcome[0], outcome[1], paired
 
     def _replay_begun_earlier(
         self, ref_record: Record, port_record: Record, pairing: InputPairing
@@ -287,8 +295,6 @@ class Searcher(CallPairing):
         research applies to its time embedding before the norm, which the port's norm applies itself). Fed
         that earlier call's input in its place, the port module must give the reference's output: the note,
         outputs and comparison then, or ``None``."""
-        import dataclasses
-
         earlier = [r for r in self.ref_trace.records if r.order < ref_record.order and len(r.outputs) == 1]
         for index, (path, value) in enumerate(pairing.ref_leaves):
             if not is_tensor(value):
@@ -302,13 +308,9 @@ class Searcher(CallPairing):
                     continue
                 leaves = list(pairing.ref_leaves)
                 leaves[index] = (path, tensors[0])
-                outcome = self.run_replay(
-                    ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves)
-                )
-                if isinstance(outcome, str):
-                    continue
-                paired = self.compare_paired(outcome[0], outcome[1], ref_record.name)
-                if paired is not None and paired.worst.passed:
+                found = self._passes_with(ref_record, port_record, pairing, leaves)
+                if found is not None:
+                    paired = found[2]
                     note = (
                         f"begins where the reference's {record.module} begins: the reference's input {path}"
                         f" is that call's output; fed that call's input in its place, the port module gives"
@@ -316,7 +318,7 @@ class Searcher(CallPairing):
                         f" so it does {record.module}'s work itself; the pair's boundaries differ, not its"
                         " values"
                     )
-                    return note, outcome[0], outcome[1], paired
+                    return (note, *found)
         return None
 
     def replayed_outputs(self, ref_record: Record, port_record: Record | None) -> Replayed | None:
