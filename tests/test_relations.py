@@ -111,3 +111,28 @@ def test_equal_reference_arguments_are_ties():
     assert relations[0].ties == 1
     _, relations = kinds([("args.0", x), ("args.1", torch.randn(2, 4, 8))], [("hidden_states", x.clone())])
     assert relations[0].ties == 0
+
+
+def test_a_real_angle_table_pairs_with_its_cos_and_sin_and_nothing_else():
+    # round 15 (voicebox-pytorch): the research passes its rotary angles, the port cos and sin of them; the
+    # attention was "untestable" (inputs cannot be paired), and the slip inside it was never reached
+    g = torch.Generator().manual_seed(1)
+    freqs = torch.randn(16, 4, generator=g)
+    angles = torch.cat([freqs, freqs], dim=-1)  # the table written twice: (16, 8)
+    ref = [("args.0", torch.randn(2, 16, 8, generator=g)), ("kwargs.rotary_emb", angles)]
+    port = [("hidden_states", ref[0][1].clone()), ("rope.0", angles.cos()), ("rope.1", angles.sin())]
+    found, relations = kinds(ref, port)
+    assert found["rope.0"] == ("rotary", ["kwargs.rotary_emb"]) and found["rope.1"][0] == "rotary"
+    assert "cos of kwargs.rotary_emb (angles)" in relations[1].words
+    # one angle per pair, the port's table interleaved
+    half = [("args.0", ref[0][1]), ("kwargs.rotary_emb", freqs)]
+    inter = [
+        ("cos", freqs.cos().repeat_interleave(2, dim=-1)),
+        ("sin", freqs.sin().repeat_interleave(2, dim=-1)),
+    ]
+    found, _ = kinds(half, inter)
+    assert found == {"cos": ("rotary", ["kwargs.rotary_emb"]), "sin": ("rotary", ["kwargs.rotary_emb"])}
+    # must not pair: the cos of other angles, or of angles scaled
+    other = [("rope.0", (angles * 1.01).cos()), ("rope.1", (angles + 0.1).sin())]
+    found, _ = kinds(ref, other)
+    assert found == {}

@@ -6,9 +6,9 @@ say which is which. Each port argument is paired with the reference argument tha
 :class:`Relation`, gives the port's captured value: the same tensor; another dtype; a dim permutation; the
 same values in another shape (flatten/unflatten); one value per sample spread over tokens (broadcast); a
 constant factor (timesteps in [0, 1] against [0, 1000]); per-sample tensors of a list stacked into a batch,
-padded to a common length; the cos or sin of a complex rotary table (pairs interleaved or halves). A replay
-carries the reference's value through the same relation into the port's signature. A port argument no relation
-reaches is the port's own (kept from the port's capture, and named).
+padded to a common length; the cos or sin of a rotary table, complex or of real angles (pairs interleaved or
+halves). A replay carries the reference's value through the same relation into the port's signature. A port
+argument no relation reaches is the port's own (kept from the port's capture, and named).
 """
 
 from __future__ import annotations
@@ -87,6 +87,36 @@ def _rotary_parts(tensor: Any) -> list[tuple[str, Callable[[Any], Any]]]:
     return parts
 
 
+def _angle_table(source: Any, target: Any) -> bool:
+    r"""Whether ``target`` may be the cos or sin of a real table of rotary angles ``source``: both real
+    floating tables of two or more dims, the target's last width the source's or twice it, its values within
+    [-1, 1] (a cheap look before any cos is taken)."""
+    if source.is_complex() or not source.is_floating_point() or not target.is_floating_point():
+        return False
+    if (
+        source.dim() < 2
+        or target.dim() < 2
+        or target.shape[-1] not in (source.shape[-1], 2 * source.shape[-1])
+    ):
+        return False
+    return bool(target.numel()) and float(target.detach().abs().max()) <= 1.0 + 1e-6
+
+
+def _angle_parts(source: Any, target: Any) -> list[tuple[str, Callable[[Any], Any]]]:
+    r"""A real rotary angle table's cos and sin, as they are or (a table of one angle per pair) with each
+    angle repeated for its pair (interleaved) or the table written twice (halves)."""
+    import torch
+
+    parts = []
+    for name, fn in (("cos", torch.cos), ("sin", torch.sin)):
+        if target.shape[-1] == source.shape[-1]:
+            parts.append((name, lambda t, f=fn: f(t)))
+        else:
+            parts.append((f"{name} (pairs interleaved)", lambda t, f=fn: f(t).repeat_interleave(2, dim=-1)))
+            parts.append((f"{name} (halves)", lambda t, f=fn: torch.cat([f(t), f(t)], dim=-1)))
+    return parts
+
+
 def _factor(value: Any, reference: Any) -> tuple[float, str] | None:
     r"""The round constant ``c`` with ``value ≈ c · reference``, if any (least squares, then snapped)."""
     import torch
@@ -151,6 +181,10 @@ def _relate(
         forms = [("rotary", f"{words} of {path} (complex)", fn) for words, fn in _rotary_parts(source)]
     else:
         forms = [("exact", path, lambda t: t)]
+        if _angle_table(source, target):
+            forms += [
+                ("rotary", f"{words} of {path} (angles)", fn) for words, fn in _angle_parts(source, target)
+            ]
     if target.is_complex():
         close = _complex_close
     for kind, words, fn in forms:
