@@ -268,6 +268,36 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     )
 
 
+def detect_masked(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
+    r"""One side equals the other except at some elements, where it is exactly 0 and the other is not: values
+    masked to zero on that side only (a mask one side applies before the call, the other inside it)."""
+    if a.shape != b.shape or a.numel() < 2 or not a.is_floating_point():
+        return None
+    scale = max(float(c.abs().nan_to_num(0.0).max()) for _, c in _chunks(a))
+    if scale == 0:
+        return None
+    for side, other, (x, y) in (("B", "A", (a, b)), ("A", "B", (b, a))):
+        zeroed = agree_elsewhere = kept = 0
+        for (_, cx), (_, cy) in zip(_chunks(x), _chunks(y), strict=True):
+            cx, cy = cx.double(), cy.to(device=cx.device).double()
+            hole = (cy == 0) & (cx != 0)
+            zeroed += int(hole.sum())
+            kept += int((cy != 0).sum())
+            rest = ~hole
+            agree_elsewhere += int(((cx[rest] - cy[rest]).abs() <= 1e-5 * scale).sum())
+        if zeroed and kept and zeroed + agree_elsewhere == a.numel():  # all zero is `zeroed`
+            share = zeroed / a.numel()
+            return Hint(
+                "masked",
+                f"{side} equals {other} except at {_count(zeroed, 'element')} ({share:.1%}), where {side} is"
+                f" 0 and {other} is not: values masked to zero on {side}'s side only (a mask one side applies"
+                " before this call and the other inside it, or one side alone).",
+                {"zero_side": side.lower(), "masked_elements": zeroed, "share": share},
+                score=0.9,
+            )
+    return None
+
+
 def detect_transpose(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     r"""B is A with its axes reordered: ``transpose`` for one swapped pair, ``permute`` otherwise.
 
@@ -659,6 +689,7 @@ def detect_timestep_rounding(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
 WHOLE_TENSOR: tuple[Callable[[torch.Tensor, torch.Tensor], Hint | None], ...] = (
     detect_nonfinite,
     detect_zeroed,
+    detect_masked,
     detect_transpose,
     detect_swapped_halves,
 )
