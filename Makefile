@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 DIFFUSERS_REPO ?= $(firstword $(wildcard /work/.mirror/huggingface+diffusers/repo))
 
 test: install
-	PARITYKIT_DIFFUSERS_REPO="$(DIFFUSERS_REPO)" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	PARITYKIT_DIFFUSERS_REPO="$(DIFFUSERS_REPO)" $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 demo: install
 	$(BIN)/paritykit demo
