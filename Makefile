@@ -5,7 +5,8 @@ VENV ?= .venv
 # Users with their own GPU build override it, e.g. `make install TORCH_SPEC='torch==2.13.0+cu128'`.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
-# pytest workers for make test: one per core, at most 4 (each builds its own models; 2 on the CI machines)
+# pytest workers for make test: one per core, at most 4 (2 on the CI machines). Whole files go to one worker
+# (--dist loadfile): a module's fixtures build its models once, not once per worker that runs one of its tests
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 STAMP := $(VENV)/.paritykit-installed
 
@@ -41,7 +42,7 @@ $(STAMP): pyproject.toml
 DIFFUSERS_REPO ?= $(firstword $(wildcard /work/.mirror/huggingface+diffusers/repo))
 
 test: install
-	PARITYKIT_DIFFUSERS_REPO="$(DIFFUSERS_REPO)" $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	PARITYKIT_DIFFUSERS_REPO="$(DIFFUSERS_REPO)" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(BIN)/paritykit demo
