@@ -275,10 +275,10 @@ class _Matcher:
         pools = {id(p): p for fs in self.found.values() for f in fs for p in (f.sources, f.members or [])}
         used = {s for pool in pools.values() for s in pool}
         candidates: dict[str, list[_Found]] = defaultdict(list)
-        jobs = []
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
                 continue
+            PAGES.read(2 * s.nbytes)
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
@@ -288,33 +288,31 @@ class _Matcher:
                     for k in range(2, min(s.shape[d], MAX_PIECES) + 1)
                     if s.shape[d] % k == 0 and s.numel() // k in numels[dtype]
                 ]
-                if splits:
-                    jobs.append((skey, s, dtype, splits))
-        for skey, s, dtype, splits in jobs:
-            PAGES.read(2 * s.nbytes)
-            _, pieces = multiset_hashes(s, dtype, splits)
-            covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
-            for (dim, count), hashes in pieces.items():
-                size = s.shape[dim] // count
-                for index, h in enumerate(hashes):
-                    for tkey in table.get((dtype, s.numel() // count, h), []):
-                        start = index * size
-                        f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
-                        if f is not None:
-                            candidates[tkey].append(f)
-                            covered[dim].append((start, start + size))
-            # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
-            for dim, spans in covered.items():
-                for start, stop in _gaps(spans, s.shape[dim]):
-                    numel = (stop - start) * (s.numel() // s.shape[dim])
-                    if numel not in numels[dtype]:
-                        continue
-                    piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
-                    h = multiset_hashes(piece, dtype)[0]
-                    for tkey in table.get((dtype, numel, h), []):
-                        f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
-                        if f is not None:
-                            candidates[tkey].append(f)
+                if not splits:
+                    continue
+                _, pieces = multiset_hashes(s, dtype, splits)
+                covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+                for (dim, count), hashes in pieces.items():
+                    size = s.shape[dim] // count
+                    for index, h in enumerate(hashes):
+                        for tkey in table.get((dtype, s.numel() // count, h), []):
+                            start = index * size
+                            f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
+                            if f is not None:
+                                candidates[tkey].append(f)
+                                covered[dim].append((start, start + size))
+                # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
+                for dim, spans in covered.items():
+                    for start, stop in _gaps(spans, s.shape[dim]):
+                        numel = (stop - start) * (s.numel() // s.shape[dim])
+                        if numel not in numels[dtype]:
+                            continue
+                        piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
+                        h = multiset_hashes(piece, dtype)[0]
+                        for tkey in table.get((dtype, numel, h), []):
+                            f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
+                            if f is not None:
+                                candidates[tkey].append(f)
         for tkey, fs in candidates.items():
             self.found[tkey] = fs
 
