@@ -4,18 +4,23 @@ Both sides are diffusers' `FluxTransformer2DModel` at FLUX.1-dev's config (19 do
 single-stream blocks, width 3072, 11.9 B parameters), built on the device in bfloat16 with seeded random
 weights; the port is the reference's weights with one planted slip, the shift and scale rows of one
 single-stream block's modulation swapped (the conversion slip bisect must name). Inputs are FLUX.1-dev's
-shapes at 1024x1024: 4096 image tokens of 64 channels and 512 text tokens of width 4096. Each step prints its
-wall time and its peak memory (CUDA: `torch.cuda.max_memory_allocated`, reset per step; CPU: the process's
-peak RSS, reset per step through /proc/self/clear_refs):
+shapes at 1024x1024: 4096 image tokens of 64 channels and 512 text tokens of width 4096.
 
-1. `paritykit trace --levels blocks` of the reference, in a child process (the folder's size: activations and
-   weight fingerprints, never a copy of the weights);
-2. building both models; 3. one forward of each; 4. `bisect` (zoom, one level of blocks at a time).
+Run with no --scale (what ../shared/gpu runs), it does, each step printing its wall time and peak memory (on
+CUDA the allocator's peak, reset per step; the process's peak RSS, reset per step through
+/proc/self/clear_refs where the kernel allows it):
 
-    python benchmarks/gpu_scale.py                       # FLUX.1-dev size, on cuda (what ../shared/gpu runs)
-    python benchmarks/gpu_scale.py --scale tiny --device cpu   # the same steps on a tiny Flux, in seconds
+1. the worked example: `paritykit demo`, then its buggy port bisected with the models on the device;
+2. a tiny Flux port, then 3. the FLUX.1-dev-size port (on CUDA only), each:
+   `paritykit trace --levels blocks` of both sides in child processes (the folder's size: activations and
+   weight fingerprints, never a copy of the weights), `bisect --traces` of the two folders in a child (its
+   peak RSS is what the traces cost on the CPU), building both models, one forward of each, and `bisect`
+   (zoom, one level of blocks at a time).
 
-Exit status: 0 when bisect names the planted block, 1 when it does not, 2 on bad arguments.
+    python benchmarks/gpu_scale.py                             # demo, tiny, FLUX.1-dev size, on cuda
+    python benchmarks/gpu_scale.py --scale tiny --device cpu   # one scale's steps on a tiny Flux, in seconds
+
+Exit status: 0 when every bisect names its planted slip, 1 when one does not, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -99,8 +104,19 @@ def inputs(scale: str, device: str):
     return (), {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
+def _peak_rss() -> int | None:
+    r"""The process's peak resident memory (VmHWM) in bytes; None where /proc does not say."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class Meter:
-    r"""Wall time and peak memory of one step: the device's allocator on CUDA, the process's RSS on CPU."""
+    r"""Wall time and peak memory of one step: the device allocator's peak on CUDA, and the process's peak
+    resident memory (reset per step through /proc/self/clear_refs; where that cannot be reset, the
+    process's peak since it started, said so)."""
 
     def __init__(self, device: str):
         self.device = device
@@ -111,31 +127,30 @@ class Meter:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        else:
+        try:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self.since = "step"
+        except OSError:
+            self.since = "process start"
         self.started = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         import torch
 
+        self.gpu = None
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
-        else:
-            status = Path("/proc/self/status").read_text()
-            self.peak = (
-                int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
-            )
+            self.gpu = torch.cuda.max_memory_allocated()
+        self.rss = _peak_rss()
         self.seconds = time.perf_counter() - self.started
 
 
 def say(step: str, meter: Meter, result: str = "") -> None:
-    where = "GPU allocated" if meter.device.startswith("cuda") else "RSS"
-    print(
-        f"{step:<28} {meter.seconds:8.1f} s   peak {where} {meter.peak / 2**30:7.2f} GiB   {result}",
-        flush=True,
-    )
+    gpu = f"GPU peak {meter.gpu / 2**30:6.2f} GiB   " if meter.gpu is not None else ""
+    rss = f"{meter.rss / 2**30:6.2f} GiB" if meter.rss is not None else "n/a"
+    since = "" if meter.since == "step" else f" (since {meter.since})"
+    print(f"{step:<30} {meter.seconds:8.1f} s   {gpu}peak RSS {rss}{since}   {result}", flush=True)
 
 
 SPEC = """
@@ -154,36 +169,70 @@ def make_inputs():
 """
 
 
-def trace_child(spec: str, out: str, device: str) -> None:
+def trace_child(spec: str, out: str, device: str, side: str) -> None:
     from paritykit.bisection.spec import trace_spec
 
     with Meter(device) as meter:
-        summary = trace_spec(spec, side="reference", out=out, device=device, levels="blocks")
+        summary = trace_spec(spec, side=side, out=out, device=device, levels="blocks")
     size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
-    say("trace --levels blocks", meter, f"{summary.calls} calls, folder {size / 2**30:.2f} GiB")
+    say(f"trace --levels blocks ({side})", meter, f"{summary.calls} calls, folder {size / 2**30:.2f} GiB")
 
 
-def main(scale: str, device: str) -> int:
+def traces_child(reference: str, port: str, scale: str) -> None:
+    r"""``bisect --traces`` of the two folders, no SPEC: what the trace files alone say, on the CPU."""
+    from paritykit.bisection.spec import bisect_spec
+
+    with Meter("cpu") as meter:
+        report = bisect_spec(traces=(reference, port))
+    culprit = report.culprit.port if report.culprit is not None else "-"
+    say("bisect --traces (no SPEC)", meter, f"verdict {report.verdict}, at {culprit}")
+
+
+def _child(function: str, *args: str, limit: float) -> None:
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import gpu_scale as g; g.{function}(*sys.argv[1:])"
+    try:  # a child process, so the parent's models are not in memory at the same time
+        subprocess.run([sys.executable, "-c", code, *args], check=False, timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"{function}: stopped after {limit:.0f} s", flush=True)
+
+
+def demo(device: str) -> bool:
+    r"""The worked example: written by ``paritykit demo``, its buggy port bisected with the models on
+    ``device``; True when the known culprit (time_mix) is named."""
+    from paritykit.bisection.spec import bisect_spec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "paritykit", "demo", "--out", f"{tmp}/demo"],
+            capture_output=True,
+            check=False,
+        )
+        print(f"{'paritykit demo (CPU)':<30} {time.perf_counter() - started:8.1f} s", flush=True)
+        with Meter(device) as meter:
+            report = bisect_spec(f"{tmp}/demo/bisect_buggy.py", device=device)
+    culprit = report.culprit.reference if report.culprit is not None else "-"
+    say(f"demo: bisect --device {device}", meter, f"verdict {report.verdict}, culprit {culprit}")
+    return culprit == "time_mix"
+
+
+def main(scale: str, device: str, traces: bool = True) -> bool:
     import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("gpu_scale: --device cuda: torch sees no CUDA device", file=sys.stderr)
-        return 2
     from paritykit.bisection.entry import bisect
 
     params = {"dev": "11.9 B", "tiny": "tiny"}[scale]
-    print(f"# gpu_scale: FluxTransformer2DModel at {scale} size ({params} parameters), bfloat16, on {device}")
-    if device.startswith("cuda"):
-        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(
+        f"# FluxTransformer2DModel at {scale} size ({params} parameters), bfloat16, on {device}", flush=True
+    )
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.py"
         here = str(Path(__file__).resolve().parent)
         spec.write_text(SPEC.format(here=here, scale=scale, device=device))
-        # a child process, so the parent's models are not in memory at the same time
-        code = (
-            f"import sys; sys.path.insert(0, {here!r}); import gpu_scale as g; g.trace_child(*sys.argv[1:])"
-        )
-        subprocess.run([sys.executable, "-c", code, str(spec), str(Path(tmp) / "trace"), device], check=False)
+        if traces:
+            for side in ("reference", "port"):
+                _child("trace_child", str(spec), f"{tmp}/{side}", device, side, limit=240)
+            _child("traces_child", f"{tmp}/reference", f"{tmp}/port", scale, limit=180)
     with Meter(device) as meter:
         reference, port = build(scale, device, slip=False), build(scale, device, slip=True)
     count = sum(p.numel() for p in reference.parameters())
@@ -198,19 +247,40 @@ def main(scale: str, device: str) -> int:
     culprit = report.culprit.port if report.culprit is not None else "-"
     say("bisect --levels zoom", meter, f"verdict {report.verdict}, culprit {culprit}")
     found = culprit.startswith(f"single_transformer_blocks.{SLIP_BLOCK[scale]}.")
-    print(json.dumps({"verdict": report.verdict, "culprit": culprit, "planted_block_named": found}))
-    return 0 if found else 1
+    print(
+        json.dumps(
+            {"scale": scale, "verdict": report.verdict, "culprit": culprit, "planted_block_named": found}
+        )
+    )
+    del reference, port
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return found
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--scale", choices=sorted(CONFIGS), default=None, help="dev (default on cuda) or tiny"
+        "--scale",
+        choices=sorted(CONFIGS),
+        default=None,
+        help="one scale only (default: demo, tiny, then dev)",
     )
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--no-traces", action="store_true", help="skip the trace and bisect --traces steps")
     options = parser.parse_args()
     import torch
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    scale = options.scale or ("dev" if device.startswith("cuda") else "tiny")
-    sys.exit(main(scale, device))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_scale: --device cuda: torch sees no CUDA device", file=sys.stderr)
+        sys.exit(2)
+    if device.startswith("cuda"):
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if options.scale is not None:
+        ok = main(options.scale, device, traces=not options.no_traces)
+    else:
+        ok = demo(device)
+        ok = main("tiny", device, traces=not options.no_traces) and ok
+        ok = (main("dev", device, traces=not options.no_traces) if device.startswith("cuda") else True) and ok
+    sys.exit(0 if ok else 1)

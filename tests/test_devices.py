@@ -65,7 +65,7 @@ def test_weight_hashes_accumulate_on_the_tensors_device():
 
 @pytest.mark.cuda
 @CUDA
-def test_the_worked_example_bisects_on_cuda(tmp_path):
+def test_the_worked_example_bisects_and_traces_on_cuda(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "paritykit", "demo", "--out", str(tmp_path / "demo")],
         capture_output=True,
@@ -83,20 +83,124 @@ def test_the_worked_example_bisects_on_cuda(tmp_path):
     assert bisect.returncode == 1 and "culprit: reference time_mix" in bisect.stdout, (
         bisect.stdout + bisect.stderr
     )
+    # each side traced on the GPU into a folder, then the folders bisected (on the CPU, where traces load)
+    for side in ("reference", "port"):
+        traced = subprocess.run(
+            [sys.executable, "-m", "paritykit", "trace", str(spec), "--side", side, "--device", "cuda"]
+            + ["--out", str(tmp_path / side)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert traced.returncode == 0, traced.stdout + traced.stderr
+    folders = subprocess.run(
+        [sys.executable, "-m", "paritykit", "bisect", "--traces", str(tmp_path / "reference")]
+        + [str(tmp_path / "port"), str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert folders.returncode == 1 and "time_mix" in folders.stdout, folders.stdout + folders.stderr
+
+
+def _gallery_params():
+    from tests.gallery.base import VARIANTS
+    from tests.gallery.catalogue import ALL_CASES
+
+    return [
+        pytest.param(case.id, variant, id=f"{case.id}-{variant}")
+        for case in ALL_CASES
+        for variant in VARIANTS
+    ]
 
 
 @pytest.mark.cuda
 @CUDA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_planted_eps_is_found_with_models_on_cuda(dtype):
-    from paritykit.bisection.entry import bisect
+@pytest.mark.parametrize("case_id, variant", _gallery_params())
+def test_every_gallery_case_gets_its_answer_with_models_on_cuda(case_id, variant):
+    # the same ground truth as tests/test_gallery.py, both models and inputs on the GPU
+    from tests.gallery.catalogue import BY_ID
+    from tests.gallery.run import run_case
 
-    from tests.evidence_pairs import vit_pair
+    o = run_case(BY_ID[case_id], variant, device="cuda")
+    assert o.culprit_ok, f"expected {o.expected[:1]}, found {o.found[:1]} (verdict {o.verdict})"
+    assert not o.false_hints, o.false_hints
 
-    reference, port, ((x,), _) = vit_pair("eps")
-    reference, port = reference.to("cuda", dtype), port.to("cuda", dtype)
-    report = bisect(reference, port, ((x.to("cuda", dtype),), {}))
-    assert report.culprit is not None and report.culprit.hints[0].verified, report.render()
+
+CUDA_TRIAGE = """
+import torch
+from tests.triage_pairs import Pair
+
+PAIR = Pair({bugs!r})
+for name in ("ref_unet", "port_unet", "ref_ae", "port_ae"):
+    setattr(PAIR, name, getattr(PAIR, name).to("cuda"))
+PAIR.cond = PAIR.cond.to("cuda")
+port_scheduler = PAIR.port_scheduler
+
+
+def run_reference():
+    with torch.device("cuda"):  # the loops' noise and timesteps are made on the GPU
+        return PAIR.run_reference()
+
+
+def run_port():
+    with torch.device("cuda"):
+        return PAIR.run_port()
+
+
+def reference_denoiser():
+    return PAIR.ref_unet
+
+
+def port_denoiser():
+    return PAIR.port_unet
+
+
+def reference_vae():
+    return PAIR.ref_ae.decoder
+
+
+def port_vae():
+    return PAIR.port_ae.decoder
+"""
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize(
+    "bugs, place",
+    [
+        ((), None),
+        (("norm-eps",), "denoiser"),
+        (("decoder-groups",), "decoder"),
+        (("sdxl-scale",), "decoder input"),
+    ],
+    ids=["clean", "norm-eps", "decoder-groups", "sdxl-scale"],
+)
+def test_triage_runs_pipelines_on_cuda(tmp_path, bugs, place):
+    from paritykit.triage import triage_spec
+
+    spec = tmp_path / "cuda_triage.py"
+    spec.write_text(CUDA_TRIAGE.format(bugs=set(bugs)))
+    report = triage_spec(spec, out=tmp_path / "out")
+    if place is None:
+        assert report.verdict == "match" and not report.findings, report.render()
+    else:
+        assert [f.place for f in report.findings] == [place], report.render()
+
+
+@pytest.mark.cuda
+@CUDA
+def test_compare_reads_tensors_saved_from_cuda(tmp_path):
+    from paritykit.compare.sets import compare_paths
+
+    x = torch.randn(4, 8, device="cuda")
+    torch.save({"x": x}, tmp_path / "a.pt")
+    torch.save({"x": x + 1e-2}, tmp_path / "b.pt")
+    torch.save({"x": x.clone()}, tmp_path / "c.pt")
+    assert compare_paths(str(tmp_path / "a.pt"), str(tmp_path / "c.pt")).exit_code == 0
+    differ = compare_paths(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    assert differ.exit_code == 1
 
 
 def _gpu_scale():
@@ -127,9 +231,9 @@ def test_the_gpu_scale_check_names_its_planted_block_on_a_tiny_flux_in_bfloat16(
 
 @CUDA
 @pytest.mark.cuda
-def test_the_gpu_scale_check_runs_at_flux_dev_size_on_cuda():
+def test_the_gpu_scale_check_runs_a_tiny_flux_on_cuda():
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_scale.py"), "--device", "cuda"],
+        [sys.executable, str(REPO / "benchmarks" / "gpu_scale.py"), "--scale", "tiny", "--device", "cuda"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,6 +8,8 @@ import torch
 from paritykit.bisection.entry import bisect
 from paritykit.bisection.floor import far_above, measure, module_floor, rounded_inputs, within
 
+from tests.devices import DEVICES
+
 
 class Mlp(torch.nn.Module):
     """An MLP whose activation sits under another name on each side (so it aligns by order, low confidence)
@@ -273,15 +275,16 @@ def test_a_spec_reference_without_float64_is_named_as_the_reference(tmp_path):
     assert "port" not in report.float_floor  # only the reference's runs make the floor
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bug", [None, "eps"])
-def test_a_bfloat16_port_is_judged_in_bfloat16(bug):
+def test_a_bfloat16_port_is_judged_in_bfloat16(bug, device):
     # both sides in bfloat16: a correct port matches, a planted eps is found with its verified fix, and the
     # report names the dtype its numbers are in
     from tests.evidence_pairs import vit_pair
 
     reference, port, ((x,), _) = vit_pair(bug)
-    reference, port = reference.to(torch.bfloat16), port.to(torch.bfloat16)
-    report = bisect(reference, port, ((x.to(torch.bfloat16),), {}))
+    reference, port = reference.to(device, torch.bfloat16), port.to(device, torch.bfloat16)
+    report = bisect(reference, port, ((x.to(device, torch.bfloat16),), {}))
     text = report.render()
     assert "reference bfloat16, port bfloat16" in text.splitlines()[0]
     if bug is None:
@@ -292,13 +295,14 @@ def test_a_bfloat16_port_is_judged_in_bfloat16(bug):
         assert "float32 error" not in text
 
 
-def test_a_bfloat16_port_of_a_float32_reference_is_held_to_float32():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bfloat16_port_of_a_float32_reference_is_held_to_float32(device):
     # the port computes everything in bfloat16 where its reference runs in float32: that is the difference,
     # found at the first module, not excused by bfloat16's own tolerance
     from tests.evidence_pairs import vit_pair
 
     reference, port, ((x,), _) = vit_pair(None)
-    port = port.to(torch.bfloat16)
+    reference, port, x = reference.to(device), port.to(device, torch.bfloat16), x.to(device)
 
     class Cast(torch.nn.Module):
         def __init__(self, inner):

@@ -3,10 +3,14 @@ by diffusers' own converters. Nothing on the reference side copies diffusers."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from paritykit.base.inputs import to_device
 from paritykit.bisection.entry import bisect
 
+from tests.devices import DEVICES
 from tests.research import (
     PortDecode,
     PortDenoise,
@@ -24,23 +28,28 @@ def wan_pair():
     return wan_vae_pair()
 
 
-def test_correct_chunked_causal_vae_port_matches(wan_pair):
+def _on(device, *modules):
+    r"""The modules themselves on the CPU, copies moved to ``device`` elsewhere (the fixtures are shared)."""
+    return modules if device == "cpu" else tuple(copy.deepcopy(m).to(device) for m in modules)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_correct_chunked_causal_vae_port_matches(wan_pair, device):
     # diffusers' residual block calls one shared SiLU twice per frame chunk, the research block has two SiLUs:
     # calls paired by order would compare the first SiLU's second call with the shared one's second call (the
     # other activation), a "masked" on a bit-identical port
-    research, port = wan_pair
-    report = bisect(ResearchDecode(research), PortDecode(port), [torch.randn(LATENT)])
+    research, port = _on(device, *wan_pair)
+    report = bisect(ResearchDecode(research), PortDecode(port), [torch.randn(LATENT, device=device)])
     assert report.verdict == "match" and report.exit_code == 0, report.render()
     assert report.first_output_divergence is None
 
 
-def test_wan_vae_port_with_a_wrong_activation_is_found_in_its_block(wan_pair):
-    research, port = wan_pair
-    import copy
-
+@pytest.mark.parametrize("device", DEVICES)
+def test_wan_vae_port_with_a_wrong_activation_is_found_in_its_block(wan_pair, device):
+    research, port = _on(device, *wan_pair)
     broken = copy.deepcopy(port)
     broken.decoder.mid_block.resnets[1].nonlinearity = torch.nn.GELU()
-    report = bisect(ResearchDecode(research), PortDecode(broken), [torch.randn(LATENT)])
+    report = bisect(ResearchDecode(research), PortDecode(broken), [torch.randn(LATENT, device=device)])
     assert report.verdict == "diverge", report.render()
     assert report.culprit.port == "vae.decoder.mid_block.resnets.1.nonlinearity", report.render()
     assert any(h.verified and "nn.SiLU()" in (h.fix or "") for h in report.culprit.hints), report.render()
@@ -51,21 +60,23 @@ def wan_dit_pair():
     return wan_dit_pair_built()
 
 
-def _bisect_wan(pair, mutate=None):
-    import copy
-
+def _bisect_wan(pair, mutate=None, device="cpu"):
     research, port, inputs = pair
-    port = copy.deepcopy(port)
+    (research,) = _on(device, research)
+    port = copy.deepcopy(port).to(device)
     if mutate is not None:
         mutate(port)
-    return bisect(ResearchDenoise(research), PortDenoise(port), inputs)
+    return bisect(ResearchDenoise(research), PortDenoise(port), to_device(inputs, device))
 
 
-def test_research_blocks_with_another_signature_are_replayed_with_arguments_paired_by_value(wan_dit_pair):
+@pytest.mark.parametrize("device", DEVICES)
+def test_research_blocks_with_another_signature_are_replayed_with_arguments_paired_by_value(
+    wan_dit_pair, device
+):
     # research DiTBlock(x, context, t_mod, freqs: complex) vs diffusers' block(hidden_states,
     # encoder_hidden_states, temb, rotary_emb: (cos, sin)): every block is replayed, the rotary pair computed
     # from the research's complex table
-    report = _bisect_wan(wan_dit_pair)
+    report = _bisect_wan(wan_dit_pair, device=device)
     assert report.verdict == "match", report.render()
     blocks = {t.reference: t for t in report.tested if t.reference in ("dit.blocks.0", "dit.blocks.1")}
     assert len(blocks) == 2 and all(t.test == "replay" for t in blocks.values()), report.render()
@@ -75,11 +86,12 @@ def test_research_blocks_with_another_signature_are_replayed_with_arguments_pair
     assert "rotary_emb.1 = sin (pairs interleaved) of freqs (complex)" in note
 
 
-def test_bug_inside_a_research_block_is_named_in_it(wan_dit_pair):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bug_inside_a_research_block_is_named_in_it(wan_dit_pair, device):
     def exact_gelu(port):
         port.blocks[1].ffn.net[0].approximate = "none"
 
-    report = _bisect_wan(wan_dit_pair, exact_gelu)
+    report = _bisect_wan(wan_dit_pair, exact_gelu, device)
     assert (report.culprit.reference, report.culprit.port) == ("dit.blocks.1.ffn", "dit.blocks.1.ffn")
     assert any(h.verified and "approximate = 'tanh'" in (h.fix or "") for h in report.culprit.hints)
 
@@ -88,7 +100,7 @@ def test_bug_inside_a_research_block_is_named_in_it(wan_dit_pair):
         with torch.no_grad():
             table.copy_(table[:, [1, 0, 2, 3, 4, 5]].clone())
 
-    report = _bisect_wan(wan_dit_pair, modulation_order)
+    report = _bisect_wan(wan_dit_pair, modulation_order, device)
     assert report.culprit.port == "dit.blocks.1", report.render()
     assert any(h.verified and "scale_shift_table" in (h.fix or "") for h in report.culprit.hints)
 

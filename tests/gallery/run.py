@@ -125,14 +125,20 @@ def _conversion(case: Case, pair: BuiltPair, variant: str) -> tuple[str | None, 
     return text, not same
 
 
-def run_case(case: Case, variant: str, use_all: bool = True, catalogue: bool = True) -> Outcome:
+def run_case(
+    case: Case, variant: str, use_all: bool = True, catalogue: bool = True, device: str | None = None
+) -> Outcome:
     r"""Bisect one case and score it; ``catalogue=False`` switches the catalogue's detectors off, so only the
-    repair search explains the culprits."""
+    repair search explains the culprits; ``device``: both models and the inputs moved there first."""
     import paritykit
+    from paritykit.base.inputs import to_device
 
     bisect = paritykit.bisect  # the public function: no submodule of that name shadows it
 
     pair = build(case, variant)
+    if device is not None:
+        pair.reference, pair.port = pair.reference.to(device), pair.port.to(device)
+        pair.inputs = to_device(pair.inputs, device)
     every = use_all and len(case.culprits) > 1
     started = time.perf_counter()
     report = bisect(

@@ -214,19 +214,27 @@ def fits_twice(*models: Any) -> tuple[bool, str]:
     saying why not."""
     import os
 
-    size = 0
+    import torch
+
+    size, on = 0, None
     for model in models:
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.device.type == "meta":
                 return False, "weights offloaded (meta tensors): no float64 copy"
             size += tensor.numel() * 8
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+            on = tensor.device if tensor.device.type == "cuda" else on
+    try:  # the copies are made where the models live: the GPU's free memory, else the machine's
+        free = (
+            torch.cuda.mem_get_info(on)[0]
+            if on is not None
+            else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        )
+    except (ValueError, OSError, AttributeError, RuntimeError):
         return True, ""
     if size > MEMORY_SHARE * free:
+        where = f"{on}'s free memory" if on is not None else "the free memory"
         return False, (
-            f"float64 copies of both models need {size / 2**30:.1f} GiB, more than half the free memory"
+            f"float64 copies of both models need {size / 2**30:.1f} GiB, more than half {where}"
             f" ({free / 2**30:.1f} GiB)"
         )
     return True, ""
