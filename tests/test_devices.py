@@ -172,10 +172,12 @@ def port_vae():
     [
         ((), None),
         (("norm-eps",), "denoiser"),
+        (("spacing-leading",), "schedule"),
+        (("v-prediction",), "update"),
         (("decoder-groups",), "decoder"),
         (("sdxl-scale",), "decoder input"),
     ],
-    ids=["clean", "norm-eps", "decoder-groups", "sdxl-scale"],
+    ids=["clean", "norm-eps", "spacing-leading", "v-prediction", "decoder-groups", "sdxl-scale"],
 )
 def test_triage_runs_pipelines_on_cuda(tmp_path, bugs, place):
     from paritykit.triage import triage_spec
@@ -239,3 +241,61 @@ def test_the_gpu_scale_check_runs_a_tiny_flux_on_cuda():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_least_squares_are_solved_in_one_place_that_runs_on_the_cpu():
+    # CUDA's lstsq takes only full-rank systems (driver gels) and crashed triage's fits on a GPU: every fit
+    # goes through base.minimize.least_squares, which solves on the CPU
+    calls = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "minimize.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("lstsq", "lstsq_ex")
+    ]
+    assert not calls, f"lstsq outside base/minimize.py: {calls}"
+    from paritykit.base.minimize import least_squares
+
+    columns = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]])  # rank 1: the CPU driver still answers
+    solution = least_squares(columns, torch.tensor([3.0, 3.0, 3.0]))
+    assert solution.dtype == torch.float32 and torch.allclose(columns @ solution, torch.full((3,), 3.0))
+
+
+def test_replayed_outputs_are_analysed_on_the_cpu():
+    # the port's replayed output once stayed on the GPU and met the captured reference (on the CPU) in one
+    # subtraction: replays hand the engine CPU tensors, detached
+    from paritykit.bisection.leaves import output_leaves
+
+    x = torch.randn(2, 3, requires_grad=True)
+    (path, out), *_ = output_leaves({"sample": x * 2})
+    assert path == "output.sample" and out.device.type == "cpu" and not out.requires_grad
+
+
+@pytest.mark.cuda
+@CUDA
+def test_tf32_is_off_while_paritykit_runs_models_and_the_users_flags_come_back():
+    # a 1x1 convolution and the Linear with its weights: equal in float32, 1e-3 apart under cuDNN's TF32
+    from paritykit.base.precision import exact_float32
+    from paritykit.bisection.entry import bisect
+
+    conv = torch.nn.Conv2d(64, 64, 1).cuda()
+    linear = torch.nn.Linear(64, 64).cuda()
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight[:, :, 0, 0])
+        linear.bias.copy_(conv.bias)
+
+    class AsConv(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x.transpose(1, 2)[..., None])[..., 0].transpose(1, 2)
+
+    torch.backends.cudnn.allow_tf32 = True
+    with exact_float32():
+        assert not torch.backends.cudnn.allow_tf32
+    assert torch.backends.cudnn.allow_tf32
+    report = bisect(AsConv(conv), linear, ((torch.randn(2, 256, 64, device="cuda") * 10,), {}))
+    assert report.verdict == "match", report.render()
+    assert torch.backends.cudnn.allow_tf32

@@ -1,10 +1,11 @@
-r"""One-dimensional minimization shared by the fits that search one number (a norm's epsilon, a schedule's
-``mu``): golden-section search, one new evaluation per step, no scipy."""
+r"""Minimization shared by the fits: golden-section search for those that search one number (a norm's epsilon,
+a schedule's ``mu``), one new evaluation per step, no scipy; and least squares on the CPU for linear fits."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -24,3 +25,15 @@ def golden_section(cost: Callable[[float], float], lo: float, hi: float, steps: 
             b = lo + GOLDEN * (hi - lo)
             fb = cost(b)
     return (a, fa) if fa <= fb else (b, fb)
+
+
+def least_squares(columns: Any, target: Any, driver: str | None = None) -> Any:
+    r"""``x`` minimizing ``|columns @ x - target|`` (``target`` a vector), solved on the CPU in float64 and
+    returned in ``columns``' dtype and device: CUDA's solver takes only full-rank systems (driver ``gels``
+    alone), and the fits meet rank-deficient ones (a constant column, a duplicated regressor)."""
+    import torch
+
+    a = columns.detach().to("cpu", torch.float64)
+    b = target.detach().to("cpu", torch.float64).unsqueeze(1)
+    solution = torch.linalg.lstsq(a, b, driver=driver).solution.squeeze(1)
+    return solution.to(columns.device, columns.dtype)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from paritykit.base.errors import ParityKitError
 from paritykit.base.inputs import copy_inputs, split_inputs, to_device
+from paritykit.base.precision import exact_float32
 from paritykit.base.report import format_number
 from paritykit.bisection.align import Alignment, align_modules
 from paritykit.bisection.findings import culprit_finding
@@ -293,6 +294,7 @@ def _distance(ref_leaves: list, port_leaves: list) -> float:
     return total
 
 
+@exact_float32()
 def bisect(
     reference: Any,
     port: Any,

@@ -132,7 +132,7 @@ def _fit_by_replay(
     feeds: dict[str, str],
 ) -> tuple[dict[str, tuple[Any, Any]], Any, int] | None:
     """The fewest constructor changes of ``module`` that make the culprit's replay match, or ``None``."""
-    from paritykit.bisection.leaves import flatten_tensors
+    from paritykit.bisection.leaves import output_leaves
 
     read = constructor_values(module)
     if read is None:
@@ -142,7 +142,7 @@ def _fit_by_replay(
     rebuilt = rebuild(module, values)
     if rebuilt is None:
         return None
-    own = flatten_tensors(_call(rebuilt, inputs))
+    own = output_leaves(_call(rebuilt, inputs))
     # the rebuild must reproduce the module's captured outputs: the values read back are the ones it runs with
     if any(not _same(dict(own).get(k), t) for k, t in record.outputs.items() if k in feeds):
         return None
@@ -250,9 +250,9 @@ def replay_with_extras(
     extra inputs it feeds; compared with the reference's captured outputs."""
     import torch
 
-    from paritykit.bisection.leaves import flatten_tensors, module_device
+    from paritykit.bisection.leaves import module_device, output_leaves
 
-    produced = dict(flatten_tensors(_call(candidate, inputs)))
+    produced = dict(output_leaves(_call(candidate, inputs)))
     if any(k not in produced for k in feeds):
         return None
     port_module = searcher.port_modules[port_call.module]
@@ -263,7 +263,7 @@ def replay_with_extras(
         return None
     try:
         with torch.no_grad():
-            out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+            out = output_leaves(port_module(*adapted[0], **adapted[1]))
     except Exception:  # a setting whose output the port module cannot consume is no fit
         return None
     return searcher.compare_leaves(list(call.outputs.items()), out, call.name)

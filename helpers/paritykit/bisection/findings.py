@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from paritykit.base.inputs import is_tensor, to_device
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.floor import FloatFloor, within
-from paritykit.bisection.leaves import flatten_tensors, in_layout, module_device, pair_layouts
+from paritykit.bisection.leaves import flatten_tensors, in_layout, module_device, output_leaves, pair_layouts
 from paritykit.bisection.mix_fits import culprit_hints
 from paritykit.bisection.ops import op_divergence
 from paritykit.bisection.repair.culprit_sites import RepairOptions, repair_hints
@@ -337,13 +337,13 @@ def _culprit_context(
     def leaf_of(fn: Callable, inputs: tuple[tuple, dict] | None, index: int) -> Any:
         if inputs is None:
             raise ValueError("the call cannot be re-run")
-        return flatten_tensors(fn(*inputs[0], **inputs[1]))[index][1]
+        return output_leaves(fn(*inputs[0], **inputs[1]))[index][1]
 
     def check(fn: Callable) -> tuple[bool, float]:
         inputs = port_inputs()
         if inputs is None:
             raise ValueError("the port call cannot be re-run")
-        cmp = searcher.compare_leaves(ref_leaves, flatten_tensors(fn(*inputs[0], **inputs[1])), call.name)
+        cmp = searcher.compare_leaves(ref_leaves, output_leaves(fn(*inputs[0], **inputs[1])), call.name)
         return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
 
     subpairs = searcher.alignment.inside(call.module, port_call.module if port_call is not None else "")

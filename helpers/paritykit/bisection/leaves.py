@@ -26,6 +26,13 @@ def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]
     return out
 
 
+def output_leaves(value: Any) -> list[tuple[str, Any]]:
+    r"""A replayed call's output as :func:`flatten_tensors` gives it, each tensor detached and on the CPU:
+    models run where they live, and what the engine analyses of their calls is on the CPU, beside the
+    captured records (one place, by design)."""
+    return [(path, t.detach().cpu()) for path, t in flatten_tensors(value)]
+
+
 def pair_leaves(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> list[tuple[int, int]] | None:
     """Index pairs matching two leaf lists: by path when the paths agree, else in order with equal shapes,
     else by unique shape. ``None`` when no consistent pairing exists."""

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paritykit.base.inputs import is_tensor
+from paritykit.base.minimize import least_squares
 
 # a least-squares fit "explains" an output when its relative residual is below this
 FIT_RESIDUAL = 1e-3
@@ -29,7 +30,7 @@ def _fit(columns: Any, target: Any) -> tuple[list[float], float]:
     if not (bool(torch.isfinite(columns).all()) and bool(torch.isfinite(target).all())):
         return [math.nan] * columns.shape[1], math.inf  # NaN/inf in a captured tensor: nothing to fit
     try:
-        solution = torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.squeeze(1)
+        solution = least_squares(columns, target)
     except RuntimeError:  # a degenerate system the LAPACK driver refuses
         return [math.nan] * columns.shape[1], math.inf
     norm = float(target.norm())

@@ -479,7 +479,7 @@ def replay_with_module(
 
     import torch
 
-    from paritykit.bisection.leaves import flatten_tensors, module_device
+    from paritykit.bisection.leaves import module_device, output_leaves
 
     owner = port_call.module if port_call is not None else ""
     module = searcher.port_modules.get(owner)
@@ -497,7 +497,7 @@ def replay_with_module(
         return None
     try:
         with torch.no_grad():
-            out = flatten_tensors(clone(*adapted[0], **adapted[1]))
+            out = output_leaves(clone(*adapted[0], **adapted[1]))
     except Exception:  # the fitted module changes what the parent can consume
         return None
     return searcher.compare_leaves(list(call.outputs.items()), out, call.name)

@@ -19,10 +19,10 @@ from paritykit.bisection.call_pairing import (
 )
 from paritykit.bisection.floor import FloatFloor, far_above, fits_twice, module_floor, within
 from paritykit.bisection.leaves import (
-    flatten_tensors,
     in_layout,
     layout_note,
     module_device,
+    output_leaves,
     pair_inputs,
     pair_layouts,
     same_shape_orders,
@@ -234,7 +234,7 @@ class Searcher(CallPairing):
             args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
             kwargs = {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
             try:
-                ref_out = flatten_tensors(ref_module(*args, **kwargs))
+                ref_out = output_leaves(ref_module(*args, **kwargs))
             except Exception as exc:  # e.g. state its parent sets up before calling it
                 return f"reference call failed on its own captured inputs ({first_line(exc)})"
             # A reference call that does not reproduce its own captured output (randomness, hidden state)
@@ -245,7 +245,7 @@ class Searcher(CallPairing):
         else:
             ref_out = list(ref_record.outputs.items())
         try:
-            port_out = flatten_tensors(port_module(*adapted[0], **adapted[1]))
+            port_out = output_leaves(port_module(*adapted[0], **adapted[1]))
         except Exception as exc:  # the port's own signature rejects the reference's inputs
             return f"port call failed on reference inputs ({first_line(exc)})"
         return ref_out, port_out

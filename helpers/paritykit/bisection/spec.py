@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.precision import exact_float32
 from paritykit.base.report import DEFAULT_LIMIT, environment_stamp
 from paritykit.base.usercode import Spec, call_user, load_spec
 from paritykit.bisection.entry import bisect_traces, capture_and_bisect
@@ -28,6 +29,7 @@ def _run_forward(spec: Spec, model: Any, side: str, args: tuple, kwargs: dict) -
     return call_user(lambda: model(*args, **kwargs), what=f"the {side} model's forward", spec=spec)
 
 
+@exact_float32()
 def bisect_spec(
     spec_path: Any = None,
     *,
@@ -196,6 +198,7 @@ def _other_side_trace(out: Any, side: str, spec: Any, digest: str | None = None)
     return None
 
 
+@exact_float32()
 def trace_spec(
     spec_path: Any,
     *,

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paritykit.base.minimize import least_squares
 from paritykit.base.report import format_number
 
 # a relation holds when it reproduces P from R to within this share of P's scale, or float noise
@@ -543,7 +544,7 @@ def missing_term(
     for count in counts:
         for chosen in itertools.combinations(names, count):
             basis = torch.stack([columns[n] for n in chosen], dim=1)
-            fit = torch.linalg.lstsq(basis, difference.unsqueeze(1)).solution.flatten()
+            fit = least_squares(basis, difference)
             snaps = [snapped(abs(float(c)), (*(sizes or tuple(reference.shape)), 2), rel=1e-3) for c in fit]
             if not all(snaps) or any(s[0][0] == 0.0 for s in snaps):
                 continue

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.minimize import least_squares
 from paritykit.base.report import format_number
 from paritykit.schedule.load import (
     Schedule,
@@ -118,13 +119,13 @@ def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, floa
     if kind == "previous alpha":
         x0 = (x - (1 - alpha_t) ** 0.5 * eps) / alpha_t**0.5
         basis = torch.stack([x0.reshape(-1), eps.reshape(-1)], 1).double()
-        target = nxt.reshape(-1, 1).double()
+        target = nxt.reshape(-1).double()
         if not (bool(torch.isfinite(basis).all()) and bool(torch.isfinite(target).all())):
             return (
                 math.nan,
                 math.inf,
             )  # a non-finite recorded tensor: no reading, the update "differs in form"
-        coef = torch.linalg.lstsq(basis, target).solution
+        coef = least_squares(basis, target)
         resid = float((basis @ coef - target).norm() / target.norm().clamp_min(1e-30))
         p, q = (float(v) for v in coef.reshape(-1))
         resid = max(resid, abs(p * p + q * q - 1))  # sqrt(a)² + sqrt(1 - a)² must be 1

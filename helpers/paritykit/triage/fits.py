@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from paritykit.base.minimize import least_squares
 from paritykit.base.report import format_number
 
 # a relation fitted by least squares is exact when it leaves at most this share of the target's norm
@@ -52,7 +53,7 @@ def fit_linear(target: Any, regressors: dict[str, Any]) -> LinearFit | None:
     columns = torch.stack([r.detach().double().reshape(-1) for r in regressors.values()], dim=1)
     if not bool(torch.isfinite(columns).all()):
         return None
-    solution = torch.linalg.lstsq(columns, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    solution = least_squares(columns, y, driver="gelsd")
     residual = float((columns @ solution - y).norm()) / max(float(y.norm()), 1e-30)
     return LinearFit(list(regressors), [float(c) for c in solution], residual)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from paritykit.base.errors import ParityKitError
+from paritykit.base.precision import exact_float32
 from paritykit.base.usercode import load_spec
 from paritykit.triage.pairs import Tolerance
 from paritykit.triage.report import TriageReport
@@ -32,6 +33,7 @@ from paritykit.triage.walk import Triage
 PIPELINE_TOLERANCE = {"atol": 1e-5, "rtol": 1e-4}
 
 
+@exact_float32()
 def triage_spec(
     spec_path: Any, *, all_causes: bool = False, out: Any = DEFAULT_OUT, seed: int | None = None
 ) -> TriageReport:

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from paritykit.base.minimize import least_squares
 from paritykit.base.report import format_value
 from paritykit.bisection.leaves import flatten_tensors, rebuild_leaves, torch_equal
 from paritykit.bisection.relations import input_leaf_name
@@ -580,7 +581,7 @@ def _affine_fits(w: Any, g: Any, x: Any, torch: Any) -> list[tuple[float, float,
     re-mix almost any linear module into the reference."""
     design = torch.stack([g, x], dim=1)
     try:
-        sol = torch.linalg.lstsq(design, w.unsqueeze(1)).solution.flatten()
+        sol = least_squares(design, w)
     except RuntimeError:
         return []
     a, b = float(sol[0]), float(sol[1])

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from paritykit.bisection.leaves import flatten_tensors
+from paritykit.bisection.leaves import flatten_tensors, output_leaves
 
 
 @dataclass
@@ -164,6 +164,6 @@ def call_leaves(module: Any, inputs: tuple[tuple, dict]) -> list[tuple[str, Any]
 
     try:
         with torch.no_grad():
-            return flatten_tensors(module(*inputs[0], **inputs[1]))
+            return output_leaves(module(*inputs[0], **inputs[1]))
     except Exception:  # an edit the module's forward rejects is no repair
         return None
