@@ -633,3 +633,47 @@ def test_a_per_frame_conv3d_and_a_conv2d_compare_their_settings_without_the_fram
     assert [d.name for d in settings_diff(per_frame, nn.Conv2d(4, 4, 7, padding=2))] == ["padding"]
     temporal = nn.Conv3d(4, 4, (3, 7, 7), padding=(1, 3, 3))
     assert "kernel_size" in [d.name for d in settings_diff(temporal, nn.Conv2d(4, 4, 7, padding=3))]
+
+
+class FusedQK(nn.Module):
+    r"""A research attention whose q and k come from one fused projection ``to_qk`` (q first), as
+    transfusion-pytorch writes it; v has its own."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.to_qk = nn.Linear(dim, 2 * dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        q, k = self.to_qk(x).chunk(2, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ self.to_v(x)
+
+
+class SplitQK(nn.Module):
+    def __init__(self, dim: int = 8, scale: float = 1.0):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.scale = scale
+
+    def forward(self, x):
+        q, k = self.to_q(x), self.to_k(x)
+        return torch.softmax(q @ k.transpose(-1, -2) * self.scale, -1) @ self.to_v(x)
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["q-then-k", "swapped"])
+def test_a_fused_qk_is_read_in_the_order_its_name_spells(swapped):
+    # round 16 (transfusion): a correct split of `to_qk` was called "to_k holds chunk 1/2 (its name implies
+    # chunk 0/2)", the two-chunk fused projection taken for k, v. The source's name spells q, k.
+    torch.manual_seed(0)
+    reference, port = FusedQK(), SplitQK(scale=1.5)  # a scale differs, so the culprit is this module
+    q, k = reference.to_qk.weight.detach().chunk(2)
+    with torch.no_grad():
+        port.to_q.weight.copy_(k if swapped else q)
+        port.to_k.weight.copy_(q if swapped else k)
+        port.to_v.weight.copy_(reference.to_v.weight)
+    hints = E.weights(_culprit(Holder(reference), Holder(port), torch.randn(2, 5, 8)))
+    said = " ".join(h.message for h in hints)
+    if swapped:
+        assert "to_k.weight holds chunk 0/2 of reference" in said and "implies chunk 1/2" in said, said
+    else:  # must not fire: q is chunk 0 and k chunk 1 of to_qk
+        assert "conversion bug" not in said, said

@@ -99,3 +99,33 @@ def test_position_hash_sees_order_and_is_the_same_by_numpy_and_by_torch():
     # what a GPU computes: the same sums by torch ops on the tensor's own device (here the CPU)
     assert h == fp._position_hash(w, by_numpy=False)
     assert fp.position_hash(nz) == fp._position_hash(nz, by_numpy=False)
+
+
+def test_position_hash_by_torch_spans_many_blocks_as_numpy_does(monkeypatch):
+    # a GPU hashes DEVICE_BLOCKS blocks per step, the last one short: spans of two blocks here, so the hash
+    # crosses span and block ends mid-tensor, in bfloat16 with a -0.0 (folded onto 0.0) inside a later span
+    monkeypatch.setattr(fp, "DEVICE_BLOCKS", 2)
+    w = torch.randn(5 * fp.BLOCK + 77, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    w[3 * fp.BLOCK + 1] = -0.0
+    assert fp._position_hash(w, by_numpy=False) == fp._position_hash(w, by_numpy=True)
+    w[3 * fp.BLOCK + 1] = 0.0
+    assert fp._position_hash(w, by_numpy=False) == fp._position_hash(w, by_numpy=True)
+    moved = w.clone()
+    moved[[4 * fp.BLOCK, 4 * fp.BLOCK + 1]] = moved[[4 * fp.BLOCK + 1, 4 * fp.BLOCK]]
+    assert fp._position_hash(moved, by_numpy=False) != fp._position_hash(w, by_numpy=False)
+
+
+def test_a_models_weight_hashes_are_taken_once_while_its_weights_hold():
+    # zoom aligns each level with a Side of its own: the weights are hashed once, and again after any edit
+    from paritykit.bisection.align_sides import side_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    first = side_of(model, None).keys()
+    assert side_of(model, None).keys() is first
+    with torch.no_grad():
+        model[1].weight[0, 0] += 1.0  # an in-place edit: the version counter moves
+    edited = side_of(model, None).keys()
+    assert edited is not first and edited["1.weight"] != first["1.weight"]
+    assert edited["0.weight"] == first["0.weight"]
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().flip(0))  # a new tensor
+    assert side_of(model, None).keys()["0.weight"] != first["0.weight"]

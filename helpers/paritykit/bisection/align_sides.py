@@ -4,6 +4,7 @@ hashes a trace folder holds in their place."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ class Side:
     first_calls: dict[str, Any] = field(default_factory=dict)
     # a trace folder's weights: {name: (shape, dtype, hash)} in place of the tensors (state_dict is None)
     weight_keys: dict[str, tuple] | None = None
+    # the hashes of this model's weights taken earlier (another zoom level), shared while the weights hold
+    _hashed: dict[bool, dict[str, tuple]] = field(default_factory=dict)
 
     def keys(self, layers_only: bool = False) -> dict[str, tuple] | None:
         r"""``{name: (shape, dtype, hash)}`` of this side's informative weights, from the tensors or from
@@ -51,7 +54,6 @@ class Side:
         for module, params in self.params.items():
             keys += [f"{module}.{p}" if module else p for p in params]
         self._keys = keys
-        self._hashed: dict[bool, dict[str, tuple]] = {}
 
 
 def side_of(model: Any, trace: Trace | None) -> Side:
@@ -69,7 +71,7 @@ def side_of(model: Any, trace: Trace | None) -> Side:
     else:
         order = list(table)
         out_shapes, first_calls = {name: None for name in order}, {}
-    state_dict, weight_keys = None, None
+    state_dict, weight_keys, hashed = None, None, {}
     if model is not None:
         from paritykit.tracing.split_traces import ModelWeights
 
@@ -77,6 +79,7 @@ def side_of(model: Any, trace: Trace | None) -> Side:
         # weights offloaded by accelerate sit on "meta" in state_dict(): they are read through the hooks, one
         # tensor per access, and never all at once (the mapping stays lazy)
         state_dict = weights if weights.offloaded else dict(model.state_dict())
+        hashed = _hashes_of(model, state_dict) if not weights.offloaded else {}
     elif trace is not None:
         state_dict = trace.weights()
         if state_dict is None:  # a trace folder holds the weights' hashes, not a copy
@@ -85,7 +88,27 @@ def side_of(model: Any, trace: Trace | None) -> Side:
     for record in trace.records if trace is not None else ():
         types.setdefault(record.module, record.type)
     params = {name: info.params for name, info in table.items()}
-    return Side(order, types, params, out_shapes, state_dict, first_calls, weight_keys)
+    return Side(order, types, params, out_shapes, state_dict, first_calls, weight_keys, hashed)
+
+
+# model -> (what its weights were: each tensor's name, address and version; their hashes). Zoom aligns one
+# level at a time, a Side each: the weights are hashed once while none moves or changes.
+_HASHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _hashes_of(model: Any, state_dict: Mapping[str, Any]) -> dict[bool, dict[str, tuple]]:
+    state = tuple(
+        (k, v.data_ptr(), v._version, v.dtype, tuple(v.shape)) if hasattr(v, "data_ptr") else (k, id(v))
+        for k, v in state_dict.items()
+    )
+    try:
+        held = _HASHED.get(model)
+    except TypeError:  # a model that cannot be weakly referenced: hashed again each time
+        return {}
+    if held is None or held[0] != state:
+        held = (state, {})
+        _HASHED[model] = held
+    return held[1]
 
 
 def _first_output_shape(record: Record) -> tuple | None:

@@ -14,25 +14,39 @@ from paritykit.bisection.evidence.culprit import (
 from paritykit.compare.diagnose import Hint
 from paritykit.forensics.conversion.fingerprints import informative
 
-# the order a fused projection holds its parts in, by the role word in a split module's name
-_ROLES = {
-    3: (
-        ("q", "query", "to_q", "q_proj", "wq"),
-        ("k", "key", "to_k", "k_proj", "wk"),
-        ("v", "value", "to_v", "v_proj", "wv"),
-    ),
-    2: (("k", "key", "to_k", "k_proj", "wk"), ("v", "value", "to_v", "v_proj", "wv")),
-}
+# the role words of an attention projection, in the conventional order of a fused q, k, v
+_ROLES = (
+    ("q", "query", "to_q", "q_proj", "wq"),
+    ("k", "key", "to_k", "k_proj", "wk"),
+    ("v", "value", "to_v", "v_proj", "wv"),
+)
 
 
-def _implied_index(target: str, count: int) -> int | None:
-    r"""The chunk a split parameter's name implies (``to_k.weight`` is chunk 1 of 3), if its name says."""
-    words = set(re.split(r"[._]", target.rpartition(".")[0] or target)) | set(target.split("."))
-    roles = _ROLES.get(count)
-    if roles is None:
-        return None
-    hits = [i for i, names in enumerate(roles) if words & set(names)]
+def _role(name: str) -> int | None:
+    r"""The role a parameter's name says (0 q, 1 k, 2 v: ``to_k.weight`` is 1), if it says one."""
+    words = set(re.split(r"[._]", name.rpartition(".")[0] or name)) | set(name.split("."))
+    hits = [i for i, names in enumerate(_ROLES) if words & set(names)]
     return hits[0] if len(hits) == 1 else None
+
+
+def _implied_chunk(target: str, source: str, count: int) -> int | None:
+    r"""The chunk of fused ``source`` that split ``target`` should hold: its role's place in the order the
+    source's name spells (``to_qk``: q, k; ``wkv``: k, v), else in q, k, v for three chunks. ``None`` when the
+    name does not say: two chunks are k, v in one model and q, k in another."""
+    role = _role(target)
+    if role is None:
+        return None
+    order = next(
+        (
+            found[1]
+            for word in re.split(r"[._]", source.lower())
+            if (found := re.fullmatch(r"w?([qkv]{2,3})", word)) and len(set(found[1])) == len(found[1])
+        ),
+        "qkv" if count == 3 else None,
+    )
+    if order is None or len(order) != count or "qkv"[role] not in order:
+        return None
+    return order.index("qkv"[role])
 
 
 def _state(module: Any) -> dict[str, Any]:
@@ -130,7 +144,7 @@ def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], st
     steps = _steps(entry)
     if entry.op == "chunk" and "count" in entry.args:
         count, index = entry.args["count"], entry.args["index"]
-        implied = _implied_index(entry.target, count)
+        implied = _implied_chunk(entry.target, source, count)
         if implied is None or implied == index:
             return None
         size = entry.args["stop"] - entry.args["start"]
@@ -142,7 +156,7 @@ def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], st
                 f"(its name implies chunk {implied}/{count})"
             ),
         )
-    want, have = _implied_index(entry.target, 3), _implied_index(source, 3)
+    want, have = _role(entry.target), _role(source)
     if entry.op == "chunk" or want is None or have is None or want == have:
         return None
     leaf = source.rsplit(".", 1)[-1]
@@ -150,7 +164,7 @@ def _misassigned(entry: Any, ref_sd: dict[str, Any]) -> tuple[dict[str, Any], st
         k
         for k in ref_sd
         if k.rsplit(".", 1)[-1] == leaf
-        and _implied_index(k, 3) == want
+        and _role(k) == want
         and k.count(".") == source.count(".")
         and _same_but_role(k, source)
     ]

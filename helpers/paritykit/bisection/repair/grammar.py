@@ -484,7 +484,8 @@ def _output_scaled(factor: float) -> Callable[[Any, Tensors], Any]:
 
 
 def _input_added(a: float, b: float, path: str) -> Callable[[Any, Tensors], Any]:
-    return lambda t, lv: a * t + b * lv[path]
+    # the input where the output is: both on the model's device in a forward, the replayed output on the CPU
+    return lambda t, lv: a * t + b * lv[path].to(t.device)
 
 
 def output_edits(site: Site, work: Any) -> Iterator[Edit]:

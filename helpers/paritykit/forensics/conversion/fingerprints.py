@@ -228,22 +228,44 @@ def position_hash(t) -> int:
 
 
 def _position_hash(t, *, by_numpy: bool) -> int:
-    r""":func:`position_hash` by numpy (CPU tensors) or by torch ops on the tensor's device: one value."""
+    r""":func:`position_hash` by numpy (CPU tensors, block by block) or by torch ops on the tensor's device
+    (:data:`DEVICE_BLOCKS` blocks at a time, one synchronisation each): one value."""
     import numpy as np
-    import torch
 
     flat = t.reshape(-1)
+    if not by_numpy:
+        return _position_hash_by_torch(flat)
     total = 0
     for number, start in enumerate(range(0, flat.numel(), BLOCK)):
         bits = _raw_bits(flat[start : start + BLOCK])
-        if by_numpy:
-            weights = _position_weights("cpu")[: bits.numel()]
-            block_sum = int((bits.numpy() * weights).sum(dtype=np.int64))
-        else:
-            weights = _position_weights(bits.device, as_tensor=True)[: bits.numel()]
-            block_sum = int((bits.to(torch.int64) * weights).sum())
+        weights = _position_weights("cpu")[: bits.numel()]
+        block_sum = int((bits.numpy() * weights).sum(dtype=np.int64))
         total = (total + block_sum * _splitmix(number)) % (1 << 64)
     return total - (1 << 64) if total >= 1 << 63 else total
+
+
+# blocks hashed together on a device: a 64-bit copy of 16 M elements (128 MiB) at a time
+DEVICE_BLOCKS = 64
+
+
+def _position_hash_by_torch(flat) -> int:
+    r"""The position hash of a flat tensor by torch ops where it lives: each block's weighted sum and the
+    sum of those weighted by their block numbers' multipliers, in int64 arithmetic that wraps as the
+    numpy path's modulo does."""
+    import torch
+
+    weights = _position_weights(flat.device, as_tensor=True)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    span = BLOCK * DEVICE_BLOCKS
+    for start in range(0, flat.numel(), span):
+        bits = _raw_bits(flat[start : start + span]).to(torch.int64)
+        count = -(-bits.numel() // BLOCK)
+        if bits.numel() != count * BLOCK:  # zeros past the end add nothing
+            bits = torch.cat([bits, bits.new_zeros(count * BLOCK - bits.numel())])
+        sums = (bits.view(count, BLOCK) * weights).sum(1)
+        numbers = torch.from_numpy(_splitmix_array(start // BLOCK, count)).to(flat.device)
+        total += (sums * numbers).sum()
+    return int(total)
 
 
 _MASK64 = (1 << 64) - 1
@@ -261,15 +283,20 @@ def _splitmix(x: int) -> int:
 _WEIGHTS: dict[str, Any] = {}
 
 
+def _splitmix_array(start: int, count: int):
+    r""":func:`_splitmix` of ``start .. start + count - 1``, a numpy int64 array (the uint64s' bits)."""
+    import numpy as np
+
+    z = np.arange(start, start + count, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) | np.uint64(1)).view(np.int64)
+
+
 def _position_weights(device, as_tensor: bool = False):
     key = f"{device}:{as_tensor}"
     if key not in _WEIGHTS:
-        import numpy as np
-
-        z = np.arange(BLOCK, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        weights = ((z ^ (z >> np.uint64(31))) | np.uint64(1)).view(np.int64)
+        weights = _splitmix_array(0, BLOCK)
         if not as_tensor:
             _WEIGHTS[key] = weights
         else:
