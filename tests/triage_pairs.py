@@ -26,6 +26,8 @@ STEPS = 5  # divides 1000: diffusers DDIM steps to t - 1000 // n, the next trail
 LDM_SCALE = 0.18215
 BUGS = (
     "noise-bf16",  # initial noise: the port draws its latents in bfloat16
+    "noise-f64",  # initial noise: the port draws its latents in float64, then casts (same seed)
+    "noise-seed",  # initial noise: the port draws from a generator of its own, seeded 1234
     # schedule: DDIMScheduler's default "leading" spacing where the reference uses trailing
     "spacing-leading",
     "cond-bf16",  # conditioning: the port hands the denoiser its prompt embedding in bfloat16
@@ -98,7 +100,14 @@ class Pair:
         )
 
     def run_port(self, steps: int = STEPS, scheduler: DDIMScheduler | None = None) -> torch.Tensor:
-        noise = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32)
+        if "noise-f64" in self.bugs:  # round 16 (x-unet): randn_tensor(..., dtype=torch.float64) then cast
+            noise = torch.randn(1, 4, 8, 8, dtype=torch.float64).float()
+        elif "noise-seed" in self.bugs:
+            noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1234))
+        else:
+            noise = torch.randn(
+                1, 4, 8, 8, dtype=torch.bfloat16 if "noise-bf16" in self.bugs else torch.float32
+            )
         scheduler = scheduler or self.port_scheduler()
         cond = self.cond.bfloat16().float() if "cond-bf16" in self.bugs else self.cond
         if "cond-padded" in self.bugs:

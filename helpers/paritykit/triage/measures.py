@@ -22,6 +22,24 @@ def command_and_files(built: Any) -> dict[str, Any]:
     return {"command": command, "files": files}
 
 
+def plain_draw(x: Any, seeds: tuple[int, ...]) -> str | None:
+    r"""``"torch.randn(…, dtype=D) after torch.manual_seed(S)"`` when that draw, in the dtype of ``x``,
+    reproduces ``x`` exactly (its first call's noise), for the first of ``seeds`` and of float32, float64,
+    float16, bfloat16 that does; ``None`` when none does (a draw on another device, a generator of its own, a
+    scaled or shifted noise)."""
+    import torch
+
+    wanted = x.detach().cpu()
+    for seed in dict.fromkeys(seeds):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            seeded = torch.Generator().manual_seed(seed)
+            drawn = torch.randn(tuple(wanted.shape), generator=seeded, dtype=dtype)
+            if torch.equal(drawn.to(wanted.dtype), wanted):
+                name = str(dtype).removeprefix("torch.")
+                return f"torch.randn(…, dtype={name}) after torch.manual_seed({seed})"
+    return None
+
+
 def repeats(t_ref: list[float], t_port: list[float]) -> tuple[str, int] | None:
     r"""``("reference" | "port", k)`` when that side's timesteps are the other's with each one repeated ``k``
     times in a row (a denoiser called once per guidance half); ``None`` otherwise."""

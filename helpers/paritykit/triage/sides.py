@@ -31,6 +31,7 @@ class SideRun:
     calls: list[Call]
     decoder_calls: list[Call]
     result: Any
+    seed: int | None = None  # torch's global seed before the run
 
 
 def check_required(spec: Spec) -> None:
@@ -70,7 +71,8 @@ def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
             " recorded by its forward hooks: one through .forward() directly, or on another copy of the"
             " module, is not seen)"
         )
-    return SideRun(side, denoiser, vae, calls, decoder_calls, result_tensor(result, f"run_{side}()", spec))
+    result = result_tensor(result, f"run_{side}()", spec)
+    return SideRun(side, denoiser, vae, calls, decoder_calls, result, seed)
 
 
 def result_tensor(value: Any, what: str, spec: Spec) -> Any:

@@ -29,6 +29,7 @@ from paritykit.triage.measures import (
     masked_words,
     module_differs,
     per_step_calls,
+    plain_draw,
     repeats,
     rerun_moves,
     rounded_to,
@@ -155,7 +156,11 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                     "result",
                     None,
                     "the results differ, and no place the walk compared differs (the 'not checked' lines say"
-                    f" what it could not compare; {self._coverage()})",
+                    f" what it could not compare; {self._coverage()})"
+                    if self.ruled_out
+                    # nothing compared: where the run was not recorded is no more likely than the rest
+                    else "the results differ, and no place before them could be checked (the 'not checked'"
+                    f" lines say why; {self._coverage(missed=False)})",
                     evidence=result.get("evidence", []),
                 )
             )
@@ -257,10 +262,15 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
             )
             summary += "; a missing or extra scaling of the noise (init_noise_sigma, a sigma_max factor)"
         elif pair.latents.cosine is not None and abs(pair.latents.cosine) < 0.1:
-            summary += (
-                " and are uncorrelated (cosine ~0): different noise: another generator, seed, device or draw"
-                " order"
-            )
+            summary += " and are uncorrelated (cosine ~0): other noise"
+        if fit is None or not fit.exact:  # what a plain draw reproduces exactly, side by side
+            seeds = tuple(s for s in (self.ref.seed, self.port.seed, 0) if s is not None)
+            drawn = [(side, plain_draw(x, seeds)) for side, x in (("reference", xr), ("port", xp))]
+            if any(how for _, how in drawn):
+                summary += "; " + "; ".join(
+                    f"the {side}'s are exactly {how}" if how else f"the {side}'s are no plain CPU draw tried"
+                    for side, how in drawn
+                )
         self.findings.append(
             Finding(
                 "initial noise",
@@ -749,18 +759,19 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         a, b = self.ref.result, self.port.result
         return tuple(a.shape) == tuple(b.shape) and not compare(a, b, self.tol, "final latents").passed
 
-    def _coverage(self) -> str:
-        r"""What the run recorded and what it did not, for a difference found outside it."""
+    def _coverage(self, missed: bool = True) -> str:
+        r"""What the run recorded and (``missed``) what it did not, for a difference found outside it."""
         recorded = [f"{len(self.ref.calls)} reference and {len(self.port.calls)} port denoiser calls"]
-        missed = ["what runs after the last denoiser call"]
+        missing = ["what runs after the last denoiser call"]
         if self.ref.vae is not None:
             recorded.append(f"{len(self.ref.decoder_calls)} and {len(self.port.decoder_calls)} decoder calls")
         else:
             last = latents(self.ref.calls[-1], self.ref_roles[-1]) if self.ref.calls else None
             shaped_like_latents = last is not None and tuple(last.shape) == tuple(self.ref.result.shape)
             if not shaped_like_latents:  # the result is not latents: something decodes them
-                missed.append("the decoder (give reference_vae() and port_vae() to record it)")
-        return f"recorded: {'; '.join(recorded)}; not recorded: {'; '.join(missed)}"
+                missing.append("the decoder (give reference_vae() and port_vae() to record it)")
+        said = f"recorded: {'; '.join(recorded)}"
+        return f"{said}; not recorded: {'; '.join(missing)}" if missed else said
 
     # ------------------------------------------------------------------------------------- result, curve
     def result_comparison(self) -> dict[str, Any]:
