@@ -104,11 +104,42 @@ def pair_layouts(
                 if best is None or error < best[0]:
                     best = (error, order)
         if best is None:
-            return None
+            view = _singleton_view(tensor, [t for _, t in a])
+            if view is None:
+                return None
+            moved[j], orders[path] = (path, tensor.reshape(view)), view
+            continue
         moved[j] = (path, tensor.permute(best[1]))
         orders[path] = best[1]
     pairs = pair_leaves(a, moved)
     return (pairs, moved, orders) if pairs is not None else None
+
+
+class Viewed(tuple):
+    r"""A layout that is a view to this shape, size-1 dims added or dropped (a research model that runs 2-D
+    convolutions as 3-D ones over one frame: ``[B, C, 1, H, W]`` against the port's ``[B, C, H, W]``), in
+    place of a dim order."""
+
+
+def _singleton_view(tensor: Any, targets: list[Any]) -> Viewed | None:
+    r"""The one target shape that ``tensor``'s is up to size-1 dims, as a :class:`Viewed`; ``None`` when no
+    target's or several targets' are."""
+
+    def core(shape: tuple) -> tuple:
+        return tuple(d for d in shape if d != 1)
+
+    mine = core(tuple(tensor.shape))
+    found = {tuple(t.shape) for t in targets if t.numel() == tensor.numel() and core(tuple(t.shape)) == mine}
+    return Viewed(found.pop()) if len(found) == 1 and _sizes_tell_dims_apart(mine) else None
+
+
+def _sizes_tell_dims_apart(shape: tuple) -> bool:
+    r"""Whether a layout is read off the sizes past the first dim: each size once, or one pair of equal
+    sizes side by side (``H = W``). Where three dims share a size (``C = H = W``), a channels-last port
+    has the same shape as a viewed channels-first reference, and a view could compare the wrong elements."""
+    rest = shape[1:]
+    repeated = [i for i in range(len(rest)) if rest.count(rest[i]) > 1]
+    return not repeated or (len(repeated) == 2 and repeated[1] == repeated[0] + 1)
 
 
 # a same-shape dim permutation is taken for a leaf only when it brings the relative error to at most this, and
@@ -155,14 +186,21 @@ def in_layout(leaves: list[tuple[str, Any]], orders: dict[str, tuple[int, ...]])
     """``leaves`` with each leaf whose path ``orders`` names permuted by its dim order (as
     :func:`pair_layouts`
     found it)."""
-    return [(path, t.permute(orders[path]) if path in orders else t) for path, t in leaves]
+    return [(path, _laid_out(t, orders[path]) if path in orders else t) for path, t in leaves]
+
+
+def _laid_out(t: Any, order: tuple[int, ...]) -> Any:
+    return t.reshape(order) if isinstance(order, Viewed) else t.permute(order)
 
 
 def layout_note(orders: dict[str, tuple[int, ...]]) -> str:
     """Words for the dim orders :func:`pair_layouts` applied to the port's leaves."""
     if not orders:
         return ""
-    shown = ", ".join(f"{path} permuted {tuple(order)}" for path, order in orders.items())
+    shown = ", ".join(
+        f"{path} viewed as {list(order)}" if isinstance(order, Viewed) else f"{path} permuted {tuple(order)}"
+        for path, order in orders.items()
+    )
     return f"compared up to the port's layout: {shown}"
 
 
@@ -217,13 +255,14 @@ def replace_leaves(value: Any, ref_leaves: list) -> Any:
     """``value`` with its tensors replaced by the paired reference tensors (same dtype and device), or
     ``None``."""
     port_leaves = flatten_tensors(value)
-    pairs = pair_leaves(ref_leaves, port_leaves)
-    if pairs is None:
+    found = pair_layouts(ref_leaves, port_leaves)
+    # up to a view (size-1 dims) only: the reference's tensor takes the port's own shape
+    if found is None or not all(isinstance(order, Viewed) for order in found[2].values()):
         return None
     swap = {}
-    for i, j in pairs:
+    for i, j in found[0]:
         path, own = port_leaves[j]
-        swap[path] = ref_leaves[i][1].to(device=own.device, dtype=own.dtype)
+        swap[path] = ref_leaves[i][1].reshape(own.shape).to(device=own.device, dtype=own.dtype)
     return rebuild_leaves(value, swap, "output")
 
 
