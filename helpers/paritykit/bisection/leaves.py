@@ -78,7 +78,9 @@ def pair_layouts(
 ) -> tuple[list[tuple[int, int]], list[tuple[str, Any]], dict[str, tuple[int, ...]]] | None:
     r"""Pair two leaf lists as :func:`pair_leaves` does, and where that fails, up to a dim permutation: a leaf
     of ``b`` with no leaf of its shape in ``a`` is permuted into the layout of an ``a`` leaf (``[B, L, H, D]``
-    read as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit.
+    read as ``[B, H, L, D]``), the dim order chosen that brings it closest to that leaf when several fit; one
+    that no dim order fits is viewed as the one ``a`` leaf it equals up to size-1 dims, where the sizes tell
+    the dims apart (:class:`Viewed`).
 
     With ``same_shape``, leaves of one shape are also read in another layout where only that makes them
     agree (:func:`_same_shape_layouts`): for comparing two sides' captured calls, never for judging whether
