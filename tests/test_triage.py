@@ -106,7 +106,7 @@ def test_the_verdict_is_the_results_and_differences_inside_a_matching_run_are_no
     assert matching.verdict == "match" and matching.exit_code == 0
     text = matching.render()
     assert text.startswith(
-        "verdict: match (the results agree within tolerance; inside the run 1 place differ"
+        "verdict: match (the results agree within tolerance; inside the run 1 place differs"
     )
     assert "1. inside the run, denoiser at call 0" in text and "cause" not in text
     differing = report(False, inside * 3, all_causes=True)
@@ -452,6 +452,14 @@ def test_a_result_that_differs_where_nothing_was_comparable_points_nowhere(tmp_p
     assert "what runs after the last denoiser call" not in finding.summary
     (skipped,) = [n for n in report.not_checked if n.place == "initial noise"]
     assert "latents shapes differ" in skipped.text
+    # with --all, the count of places that differ says which were not checked (round 15: "1 place differ"
+    # beside an update that was never compared read as "everything else agrees")
+    every = triage_spec(spec, out=tmp_path / "all", all_causes=True)
+    head = every.render().splitlines()[0]
+    assert (
+        head
+        == "verdict: differ (1 place differs, each checked on its own; not checked: denoiser, initial noise)"
+    )
 
 
 @pytest.mark.parametrize("vae, covered", [(True, "4 of 5"), (False, "5 of 5")])

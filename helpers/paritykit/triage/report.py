@@ -182,12 +182,16 @@ class TriageReport:
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
         head = f"verdict: {self.verdict}"
-        places = f"{len(self.findings)} place{'s' if len(self.findings) > 1 else ''}"
+        one = len(self.findings) == 1
+        places = f"{len(self.findings)} place{'' if one else 's'} differ{'s' if one else ''}"
         if self.findings and self.verdict == "match":
-            head += f" (the results agree within tolerance; inside the run {places} differ, listed below)"
+            head += f" (the results agree within tolerance; inside the run {places}, listed below)"
         elif self.findings:
+            # the places not checked are not among those that agree: said beside the count
+            unchecked = sorted({n.place for n in self.not_checked} - {f.place for f in self.findings})
             head += (
-                f" ({places} differ, each checked on its own)"
+                f" ({places}, each checked on its own"
+                + (f"; not checked: {', '.join(unchecked)})" if unchecked else ")")
                 if self.all_causes
                 else " (the first place that differs; --all checks every place on its own)"
             )
