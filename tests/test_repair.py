@@ -237,3 +237,31 @@ def test_the_repair_progress_bar_stays_off_when_stderr_is_captured():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "True" and "repair search" not in run.stderr, run.stderr
+
+
+class _TimesW(nn.Module):
+    r"""A research projection that multiplies on the right (``x @ W``), its matrix stored ``shape``."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        torch.manual_seed(5)
+        self.w = nn.Parameter(torch.randn(*shape) / 4)
+
+    def forward(self, x):
+        return x @ self.w.reshape(16, 16)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (4, 4, 16)], ids=["same-shape", "heads-by-dim"])
+def test_a_right_multiplied_matrix_loaded_untransposed_is_a_use_of_the_values_not_a_forward_bug(shape):
+    # round 17 (flow_matching): w_o (heads, head_dim, dim) reshaped into a stock nn.Linear, not transposed,
+    # was told "fix that use, not the weights"; the forward is torch's, the conversion must transpose
+    reference = _TimesW(shape).eval()
+    port = nn.Linear(16, 16, bias=False).eval()
+    with torch.no_grad():
+        port.weight.copy_(reference.w.reshape(16, 16))
+    report = bisect(reference, port, ((torch.randn(3, 16),), {}))
+    said = report.render()
+    assert "fix that use, not the weights" not in said
+    assert "load them so in the conversion" in said and "transpose" in said, said
+    held = "the reference's values in their order (w, shape [4, 4, 16])" if len(shape) == 3 else "exactly"
+    assert held in said, said

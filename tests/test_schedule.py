@@ -432,10 +432,26 @@ def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
     dpm = fit_scheduler("DPMSolverMultistepScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
     check = dpm.rejected[0].step_check
     assert dpm.fits == [] and check is not None and not check.matched
-    assert check.quantity is None and "no one sigma_next - sigma read from the updates accounts for both" in (
+    assert check.quantity is None and "no one coefficient of the model output read from the updates" in (
         check.explanation
     )
     assert "differ in form" not in check.explanation and "lead: the step rules" in check.explanation
+
+
+def test_a_step_that_scales_the_output_is_named_by_the_coefficient_not_by_its_sigmas(tmp_path):
+    # round 17 (flow_matching): the research turned an x1 prediction into a cosine path's velocity, a factor
+    # pi/2 on the same sigmas; "sigma_next - sigma 0.1963 (reference) vs -0.125" named sigmas that agree
+    spec = tmp_path / "ref_scaled.py"
+    spec.write_text(
+        "from tests.reference_loops import karras_sigmas\n\n"
+        "def ref_schedule(n):\n    return {'sigmas': karras_sigmas(n)}\n\n"
+        "def ref_step(x, eps, sigma, sigma_next):\n    return x + 1.5 * eps * ((sigma_next or 0.0) - sigma)\n"
+    )
+    fit = fit_scheduler("EulerDiscreteScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
+    check = next(f.step_check for f in (*fit.fits, *fit.rejected) if f.step_check is not None)
+    assert not check.matched and check.quantity == "coefficient of the model output", check.explanation
+    assert "sigma_next - sigma" not in check.explanation
+    assert "the lists match, the update at step 0" in check.explanation
 
 
 # ------------------------------------------------------------------------------------------ VP closed forms

@@ -112,7 +112,8 @@ def _reference_updates(ref: Schedule, ref_n: Schedule, steps: int, source: Any, 
 
 
 def _implied(kind: str, x, eps, nxt, alpha_t: float | None) -> tuple[float, float]:
-    r"""The one number an update depends on — the previous alpha (DDIM-like) or sigma_next - sigma — and the
+    r"""The one number an update depends on — the previous alpha (DDIM-like) or the coefficient of the model
+    output (sigma_next - sigma in an Euler step on a velocity) — and the
     share of the update that reading leaves unexplained (large: the update is not of that form at all)."""
     import torch
 
@@ -309,7 +310,10 @@ def _mismatch(
     r"""The failing update ``i``, read as one number when one number accounts for it (else the share no one
     number accounts for, and a lead)."""
     alpha_based = getattr(scheduler, "sigmas", None) is None and hasattr(scheduler, "alphas_cumprod")
-    quantity = "previous alpha" if alpha_based else "sigma_next - sigma"
+    # what is read off the updates, named as measured: a flow step's coefficient of the model output is
+    # sigma_next - sigma only where the output is the velocity the step integrates (round 17: a research loop
+    # turning an x1 prediction into a cosine path's velocity scales it by pi/2 on the same sigmas)
+    quantity = "previous alpha" if alpha_based else "coefficient of the model output"
     alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
     ref_v, ref_r = _implied(quantity, x, eps, nxt, alpha_t)
     port_v, port_r = _implied(quantity, x, eps, out, alpha_t)

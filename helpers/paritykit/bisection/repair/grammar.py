@@ -110,10 +110,14 @@ def _said(site: Site, tier: Tier, name: str, change: str, conversion: str) -> st
     if tier != "uses":
         return f"{site.path(name)}: {change} ({conversion})"
     source = site.held.get(name, "the aligned reference module's")
+    # same values, used otherwise: where to change it (the conversion, or a forward of the port's own) is the
+    # user's call; round 17's stock Linear held a research (in, out) matrix that the conversion must transpose
+    reshaped = ", shape [" in source
+    held = "the reference's values in their order" if reshaped else "exactly the reference's values"
     return (
-        f"{site.path(name)} holds exactly the reference's values ({source}), yet the port matches only after"
-        f" this edit: {change}; its forward uses the parameter differently from the reference: fix that use,"
-        " not the weights"
+        f"{site.path(name)} holds {held} ({source}), yet the port matches only after this edit: {change}; the"
+        " port uses these values otherwise than the reference: load them so in the conversion, or change how"
+        " its forward uses them"
     )
 
 

@@ -132,22 +132,25 @@ def held_parameters(reference: Any, port: Any) -> dict[str, str]:
     ref = [(n, p.detach()) for n, p in reference.named_parameters() if p.is_floating_point()]
     if sum(p.numel() for _, p in ref) > MAX_INDEXED:
         return {}
-    index: dict[tuple, str] = {}
+    index: dict[tuple, tuple[str, tuple]] = {}
     # a constant tensor (a fresh norm's ones, a zero bias) says nothing about where a port value came from
     ref = [(n, p) for n, p in ref if p.numel() > 1 and bool((p.reshape(-1) != p.reshape(-1)[0]).any())]
     for name, p in ref:
-        index.setdefault(_key(p), name)
+        index.setdefault(_key(p), (name, tuple(p.shape)))
         for dim in range(min(p.ndim, 2)):
             for count in (2, 3, 4):
                 if p.shape[dim] % count == 0 and p.shape[dim] > count - 1:
                     for i, part in enumerate(p.chunk(count, dim=dim)):
-                        index.setdefault(_key(part), f"{name} [chunk {i}/{count} dim {dim}]")
+                        index.setdefault(
+                            _key(part), (f"{name} [chunk {i}/{count} dim {dim}]", tuple(part.shape))
+                        )
     out = {}
     for name, p in port.named_parameters():
         if p.is_floating_point():
             hit = index.get(_key(p.detach()))
             if hit is not None:
-                out[name] = hit
+                # another shape: which dim is which was the conversion's choice, not the reference's
+                out[name] = hit[0] if hit[1] == tuple(p.shape) else f"{hit[0]}, shape {list(hit[1])}"
     return out
 
 
