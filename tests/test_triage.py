@@ -45,21 +45,6 @@ def test_initial_noise_cast_to_bf16(tmp_path):
     assert finding.command.startswith("paritykit compare") and "step_0.safetensors" in finding.command
 
 
-@pytest.mark.parametrize("bug", ["noise-f64", "noise-seed"])
-def test_other_noise_says_which_plain_draw_reproduces_each_side(tmp_path, bug):
-    # round 16 (x-unet): the port drew its noise in float64 and cast it; "another generator, seed, device or
-    # draw order" left the dtype out. Each side's noise is redrawn: what reproduces it exactly is said
-    report = run(tmp_path, [bug], vae=False)
-    finding = next(f for f in report.findings if f.place == "initial noise")
-    said = "the reference's are exactly torch.randn(…, dtype=float32) after torch.manual_seed(0)"
-    assert said in finding.summary, finding.summary
-    if bug == "noise-f64":
-        said = "the port's are exactly torch.randn(…, dtype=float64) after torch.manual_seed(0)"
-        assert said in finding.summary, finding.summary
-    else:  # must not name a draw: the port's generator is seeded with a number no side used
-        assert "the port's are no plain CPU draw tried" in finding.summary, finding.summary
-
-
 def test_schedule_spacing_is_fitted_and_the_fix_verified(tmp_path):
     report = run(tmp_path, ["spacing-leading"])
     (finding,) = report.findings
@@ -400,66 +385,6 @@ def test_list_arguments_are_recorded_and_paired_as_the_batch(tmp_path):
     report = triage_spec(write_list_spec(tmp_path, ["cond-bf16"]), out=tmp_path / "cond")
     (finding,) = report.findings
     assert finding.place == "conditioning" and "context" in finding.summary, report.render()
-
-
-RESULT_SPEC = """
-import torch
-from tests.triage_pairs import Pair, ddim_loop
-
-PAIR = Pair(set(), vae=False)
-port_scheduler = PAIR.port_scheduler
-
-
-class Padded(torch.nn.Module):  # the port's latents carry a fifth channel its denoiser drops
-    def __init__(self, unet):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, x, t, cond):
-        return self.unet(x[:, :4] * 1.01, t, encoder_hidden_states=cond).sample
-
-
-PORT = Padded(PAIR.port_unet)
-
-
-def run_reference():
-    return PAIR.run_reference()
-
-
-def run_port():
-    padded = lambda x, t, c: PORT(torch.cat([x, x[:, :1]], 1), t, c)  # noqa: E731
-    return ddim_loop(padded, torch.randn(1, 4, 8, 8), PAIR.cond, 5, "trailing")
-
-
-def reference_denoiser():
-    return PAIR.ref_unet
-
-
-def port_denoiser():
-    return PORT
-"""
-
-
-def test_a_result_that_differs_where_nothing_was_comparable_points_nowhere(tmp_path):
-    # round 16 (transfusion): no call could be compared, yet the result line pointed at "what runs after the
-    # last denoiser call". That pointer is said only where the walk compared the places before it
-    spec = tmp_path / "result_spec.py"
-    spec.write_text(RESULT_SPEC)
-    report = triage_spec(spec, out=tmp_path / "out")
-    (finding,) = report.findings
-    assert finding.place == "result", report.render()
-    assert "no place before them could be checked" in finding.summary, finding.summary
-    assert "what runs after the last denoiser call" not in finding.summary
-    (skipped,) = [n for n in report.not_checked if n.place == "initial noise"]
-    assert "latents shapes differ" in skipped.text
-    # with --all, the count of places that differ says which were not checked (round 15: "1 place differ"
-    # beside an update that was never compared read as "everything else agrees")
-    every = triage_spec(spec, out=tmp_path / "all", all_causes=True)
-    head = every.render().splitlines()[0]
-    assert (
-        head
-        == "verdict: differ (1 place differs, each checked on its own; not checked: denoiser, initial noise)"
-    )
 
 
 @pytest.mark.parametrize("vae, covered", [(True, "4 of 5"), (False, "5 of 5")])

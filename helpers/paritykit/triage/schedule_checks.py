@@ -74,9 +74,10 @@ class ScheduleChecks:
             ]
 
     def _stochastic_reference(self) -> str:
-        r"""Why the reference's update cannot be replayed, when it adds what no replay reproduces: at every
-        step where it can be fitted, its next latents are no exact linear rule of its latents and model
-        output (sampler noise, eta > 0, an SDE); empty otherwise."""
+        r"""Why the reference's update is not replayed: at every step where it can be fitted, its next latents
+        are no exact linear rule of its latents and model output (sampler noise, eta > 0, an SDE, x0
+        thresholding; round 17: DDIM's dynamic thresholding, which step() does reproduce, was called
+        irreproducible); empty otherwise."""
         fits = [self._update_fits(i)[0] for i in range(len(self.pairs))]
         # the last step of an SDE sampler goes to sigma 0 and draws no noise: it says nothing either way
         fitted = [f for f in fits[:-1] if f is not None]
@@ -85,9 +86,9 @@ class ScheduleChecks:
         worst = max(f.residual for f in fitted)
         return (
             "the reference's update is no exact linear rule of its latents and the recorded model output"
-            f" at any of {len(fitted)} steps (residual up to {format_number(worst)}): a replay of step() on"
-            " those values cannot reproduce it (a lead: sampler noise, or the outputs of several calls"
-            " combined)"
+            f" at any of {len(fitted)} steps (residual up to {format_number(worst)}), so step() was not"
+            " replayed on them (a lead: sampler noise, x0 clipped or thresholded, or the outputs of several"
+            " calls combined)"
         )
 
     def _check_step(self, finding: Finding) -> None:

@@ -1,0 +1,150 @@
+"""Triage's lines where the walk cannot compare a place, or compares it only in part: other noise said by the
+plain draw that reproduces each side, a result no place could be checked before, an update no linear rule
+explains (regression cases from rounds 16 and 17 of the agent A/B, benchmarks/results/agent_ab.md)."""
+
+from __future__ import annotations
+
+import pytest
+from paritykit.triage import triage_spec
+
+from tests.sampling import one_thread  # noqa: F401  (one torch thread for these tiny models)
+from tests.triage_pairs import write_spec
+
+
+def run(tmp_path, bugs=(), *, vae=True):
+    return triage_spec(write_spec(tmp_path, bugs, vae=vae), out=tmp_path / "out")
+
+
+@pytest.mark.parametrize("bug", ["noise-f64", "noise-seed"])
+def test_other_noise_says_which_plain_draw_reproduces_each_side(tmp_path, bug):
+    # round 16 (x-unet): the port drew its noise in float64 and cast it; "another generator, seed, device or
+    # draw order" left the dtype out. Each side's noise is redrawn: what reproduces it exactly is said
+    report = run(tmp_path, [bug], vae=False)
+    finding = next(f for f in report.findings if f.place == "initial noise")
+    said = "the reference's are exactly torch.randn(…, dtype=float32) after torch.manual_seed(0)"
+    assert said in finding.summary, finding.summary
+    if bug == "noise-f64":
+        said = "the port's are exactly torch.randn(…, dtype=float64) after torch.manual_seed(0)"
+        assert said in finding.summary, finding.summary
+    else:  # must not name a draw: the port's generator is seeded with a number no side used
+        assert "the port's are no plain CPU draw tried" in finding.summary, finding.summary
+
+
+RESULT_SPEC = """
+import torch
+from tests.triage_pairs import Pair, ddim_loop
+
+PAIR = Pair(set(), vae=False)
+port_scheduler = PAIR.port_scheduler
+
+
+class Padded(torch.nn.Module):  # the port's latents carry a fifth channel its denoiser drops
+    def __init__(self, unet):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x, t, cond):
+        return self.unet(x[:, :4] * 1.01, t, encoder_hidden_states=cond).sample
+
+
+PORT = Padded(PAIR.port_unet)
+
+
+def run_reference():
+    return PAIR.run_reference()
+
+
+def run_port():
+    padded = lambda x, t, c: PORT(torch.cat([x, x[:, :1]], 1), t, c)  # noqa: E731
+    return ddim_loop(padded, torch.randn(1, 4, 8, 8), PAIR.cond, 5, "trailing")
+
+
+def reference_denoiser():
+    return PAIR.ref_unet
+
+
+def port_denoiser():
+    return PORT
+"""
+
+
+def test_a_result_that_differs_where_nothing_was_comparable_points_nowhere(tmp_path):
+    # round 16 (transfusion): no call could be compared, yet the result line pointed at "what runs after the
+    # last denoiser call". That pointer is said only where the walk compared the places before it
+    spec = tmp_path / "result_spec.py"
+    spec.write_text(RESULT_SPEC)
+    report = triage_spec(spec, out=tmp_path / "out")
+    (finding,) = report.findings
+    assert finding.place == "result", report.render()
+    assert "no place before them could be checked" in finding.summary, finding.summary
+    assert "what runs after the last denoiser call" not in finding.summary
+    (skipped,) = [n for n in report.not_checked if n.place == "initial noise"]
+    assert "latents shapes differ" in skipped.text
+    # with --all, the count of places that differ says which were not checked (round 15: "1 place differ"
+    # beside an update that was never compared read as "everything else agrees")
+    every = triage_spec(spec, out=tmp_path / "all", all_causes=True)
+    head = every.render().splitlines()[0]
+    assert (
+        head
+        == "verdict: differ (1 place differs, each checked on its own; not checked: denoiser, initial noise)"
+    )
+
+
+THRESHOLD_SPEC = """
+import torch
+from diffusers import DDIMScheduler
+from tests.reference_loops import alphas_cumprod, ddim_timesteps
+from tests.triage_pairs import Pair
+
+PAIR = Pair(set(), vae=False)
+
+
+def port_scheduler():  # thresholding on, but sample_max_value's default 1.0 caps it: plain clipping
+    return DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                         timestep_spacing="trailing", thresholding=True, dynamic_thresholding_ratio=0.95)
+
+
+def run_reference():  # Imagen's dynamic thresholding (Saharia et al. 2022), written from the paper
+    ac, x = alphas_cumprod(), torch.randn(1, 4, 8, 8) * 20
+    steps = ddim_timesteps(5, "trailing")
+    for i, t in enumerate(steps):
+        eps = PAIR.ref_unet(x, torch.tensor(t), encoder_hidden_states=PAIR.cond).sample.double()
+        a, a_prev = ac[t], ac[steps[i + 1]] if i + 1 < len(steps) else torch.tensor(1.0, dtype=torch.float64)
+        x0 = (x.double() - (1 - a).sqrt() * eps) / a.sqrt()
+        s = torch.quantile(x0.abs().reshape(1, -1), 0.95, dim=1).clamp(min=1.0)
+        x0 = x0.clamp(-s, s) / s
+        x = (a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps).float()
+    return x
+
+
+def run_port():
+    scheduler = port_scheduler()
+    scheduler.set_timesteps(5)
+    x = torch.randn(1, 4, 8, 8) * 20
+    for t in scheduler.timesteps:
+        eps = PAIR.port_unet(x, t, encoder_hidden_states=PAIR.cond).sample
+        x = scheduler.step(eps, t, x, return_dict=False)[0]
+    return x
+
+
+def reference_denoiser():
+    return PAIR.ref_unet
+
+
+def port_denoiser():
+    return PAIR.port_unet
+"""
+
+
+def test_a_thresholded_update_is_not_called_irreproducible(tmp_path):
+    # round 17 (make-a-video): the reference's DDIM with dynamic thresholding is no linear rule of its latents
+    # and output, and "a replay of step() on those values cannot reproduce it" was false: step() with
+    # thresholding does. What is measured is said, and that step() was not replayed
+    spec = tmp_path / "threshold_spec.py"
+    spec.write_text(THRESHOLD_SPEC)
+    report = triage_spec(spec, out=tmp_path / "out")
+    (finding,) = report.findings
+    assert finding.place == "update", report.render()
+    said = " ".join(finding.evidence)
+    assert "is no exact linear rule" in said and "so step() was not replayed on them" in said, said
+    assert "cannot reproduce" not in said
