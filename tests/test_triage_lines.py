@@ -148,3 +148,23 @@ def test_a_thresholded_update_is_not_called_irreproducible(tmp_path):
     said = " ".join(finding.evidence)
     assert "is no exact linear rule" in said and "so step() was not replayed on them" in said, said
     assert "cannot reproduce" not in said
+
+
+@pytest.mark.parametrize("models", [False, True], ids=["traces-alone", "replayed"])
+def test_a_culprit_found_by_a_jump_is_never_said_to_differ_on_identical_inputs(tmp_path, models):
+    # round 17 (make-a-video): triage called a culprit compared only between the two runs' captured outputs
+    # "a module that differs on identical inputs"; it was never fed them
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.triage.measures import bisect_finding
+
+    from tests.test_bisect import _trace_dirs
+
+    reference, port, rt, pt = _trace_dirs(tmp_path, "dit", "gelu")
+    report = bisect_traces(rt, pt, reference=reference if models else None, port=port if models else None)
+    finding = bisect_finding("denoiser", 0, report)
+    assert report.culprit.test == ("replay" if models else "jump"), report.render()
+    if not models:
+        assert "differs on identical inputs" not in finding.summary, finding.summary
+        assert "(jump: not replayed on identical inputs)" in finding.summary
+    else:  # a replayed culprit was fed the reference's inputs: said so
+        assert "a module that differs on identical inputs" in finding.summary

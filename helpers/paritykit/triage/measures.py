@@ -199,12 +199,18 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
             f" {divergence.port or '(top)'} (max_abs {format_number(divergence.max_abs)}; {own})"
         )
     fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
+    # a culprit found by comparing both runs' captured outputs (a jump) was never fed identical inputs
+    how = (
+        "a module that differs on identical inputs"
+        if getattr(culprit, "test", "replay") != "jump"  # replayed, or the top level fed the same inputs
+        else f"a module whose outputs differ in the two runs ({culprit.test}: not replayed on identical"
+        " inputs)"
+    )
     return Finding(
         place,
         call,
         f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); bisect's"
-        " culprit, a module that differs on identical inputs (not necessarily the first to differ in the"
-        f" run): {culprit.port or '(top level)'}",
+        f" culprit, {how} (not necessarily the first to differ in the run): {culprit.port or '(top level)'}",
         evidence=evidence,
         fix=verified.fix if verified else None,
         verified=verified is not None,
