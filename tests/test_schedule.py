@@ -419,13 +419,20 @@ def test_cli_sides_from_npy_and_checkpoint_folder_give_strict_json_with_environm
     assert bad.exit_code == 2 and set(json.loads(bad.output)) == {"schema_version", "error"}
 
 
-def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
+def _karras_euler_spec(tmp_path, factor: str = ""):
+    r"""A reference SPEC: Karras sigmas, an Euler step, its output scaled by ``factor`` (``"1.5 * "``)."""
     spec = tmp_path / "ref_karras.py"
     spec.write_text(
         "from tests.reference_loops import karras_sigmas\n\n"
         "def ref_schedule(n):\n    return {'sigmas': karras_sigmas(n)}\n\n"
-        "def ref_step(x, eps, sigma, sigma_next):\n    return x + eps * ((sigma_next or 0.0) - sigma)\n"
+        "def ref_step(x, eps, sigma, sigma_next):\n"
+        f"    return x + {factor}eps * ((sigma_next or 0.0) - sigma)\n"
     )
+    return spec
+
+
+def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
+    spec = _karras_euler_spec(tmp_path)
     euler = fit_scheduler("EulerDiscreteScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
     assert euler.line.endswith("use_karras_sigmas=True)") and euler.fits[0].step_check.matched
     # DPM-Solver's first-order step is a different rule: the lists match, no single quantity is blamed
@@ -441,12 +448,7 @@ def test_step_check_names_no_quantity_when_the_update_rules_differ(tmp_path):
 def test_a_step_that_scales_the_output_is_named_by_the_coefficient_not_by_its_sigmas(tmp_path):
     # round 17 (flow_matching): the research turned an x1 prediction into a cosine path's velocity, a factor
     # pi/2 on the same sigmas; "sigma_next - sigma 0.1963 (reference) vs -0.125" named sigmas that agree
-    spec = tmp_path / "ref_scaled.py"
-    spec.write_text(
-        "from tests.reference_loops import karras_sigmas\n\n"
-        "def ref_schedule(n):\n    return {'sigmas': karras_sigmas(n)}\n\n"
-        "def ref_step(x, eps, sigma, sigma_next):\n    return x + 1.5 * eps * ((sigma_next or 0.0) - sigma)\n"
-    )
+    spec = _karras_euler_spec(tmp_path, "1.5 * ")
     fit = fit_scheduler("EulerDiscreteScheduler", spec, steps=8, base_config=SD_BETAS, step_check=True)
     check = next(f.step_check for f in (*fit.fits, *fit.rejected) if f.step_check is not None)
     assert not check.matched and check.quantity == "coefficient of the model output", check.explanation

@@ -15,6 +15,16 @@ def run(tmp_path, bugs=(), *, vae=True):
     return triage_spec(write_spec(tmp_path, bugs, vae=vae), out=tmp_path / "out")
 
 
+def one_finding(tmp_path, text: str, place: str):
+    r"""Triage of a SPEC written from ``text``: its one finding, which must be at ``place``."""
+    spec = tmp_path / "spec.py"
+    spec.write_text(text)
+    report = triage_spec(spec, out=tmp_path / "out")
+    (finding,) = report.findings
+    assert finding.place == place, report.render()
+    return finding
+
+
 @pytest.mark.parametrize("bug", ["noise-f64", "noise-seed"])
 def test_other_noise_says_which_plain_draw_reproduces_each_side(tmp_path, bug):
     # round 16 (x-unet): the port drew its noise in float64 and cast it; "another generator, seed, device or
@@ -140,11 +150,7 @@ def test_a_thresholded_update_is_not_called_irreproducible(tmp_path):
     # round 17 (make-a-video): the reference's DDIM with dynamic thresholding is no linear rule of its latents
     # and output, and "a replay of step() on those values cannot reproduce it" was false: step() with
     # thresholding does. What is measured is said, and that step() was not replayed
-    spec = tmp_path / "threshold_spec.py"
-    spec.write_text(THRESHOLD_SPEC)
-    report = triage_spec(spec, out=tmp_path / "out")
-    (finding,) = report.findings
-    assert finding.place == "update", report.render()
+    finding = one_finding(tmp_path, THRESHOLD_SPEC, "update")
     said = " ".join(finding.evidence)
     assert "is no exact linear rule" in said and "so step() was not replayed on them" in said, said
     assert "cannot reproduce" not in said
