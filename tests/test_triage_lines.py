@@ -5,6 +5,7 @@ explains (regression cases from rounds 16 and 17 of the agent A/B, benchmarks/re
 from __future__ import annotations
 
 import pytest
+import torch
 from paritykit.triage import triage_spec
 
 from tests.sampling import one_thread  # noqa: F401  (one torch thread for these tiny models)
@@ -174,3 +175,38 @@ def test_a_culprit_found_by_a_jump_is_never_said_to_differ_on_identical_inputs(t
         assert "(jump: not replayed on identical inputs)" in finding.summary
     else:  # a replayed culprit was fed the reference's inputs: said so
         assert "a module that differs on identical inputs" in finding.summary
+
+
+class _Table(torch.nn.Module):
+    r"""An embedding computed from a table buffer and a Linear after it: the table is no module of its own."""
+
+    def __init__(self, scale: float, squeeze: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("table", torch.randn(8, 6) * scale)
+        self.proj = torch.nn.Linear(6, 6)
+        self.squeeze = squeeze
+
+    def forward(self, t):  # the port's output without the reference's leading dim, as diffwave's is
+        out = self.proj(self.table[t])
+        return out if self.squeeze else out[None]
+
+
+def test_no_culprit_is_never_said_to_be_one(tmp_path):
+    # round 18 (diffwave): the port's timestep table differed; bisect named no culprit, and triage called the
+    # first module whose outputs differ (a Linear fed that table) "bisect's culprit, a module that differs on
+    # identical inputs"
+    from paritykit.bisection.entry import bisect
+    from paritykit.triage.measures import bisect_finding
+
+    reference, port = _Table(1.0).eval(), _Table(1.0, squeeze=True).eval()
+    port.proj.load_state_dict(reference.proj.state_dict())
+    port.table.mul_(1.01)
+    report = bisect(reference, port, ((torch.tensor([3, 5]),), {}))
+    assert report.culprit is None and report.first_output_divergence is not None, report.render()
+    finding = bisect_finding("denoiser", 0, report)
+    assert "bisect named no culprit; the first aligned module whose outputs differ: proj" in finding.summary
+    assert "differs on identical inputs" not in finding.summary
+    assert finding.evidence[0].startswith(
+        "no culprit named; first aligned module whose outputs differ: reference proj"
+    )

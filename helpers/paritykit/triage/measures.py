@@ -169,9 +169,16 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
     hints = list(culprit.hints)
     verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
     first = hints[0].render() if hints else (culprit.note or "no cause named")
+    # bisect named no culprit: the first module whose outputs differ is where the difference shows, not a
+    # module that fails on its own (round 18: a Linear fed a differing table was called the culprit)
+    named = (
+        "culprit"
+        if report.culprit is not None
+        else "no culprit named; first aligned module whose outputs differ"
+    )
     evidence = [
         (
-            f"culprit: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
+            f"{named}: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
             f" ({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine"
             f" {format_cosine(culprit.cosine)})"
         ),
@@ -206,11 +213,16 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
         else f"a module whose outputs differ in the two runs ({culprit.test}: not replayed on identical"
         " inputs)"
     )
+    said = (
+        f"bisect's culprit, {how} (not necessarily the first to differ in the run)"
+        if report.culprit is not None
+        else "bisect named no culprit; the first aligned module whose outputs differ"
+    )
     return Finding(
         place,
         call,
-        f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); bisect's"
-        f" culprit, {how} (not necessarily the first to differ in the run): {culprit.port or '(top level)'}",
+        f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); {said}:"
+        f" {culprit.port or '(top level)'}",
         evidence=evidence,
         fix=verified.fix if verified else None,
         verified=verified is not None,
