@@ -171,14 +171,11 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
     first = hints[0].render() if hints else (culprit.note or "no cause named")
     # bisect named no culprit: the first module whose outputs differ is where the difference shows, not a
     # module that fails on its own (round 18: a Linear fed a differing table was called the culprit)
-    named = (
-        "culprit"
-        if report.culprit is not None
-        else "no culprit named; first aligned module whose outputs differ"
-    )
+    named = report.culprit is not None
     evidence = [
         (
-            f"{named}: reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
+            f"{'culprit' if named else 'no culprit named; first aligned module whose outputs differ'}:"
+            f" reference {culprit.reference or '(top)'} <-> port {culprit.port or '(top)'}"
             f" ({culprit.test}; max_abs {format_number(culprit.max_abs)}, cosine"
             f" {format_cosine(culprit.cosine)})"
         ),
@@ -206,18 +203,14 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
             f" {divergence.port or '(top)'} (max_abs {format_number(divergence.max_abs)}; {own})"
         )
     fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
-    # a culprit found by comparing both runs' captured outputs (a jump) was never fed identical inputs
-    how = (
-        "a module that differs on identical inputs"
-        if getattr(culprit, "test", "replay") != "jump"  # replayed, or the top level fed the same inputs
-        else f"a module whose outputs differ in the two runs ({culprit.test}: not replayed on identical"
-        " inputs)"
-    )
-    said = (
-        f"bisect's culprit, {how} (not necessarily the first to differ in the run)"
-        if report.culprit is not None
-        else "bisect named no culprit; the first aligned module whose outputs differ"
-    )
+    later = " (not necessarily the first to differ in the run)"
+    if not named:
+        said = "bisect named no culprit; the first aligned module whose outputs differ"
+    elif getattr(culprit, "test", "replay") != "jump":  # replayed, or the top level fed the same inputs
+        said = "bisect's culprit, a module that differs on identical inputs" + later
+    else:  # found by comparing both runs' captured outputs: never fed identical inputs
+        said = f"bisect's culprit, a module whose outputs differ in the two runs ({culprit.test}: not"
+        said += " replayed on identical inputs)" + later
     return Finding(
         place,
         call,
