@@ -180,16 +180,16 @@ def test_a_culprit_found_by_a_jump_is_never_said_to_differ_on_identical_inputs(t
 class _Table(torch.nn.Module):
     r"""An embedding computed from a table buffer and a Linear after it: the table is no module of its own."""
 
-    def __init__(self, scale: float, squeeze: bool = False):
+    def __init__(self, scale: float, flat: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.register_buffer("table", torch.randn(8, 6) * scale)
         self.proj = torch.nn.Linear(6, 6)
-        self.squeeze = squeeze
+        self.flat = flat
 
-    def forward(self, t):  # the port's output without the reference's leading dim, as diffwave's is
+    def forward(self, t):  # the port's output of another shape (no view of a size-1 dim): no top-level culprit
         out = self.proj(self.table[t])
-        return out if self.squeeze else out[None]
+        return out.reshape(-1) if self.flat else out[None]
 
 
 def test_no_culprit_is_never_said_to_be_one(tmp_path):
@@ -199,7 +199,7 @@ def test_no_culprit_is_never_said_to_be_one(tmp_path):
     from paritykit.bisection.entry import bisect
     from paritykit.triage.measures import bisect_finding
 
-    reference, port = _Table(1.0).eval(), _Table(1.0, squeeze=True).eval()
+    reference, port = _Table(1.0).eval(), _Table(1.0, flat=True).eval()
     port.proj.load_state_dict(reference.proj.state_dict())
     port.table.mul_(1.01)
     report = bisect(reference, port, ((torch.tensor([3, 5]),), {}))
@@ -210,3 +210,104 @@ def test_no_culprit_is_never_said_to_be_one(tmp_path):
     assert finding.evidence[0].startswith(
         "no culprit named; first aligned module whose outputs differ: reference proj"
     )
+
+
+HEUN_SPEC = """
+import math
+
+import torch
+from diffusers import EDMEulerScheduler
+
+STEPS = 4
+SIGMA_DATA = 0.5
+PORT_CHURN_STEP = {port_churn}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.time = torch.nn.Linear(1, 8)
+
+    def forward(self, x, t):
+        return self.proj(x) + self.time(t.reshape(-1, 1))[:, None]
+
+
+NET = Net().eval()
+SCHEDULER = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=SIGMA_DATA)
+
+
+def denoised(x, sigma, c_noise):  # Karras et al. (2022), table 1
+    c_in = 1 / math.sqrt(sigma**2 + SIGMA_DATA**2)
+    c_skip = SIGMA_DATA**2 / (sigma**2 + SIGMA_DATA**2)
+    c_out = sigma * SIGMA_DATA / math.sqrt(sigma**2 + SIGMA_DATA**2)
+    t = torch.tensor([c_noise], dtype=torch.float32)
+    return c_skip * x + c_out * NET(c_in * x, t)
+
+
+def heun(sigmas, churn_step, noise_of):
+    # Karras et al. (2022), algorithm 2, its churn raising sigma at one step (without the added noise)
+    x = torch.randn(1, 4, 8) * sigmas[0]
+    for i in range(len(sigmas) - 1):
+        s, s_next = sigmas[i], sigmas[i + 1]
+        s_hat = s * 1.25 if i == churn_step else s
+        d = (x - denoised(x, s_hat, noise_of(i, s_hat))) / s_hat
+        x_next = x + (s_next - s_hat) * d
+        if s_next > 0:
+            d2 = (x_next - denoised(x_next, s_next, noise_of(i + 1, s_next))) / s_next
+            x_next = x + (s_next - s_hat) * (d + d2) / 2
+        x = x_next
+    return x
+
+
+def karras_sigmas(n, smin=0.002, smax=80.0, rho=7.0):
+    ramp = [i / (n - 1) for i in range(n)]
+    top, bottom = smax ** (1 / rho), smin ** (1 / rho)
+    return [(top + r * (bottom - top)) ** rho for r in ramp] + [0.0]
+
+
+def run_reference():
+    return heun(karras_sigmas(STEPS), 1, lambda i, s: math.log(s) / 4)
+
+
+def run_port():
+    SCHEDULER.set_timesteps(STEPS)
+    sigmas = [float(s) for s in SCHEDULER.sigmas]
+    steps = [float(t) for t in SCHEDULER.timesteps]
+
+    def noise_of(i, s):  # the scheduler's timestep, or the churned sigma's where the port churns
+        return float(SCHEDULER.precondition_noise(torch.tensor(s))) if s != sigmas[i] else steps[i]
+
+    return heun(sigmas, PORT_CHURN_STEP, noise_of)
+
+
+def reference_denoiser():
+    return NET
+
+
+def port_denoiser():
+    return NET
+
+
+def port_scheduler():
+    return SCHEDULER
+"""
+
+
+@pytest.mark.parametrize("port_churn", [None, 2])
+def test_a_heun_loop_is_read_against_the_schedulers_list_for_its_own_step_count(tmp_path, port_churn):
+    # round 18 (denoising-diffusion-pytorch's EDM): the port's Heun loop calls its denoiser 7 times for 4 steps;
+    # triage printed "the port's scheduler gives the timesteps [...] (7)", set_timesteps(7)'s list, and called
+    # the port's values converted although every one was the scheduler's own for the 4 steps the port set
+    spec = tmp_path / "spec.py"
+    spec.write_text(HEUN_SPEC.format(port_churn=port_churn))
+    report = triage_spec(spec, out=tmp_path / "out")
+    finding = next(f for f in report.findings if f.place == "schedule")
+    assert finding.call == 2, report.render()
+    text = "\n".join(finding.evidence)
+    if port_churn is None:  # must not fire: every value the port feeds is its scheduler's
+        assert "the port's scheduler" not in text, text
+        return
+    said = "the port's scheduler, as port_scheduler() returned it (4 steps), gives the timesteps"
+    assert said in text and "from call 4 the fed value is not the scheduler's" in text, text

@@ -135,6 +135,18 @@ def _singleton_view(tensor: Any, targets: list[Any]) -> Viewed | None:
     return Viewed(found.pop()) if len(found) == 1 and _sizes_tell_dims_apart(mine) else None
 
 
+def viewed_as(tensor: Any, target: Any) -> tuple[Any, str]:
+    r"""``tensor`` viewed in ``target``'s shape where the two differ by size-1 dims alone and the sizes tell
+    the dims apart (a port returning ``[B, L]`` for the research's ``[B, 1, L]``), with a line saying so;
+    ``(tensor, "")`` otherwise."""
+    if tuple(tensor.shape) == tuple(target.shape) or _singleton_view(tensor, [target]) is None:
+        return tensor, ""
+    return tensor.reshape(target.shape), (
+        f"the outputs' shapes differ by size-1 dims alone (reference {list(target.shape)}, port"
+        f" {list(tensor.shape)}): compared with the port's viewed as the reference's"
+    )
+
+
 def _sizes_tell_dims_apart(shape: tuple) -> bool:
     r"""Whether a layout is read off the sizes past the first dim: each size once, or one pair of equal
     sizes side by side (``H = W``). Where three dims share a size (``C = H = W``), a channels-last port

@@ -188,7 +188,8 @@ class BisectReport:
     # the output differs by float noise only: where the two sides differ most in precision
     # (paritykit.bisection.floor); float_floor says whether the float64 runs were measured, or why not
     precision: str = ""
-    # final outputs of other shapes: which blocks of the larger batch the smaller output equals (measured)
+    # final outputs of other shapes: which blocks of the larger batch the smaller output equals (measured), or
+    # that they were compared through a view where they differ by size-1 dims alone
     shape_note: str = ""
     float_floor: str = ""
     # a run from --reference/--port/--inputs: the command that writes the SPEC it used, to keep it
@@ -289,6 +290,8 @@ class BisectReport:
             lines.append(self.precision)
         if self.float_floor not in ("", "off", FLOOR_MEASURED):
             lines.append(f"float floor: {self.float_floor}")
+        if out.get("status") != "shape_mismatch" and self.shape_note:
+            lines.append(self.shape_note)
         if out.get("status") == "shape_mismatch":
             lines.append(
                 f"final output shapes differ: reference {out['shape_reference']} vs port {out['shape_port']}"

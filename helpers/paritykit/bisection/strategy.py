@@ -32,7 +32,7 @@ from paritykit.bisection.findings import (
     untestable_relations,
 )
 from paritykit.bisection.floor import FloatFloor, floor_state, max_difference, precision_line, within
-from paritykit.bisection.leaves import final_output
+from paritykit.bisection.leaves import final_output, viewed_as
 from paritykit.bisection.repair.culprit_sites import RepairOptions
 from paritykit.bisection.results import BisectReport, ModuleTest, Verdict
 from paritykit.bisection.searcher import Searcher, join_notes
@@ -236,6 +236,7 @@ def run_strategy(
     top = strategy.top
     ref_final = final_output("reference", top.ref_trace.root.output_value(), select_output)
     port_final = final_output("port", top.port_trace.root.output_value(), select_output)
+    port_final, viewed = viewed_as(port_final, ref_final)
     output = compare_tensors(ref_final, port_final, atol=atol, rtol=rtol, name="output")
     floor = top.float_floor if top.float_floor is not None and top.float_floor.measured else None
     precision = ""
@@ -332,7 +333,7 @@ def run_strategy(
         # failure is no lead; one fed alike that fails holds a difference the output hides
         candidates = [c for c in candidates if top.fed_alike(c.reference)]
     stamp = environment if environment is not None else environment_stamp()
-    shape_note = batch_blocks(ref_final, port_final, atol, rtol) if output.status == "shape_mismatch" else ""
+    shape_note = batch_blocks(ref_final, port_final, atol, rtol) if output.status == "shape_mismatch" else viewed
     return BisectReport(
         verdict=verdict,
         culprit=culprit,

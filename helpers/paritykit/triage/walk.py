@@ -710,17 +710,43 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         )
 
     def _converted_timesteps(self, t_port: list[float]) -> list[str]:
-        r"""A line where ``port_scheduler()``, set to the run's step count, gives timesteps other than those
-        the port's denoiser was fed: the port's pipeline converts them before the call, so what differs may
-        be that conversion as well as the schedule."""
-        own = self._scheduler_timesteps(len(t_port)) if self.spec.has("port_scheduler") else None
-        if own is None or len(own) != len(t_port) or all(same_timestep(a, b) for a, b in zip(own, t_port)):
+        r"""A line where the port's denoiser is fed timesteps that ``port_scheduler()`` does not give at the
+        run's step count: the port's pipeline converts them before the call, so what differs may be that
+        conversion as well as the schedule. The step count is the one ``port_scheduler()`` returns set (the
+        port's run sets it where the SPEC returns the pipeline's own); where it was never set, the call count, and only where no timestep is fed twice
+        (two calls a step, as a Heun loop makes, would be read as twice the steps). Empty otherwise."""
+        if not self.spec.has("port_scheduler"):
+            return []
+        own = self._run_timesteps()
+        words = f"as port_scheduler() returned it ({self.port_scheduler.num_inference_steps} steps)"
+        if own is None and len(set(t_port)) == len(t_port):
+            own, words = self._scheduler_timesteps(len(t_port)), f"set to {len(t_port)} steps, one a call"
+        if own is None:
+            return []
+        if len(own) == len(t_port):
+            apart = [i for i, (a, b) in enumerate(zip(own, t_port)) if not same_timestep(a, b)]
+        else:
+            apart = [i for i, b in enumerate(t_port) if not any(same_timestep(a, b) for a in own)]
+        if not apart:
             return []
         return [
-            f"the port's scheduler gives the timesteps {head(own)}, and its denoiser is fed {head(t_port)}:"
-            " the port's pipeline converts them before each call (a lead: the difference may be made in that"
-            " conversion, not in the scheduler)"
+            f"the port's scheduler, {words}, gives the timesteps {head(own)}, and its denoiser is fed"
+            f" {head(t_port)}; from call {apart[0]} the fed value is not the scheduler's: the port's pipeline"
+            " converts them before the call (a lead: the difference may be made in that conversion, not in the"
+            " scheduler)"
         ]
+
+    def _run_timesteps(self) -> list[float] | None:
+        r"""The timesteps ``port_scheduler()`` holds where it was set to a step count (by the port's run, where
+        the SPEC returns the pipeline's own); ``None`` where it was never set."""
+        if getattr(self.port_scheduler, "num_inference_steps", None) is None:
+            return None
+        held = getattr(self.port_scheduler, "timesteps", None)
+        try:
+            values = [float(t) for t in held] if held is not None else []
+        except (TypeError, ValueError):
+            return None
+        return values or None
 
     def _same_step_times(self, i: int) -> bool:
         if not self.pairs[i].timestep_match:
