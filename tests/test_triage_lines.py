@@ -187,7 +187,9 @@ class _Table(torch.nn.Module):
         self.proj = torch.nn.Linear(6, 6)
         self.flat = flat
 
-    def forward(self, t):  # the port's output of another shape (no view of a size-1 dim): no top-level culprit
+    def forward(
+        self, t
+    ):  # the port's output of another shape (no view of a size-1 dim): no top-level culprit
         out = self.proj(self.table[t])
         return out.reshape(-1) if self.flat else out[None]
 
@@ -297,7 +299,7 @@ def port_scheduler():
 
 @pytest.mark.parametrize("port_churn", [None, 2])
 def test_a_heun_loop_is_read_against_the_schedulers_list_for_its_own_step_count(tmp_path, port_churn):
-    # round 18 (denoising-diffusion-pytorch's EDM): the port's Heun loop calls its denoiser 7 times for 4 steps;
+    # round 18 (EDM from denoising-diffusion-pytorch): the port's Heun loop calls its denoiser 7 times in 4 steps;
     # triage printed "the port's scheduler gives the timesteps [...] (7)", set_timesteps(7)'s list, and called
     # the port's values converted although every one was the scheduler's own for the 4 steps the port set
     spec = tmp_path / "spec.py"

@@ -500,7 +500,7 @@ class Searcher(CallPairing):
             return ""
         paired = self.compare_paired(ref_out, list(own.outputs.items()), ref_record.name)
         if paired is not None and paired.worst.passed:
-            return ""  # agreeing runs on disagreeing inputs are _agrees_in_runs'; on agreeing inputs, no boundary
+            return ""  # on disagreeing inputs that is _agrees_in_runs'; on agreeing ones, no boundary
         return f"{said}: what differs here the port takes back between the two calls, not one it passes on"
 
     def _offset_absorbed(self, ref_record: Record, ref_out: Leaves, port_out: Leaves) -> str:

@@ -333,7 +333,9 @@ def run_strategy(
         # failure is no lead; one fed alike that fails holds a difference the output hides
         candidates = [c for c in candidates if top.fed_alike(c.reference)]
     stamp = environment if environment is not None else environment_stamp()
-    shape_note = batch_blocks(ref_final, port_final, atol, rtol) if output.status == "shape_mismatch" else viewed
+    shape_note = (
+        batch_blocks(ref_final, port_final, atol, rtol) if output.status == "shape_mismatch" else viewed
+    )
     return BisectReport(
         verdict=verdict,
         culprit=culprit,

@@ -119,7 +119,9 @@ class ScheduleChecks:
                 f"the port's step() with this fix reproduces the reference's {check.steps_checked} "
                 f"updates: {check.explanation}"
             )
-        elif (check is None or not check.matched) and (fit.rejected or fit.fits):  # none tried: nothing to say
+        elif (check is None or not check.matched) and (
+            fit.rejected or fit.fits
+        ):  # none tried: nothing to say
             # (a config as given that reproduces the updates with step()'s defaults says nothing here)
             why = (
                 fit.rejected[0].step_check.explanation if fit.rejected and fit.rejected[0].step_check else ""

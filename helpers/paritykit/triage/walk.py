@@ -713,8 +713,9 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         r"""A line where the port's denoiser is fed timesteps that ``port_scheduler()`` does not give at the
         run's step count: the port's pipeline converts them before the call, so what differs may be that
         conversion as well as the schedule. The step count is the one ``port_scheduler()`` returns set (the
-        port's run sets it where the SPEC returns the pipeline's own); where it was never set, the call count, and only where no timestep is fed twice
-        (two calls a step, as a Heun loop makes, would be read as twice the steps). Empty otherwise."""
+        port's run sets it where the SPEC returns the pipeline's own); where it was never set, the call
+        count, and only where no timestep is fed twice (two calls a step, as a Heun loop makes, would be read
+        as twice the steps). Empty otherwise."""
         if not self.spec.has("port_scheduler"):
             return []
         own = self._run_timesteps()
@@ -730,15 +731,15 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         if not apart:
             return []
         return [
-            f"the port's scheduler, {words}, gives the timesteps {head(own)}, and its denoiser is fed"
-            f" {head(t_port)}; from call {apart[0]} the fed value is not the scheduler's: the port's pipeline"
-            " converts them before the call (a lead: the difference may be made in that conversion, not in the"
-            " scheduler)"
+            f"the port's scheduler, {words}, gives the timesteps {head(own)}, and its denoiser is"
+            f" fed {head(t_port)}; from call {apart[0]} the fed value is not the scheduler's: the port's"
+            " pipeline converts them before the call (a lead: the difference may be made in that conversion,"
+            " not in the scheduler)"
         ]
 
     def _run_timesteps(self) -> list[float] | None:
-        r"""The timesteps ``port_scheduler()`` holds where it was set to a step count (by the port's run, where
-        the SPEC returns the pipeline's own); ``None`` where it was never set."""
+        r"""The timesteps ``port_scheduler()`` holds where it was set to a step count (by the port's run,
+        where the SPEC returns the pipeline's own); ``None`` where it was never set."""
         if getattr(self.port_scheduler, "num_inference_steps", None) is None:
             return None
         held = getattr(self.port_scheduler, "timesteps", None)
