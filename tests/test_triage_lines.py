@@ -300,8 +300,8 @@ def port_scheduler():
 @pytest.mark.parametrize("port_churn", [None, 2])
 def test_a_heun_loop_is_read_against_the_schedulers_list_for_its_own_step_count(tmp_path, port_churn):
     # round 18 (EDM, denoising-diffusion-pytorch): the port's Heun loop calls its denoiser 7 times in 4
-    # steps; triage printed "the port's scheduler gives the timesteps [...] (7)", set_timesteps(7)'s list, and called
-    # the port's values converted although every one was the scheduler's own for the 4 steps the port set
+    # steps; triage printed "the port's scheduler gives the timesteps [...] (7)", set_timesteps(7)'s list,
+    # and called the port's values converted although each was its scheduler's own for the 4 steps it set
     spec = tmp_path / "spec.py"
     spec.write_text(HEUN_SPEC.format(port_churn=port_churn))
     report = triage_spec(spec, out=tmp_path / "out")
