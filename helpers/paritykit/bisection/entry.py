@@ -445,19 +445,28 @@ def spread_of_settings(finding: Any, differences: list[Any], port: Any, pairs: i
     that hold the port's value under a name that contains the setting's (``norm_num_groups`` for
     ``num_groups``), said in the hint."""
     for hint in finding.hints:
-        found = (hint.evidence or {}).get("difference") if hint.id == "module-config" else None
-        if not found or found.get("kind") != "attribute":
+        evidence = (hint.evidence or {}) if hint.id == "module-config" else {}
+        found = evidence.get("difference") or next(iter(evidence.get("differences") or []), None)
+        if not found or found.get("kind") not in ("attribute", "parameter"):
             continue
         # compared as to_dict writes them (tuples as lists)
-        pick = operator.itemgetter("attr", "reference_value", "port_value")
+        pick = operator.itemgetter("attr", "reference_value", "port_value", "kind")
         same = [d for d in differences if pick(d.to_dict()) == pick(found)]
         if len(same) < 2:
             continue
+        # a parameter the port lacks: the attribute of the same module that differs too names the config key
+        # (LayerNorm's elementwise_affine for its weight)
+        setting = found
+        if found["kind"] == "parameter":
+            owner = ".".join(p for p in (finding.reference, found["reference"]) if p)
+            setting = next(
+                (d.to_dict() for d in differences if d.kind == "attribute" and d.reference == owner), found
+            )
         config = getattr(port, "config", None)
         keys = [
             k
             for k, v in (dict(config) if isinstance(config, dict) else {}).items()
-            if found["attr"] in k and v == found["port_value"]
+            if setting["attr"] in k and v == setting["port_value"]
         ]
         hint.message += (
             f"; the same setting differs the same way in {len(same)} aligned module pairs of the two models"

@@ -268,7 +268,10 @@ def measure(
         if outputs is not None:
             with torch.no_grad():
                 again = flatten_tensors(call(model, *map_tensors((args, kwargs), lambda t: t.clone())))
-            if leaves_error(flatten_tensors(outputs[index]), again) != 0.0:
+            first = flatten_tensors(outputs[index])
+            if not first or not again:
+                return FloatFloor(reason=f"the {side}'s output holds no tensor paritykit reads")
+            if leaves_error(first, again) != 0.0:
                 return FloatFloor(
                     reason=f"the {side} run again does not reproduce its own output (randomness inside its"
                     " forward, or inputs it edits in place): what moves is not rounding"

@@ -13,7 +13,8 @@ from paritykit.compare.tensors import relative_error
 
 
 def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]:
-    """``(path, tensor)`` for every tensor in a nested value (tuples, lists, dicts, ``BaseOutput``)."""
+    """``(path, tensor)`` for every tensor in a nested value (tuples, lists, dicts, ``BaseOutput``, and
+    dataclass instances as research code returns them: audiocraft's ``Output(sample=…)``)."""
     if is_tensor(value):
         return [(prefix, value)]
     out: list[tuple[str, Any]] = []
@@ -23,7 +24,22 @@ def flatten_tensors(value: Any, prefix: str = "output") -> list[tuple[str, Any]]
     elif isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
             out += flatten_tensors(v, f"{prefix}.{i}")
+    elif _is_dataclass_instance(value):
+        for name in _field_names(value):
+            out += flatten_tensors(getattr(value, name), f"{prefix}.{name}")
     return out
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    import dataclasses
+
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _field_names(value: Any) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(value)]
 
 
 def output_leaves(value: Any) -> list[tuple[str, Any]]:
@@ -293,6 +309,17 @@ def rebuild_leaves(value: Any, swap: dict[str, Any], prefix: str) -> Any:
     if isinstance(value, (tuple, list)):
         items = [rebuild_leaves(v, swap, f"{prefix}.{i}") for i, v in enumerate(value)]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if _is_dataclass_instance(value):
+        import dataclasses
+
+        fields = {n: rebuild_leaves(getattr(value, n), swap, f"{prefix}.{n}") for n in _field_names(value)}
+        try:
+            return dataclasses.replace(value, **fields)
+        except (TypeError, ValueError):  # a field its __init__ does not take: set on a copy
+            out = copy.copy(value)
+            for name, v in fields.items():
+                object.__setattr__(out, name, v)
+            return out
     return value
 
 

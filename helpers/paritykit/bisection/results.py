@@ -88,6 +88,9 @@ class ModuleFinding:
     # how the port's tensor relates to the reference's there, derived from the values
     # (paritykit.bisection.value_relations.Relation)
     relations: list[Any] = field(default_factory=list)
+    # the first module whose outputs differ: an earlier pair, aligned by order and output shape alone (not
+    # counted), whose captured outputs differ too
+    before: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -344,6 +347,8 @@ class BisectReport:
                 f"first aligned module whose outputs differ: {shown_name(f.reference)} <->"
                 f" {shown_name(f.port)} (max_abs {format_number(f.max_abs)}; {own})"
             )
+            if f.before:
+                lines.append(f"  {f.before}")
             same = self.culprit is not None and self.culprit.reference == f.reference
             if not same:
                 lines += [f"  relation of the captured outputs there: {r.line()}" for r in f.relations]

@@ -454,7 +454,14 @@ class Searcher(CallPairing):
         parent = self.ref_trace[ref_record.parent]
         after = self._next_sibling(ref_record)
         if after is not None:
-            found = self._equal_leaf(after.inputs, port_out, after.name)
+            # the first later call in the parent that takes it: the research may call another module
+            # between (smalldiffusion's DiT embeds sigma between its patch embedding and its blocks)
+            found = None
+            for later in self._later_siblings(ref_record):
+                found = self._equal_leaf(later.inputs, port_out, later.name)
+                if found is not None:
+                    after = later
+                    break
             if found is not None:
                 path, max_abs = found
                 return (
@@ -537,12 +544,16 @@ class Searcher(CallPairing):
     def _next_sibling(self, record: Record) -> Record | None:
         r"""The reference call that starts next under ``record``'s parent (calls inside ``record`` have
         another parent); ``None`` for the parent's last call."""
+        return next(iter(self._later_siblings(record)), None)
+
+    def _later_siblings(self, record: Record) -> list[Record]:
+        r"""The reference calls under ``record``'s parent that start after it, in order."""
         if self._children is None:
             self._children = {}
             for r in sorted(self.ref_trace.records, key=lambda r: r.order):
                 self._children.setdefault(r.parent, []).append(r)
         calls = self._children.get(record.parent, [])
-        return next((r for r in calls if r.order > record.order), None)
+        return [r for r in calls if r.order > record.order]
 
     def _equal_leaf(self, leaves: dict[str, Any], port_out: Leaves, name: str) -> tuple[str, float] | None:
         r"""The first of ``leaves`` the one port leaf equals at the tolerance (up to a dim permutation)."""

@@ -164,6 +164,25 @@ class FullSearch:
         return environment
 
 
+def _weak_pair_before(top: Searcher, record: Any) -> str:
+    r"""An earlier call, in completion order, of a pair aligned by order and output shape alone whose
+    captured outputs differ: not counted for the first module whose outputs differ, and said beside it
+    (the transformer's first norm, built without the research's affine parameters, before its MLP)."""
+    for earlier in top.ref_trace.completion_order():
+        if earlier.name == record.name:
+            return ""
+        pair = top.alignment.pair_of(earlier.module)
+        if earlier.parent is None or pair is None or pair.confidence != "low":
+            continue
+        found = top.captured_difference(earlier)
+        if found is not None:
+            return (
+                f"before it, {earlier.module} <-> {pair.port}, paired by order and output shape only and so"
+                f" not counted here, differs too (max_abs {format_number(found[0])})"
+            )
+    return ""
+
+
 def differing_in(searcher: Searcher) -> Located | None:
     r"""The first aligned call of ``searcher`` whose captured outputs differ, as a located call (none passed),
     with the call upstream of it that differs most on identical inputs, relative to its output's scale (pairs
@@ -327,6 +346,7 @@ def run_strategy(
             if test.test == "replay" and test.status in ("pass", "fail"):
                 own = "taken from the port's own run" in (test.note or "")
                 first.replayed = (test.status, test.max_abs, own)
+        first.before = _weak_pair_before(top, record)
     candidates = strategy.candidates()
     if verdict == "match":
         # a weak pair whose captured inputs already differ in a run that matches is no one computation: its

@@ -254,6 +254,10 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
             return
         evidence = comparison_evidence(pair.latents)
         fit = fit_affine(xp, xr)
+        absorbed = self._input_scale_absorbed(fit)
+        if absorbed:
+            self.rule_out("initial noise", absorbed)
+            return
         summary = "the first call's latents differ"
         if fit is not None and fit.exact:
             summary += (
@@ -281,6 +285,35 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                     self.commands.compare(0, self.ref_roles[0].latents, self.port_roles[0].latents)
                 ),
             )
+        )
+
+    def _input_scale_absorbed(self, fit: Any) -> str:
+        r"""Why latents that differ by an exact factor at the first call are no difference in the noise: the
+        first call's outputs agree, so the two denoisers take their input in other scales (one side scales it
+        before the call, the other inside its denoiser: smalldiffusion's ``Scaled`` wrapper against a port
+        that calls ``scale_model_input``). The factor at each call where one fits exactly is said. Empty
+        otherwise."""
+        if fit is None or not fit.exact or abs(fit.coefficients[1]) > 1e-6 or not self.pairs[0].output_match:
+            return ""
+        factors = []
+        for i in range(len(self.pairs)):
+            each = fit_affine(
+                latents(self.port.calls[i], self.port_roles[i]), latents(self.ref.calls[i], self.ref_roles[i])
+            )
+            if each is None or not each.exact or abs(each.coefficients[1]) > 1e-6:
+                break
+            factors.append(each.coefficients[0])
+        scale = format_number(factors[0], 6)
+        changes = (
+            f"; the factor changes with the call: {', '.join(format_number(f, 4) for f in factors)} at calls"
+            f" 0–{len(factors) - 1}"
+            if len(factors) > 1 and max(factors) > min(factors) * (1 + 1e-4)
+            else ""
+        )
+        return (
+            f"the first call's latents differ by a factor (the port's are {scale} × the reference's, exact),"
+            f" and that call's outputs agree: the two denoisers take their input in other scales (one side"
+            f" scales it before the call, the other inside its denoiser), not other noise{changes}"
         )
 
     # --------------------------------------------------------------------------------------- 2. schedule
@@ -384,7 +417,20 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
     # --------------------------------------------------------------------------------------- 4. denoiser
     def denoiser(self, call: int | None = None) -> None:
         r"""The port's denoiser fed the reference's inputs of one call (the first whose inputs agree, else
-        call 0): a difference there is the module's own, whatever differs upstream."""
+        call 0): a difference there is the module's own, whatever differs upstream. Where every call's
+        outputs agree although some call's inputs differ (inputs in other scales that each denoiser takes in
+        its own way), no replay on the reference's inputs is run: the runs already answer."""
+        pairs = self.pairs
+        if call is None and pairs and all(p.output_match for p in pairs):
+            apart = [p.index for p in pairs if not p.inputs_agree]
+            if apart:
+                self.rule_out(
+                    "denoiser",
+                    f"every call's outputs agree ({len(pairs)} calls) although the inputs differ at"
+                    f" {len(apart)} of them (from call {apart[0]}): what differs there does not reach the"
+                    " denoisers' outputs, so neither is bisected",
+                )
+                return
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_agree), 0)
         ref_x, port_x = (

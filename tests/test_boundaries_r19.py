@@ -1,0 +1,224 @@
+"""Round 19 of the agent A/B (benchmarks/results/agent_ab.md): research outputs held in a dataclass
+(audiocraft's ``Output(sample=…)``), a pair aligned by order alone that differs before the first counted one
+(audiocraft's transformer norms built without their affine parameters), and a position table the research
+adds after another call (smalldiffusion's DiT embeds sigma between its patch embedding and its blocks)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from paritykit.bisection.entry import bisect
+from torch import nn
+
+
+@dataclass
+class Output:
+    sample: torch.Tensor
+
+
+class HeldRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Output(self.b(torch.tanh(self.a(x))))
+
+
+class PlainPort(nn.Module):
+    def __init__(self, reference: HeldRef, slip: float = 0.0):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            self.b.bias.add_(slip)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_an_output_held_in_a_dataclass_is_read_and_the_float_floor_measured():
+    # audiocraft: "float floor: … the reference run again does not reproduce its own output" on a
+    # reference that reproduced itself bit for bit: its output, a dataclass, held no tensor paritykit read
+    reference = HeldRef().eval()
+    report = bisect(reference, PlainPort(reference).eval(), ((torch.randn(2, 8),), {}))
+    text = report.render()
+    assert report.verdict == "match" and report.output.passed, text
+    assert "does not reproduce its own output" not in text, text
+    assert report.float_floor in ("", "measured") or "measured" in report.float_floor, report.float_floor
+    report = bisect(reference, PlainPort(reference, slip=0.1).eval(), ((torch.randn(2, 8),), {}))
+    assert report.verdict == "diverge" and report.culprit.port == "b", report.render()
+
+
+class NormsRef(nn.Module):
+    def __init__(self, affine: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8, elementwise_affine=affine)
+        self.mlp = nn.Linear(8, 8)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.add_(torch.randn(8) * 0.5)
+
+    def forward(self, x):
+        return self.mlp(self.norm(self.proj(x)))
+
+
+def _norm_port(reference: NormsRef, affine: bool) -> nn.Module:
+    class Port(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_hidden = nn.Linear(8, 8)
+            self.ln = nn.LayerNorm(8, elementwise_affine=affine)
+            self.ff = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.ff(self.ln(self.to_hidden(x)))
+
+    port = Port()
+    state = {"to_hidden": reference.proj, "ff": reference.mlp}
+    for name, module in state.items():
+        getattr(port, name).load_state_dict(module.state_dict())
+    if affine:
+        port.ln.load_state_dict(reference.norm.state_dict())
+    return port.eval()
+
+
+def test_a_pair_aligned_by_order_that_differs_before_the_first_counted_one_is_said():
+    # audiocraft: "first aligned module whose outputs differ: …linear1" with the norm before it, paired by
+    # order and output shape alone, differing already (its affine parameters dropped by the conversion)
+    reference = NormsRef().eval()
+    report = bisect(reference, _norm_port(reference, affine=False), ((torch.randn(3, 8),), {}))
+    first = report.first_output_divergence
+    text = report.render()
+    if first is not None and first.reference == "mlp":
+        assert "before it, norm <-> ln, paired by order and output shape only" in text, text
+    else:  # the norm itself is named where its pair counts
+        assert first is not None and first.reference == "norm", text
+    # must not fire: the norm converted with its parameters, a later slip
+    port = _norm_port(reference, affine=True)
+    with torch.no_grad():
+        port.ff.bias.add_(0.1)
+    text = bisect(reference, port, ((torch.randn(3, 8),), {})).render()
+    assert "before it" not in text, text
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, y):
+        return self.lin(h) + y[:, None]
+
+
+class PatchRef(nn.Module):
+    r"""smalldiffusion's DiT: a patch embedding, then sigma embedded, then the position table added and the
+    blocks run."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.x_embed = Embed()
+        self.sig_embed = nn.Linear(1, 8)
+        self.register_buffer("pos", torch.randn(6, 8))
+        self.block = Block()
+
+    def forward(self, x, sigma):
+        h = self.x_embed(x)
+        y = self.sig_embed(sigma[:, None])
+        return self.block(h + self.pos, y)
+
+
+class WithTable(nn.Module):
+    def __init__(self, linear: nn.Linear, pos: torch.Tensor):
+        super().__init__()
+        self.proj = linear
+        self.register_buffer("pos", pos)
+
+    def forward(self, x):
+        return self.proj(x) + self.pos
+
+
+class PatchPort(nn.Module):
+    r"""The port's patch embedding adds the table itself, as diffusers' ``PatchEmbed`` does."""
+
+    def __init__(self, reference: PatchRef, table_slip: float = 0.0):
+        super().__init__()
+        proj = nn.Linear(4, 8)
+        proj.load_state_dict(reference.x_embed.proj.state_dict())
+        self.pos_embed = WithTable(proj, reference.pos.clone() * (1 + table_slip))
+        self.time = nn.Linear(1, 8)
+        self.time.load_state_dict(reference.sig_embed.state_dict())
+        self.block = Block()
+        self.block.load_state_dict(reference.block.state_dict())
+
+    def forward(self, x, sigma):
+        return self.block(self.pos_embed(x), self.time(sigma[:, None]))
+
+
+def test_a_table_added_after_another_call_is_a_boundary_not_a_culprit():
+    reference = PatchRef().eval()
+    inputs = ((torch.randn(2, 6, 4), torch.rand(2) * math.pi), {})
+    report = bisect(reference, PatchPort(reference).eval(), inputs)
+    row = next(t for t in report.tested if t.reference == "x_embed")
+    assert row.status == "pass" and "ends where the reference's block begins" in row.note, row.note
+    assert report.verdict == "match" and report.culprit is None, report.render()
+    # must not fire: the port's table is off, so its output equals no later call's input
+    report = bisect(reference, PatchPort(reference, table_slip=0.05).eval(), inputs)
+    row = next(t for t in report.tested if t.reference == "x_embed")
+    assert row.status == "fail" and "ends where" not in (row.note or ""), report.render()
+    assert report.verdict == "diverge" and report.culprit.reference == "x_embed", report.render()
+
+
+class TwoNorms(nn.Module):
+    def __init__(self, affine: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, elementwise_affine=affine)) for _ in range(3)
+        )
+        self.config = {"norm_elementwise_affine": affine, "norm_eps": 1e-5}
+        if affine:
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer[1].weight.add_(torch.randn(8) * 0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_parameter_every_norm_lacks_is_counted_and_its_config_key_named():
+    # audiocraft: "fix (verified): copy parameter …layers.0.norm1.weight …" for one norm of 12 lacking it;
+    # the hint now counts the pairs that lack it alike and names the port's config key
+    reference = TwoNorms(affine=True).eval()
+    port = TwoNorms(affine=False).eval()
+    for a, b in zip(reference.layers, port.layers):
+        b[0].load_state_dict(a[0].state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 8),), {}))
+    text = report.render()
+    assert report.culprit is not None, text
+    said = "the same setting differs the same way in 3 aligned module pairs of the two models"
+    assert said in text and "the port's config holds norm_elementwise_affine=False" in text, text
+    # must not fire: one norm of three lacks it, so no config-wide count
+    port = TwoNorms(affine=True).eval()
+    port.load_state_dict(reference.state_dict())
+    port.layers[1][1] = nn.LayerNorm(8, elementwise_affine=False)
+    text = bisect(reference, port, ((torch.randn(2, 8),), {})).render()
+    assert "differs the same way in" not in text, text
