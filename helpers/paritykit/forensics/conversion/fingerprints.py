@@ -121,19 +121,21 @@ def _fold_negative_zero(bits):
     return bits
 
 
-def _sums(bits, splits: list[tuple[int, int]], row0: int, rows: int, pieces: dict) -> int:
+def _sums(bits, splits: list[tuple[int, int]], row0: int, rows: int, pieces: dict, kept: Any = None) -> int:
     r"""Wrapping int64 sum of ``bits`` (rows ``row0 …`` of a tensor with ``rows`` rows), adding each split's
-    piece sums into ``pieces``. CPU blocks are summed by numpy, whose integer reductions are vectorised
-    (torch's are several times slower on the CPU); other devices stay on their device."""
+    piece sums into ``pieces``, and each row's sum into ``kept`` where given (a numpy array, one per row).
+    CPU blocks are summed by numpy, whose integer reductions are vectorised (torch's are several times slower
+    on the CPU); other devices stay on their device."""
     import numpy as np
     import torch
 
     if isinstance(bits, np.ndarray) or bits.device.type == "cpu":
         a = bits if isinstance(bits, np.ndarray) else bits.numpy()
-        total = _numpy_sum(a)
-        if not splits:
-            return total
-        per_row = a.reshape(a.shape[0], -1).sum(1, dtype=np.int64)
+        if not splits and kept is None:
+            return _numpy_sum(a)
+        per_row = _row_sums(a)
+        if kept is not None:
+            kept[row0 : row0 + a.shape[0]] = per_row
         for dim, count in splits:
             if dim == 0:
                 which = (np.arange(row0, row0 + a.shape[0]) // (rows // count)).astype(np.int64)
@@ -142,7 +144,7 @@ def _sums(bits, splits: list[tuple[int, int]], row0: int, rows: int, pieces: dic
                 v = a.reshape(*a.shape[:dim], count, a.shape[dim] // count, *a.shape[dim + 1 :])
                 axes = tuple(i for i in range(v.ndim) if i != dim)
                 pieces[(dim, count)] += v.sum(axis=axes, dtype=np.int64)
-        return total
+        return int(per_row.sum(dtype=np.int64))
     wide = bits.to(torch.int64)
     per_row = wide.reshape(wide.shape[0], -1).sum(1)
     for dim, count in splits:
@@ -153,6 +155,17 @@ def _sums(bits, splits: list[tuple[int, int]], row0: int, rows: int, pieces: dic
             v = wide.reshape(*wide.shape[:dim], count, wide.shape[dim] // count, *wide.shape[dim + 1 :])
             pieces[(dim, count)] += v.movedim(dim, 0).reshape(count, -1).sum(1)
     return int(per_row.sum())
+
+
+def _row_sums(a) -> Any:
+    r"""Each row's exact sum (int64, wrapping) of an integer block: in int32 where the row cannot leave it
+    (elements of at most two bytes, at most 2**15 of them: numpy's int32 reduction is the faster)."""
+    import numpy as np
+
+    rows = a.reshape(a.shape[0], -1)
+    if a.itemsize <= 2 and rows.shape[1] <= _NARROW_RUN:
+        return rows.sum(1, dtype=np.int32).astype(np.int64)
+    return rows.sum(1, dtype=np.int64)
 
 
 # elements of at most 16 bits summed this many at a time cannot leave int32 (2**15 * 2**15 = 2**30)
@@ -188,10 +201,28 @@ def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
         ``(full_hash, {(dim, count): [hash per piece]})``. The tensor is read in row blocks, so memory stays
         bounded.
     """
+    full, pieces, _ = _hashes(t, dtype, list(splits), keep_rows=False)
+    return full, {s: [int(h) for h in v.tolist()] for s, v in pieces.items()}
+
+
+def multiset_rows(t, dtype) -> tuple[int, Any]:
+    r""":func:`multiset_hashes`'s full hash of ``t`` cast to ``dtype``, and the hash of each of its rows
+    (dim 0; a numpy int64 array, wrapping): the hash of any range of rows is their wrapping sum, so the pieces
+    of a fused tensor along dim 0 are hashed without reading it again. Rows are kept for CPU tensors of two
+    or more dims; ``None`` otherwise."""
+    keep = t.ndim >= 2 and t.device.type == "cpu" and 2 <= t.shape[0] <= MAX_KEPT_ROWS
+    full, _, rows = _hashes(t, dtype, [], keep_rows=keep)
+    return full, rows
+
+
+# rows a tensor keeps hashes of (8 bytes each), at most: a bound on what the fingerprints hold
+MAX_KEPT_ROWS = 1 << 17
+
+
+def _hashes(t, dtype, splits: list[tuple[int, int]], keep_rows: bool) -> tuple[int, dict, Any]:
     import numpy as np
     import torch
 
-    splits = list(splits)
     x = t.reshape(1) if t.ndim == 0 else t
     rows = x.shape[0]
     on_cpu = x.device.type == "cpu"
@@ -199,20 +230,21 @@ def multiset_hashes(t, dtype, splits: Iterable[tuple[int, int]] = ()):
         s: np.zeros(s[1], dtype=np.int64) if on_cpu else torch.zeros(s[1], dtype=torch.int64, device=x.device)
         for s in splits
     }
+    kept = np.zeros(rows, dtype=np.int64) if keep_rows else None
     total = 0
     if rows and x.numel():
         step = max(1, BLOCK // max(1, x.numel() // rows))
         whole = _float_bits_numpy(x) if on_cpu and x.dtype == dtype else None
         for r0 in range(0, rows, step):
             if whole is not None:  # numpy slices alone in the loop: the reductions run without the GIL
-                total += _sums(_fold_negative_zero(whole[r0 : r0 + step]), splits, r0, rows, pieces)
+                total += _sums(_fold_negative_zero(whole[r0 : r0 + step]), splits, r0, rows, pieces, kept)
                 continue
             block = x[r0 : r0 + step]
             if block.dtype != dtype:
                 block = block.to(dtype)
-            total += _sums(_raw_bits(block), splits, r0, rows, pieces)
+            total += _sums(_raw_bits(block), splits, r0, rows, pieces, kept)
     wrap = (total + (1 << 63)) % (1 << 64) - (1 << 63)
-    return wrap, {s: [int(h) for h in v.tolist()] for s, v in pieces.items()}
+    return wrap, pieces, kept
 
 
 def position_hash(t) -> int:
@@ -339,7 +371,9 @@ def _numpy_equal(a, b) -> bool | None:
             return None
     ia, ib = a.view(torch.int16).numpy(), b.view(torch.int16).numpy()  # numpy has no bfloat16
     if np.array_equal(*_widest(ia, ib)):
-        return not ia.size or int((ia & 0x7FFF).max()) <= 0x7F80  # equal patterns differ only as NaN
+        # equal patterns differ only as NaN: above +inf's pattern signed (0x7F80), or above -inf's unsigned
+        # (0xFF80); two plain maxima, no masked copy
+        return not ia.size or (int(ia.max()) <= 0x7F80 and int(ia.view(np.uint16).max()) <= 0xFF80)
     if ia.size and min(int(ia.min()), int(ib.min())) == -32768:
         return None  # a -0.0 on either side: torch compares it equal to 0.0
     return False

@@ -30,6 +30,7 @@ library and the generated code cannot disagree.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -44,6 +45,7 @@ from paritykit.forensics.conversion.fingerprints import (
     castable,
     equal_values,
     multiset_hashes,
+    multiset_rows,
     position_hash,
     resolve_candidates,
 )
@@ -131,6 +133,9 @@ class _Matcher:
         # ``qkv.bias``
         self.by_stem: dict[str, list[str]] = defaultdict(list)
         self._const_pieces: dict[tuple, list[_Found]] = {}
+        # (side, key, dtype) -> each row's hash (dim 0), read with the fingerprints: pieces along dim 0 are
+        # hashed from them without reading the tensor again (multiset_rows)
+        self.rows: dict[tuple, Any] = {}
         for key in target:
             self.by_module[key.rsplit(".", 1)[0] if "." in key else ""].append(key)
             self.by_stem[_param_stem(key)[0]].append(key)
@@ -143,9 +148,11 @@ class _Matcher:
         t = self.source[key]
         if t.dtype == dtype:
             return t
-        if (key, dtype) not in self._cast_cache:
-            self._cast_cache = {(key, dtype): t.to(dtype)}  # keep one: memory stays bounded
-        return self._cast_cache[(key, dtype)]
+        cached = self._cast_cache.get((key, dtype))
+        if cached is None:  # keep one: memory stays bounded (and a thread's cast is its own)
+            cached = t.to(dtype)
+            self._cast_cache = {(key, dtype): cached}
+        return cached
 
     def _resolve_pair(self, pair: tuple[str, str]) -> list[dict[str, Any]] | None:
         r""":func:`resolve_candidates` of one (target, source) pair; safe on a thread (no cache touched)."""
@@ -161,6 +168,29 @@ class _Matcher:
             self._poshash[(side, key, dtype)] = position_hash(t)
         return (tuple(tensors[key].shape), tensors[key].dtype, self._poshash[(side, key, dtype)])
 
+    def piece_hashes(self, side: str, key: str, t, dtype, splits: list[tuple[int, int]]) -> dict:
+        r"""The hashes of ``t``'s equal pieces for each ``(dim, count)`` split: along dim 0 from the row
+        hashes the fingerprints kept, along other dims by reading the tensor again."""
+        rows = self.rows.get((side, key, dtype))
+        out = {}
+        for dim, count in splits:
+            if dim == 0 and rows is not None:
+                out[(dim, count)] = [int(h) for h in rows.reshape(count, -1).sum(1).tolist()]
+        rest = [split for split in splits if split not in out]
+        if rest:
+            PAGES.read(t.nbytes)
+            out.update(multiset_hashes(t, dtype, rest)[1])
+        return out
+
+    def range_hash(self, side: str, key: str, dtype, dim: int, start: int, stop: int) -> int:
+        r"""The hash of ``key``'s piece ``start:stop`` along ``dim``: from the kept row hashes along dim 0,
+        else read."""
+        rows = self.rows.get((side, key, dtype))
+        if dim == 0 and rows is not None:
+            return int(rows[start:stop].sum())
+        tensor = self.cast(key, dtype) if side == "s" else self.target[key]
+        return multiset_hashes(tensor.narrow(dim, start, stop - start), dtype)[0]
+
     # -- phase 1: fingerprints ----------------------------------------------------------------------------
     def fingerprint(self) -> None:
         jobs = [("t", key, t, t.dtype) for key, t in self.target.items()]
@@ -170,7 +200,10 @@ class _Matcher:
             for dtype in self.dtypes
             if castable(s.dtype, dtype)
         ]
-        for (side, key, t, dtype), h in zip(jobs, _in_threads(_full_hash, jobs), strict=True):
+        hashed = _in_threads(_full_hash, jobs, [job[2].nbytes for job in jobs])
+        for (side, key, t, dtype), (h, rows) in zip(jobs, hashed, strict=True):
+            if rows is not None:
+                self.rows[(side, key, dtype)] = rows
             if side == "t":
                 self.tgt_hash[key] = h
             else:
@@ -185,7 +218,8 @@ class _Matcher:
             for key, t in self.target.items()
             if len(bucket := self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])) == 1
         ]
-        single_steps = dict(zip(singles, _in_threads(self._resolve_pair, singles), strict=True))
+        sizes = [self.target[key].nbytes for key, _ in singles]
+        single_steps = dict(zip(singles, _in_threads(self._resolve_pair, singles, sizes), strict=True))
         for key, t in self.target.items():
             bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
             if not bucket:
@@ -274,11 +308,12 @@ class _Matcher:
             numels[t.dtype].add(t.numel())
         pools = {id(p): p for fs in self.found.values() for f in fs for p in (f.sources, f.members or [])}
         used = {s for pool in pools.values() for s in pool}
-        candidates: dict[str, list[_Found]] = defaultdict(list)
+        # the pieces whose hashes a target shares, confirmed on the threads; then the leftover ranges next
+        # to confirmed pieces (the unequal parts of a fused tensor: QKV + MLP), confirmed alike
+        tasks, shapes = [], {}
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
                 continue
-            PAGES.read(2 * s.nbytes)
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
@@ -290,31 +325,42 @@ class _Matcher:
                 ]
                 if not splits:
                     continue
-                _, pieces = multiset_hashes(s, dtype, splits)
-                covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
-                for (dim, count), hashes in pieces.items():
+                shapes[(skey, dtype)] = s
+                for (dim, count), hashes in self.piece_hashes("s", skey, s, dtype, splits).items():
                     size = s.shape[dim] // count
                     for index, h in enumerate(hashes):
                         for tkey in table.get((dtype, s.numel() // count, h), []):
                             start = index * size
-                            f = self._piece(skey, dtype, dim, start, start + size, tkey, index, count)
-                            if f is not None:
-                                candidates[tkey].append(f)
-                                covered[dim].append((start, start + size))
-                # leftover ranges next to matched pieces: the unequal parts of a fused tensor (QKV + MLP)
-                for dim, spans in covered.items():
-                    for start, stop in _gaps(spans, s.shape[dim]):
-                        numel = (stop - start) * (s.numel() // s.shape[dim])
-                        if numel not in numels[dtype]:
-                            continue
-                        piece = self.cast(skey, dtype).narrow(dim, start, stop - start)
-                        h = multiset_hashes(piece, dtype)[0]
-                        for tkey in table.get((dtype, numel, h), []):
-                            f = self._piece(skey, dtype, dim, start, stop, tkey, None, None)
-                            if f is not None:
-                                candidates[tkey].append(f)
+                            tasks.append((skey, dtype, dim, start, start + size, tkey, index, count))
+        candidates: dict[str, list[_Found]] = defaultdict(list)
+        covered: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+        for task, f in zip(tasks, _in_threads(self._piece_task, tasks), strict=True):
+            if f is not None:
+                skey, dtype, dim, start, stop, tkey = task[:6]
+                candidates[tkey].append(f)
+                covered[(skey, dtype, dim)].append((start, stop))
+        tasks = []
+        for (skey, dtype, dim), spans in covered.items():
+            s = shapes[(skey, dtype)]
+            for start, stop in _gaps(spans, s.shape[dim]):
+                numel = (stop - start) * (s.numel() // s.shape[dim])
+                if numel not in numels[dtype]:
+                    continue
+                h = self.range_hash("s", skey, dtype, dim, start, stop)
+                tasks += [
+                    (skey, dtype, dim, start, stop, tkey, None, None)
+                    for tkey in table.get((dtype, numel, h), [])
+                ]
+        for task, f in zip(tasks, _in_threads(self._piece_task, tasks), strict=True):
+            if f is not None:
+                candidates[task[5]].append(f)
         for tkey, fs in candidates.items():
             self.found[tkey] = fs
+
+    def _piece_task(self, task: tuple) -> _Found | None:
+        skey, dtype, dim, start, stop, tkey, index, count = task
+        PAGES.read(2 * self.target[tkey].nbytes)
+        return self._piece(skey, dtype, dim, start, stop, tkey, index, count)
 
     def _piece(self, skey, dtype, dim, start, stop, tkey, index, count) -> _Found | None:
         t = self.target[tkey]
@@ -371,7 +417,7 @@ class _Matcher:
             ]
             if not splits:
                 continue
-            _, pieces = multiset_hashes(t, t.dtype, splits)
+            pieces = self.piece_hashes("t", tkey, t, t.dtype, splits)
             for (dim, count), hashes in sorted(pieces.items(), key=lambda kv: kv[0][1]):
                 size = t.shape[dim] // count
                 spans = [
@@ -382,8 +428,7 @@ class _Matcher:
                 if not spans:
                     continue
                 for start, stop in _gaps([(a, b) for a, b, _ in spans], t.shape[dim]):
-                    piece = t.narrow(dim, start, stop - start)
-                    spans.append((start, stop, multiset_hashes(piece, t.dtype)[0]))
+                    spans.append((start, stop, self.range_hash("t", tkey, t.dtype, dim, start, stop)))
                 spans.sort()
                 found = self._concat(tkey, dim, spans)
                 if found is not None:
@@ -660,23 +705,35 @@ _PARAM_LEAVES = ("weight", "bias")
 _PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(_PARAM_LEAVES)})")
 
 
-def _full_hash(job: tuple) -> int:
+def _full_hash(job: tuple) -> tuple[int, Any]:
     _, _, t, dtype = job
     PAGES.read(t.nbytes)
-    return multiset_hashes(t, dtype)[0]
+    return multiset_rows(t, dtype)
 
 
-def _in_threads(fn, items: list) -> Iterable:
+def _in_threads(fn, items: list, sizes: list[int] | None = None) -> Iterable:
     r"""``fn`` over ``items`` in order, on up to four threads: the hashing and comparing are numpy and torch
-    reductions that release the GIL, so the cores read the checkpoint side by side."""
+    reductions that release the GIL, so the cores read the checkpoint side by side. Given each item's
+    ``sizes`` (bytes), the items are cut into one contiguous run per thread of about equal bytes: each thread
+    streams a region of the files of its own, rather than taking turns over the same pages."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     workers = min(4, os.cpu_count() or 1)
     if workers == 1 or len(items) < 2:
         return map(fn, items)
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, items))
+    if sizes is None:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(fn, items))
+    total, cuts, run = sum(sizes), [0], 0
+    for i, size in enumerate(sizes):
+        run += size
+        if run >= total * len(cuts) / workers and len(cuts) < workers:
+            cuts.append(i + 1)
+    cuts.append(len(items))
+    runs = [items[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return [r for done in pool.map(lambda run: [fn(i) for i in run], runs) for r in done]
 
 
 def _param_stem(name: str) -> tuple[str, str]:
@@ -696,6 +753,7 @@ def _stem_names(stem: str, leaf: str) -> list[str]:
     return [f"{stem}.{leaf}", f"{stem}_{leaf}"] if leaf in _PARAM_LEAVES else [f"{stem}.{leaf}"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _is_ema(name: str) -> bool:
     return _EMA.search(name) is not None
 

@@ -4,6 +4,7 @@ similarity that settles ambiguous matches."""
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ DIGITS = re.compile(r"\d+")
 _WORDS = re.compile(r"[A-Za-z]+")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def name_skeleton(name: str) -> str:
     return DIGITS.sub("#", name)
 
@@ -23,14 +25,25 @@ def name_numbers(name: str) -> list[str]:
     return DIGITS.findall(name)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _layer_indices(name: str) -> tuple[str, ...]:
     # layer indices are whole dotted components; "norm1" is a name, not an index
     return tuple(c for c in name.split(".") if c.isdigit())
 
 
 def name_ancestors(name: str, depth: int = 8) -> list[str]:
+    return list(_ancestors(name, depth))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ancestors(name: str, depth: int) -> tuple[str, ...]:
     parts = name.split(".")[:-1]
-    return [".".join(parts[:n]) for n in range(len(parts), max(0, len(parts) - depth), -1)]
+    return tuple(".".join(parts[:n]) for n in range(len(parts), max(0, len(parts) - depth), -1))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _words(name: str) -> frozenset[str]:
+    return frozenset(_WORDS.findall(name.lower()))
 
 
 # words that name the same thing across research and diffusers naming (the text stream of dual-stream blocks
@@ -135,8 +148,7 @@ class NameScorer:
             if partners:
                 hits = max((partners.get(s_anc, 0) for s_anc in name_ancestors(source)), default=0)
                 context += hits / self.totals[t_anc]
-        sw = set(_WORDS.findall(source.lower()))
-        tw = set(_WORDS.findall(target.lower()))
+        sw, tw = _words(source), _words(target)
         common = sum(any(_words_match(w, v) for v in sw) for w in tw)
         words = common / max(1, len(sw | tw))
         head = (known, round(context, 6), indices, round(words, 6), source not in self.used)
