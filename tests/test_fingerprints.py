@@ -129,3 +129,20 @@ def test_a_models_weight_hashes_are_taken_once_while_its_weights_hold():
     assert edited["0.weight"] == first["0.weight"]
     model[0].weight = torch.nn.Parameter(model[0].weight.detach().flip(0))  # a new tensor
     assert side_of(model, None).keys()["0.weight"] != first["0.weight"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_hashes_kept_in_the_first_read_give_every_piece_along_dim_0(dtype):
+    # weights map hashes the pieces of a fused tensor (QKV + MLP rows) from the row hashes its fingerprint
+    # pass keeps: every split and every range of rows must hash as reading the piece would
+    torch.manual_seed(0)
+    t = torch.randn(12, 5).to(dtype)
+    t[3, 1] = -0.0
+    full, rows = fp.multiset_rows(t, dtype)
+    assert full == fp.multiset_hashes(t, dtype)[0]
+    for count in (2, 3, 4, 6):
+        pieces = fp.multiset_hashes(t, dtype, [(0, count)])[1][(0, count)]
+        assert [int(h) for h in rows.reshape(count, -1).sum(1)] == pieces
+    for start, stop in ((0, 5), (5, 12), (3, 4)):
+        assert int(rows[start:stop].sum()) == fp.multiset_hashes(t[start:stop], dtype)[0]
+    assert fp.multiset_rows(t[0], dtype)[1] is None  # one dim: no rows kept
