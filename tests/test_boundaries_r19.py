@@ -222,3 +222,55 @@ def test_a_parameter_every_norm_lacks_is_counted_and_its_config_key_named():
     port.layers[1][1] = nn.LayerNorm(8, elementwise_affine=False)
     text = bisect(reference, port, ((torch.randn(2, 8),), {})).render()
     assert "differs the same way in" not in text, text
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in, self.proj_out = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj_out(self.proj_in(x))
+
+
+class WithAct(nn.Module):
+    def __init__(self, reference: TwoLinears):
+        super().__init__()
+        self.linear_1, self.linear_2, self.act = nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU()
+        self.linear_1.load_state_dict(reference.proj_in.state_dict())
+        self.linear_2.load_state_dict(reference.proj_out.state_dict())
+
+    def forward(self, x):
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def test_the_captures_stay_as_recorded_whatever_bisect_runs_on_them():
+    # round 20 (score-models): the port's time MLP has a ReLU the research's lacks; bisect's module fit tried
+    # nn.ReLU(inplace=True) on the captured input, which rewrote the port's captured linear_1 output: "first
+    # aligned module whose outputs differ: …linear_1", whose outputs were identical
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.tracing.trace import capture
+
+    reference = TwoLinears().eval()
+    port = WithAct(reference).eval()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        with capture(reference) as ref_trace:
+            reference(x)
+        with capture(port) as port_trace:
+            port(x)
+    versions = {
+        (side, r.name, path): t._version
+        for side, trace in (("reference", ref_trace), ("port", port_trace))
+        for r in trace.records
+        for path, t in (*r.inputs.items(), *r.outputs.items())
+        if isinstance(t, torch.Tensor)
+    }
+    report = bisect_traces(ref_trace, port_trace, reference=reference, port=port)
+    for (side, name, path), version in versions.items():
+        trace = ref_trace if side == "reference" else port_trace
+        t = {**trace[name].inputs, **trace[name].outputs}[path]
+        assert t._version == version, f"{side} {name} {path} rewritten"
+    first = report.first_output_divergence
+    assert first is not None and first.reference == "proj_out", report.render()

@@ -171,3 +171,14 @@ def render_table(
     if summary:
         lines.append(summary)
     return "\n".join(lines)
+
+
+def clamp_words(other: str, lo: float, hi: float, cut: list[int]) -> str:
+    r"""A clamp named by the bounds that cut values: ``clamp(x, lo, hi)`` where both did, ``max(x, lo)`` or
+    ``min(x, hi)`` where one did (a bound at the data's own extreme that cut nothing is no bound), and
+    ``max(x, 0) (a ReLU)`` for a floor at zero."""
+    if cut[0] and cut[1]:
+        return f"clamp({other}, {format_number(lo)}, {format_number(hi)})"
+    if cut[1]:
+        return f"min({other}, {format_number(hi)})"
+    return f"max({other}, 0) (a ReLU)" if lo == 0 else f"max({other}, {format_number(lo)})"

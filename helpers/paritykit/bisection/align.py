@@ -39,7 +39,7 @@ from paritykit.forensics.conversion.fingerprints import informative
 if TYPE_CHECKING:
     from paritykit.tracing.trace import Record, Trace
 
-HOW = ("names", "map", "weights", "order")
+HOW = ("names", "map", "layer order", "weights", "order")
 
 
 # high: names or exact weights; medium: a conversion map's evidence; low: execution order and output shape
@@ -125,7 +125,9 @@ class Alignment:
         return 0 if not (self.unaligned_reference or self.unaligned_port) else 1
 
     def to_dict(self) -> dict[str, Any]:
-        counts = {how: sum(1 for p in self.pairs if p.how == how) for how in HOW}
+        # every pass counted, one this list does not know included: the parts add up to the whole
+        hows = [*HOW, *sorted({p.how for p in self.pairs} - set(HOW))]
+        counts = {how: sum(1 for p in self.pairs if p.how == how) for how in hows}
         return {
             "aligned": len(self.pairs),
             "by": counts,

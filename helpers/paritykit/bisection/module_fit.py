@@ -125,6 +125,8 @@ def candidate_values(module: Any, name: str, value: Any) -> list[Any]:
 
 def settings_for(module: Any, values: dict[str, Any], readable: list[str]) -> list[dict[str, Any]]:
     """One-argument changes first, then pairs of boolean changes; at most :data:`MAX_TRIALS`."""
+    # `inplace` changes no value a module computes, only whether it overwrites its input
+    readable = [n for n in readable if n != "inplace"]
     singles = [(n, v) for n in readable for v in candidate_values(module, n, values[n])]
     out = [{n: v} for n, v in singles]
     flags = [n for n in readable if isinstance(values[n], bool)]
@@ -162,7 +164,10 @@ def _first_tensor(value: Any) -> Any:
 def _run(module: Any, call: tuple[tuple, dict]) -> Any:
     import torch
 
-    args, kwargs = call
+    from paritykit.base.inputs import map_tensors
+
+    # on copies: the call's tensors are a trace's captured values (an in-place activation would rewrite them)
+    args, kwargs = map_tensors(call, lambda t: t.clone())
     try:
         with torch.no_grad():
             return _first_tensor(module(*args, **kwargs))
@@ -379,9 +384,9 @@ def inline_reference_hints(
         names = ", ".join(f"{r.module} ({r.type})" for r in found.producers)
         hint_id = "inline-reference"
         message = (
-            f"{where}; the port computes that input in {names}, which no reference module is aligned with:"
-            f" the reference computes it inside {shown_name(call.name)}, inline or in a submodule without a"
-            " port counterpart (evidence: the port module's captured output is exactly that input)"
+            f"{where}; the port computes that input in {names}, which no reference module is aligned with"
+            " (evidence: the port module's captured output is exactly that input); what the reference does"
+            f" there, inside {shown_name(call.name)}, is not measured"
         )
     elif (feeder := _aligned_feeder(searcher, found)) is not None:
         hint_id = "inline-input"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paritykit.base.minimize import least_squares
-from paritykit.base.report import format_number
+from paritykit.base.report import clamp_words, format_number
 
 # a relation holds when it reproduces P from R to within this share of P's scale, or float noise
 HOLDS = 1e-5
@@ -596,13 +596,11 @@ def saturation(reference: Any, port: Any) -> Relation | None:
         cut = [int((free < lo - tol).sum()), int((free > hi + tol).sum())]
         if not bool(beyond.any()) or any(0 < k < 2 for k in cut):
             continue
-        bounds = f"[{format_number(lo)}, {format_number(hi)}]"
         undo = (lambda t, _terms, lo=lo, hi=hi: torch.clamp(t, lo, hi)) if side == "reference" else None
         return Relation(
             "saturation",
-            f"{side} = clamp({other}, {format_number(lo)}, {format_number(hi)}): the {side} clamps to"
-            f" {bounds}"
-            f" where the {other} does not ({int(beyond.sum())} values beyond)",
+            f"{side} = {clamp_words(other, lo, hi, cut)}: the {side} cuts where the {other} does not"
+            f" ({int(beyond.sum())} values beyond)",
             float((torch.clamp(free, lo, hi) - clamped).abs().max()),
             {"clamped": side, "low": lo, "high": hi},
             undo=undo,

@@ -268,6 +268,12 @@ def detect_zeroed(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     )
 
 
+def _relu_of(x: torch.Tensor, y: torch.Tensor) -> bool:
+    r"""Whether ``y`` is ``x`` with exactly its negative values zeroed: a ReLU (the saturation hint says
+    so), not a mask."""
+    return bool(((x < 0) == ((y == 0) & (x != 0))).all())
+
+
 def detect_masked(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
     r"""One side equals the other except at some elements, where it is exactly 0 and the other is not: values
     masked to zero on that side only (a mask one side applies before the call, the other inside it)."""
@@ -285,7 +291,7 @@ def detect_masked(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
             kept += int((cy != 0).sum())
             rest = ~hole
             agree_elsewhere += int(((cx[rest] - cy[rest]).abs() <= 1e-5 * scale).sum())
-        if zeroed and kept and zeroed + agree_elsewhere == a.numel():  # all zero is `zeroed`
+        if zeroed and kept and zeroed + agree_elsewhere == a.numel() and not _relu_of(x, y):
             share = zeroed / a.numel()
             return Hint(
                 "masked",
@@ -628,14 +634,15 @@ def detect_saturation(x: torch.Tensor, y: torch.Tensor) -> Hint | None:
         if any(0 < k < 2 for k in cut):
             continue
         other = "A" if side == "B" else "B"
-        bounds = [
-            f"{b} {_metric(v)}" for b, v, hit in (("min", lo, src < lo), ("max", hi, src > hi)) if hit.any()
-        ]
+        hits = [int((src < lo).sum()), int((src > hi).sum())]
+        bounds = [f"{b} {_metric(v)}" for b, v, hit in (("min", lo, hits[0]), ("max", hi, hits[1])) if hit]
+        from paritykit.base.report import clamp_words
+
         return Hint(
             "saturation",
-            f"{side} = clamp({other}, {_metric(lo)}, {_metric(hi)}): the two agree inside that range and"
-            f" {side} is cut at its {' and '.join(bounds)} ({_count(n, 'value')}): one side clamps (or"
-            " saturates) where the other does not.",
+            f"{side} = {clamp_words(other, lo, hi, hits)}: the two agree elsewhere and {side} is cut at its"
+            f" {' and '.join(bounds)} ({_count(n, 'value')}): one side clamps (or saturates) where the other"
+            " does not.",
             {"clamped_side": side.lower(), "low": lo, "high": hi, "count": n},
             score=0.95,
         )

@@ -26,8 +26,8 @@ from paritykit.schedule.load import (
     OFFSET_KEYS,
     SIGMA_ATOL,
     SIGMA_RTOL,
-    TIMESTEP_ATOL,
     load_schedule,
+    timestep_atol,
 )
 
 
@@ -209,7 +209,7 @@ def _hints_for(k: KindComparison, int_a: bool, int_b: bool) -> list[ScheduleHint
     elif len(a) > 1:
         diffs = [y - x for x, y in zip(a, b)]
         c = sum(diffs) / len(diffs)
-        tol = TIMESTEP_ATOL if kind == "timesteps" else SIGMA_ATOL + SIGMA_RTOL * max(map(abs, a))
+        tol = timestep_atol(a) if kind == "timesteps" else SIGMA_ATOL + SIGMA_RTOL * max(map(abs, a))
         if abs(c) > tol and all(abs(d - c) <= tol for d in diffs):
             sign = "+" if c > 0 else "−"
             keys = ["timestep_spacing", "steps_offset"] if kind == "timesteps" else []
@@ -272,7 +272,7 @@ def _units(a: list[float], b: list[float], kind: str) -> ScheduleHint | None:
         return None
     s = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b)) / var
     c = mean_b - s * mean_a
-    base = TIMESTEP_ATOL if kind == "timesteps" else SIGMA_ATOL
+    base = timestep_atol(b) if kind == "timesteps" else SIGMA_ATOL
     tol = max(base, SIGMA_RTOL * max(map(abs, b)))
     unit = any(abs(abs(s) - u) <= 1e-3 * u for u in _UNIT_SCALES)
     end = any(abs(abs(c) - e) <= tol for e in (0.0, 1.0, 999.0, 1000.0))

@@ -12,8 +12,8 @@ from paritykit.schedule.load import (
     FAMILY_FIT,
     SIGMA_ATOL,
     SIGMA_RTOL,
-    TIMESTEP_ATOL,
     dedupe,
+    timestep_atol,
 )
 
 
@@ -36,7 +36,8 @@ def lists_close(a: Sequence[float], b: Sequence[float], kind: str) -> bool:
     if len(a) != len(b):
         return False
     if kind == "timesteps":
-        return all(abs(x - y) <= TIMESTEP_ATOL for x, y in zip(a, b))
+        atol = timestep_atol(b)
+        return all(abs(x - y) <= atol for x, y in zip(a, b))
     return all(abs(x - y) <= SIGMA_ATOL + SIGMA_RTOL * abs(y) for x, y in zip(a, b))
 
 

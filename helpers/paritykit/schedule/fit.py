@@ -93,6 +93,13 @@ def _axes(keys: dict[str, Any], base: dict[str, Any], ref: Schedule, offsets: se
         for key, value in (("sigma_min", fam.params["sigma_min"]), ("sigma_max", fam.params["sigma_max"])):
             if key in keys:
                 axes.append([{key: v} for v in dict.fromkeys([now(key), value])])
+    if "sampling_eps" in keys and ref.timesteps and 0.0 < ref.timesteps[-1] < 1.0:
+        # a continuous-time schedule from 1 down to the SDE's epsilon (score_sde's VE and VP samplers): the
+        # reference's last timestep, as recorded and rounded to two significant digits
+        last = ref.timesteps[-1]
+        axes.append(
+            [{"sampling_eps": v} for v in dict.fromkeys([now("sampling_eps"), float(f"{last:.2g}"), last])]
+        )
     if "use_dynamic_shifting" in keys and (fitted is not None or now("use_dynamic_shifting")):
         # dynamic shifting reads `mu` from the call: exp(mu) (or mu, "linear") is the shift at this image size
         kinds = ("exponential", "linear") if "time_shift_type" in keys else (None,)

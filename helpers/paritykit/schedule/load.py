@@ -17,6 +17,14 @@ from paritykit.base.errors import ParityKitError
 TIMESTEP_ATOL = 5e-3
 
 
+def timestep_atol(values) -> float:
+    r""":data:`TIMESTEP_ATOL` at the scale of a list's timesteps: as given for timesteps counted to 1000, a
+    thousandth of it for continuous ones counted to 1 (score-models' VP SDE ends at t = 1e-5, a port's
+    default at 1e-3: 9.9e-4 apart, which 5e-3 would call the same list)."""
+    top = max((abs(v) for v in values if v is not None), default=1000.0)
+    return TIMESTEP_ATOL * max(top, 1.0) / 1000.0
+
+
 # sigmas agree within this relative error (float32 port vs float64 reference)
 SIGMA_RTOL = 1e-4
 

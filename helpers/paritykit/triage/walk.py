@@ -765,7 +765,8 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
         if not self.spec.has("port_scheduler"):
             return []
         own = self._run_timesteps()
-        words = f"as port_scheduler() returned it ({self.port_scheduler.num_inference_steps} steps)"
+        steps = getattr(self.port_scheduler, "num_inference_steps", None)
+        words = f"as port_scheduler() returned it ({steps} steps)"
         if own is None and len(set(t_port)) == len(t_port):
             own, words = self._scheduler_timesteps(len(t_port)), f"set to {len(t_port)} steps, one a call"
         if own is None:

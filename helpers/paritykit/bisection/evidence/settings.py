@@ -94,6 +94,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.same(b) if isinstance(a, _EnumText) else b.same(a)
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if {a, b} == {False, None} and not (a is False and b is False):
+        return True  # a flag off and an optional part absent (conv_shortcut=False against None): one setting
     if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
         return a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -219,6 +221,8 @@ def settings_diff(
     ref_cfg, port_cfg = _per_frame(reference, port, config_of(reference), config_of(port))
     for name in sorted(ref_cfg.keys() & port_cfg.keys()):
         (_, a), (attr, b) = ref_cfg[name], port_cfg[name]
+        if name == "padding":
+            a, b = _padding_as_numbers(reference, a), _padding_as_numbers(port, b)
         if not _same(a, b) and not (_names_class(a, reference) and _names_class(b, port)):
             out.append(SettingDifference(reference_name, port_name, name, attr, a, b))
     # buffers, and tensors set in __init__ as plain attributes (research code keeps rotary tables so):
@@ -248,6 +252,21 @@ def settings_diff(
         if a is not None and key in port._parameters and port._parameters[key] is None:
             out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
     return out
+
+
+def _padding_as_numbers(module: Any, padding: Any) -> Any:
+    r"""A convolution's ``padding='valid'`` or ``'same'`` as the numbers it pads by (``'same'`` only where
+    it pads each side alike: stride 1 and an even ``dilation * (kernel - 1)``), so ``'same'`` against
+    ``(1, 1)`` for a 3x3 kernel is no difference; ``padding`` as it is otherwise."""
+    kernel, dilation = getattr(module, "kernel_size", None), getattr(module, "dilation", None)
+    if not isinstance(padding, str) or not isinstance(kernel, tuple) or not isinstance(dilation, tuple):
+        return padding
+    if padding == "valid":
+        return tuple(0 for _ in kernel)
+    total = [d * (k - 1) for k, d in zip(kernel, dilation)]
+    if padding == "same" and all(t % 2 == 0 for t in total) and set(getattr(module, "stride", (1,))) == {1}:
+        return tuple(t // 2 for t in total)
+    return padding
 
 
 def _plain_tensors(module: Any) -> dict[str, Any]:

@@ -162,11 +162,16 @@ def _key(t: Any) -> tuple:
 
 
 def call_leaves(module: Any, inputs: tuple[tuple, dict]) -> list[tuple[str, Any]] | None:
-    r"""The output leaves of ``module(*args, **kwargs)``, or ``None`` when the call raises."""
+    r"""The output leaves of ``module(*args, **kwargs)`` on copies of the inputs (they are a trace's captured
+    values, which an edit that makes an activation in-place would rewrite), or ``None`` when the call
+    raises."""
     import torch
 
+    from paritykit.base.inputs import map_tensors
+
+    args, kwargs = map_tensors(inputs, lambda t: t.clone())
     try:
         with torch.no_grad():
-            return output_leaves(module(*inputs[0], **inputs[1]))
+            return output_leaves(module(*args, **kwargs))
     except Exception:  # an edit the module's forward rejects is no repair
         return None
