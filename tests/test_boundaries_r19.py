@@ -274,3 +274,43 @@ def test_the_captures_stay_as_recorded_whatever_bisect_runs_on_them():
         assert t._version == version, f"{side} {name} {path} rewritten"
     first = report.first_output_divergence
     assert first is not None and first.reference == "proj_out", report.render()
+
+
+def test_padding_same_or_valid_and_a_flag_off_against_an_absent_part_are_one_setting():
+    # round 20 (score-models): 19 hints "[module-config] reference Conv2d padding='same', port padding=(1, 1)"
+    # and 3 "conv_shortcut=False, port conv_shortcut=None", none a difference
+    from paritykit.bisection.evidence.settings import settings_diff
+
+    assert settings_diff(nn.Conv2d(4, 4, 3, padding="same"), nn.Conv2d(4, 4, 3, padding=1)) == []
+    assert settings_diff(nn.Conv2d(4, 4, 2, padding="valid"), nn.Conv2d(4, 4, 2, padding=0)) == []
+    dilated = nn.Conv2d(4, 4, 3, padding="same", dilation=2)
+    assert settings_diff(dilated, nn.Conv2d(4, 4, 3, padding=2, dilation=2)) == []
+    # must not fire as equal: another padding, or 'same' on an even kernel (it pads one side more)
+    assert settings_diff(nn.Conv2d(4, 4, 3, padding="same"), nn.Conv2d(4, 4, 3, padding=0))
+    assert settings_diff(nn.Conv2d(4, 4, 4, padding="same"), nn.Conv2d(4, 4, 4, padding=1))
+
+    class Block(nn.Module):
+        def __init__(self, shortcut):
+            super().__init__()
+            self.conv_shortcut = shortcut
+
+    assert settings_diff(Block(False), Block(None)) == []
+    assert settings_diff(Block(True), Block(None)), "a flag on against an absent part differs"
+
+
+def test_a_relu_is_named_as_one_and_never_as_a_mask():
+    # round 20 (score-models): "B = clamp(A, 0.0, 0.9689)", a bound at the data's own maximum that cut
+    # nothing, and "[masked] … values masked to zero on B's side only" for the port's extra ReLU
+    from paritykit.compare.diagnose import detect_masked, detect_saturation
+
+    torch.manual_seed(0)
+    a = torch.randn(64, 8)
+    hint = detect_saturation(a, torch.relu(a))
+    assert hint is not None and "B = max(A, 0) (a ReLU)" in hint.message, hint
+    assert detect_masked(a, torch.relu(a)) is None
+    # must fire as a mask: whole rows zeroed whatever their sign; and as a clamp with both bounds cutting
+    masked = a.clone()
+    masked[::4] = 0
+    assert detect_masked(a, masked) is not None
+    hint = detect_saturation(a, a.clamp(-1.0, 1.0))
+    assert hint is not None and "B = clamp(A, -1, 1)" in hint.message, hint

@@ -689,3 +689,24 @@ def test_a_scheduler_built_before_is_handed_out_fresh_and_unshared():
     other.set_timesteps(7)
     second.set_timesteps(7)
     assert not torch.equal(other.sigmas, second.sigmas)
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3])
+def test_continuous_timesteps_are_compared_at_their_own_scale_and_sampling_eps_is_fitted(eps):
+    # round 20 (score-models' VP SDE, from t = 1 down to 1e-5): the port's ScoreSdeVpScheduler kept diffusers'
+    # sampling_eps 1e-3, and the fit said its config "as given … reproduces it" within 9.9e-4, the tolerance of
+    # timesteps counted to 1000. Timesteps counted to 1 are held to a thousandth of it; the reference's last
+    # timestep is tried as sampling_eps
+    from diffusers.schedulers import ScoreSdeVpScheduler
+
+    n = 8
+    # Song et al. (2021)'s sampler: n times evenly from 1 down to eps
+    timesteps = [1.0 - (1.0 - eps) * i / (n - 1) for i in range(n)]
+    base = dict(ScoreSdeVpScheduler().config)  # sampling_eps 1e-3
+    fit = fit_scheduler(ScoreSdeVpScheduler, {"timesteps": timesteps}, base_config=base)
+    text = fit.render()
+    if eps == 1e-3:  # must not fire: the port's own eps, as given
+        assert fit.unchanged and "fix:" not in text, text
+        return
+    assert "config as given" not in text, text
+    assert fit.fits and fit.fits[0].changes == {"sampling_eps": 1e-05}, text

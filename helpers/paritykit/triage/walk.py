@@ -63,6 +63,14 @@ from paritykit.triage.roles import (
 from paritykit.triage.schedule_checks import ScheduleChecks
 from paritykit.triage.sides import SideRun
 
+# a relative L2 error at most this, per dtype, is rounding's scale: eight times the dtype's machine epsilon
+ROUNDING_SCALE = {
+    "float32": 8 * 2.0**-23,
+    "float64": 8 * 2.0**-52,
+    "float16": 8 * 2.0**-10,
+    "bfloat16": 8 * 2.0**-7,
+}
+
 
 class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
     r"""The comparison of two recorded runs; :meth:`report` walks the places."""
@@ -587,6 +595,8 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                 )
                 self._check_step(self.findings[-1])
                 return
+        if step is not None and self._update_within_rounding(step):
+            return
         if step is not None:
             fr, fp = fits[step] if step < len(fits) else (None, None)
             why = (
@@ -631,6 +641,28 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                 if words == "the timesteps differ"
                 else f"no step compared: {words}",
             )
+
+    def _update_within_rounding(self, step: int) -> bool:
+        r"""Where the latents after ``step`` differ beyond the tolerance element by element but, in all, by
+        a relative L2 error at the scale of the dtype's rounding (:data:`ROUNDING_SCALE`), a rule-out
+        saying so, measured; ``False`` (nothing said) otherwise."""
+        from paritykit.compare.tensors import relative_error
+
+        a = self._next_latents(self.ref, self.ref_roles, step)
+        b = self._next_latents(self.port, self.port_roles, step)
+        if a is None or b is None or tuple(a.shape) != tuple(b.shape) or not a.is_floating_point():
+            return False
+        limit = ROUNDING_SCALE.get(str(a.dtype).removeprefix("torch."))
+        error = relative_error(b, a)
+        if limit is None or not error <= limit:
+            return False
+        self.rule_out(
+            "update",
+            f"the latents after step {step} differ beyond the tolerance element by element, but by"
+            f" {format_number(error)} relative (L2) in all, under {format_number(limit)}, eight times"
+            f" {str(a.dtype).removeprefix('torch.')}'s rounding step: no place is named for it",
+        )
+        return True
 
     def _update_step(self) -> int | None:
         r"""The first step whose inputs and output agree on both sides while the latents after it differ (the
