@@ -695,8 +695,8 @@ def test_a_scheduler_built_before_is_handed_out_fresh_and_unshared():
 def test_continuous_timesteps_are_compared_at_their_own_scale_and_sampling_eps_is_fitted(eps):
     # round 20 (score-models' VP SDE, from t = 1 down to 1e-5): the port's ScoreSdeVpScheduler kept
     # diffusers' sampling_eps 1e-3, and the fit said its config "as given … reproduces it" within 9.9e-4, the
-    # tolerance of timesteps counted to 1000. Timesteps counted to 1 are held to a thousandth of it; the reference's last
-    # timestep is tried as sampling_eps
+    # tolerance of timesteps counted to 1000. Timesteps counted to 1 are held to a thousandth of it; the
+    # reference's last timestep is tried as sampling_eps
     from diffusers.schedulers import ScoreSdeVpScheduler
 
     n = 8
