@@ -314,3 +314,28 @@ def test_a_relu_is_named_as_one_and_never_as_a_mask():
     assert detect_masked(a, masked) is not None
     hint = detect_saturation(a, a.clamp(-1.0, 1.0))
     assert hint is not None and "B = clamp(A, -1, 1)" in hint.message, hint
+
+
+class WithNorm(nn.Module):
+    def __init__(self, reference: TwoLinears, filled: bool):
+        super().__init__()
+        self.linear_1, self.linear_2, self.norm = nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.linear_1.load_state_dict(reference.proj_in.state_dict())
+        self.linear_2.load_state_dict(reference.proj_out.state_dict())
+        if not filled:
+            with torch.no_grad():
+                self.norm.weight.normal_()
+
+    def forward(self, x):
+        return self.linear_2(self.norm(self.linear_1(x)))
+
+
+def test_a_parameter_the_port_holds_as_one_constant_is_said_so():
+    # round 20 (score-models): a norm the research lacks, filled with ones and zeros by the conversion, was
+    # "port parameters …group_norm.weight, …bias equal no reference tensor": its constant is said now
+    reference = TwoLinears().eval()
+    text = bisect(reference, WithNorm(reference, filled=True).eval(), ((torch.randn(3, 4),), {})).render()
+    assert "norm.weight (all 1), norm.bias (all 0) equal no reference tensor" in text, text
+    # must not fire: a weight that is no constant is named alone
+    text = bisect(reference, WithNorm(reference, filled=False).eval(), ((torch.randn(3, 4),), {})).render()
+    assert "norm.weight (all" not in text and "norm.weight, norm.bias (all 0)" in text, text

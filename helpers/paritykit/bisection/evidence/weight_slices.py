@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from paritykit.base.report import format_number
 from paritykit.bisection.evidence.culprit import (
     Culprit,
     patched_copy,
@@ -216,6 +217,17 @@ _OPS_TRIED = (
 )
 
 
+def _constant_said(c: Culprit, name: str) -> str:
+    r"""A port parameter's name, with its value where every element holds the same one (``(all 1)``: a
+    norm's identity fill, which matches no reference tensor because the reference has no such norm)."""
+    from paritykit.forensics.conversion.fingerprints import all_equal
+
+    tensor = dict(c.port.named_parameters()).get(name) if c.port is not None else None
+    if tensor is None or tensor.numel() < 2 or not all_equal(tensor.detach()):
+        return name
+    return f"{name} (all {format_number(float(tensor.reshape(-1)[0]))})"
+
+
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
     r"""Port parameters that equal no reference tensor (nor a slice, transpose or cast of one), and reference
     parameters with information (not constant) that no port parameter uses: dropped in the conversion."""
@@ -224,7 +236,7 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
         return []
     parts = []
     if cmap.unmapped_target:
-        names = ", ".join(cmap.unmapped_target[:6])
+        names = ", ".join(_constant_said(c, name) for name in cmap.unmapped_target[:6])
         parts.append(
             f"port parameters {names} equal no reference tensor of {c.reference_path()}, nor a layout op of"
             f" one ({_OPS_TRIED})"
