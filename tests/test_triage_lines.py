@@ -214,7 +214,21 @@ def test_no_culprit_is_never_said_to_be_one(tmp_path):
     )
 
 
-HEUN_SPEC = """
+# a denoiser of the SPECs below: a projection of the latents plus one of the timestep
+TINY_NET = """class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.time = torch.nn.Linear(1, 8)
+
+    def forward(self, x, t):
+        return self.proj(x) + self.time(t.reshape(-1, 1))[:, None]
+"""
+
+
+HEUN_SPEC = (
+    """
 import math
 
 import torch
@@ -225,16 +239,9 @@ SIGMA_DATA = 0.5
 PORT_CHURN_STEP = {port_churn}
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = torch.nn.Linear(8, 8)
-        self.time = torch.nn.Linear(1, 8)
-
-    def forward(self, x, t):
-        return self.proj(x) + self.time(t.reshape(-1, 1))[:, None]
-
+"""
+    + TINY_NET
+    + """
 
 NET = Net().eval()
 SCHEDULER = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=SIGMA_DATA)
@@ -295,6 +302,7 @@ def port_denoiser():
 def port_scheduler():
     return SCHEDULER
 """
+)
 
 
 @pytest.mark.parametrize("port_churn", [None, 2])
@@ -315,7 +323,8 @@ def test_a_heun_loop_is_read_against_the_schedulers_list_for_its_own_step_count(
     assert said in text and "from call 4 the fed value is not the scheduler's" in text, text
 
 
-SCALED_SPEC = """
+SCALED_SPEC = (
+    """
 import math
 
 import torch
@@ -324,16 +333,9 @@ SIGMAS = [14.6, 7.3, 4.1, 2.5, 1.6, 0.0]
 PORT = "{port}"
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = torch.nn.Linear(8, 8)
-        self.time = torch.nn.Linear(1, 8)
-
-    def forward(self, x, sigma):
-        return self.proj(x) + self.time(sigma.reshape(-1, 1))[:, None]
-
+"""
+    + TINY_NET
+    + """
 
 class Scaled(torch.nn.Module):  # the research's wrapper: the input scaled inside the denoiser
     def __init__(self, net):
@@ -374,6 +376,7 @@ def reference_denoiser():
 def port_denoiser():
     return REFERENCE if PORT == "noise" else NET
 """
+)
 
 
 @pytest.mark.parametrize("port", ["scaled-before", "noise"])
