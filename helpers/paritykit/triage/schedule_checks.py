@@ -1,6 +1,7 @@
 r"""The schedule's and the update's checks that run the port's scheduler: its config fitted to the
-reference's recorded timesteps (``schedule --fit``), and its ``step()`` replayed on the reference's recorded
-calls (``--step-check``). A mixin of :class:`paritykit.triage.walk.Triage`, which holds the runs they read."""
+reference's recorded timesteps (``schedule --fit``), its ``step()`` replayed on the reference's recorded calls
+(``--step-check``), and its own timestep list read against what the port's denoiser was fed. A mixin of
+:class:`paritykit.triage.walk.Triage`, which holds the runs they read."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import shlex
 from paritykit.base.errors import ParityKitError
 from paritykit.base.report import format_number
 from paritykit.schedule.schedulers import fit_name
+from paritykit.triage.measures import head
+from paritykit.triage.pairs import same_timestep
 from paritykit.triage.report import Finding
 
 
@@ -162,3 +165,56 @@ class ScheduleChecks:
             if values and all(v is None for v in values):
                 return f"the {side}'s denoiser calls carry no recognisable timestep argument"
         return "the timesteps differ"
+
+    def _scheduler_timesteps(self, n: int) -> list[float] | None:
+        r"""The timesteps ``port_scheduler()`` gives for ``n`` steps, on a copy (the SPEC's stays as it was);
+        ``None`` where it refuses that count."""
+        import copy
+
+        scheduler = copy.deepcopy(self.port_scheduler)
+        try:
+            scheduler.set_timesteps(n)
+            return [float(t) for t in scheduler.timesteps]
+        except Exception:
+            return None
+
+    def _converted_timesteps(self, t_port: list[float]) -> list[str]:
+        r"""A line where the port's denoiser is fed timesteps that ``port_scheduler()`` does not give at the
+        run's step count: the port's pipeline converts them before the call, so what differs may be that
+        conversion as well as the schedule. The step count is the one ``port_scheduler()`` returns set (the
+        port's run sets it where the SPEC returns the pipeline's own); where it was never set, the call
+        count, and only where no timestep is fed twice (two calls a step, as a Heun loop makes, would be read
+        as twice the steps). Empty otherwise."""
+        if not self.spec.has("port_scheduler"):
+            return []
+        own = self._run_timesteps()
+        steps = getattr(self.port_scheduler, "num_inference_steps", None)
+        words = f"as port_scheduler() returned it ({steps} steps)"
+        if own is None and len(set(t_port)) == len(t_port):
+            own, words = self._scheduler_timesteps(len(t_port)), f"set to {len(t_port)} steps, one a call"
+        if own is None:
+            return []
+        if len(own) == len(t_port):
+            apart = [i for i, (a, b) in enumerate(zip(own, t_port)) if not same_timestep(a, b)]
+        else:
+            apart = [i for i, b in enumerate(t_port) if not any(same_timestep(a, b) for a in own)]
+        if not apart:
+            return []
+        return [
+            f"the port's scheduler, {words}, gives the timesteps {head(own)}, and its denoiser is"
+            f" fed {head(t_port)}; from call {apart[0]} the fed value is not the scheduler's: the port's"
+            " pipeline converts them before the call (a lead: the difference may be made in that conversion,"
+            " not in the scheduler)"
+        ]
+
+    def _run_timesteps(self) -> list[float] | None:
+        r"""The timesteps ``port_scheduler()`` holds where it was set to a step count (by the port's run,
+        where the SPEC returns the pipeline's own); ``None`` where it was never set."""
+        if getattr(self.port_scheduler, "num_inference_steps", None) is None:
+            return None
+        held = getattr(self.port_scheduler, "timesteps", None)
+        try:
+            values = [float(t) for t in held] if held is not None else []
+        except (TypeError, ValueError):
+            return None
+        return values or None

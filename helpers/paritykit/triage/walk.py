@@ -757,18 +757,6 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
             and all(same_timestep(a, b) for a, b in zip(timesteps, self.t_port))
         )
 
-    def _scheduler_timesteps(self, n: int) -> list[float] | None:
-        r"""The timesteps ``port_scheduler()`` gives for ``n`` steps, on a copy (the SPEC's stays as it was);
-        ``None`` where it refuses that count."""
-        import copy
-
-        scheduler = copy.deepcopy(self.port_scheduler)
-        try:
-            scheduler.set_timesteps(n)
-            return [float(t) for t in scheduler.timesteps]
-        except Exception:
-            return None
-
     def _timestep_ranges_apart(self) -> str:
         r"""Why the reference's timestep cannot be fed to the port's denoiser as it is: the two sides give
         timesteps in other ranges (one within [0, 1], the other beyond it) and no unit map pairs them; empty
@@ -786,47 +774,6 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
             f" {format_number(top_port)}, and no unit map pairs them at the first calls: fed the reference's"
             " timestep, the port's module would not get identical inputs"
         )
-
-    def _converted_timesteps(self, t_port: list[float]) -> list[str]:
-        r"""A line where the port's denoiser is fed timesteps that ``port_scheduler()`` does not give at the
-        run's step count: the port's pipeline converts them before the call, so what differs may be that
-        conversion as well as the schedule. The step count is the one ``port_scheduler()`` returns set (the
-        port's run sets it where the SPEC returns the pipeline's own); where it was never set, the call
-        count, and only where no timestep is fed twice (two calls a step, as a Heun loop makes, would be read
-        as twice the steps). Empty otherwise."""
-        if not self.spec.has("port_scheduler"):
-            return []
-        own = self._run_timesteps()
-        steps = getattr(self.port_scheduler, "num_inference_steps", None)
-        words = f"as port_scheduler() returned it ({steps} steps)"
-        if own is None and len(set(t_port)) == len(t_port):
-            own, words = self._scheduler_timesteps(len(t_port)), f"set to {len(t_port)} steps, one a call"
-        if own is None:
-            return []
-        if len(own) == len(t_port):
-            apart = [i for i, (a, b) in enumerate(zip(own, t_port)) if not same_timestep(a, b)]
-        else:
-            apart = [i for i, b in enumerate(t_port) if not any(same_timestep(a, b) for a in own)]
-        if not apart:
-            return []
-        return [
-            f"the port's scheduler, {words}, gives the timesteps {head(own)}, and its denoiser is"
-            f" fed {head(t_port)}; from call {apart[0]} the fed value is not the scheduler's: the port's"
-            " pipeline converts them before the call (a lead: the difference may be made in that conversion,"
-            " not in the scheduler)"
-        ]
-
-    def _run_timesteps(self) -> list[float] | None:
-        r"""The timesteps ``port_scheduler()`` holds where it was set to a step count (by the port's run,
-        where the SPEC returns the pipeline's own); ``None`` where it was never set."""
-        if getattr(self.port_scheduler, "num_inference_steps", None) is None:
-            return None
-        held = getattr(self.port_scheduler, "timesteps", None)
-        try:
-            values = [float(t) for t in held] if held is not None else []
-        except (TypeError, ValueError):
-            return None
-        return values or None
 
     def _same_step_times(self, i: int) -> bool:
         if not self.pairs[i].timestep_match:
