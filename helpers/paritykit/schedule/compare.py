@@ -117,7 +117,7 @@ class ScheduleComparison:
                 va = k.a[i] if i < len(k.a) else None
                 vb = k.b[i] if i < len(k.b) else None
                 diff = vb - va if va is not None and vb is not None else None
-                ok = va is not None and vb is not None and lists_close([va], [vb], k.kind)
+                ok = va is not None and vb is not None and lists_close([va], [vb], k.kind, like=k.b)
                 rows.append([str(i), va, vb, diff, "" if ok else "≠"])
             lines.append(render_table(["i", "A", "B", "B - A", ""], rows, limit=limit))
         for name in self.only_one_side:
@@ -137,7 +137,7 @@ class ScheduleComparison:
 
 def first_list_difference(a: list[float], b: list[float], kind: str) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
-        if not lists_close([x], [y], kind):
+        if not lists_close([x], [y], kind, like=b):
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 

@@ -32,11 +32,15 @@ def spacing_lists(n: int, train_steps: int) -> dict[str, list[float]]:
     }
 
 
-def lists_close(a: Sequence[float], b: Sequence[float], kind: str) -> bool:
+def lists_close(
+    a: Sequence[float], b: Sequence[float], kind: str, like: Sequence[float] | None = None
+) -> bool:
+    r"""Whether two lists agree value for value; timesteps at the scale of ``like`` (the whole list a value
+    comes from, where single values are compared), else of ``b``."""
     if len(a) != len(b):
         return False
     if kind == "timesteps":
-        atol = timestep_atol(b)
+        atol = timestep_atol(b if like is None else like)
         return all(abs(x - y) <= atol for x, y in zip(a, b))
     return all(abs(x - y) <= SIGMA_ATOL + SIGMA_RTOL * abs(y) for x, y in zip(a, b))
 
