@@ -460,3 +460,80 @@ def test_an_update_that_differs_by_rounding_alone_is_no_place(tmp_path, slip):
         return
     assert not any(f.place == "update" for f in report.findings), text
     assert "relative (L2) in all, under 9.54e-07, eight times float32's rounding step" in text, text
+
+
+KEPT_SPEC = """
+import torch
+
+SIGMAS = [0.9, 0.6, 0.3, 0.0]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.level = torch.nn.Linear(1, 8)
+
+    def forward(self, x, level):
+        return self.proj(x) + self.level(level.reshape(-1, 1))[:, None]
+
+
+class Reference(torch.nn.Module):  # the research names its noise level nothing triage reads as a timestep
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, cond, gain):  # as WaveGrad's (audio, spectrogram, noise_scale)
+        return self.net(x + cond, gain)
+
+
+class Port(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, sample, timestep, cond):
+        return self.net(sample + cond, timestep)
+
+
+NET = Net().eval()
+REFERENCE, PORT = Reference(NET).eval(), Port(NET).eval()
+
+
+COND = torch.linspace(-1, 1, 32).reshape(1, 4, 8)
+
+
+def run_reference():  # its noise level third, shaped (batch, 1): no timestep triage reads
+    x = torch.randn(1, 4, 8)
+    for s, s_next in zip(SIGMAS, SIGMAS[1:]):
+        x = x + (s_next - s) * REFERENCE(x, COND, torch.full((1, 1), s))
+    return x
+
+
+def run_port():  # the port's noise levels are off: the place is the denoiser's input, the port's own
+    x = torch.randn(1, 4, 8)
+    for s, s_next in zip(SIGMAS, SIGMAS[1:]):
+        x = x + (s_next - s) * PORT(x, torch.full((1,), s * 0.8), COND)
+    return x
+
+
+def reference_denoiser():
+    return REFERENCE
+
+
+def port_denoiser():
+    return PORT
+"""
+
+
+def test_a_denoiser_fed_some_of_its_own_inputs_is_never_said_to_get_identical_ones(tmp_path):
+    # round 21 (wavegrad): the port's noise level paired with no reference input stayed the port's own, and
+    # triage said "the port's denoiser, fed the reference's call-0 inputs, differs …; bisect's culprit, a
+    # module that differs on identical inputs: (top level)"
+    spec = tmp_path / "spec.py"
+    spec.write_text(KEPT_SPEC)
+    report = triage_spec(spec, out=tmp_path / "out")
+    finding = next(f for f in report.findings if f.place == "denoiser")
+    assert "fed the reference's call-0 inputs but its own timestep" in finding.summary, finding.summary
+    assert "identical inputs" not in finding.summary, finding.summary

@@ -97,10 +97,14 @@ _HASHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _hashes_of(model: Any, state_dict: Mapping[str, Any]) -> dict[bool, dict[str, tuple]]:
+    from paritykit.tracing.trace import version_of
+
     state = tuple(
-        (k, v.data_ptr(), v._version, v.dtype, tuple(v.shape)) if hasattr(v, "data_ptr") else (k, id(v))
+        (k, v.data_ptr(), version_of(v), v.dtype, tuple(v.shape)) if hasattr(v, "data_ptr") else (k, id(v))
         for k, v in state_dict.items()
     )
+    if any(len(s) > 2 and s[2] is None for s in state):
+        return {}  # an inference tensor keeps no version counter: hashed again each time
     try:
         held = _HASHED.get(model)
     except TypeError:  # a model that cannot be weakly referenced: hashed again each time

@@ -476,8 +476,8 @@ class _Recorder:
     def store(self, value: Any) -> TensorRef:
         ident = id(value)
         hit = self.seen.get(ident)
-        version = value._version
-        if hit is not None and hit[0]() is value and hit[1] == version:
+        version = version_of(value)
+        if hit is not None and hit[0]() is value and version is not None and hit[1] == version:
             return hit[2]
         tensor = value.detach()
         if self.to_cpu and tensor.device.type != "cpu":
@@ -795,3 +795,12 @@ def tensor_paths(node: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
     elif isinstance(node, (tuple, list)):
         for i, v in enumerate(node):
             yield from tensor_paths(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def version_of(tensor: Any) -> int | None:
+    r"""A tensor's version counter (bumped by every in-place change), or ``None`` for a tensor made under
+    ``torch.inference_mode``, which keeps none (Matcha-TTS samples under it)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None

@@ -157,7 +157,9 @@ def identity(fit: Any) -> bool:
     return abs(scale - 1) < 1e-6 and all(abs(s) < 1e-6 for s in shifts)
 
 
-def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
+def bisect_finding(place: Place, call: int | None, report: Any, kept: list[str] | None = None) -> Finding:
+    r"""A bisect report as triage's finding at ``place``; ``kept``: the port's arguments left its own (no
+    reference input paired with them), said, and never called identical inputs."""
     culprit = report.culprit or report.first_output_divergence
     if culprit is None:
         return Finding(
@@ -203,9 +205,13 @@ def bisect_finding(place: Place, call: int | None, report: Any) -> Finding:
             f" {divergence.port or '(top)'} (max_abs {format_number(divergence.max_abs)}; {own})"
         )
     fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
+    if kept:
+        fed += f" but its own {', '.join(kept)} (no reference input paired with them)"
     later = " (not necessarily the first to differ in the run)"
     if not named:
         said = "bisect named no culprit; the first aligned module whose outputs differ"
+    elif kept:
+        said = "bisect's culprit, a module that differs on the inputs it was fed" + later
     elif getattr(culprit, "test", "replay") != "jump":  # replayed, or the top level fed the same inputs
         said = "bisect's culprit, a module that differs on identical inputs" + later
     else:  # found by comparing both runs' captured outputs: never fed identical inputs

@@ -139,6 +139,29 @@ def with_reference_values(
     timestep is converted to the port's units by ``t_units`` (``t * 1000`` when the reference gives it in
     [0, 1], ``1 - t / 1000`` for flow time counted the other way);
     latents laid out another way by ``layout`` (the reference's values into the port's packing)."""
+    return with_values(port, reference_swap(ref, ref_roles, port, port_roles, timestep_too, t_units, layout))
+
+
+def kept_own(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles, **options: Any) -> list[str]:
+    r"""The port's tensor arguments :func:`with_reference_values` leaves as the port's own: no reference
+    input is paired with them (WaveGrad's noise level, read as no timestep), so the port's module is not
+    fed the reference's inputs there."""
+    import torch
+
+    swapped = reference_swap(ref, ref_roles, port, port_roles, **options)
+    return [n for n, v in port.named.items() if isinstance(v, torch.Tensor) and n not in swapped]
+
+
+def reference_swap(
+    ref: Call,
+    ref_roles: Roles,
+    port: Call,
+    port_roles: Roles,
+    timestep_too: bool = True,
+    t_units: Callable[[float], float] | None = None,
+    layout: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    r"""The port's argument names :func:`with_reference_values` replaces, with the reference's values."""
     import torch
 
     swap: dict[str, Any] = {}
@@ -157,7 +180,7 @@ def with_reference_values(
         swap[port_roles.timestep] = (
             torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)
         )
-    return with_values(port, swap)
+    return swap
 
 
 def with_values(call: Call, swap: dict[str, Any]) -> tuple[tuple, dict]:

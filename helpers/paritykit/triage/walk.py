@@ -54,6 +54,7 @@ from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place
 from paritykit.triage.reproduce import Commands
 from paritykit.triage.roles import (
     Roles,
+    kept_own,
     latents,
     output,
     roles_of,
@@ -490,14 +491,12 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                 " else",
             )
             return
-        mapped = with_reference_values(
-            ref_call,
-            self.ref_roles[call],
-            port_call,
-            port_roles,
-            t_units=self.t_units,
-            layout=self.layout.to_port if self.layout is not None else None,
-        )
+        options = {
+            "t_units": self.t_units,
+            "layout": self.layout.to_port if self.layout is not None else None,
+        }
+        mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, port_roles, **options)
+        own = kept_own(ref_call, self.ref_roles[call], port_call, port_roles, **options)
         report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows)
         if not module_differs(report, self.pairs[call].inputs_agree and not self.pairs[call].output_match):
             self.rule_out(
@@ -505,7 +504,7 @@ class Triage(ScheduleChecks, ConditioningChecks, DecoderChecks):
                 f"the port's module matches the reference's on call {call}'s inputs" + masked_words(report),
             )
             return
-        finding = bisect_finding("denoiser", call, report)
+        finding = bisect_finding("denoiser", call, report, kept=own)
         if not self.pairs[call].inputs_agree:
             finding.evidence.insert(
                 0, f"the port's own call-{call} inputs differ; it was fed the reference's"
