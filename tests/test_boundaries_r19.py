@@ -339,3 +339,22 @@ def test_a_parameter_the_port_holds_as_one_constant_is_said_so():
     # must not fire: a weight that is no constant is named alone
     text = bisect(reference, WithNorm(reference, filled=False).eval(), ((torch.randn(3, 4),), {})).render()
     assert "norm.weight (all" not in text and "norm.weight, norm.bias (all 0)" in text, text
+
+
+class UnderInference(TwoLinears):
+    @torch.inference_mode()
+    def forward(self, x):  # Matcha-TTS samples under torch.inference_mode: its tensors keep no version counter
+        return super().forward(x)
+
+
+def test_a_reference_run_under_inference_mode_is_bisected():
+    # round 21 (matcha-tts): `triage --all` crashed, "Inference tensors do not track version counter"
+    from paritykit.tracing.trace import version_of
+
+    with torch.inference_mode():
+        made = torch.ones(2)
+    assert version_of(made) is None and version_of(torch.ones(2)) == 0
+    reference = UnderInference().eval()
+    port = WithAct(reference).eval()
+    report = bisect(reference, port, ((torch.randn(3, 4),), {}))
+    assert report.verdict == "diverge", report.render()
