@@ -343,7 +343,7 @@ def test_a_parameter_the_port_holds_as_one_constant_is_said_so():
 
 class UnderInference(TwoLinears):
     @torch.inference_mode()
-    def forward(self, x):  # Matcha-TTS samples under torch.inference_mode: its tensors keep no version counter
+    def forward(self, x):  # as Matcha-TTS samples: its tensors keep no version counter
         return super().forward(x)
 
 
