@@ -358,3 +358,40 @@ def test_a_reference_run_under_inference_mode_is_bisected():
     port = WithAct(reference).eval()
     report = bisect(reference, port, ((torch.randn(3, 4),), {}))
     assert report.verdict == "diverge", report.render()
+
+
+class Dilated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Conv1d(4, 4, 3, padding=1, dilation=1)
+        self.second = nn.Conv1d(4, 4, 3, padding=2, dilation=2)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+class DilatedPort(nn.Module):
+    def __init__(self, reference: Dilated, crossed: bool):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv1d(4, 4, 3, padding=1), nn.Conv1d(4, 4, 3, padding=2, dilation=2)])
+        sources = (reference.second, reference.first) if crossed else (reference.first, reference.second)
+        for conv, source in zip(self.convs, sources):
+            conv.load_state_dict(source.state_dict())
+        if not crossed:  # the weights in their slots, the second conv built without its dilation
+            self.convs[1].dilation, self.convs[1].padding = (1,), (1,)
+
+    def forward(self, x):
+        return self.convs[1](torch.tanh(self.convs[0](x)))
+
+
+def test_weights_converted_into_each_others_slot_are_said_to_cross():
+    # round 21 (wavegrad): two up-block convs' weights swapped by the conversion, the convs dilated
+    # otherwise; bisect paired each by its weights and printed "fix (verified): …convs.2.dilation = (2,)"
+    reference = Dilated().eval()
+    inputs = ((torch.randn(2, 4, 16),), {})
+    text = bisect(reference, DilatedPort(reference, crossed=True).eval(), inputs).render()
+    assert "called in crossed places" in text and "a setting fix here is for this module alone" in text, text
+    # must not fire: the weights in their own slots, one dilation built otherwise
+    text = bisect(reference, DilatedPort(reference, crossed=False).eval(), inputs).render()
+    assert "crossed places" not in text and "dilation" in text, text

@@ -164,6 +164,42 @@ class FullSearch:
         return environment
 
 
+def _crossed_slots(searcher: Searcher, call: Any) -> str:
+    r"""Where the culprit is paired by its weights with a port module that the port calls on the other side
+    of another weight-paired sibling than the reference calls its own (wavegrad's up-block convs converted
+    into each other's slots): the pairs' calls cross, measured by the two runs' call order. A setting fix at
+    one of them makes that module compute as the reference's does with those weights; the conversion is
+    what put them there. Empty otherwise."""
+    pair = searcher.alignment.pair_of(call.module)
+    port_call = searcher.port_record(call) if pair is not None and pair.how == "weights" else None
+    if port_call is None or call.parent is None:
+        return ""
+    for sibling in searcher.ref_trace.records:
+        if sibling.parent != call.parent or sibling is call:
+            continue
+        other = searcher.alignment.pair_of(sibling.module)
+        if (
+            other is None
+            or other.how != "weights"
+            or type(searcher.ref_modules.get(sibling.module))
+            is not type(searcher.ref_modules.get(call.module))
+        ):
+            continue
+        theirs = searcher.port_record(sibling)
+        if theirs is None or theirs.parent != port_call.parent:
+            continue
+        if (sibling.order < call.order) != (theirs.order < port_call.order):
+            first, then = (theirs, port_call) if theirs.order < port_call.order else (port_call, theirs)
+            return (
+                f"its weights and those of {sibling.module} are called in crossed places: the reference calls"
+                f" {sibling.module} {'before' if sibling.order < call.order else 'after'} it, the port calls"
+                f" the modules holding their weights in the other order ({first.module}, then {then.module}):"
+                " weights converted into each other's slot, or slots built otherwise; a setting fix here is"
+                " for this module alone"
+            )
+    return ""
+
+
 def _weak_pair_before(top: Searcher, record: Any) -> str:
     r"""An earlier call, in completion order, of a pair aligned by order and output shape alone whose
     captured outputs differ: not counted for the first module whose outputs differ, and said beside it
@@ -304,7 +340,9 @@ def run_strategy(
                 culprit = culprit_finding(
                     searcher, above, located.children_passed, output, ops=ops, repair=repair
                 )
-            culprit.note = join_notes(culprit.note, located.note())
+            culprit.note = join_notes(
+                culprit.note, located.note(), _crossed_slots(located.searcher, located.call)
+            )
             if not located.through_inputs:
                 culprit.in_run = inherited(located.searcher, located.call)
             culprit.through_inputs = located.through_inputs
