@@ -23,5 +23,16 @@ step pytest_cuda 300 python3 -m pytest tests/test_devices.py tests/test_floor.py
 tail -30 "$O/pytest_cuda.txt"
 step tf32_probe 150 python3 benchmarks/gpu/tf32_probe.py
 cat "$O/tf32_probe.txt"
+# `new diffusers-tests` on the GPU, where .gpu/dtests.tar holds diffusers' tests/ and pyproject.toml
+# (`git archive HEAD tests pyproject.toml` of its repository) and .gpu/extra the wheels its tests import
+# (parameterized, requests_mock, --no-deps): the rendered tests then run with diffusers' torch_device "cuda"
+if [ -f .gpu/dtests.tar ]; then
+  for m in parameterized requests_mock; do python3 -c "import $m" 2>/dev/null || python3 -m pip install -q \
+    --no-index --find-links .gpu/extra --no-deps --target /tmp/site "${m/_/-}" >>"$O/install.log" 2>&1; done
+  mkdir -p /tmp/dtests && tar -x -C /tmp/dtests -f .gpu/dtests.tar
+  PARITYKIT_DIFFUSERS_REPO=/tmp/dtests step diffusers_tests 400 python3 -m pytest tests/test_diffusers_tests.py \
+    -q -p no:cacheprovider -rfEs --tb=short
+  tail -30 "$O/diffusers_tests.txt"
+fi
 wait
 cat "$O/gpu_scale_steps.txt" "$O/gpu_scale.txt"
