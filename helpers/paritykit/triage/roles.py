@@ -125,21 +125,12 @@ def pair_conditioning(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles
 
 
 def with_reference_values(
-    ref: Call,
-    ref_roles: Roles,
-    port: Call,
-    port_roles: Roles,
-    *,
-    timestep_too: bool = True,
-    t_units: Callable[[float], float] | None = None,
-    layout: Callable[[Any], Any] | None = None,
+    ref: Call, ref_roles: Roles, port: Call, port_roles: Roles, **options: Any
 ) -> tuple[tuple, dict]:
-    r"""The port's call with the reference's latents, conditioning and (when ``timestep_too`` and both sides
-    give one) timestep in place of its own: what the port's module computes on the reference's inputs. The
-    timestep is converted to the port's units by ``t_units`` (``t * 1000`` when the reference gives it in
-    [0, 1], ``1 - t / 1000`` for flow time counted the other way);
-    latents laid out another way by ``layout`` (the reference's values into the port's packing)."""
-    return with_values(port, reference_swap(ref, ref_roles, port, port_roles, timestep_too, t_units, layout))
+    r"""The port's call with the reference's latents, conditioning and timestep in place of its own (the
+    values :func:`reference_swap` gives, ``options`` as it takes them): what the port's module computes on
+    the reference's inputs."""
+    return with_values(port, reference_swap(ref, ref_roles, port, port_roles, **options))
 
 
 def kept_own(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles, **options: Any) -> list[str]:
@@ -161,7 +152,11 @@ def reference_swap(
     t_units: Callable[[float], float] | None = None,
     layout: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
-    r"""The port's argument names :func:`with_reference_values` replaces, with the reference's values."""
+    r"""The port's argument names :func:`with_reference_values` replaces, with the reference's values:
+    latents (laid out another way by ``layout``: the reference's values into the port's packing),
+    conditioning, and (when ``timestep_too`` and both sides give one) the timestep, converted to the port's
+    units by ``t_units`` (``t * 1000`` when the reference gives it in [0, 1], ``1 - t / 1000`` for flow time
+    counted the other way)."""
     import torch
 
     swap: dict[str, Any] = {}
