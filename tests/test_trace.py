@@ -7,7 +7,8 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 from paritykit.base.errors import ParityKitError
-from paritykit.tracing.trace import OutputDict, Trace, capture
+from paritykit.tracing.skeleton import OutputDict
+from paritykit.tracing.trace import Trace, capture
 from torch import nn
 
 from tests.bisect_pairs import conv_pair, dit_pair

@@ -29,10 +29,18 @@ from paritykit.base.data import data_dir
 from paritykit.base.errors import ParityKitError
 from paritykit.base.quiet import quiet_diffusers
 from paritykit.base.report import format_number
+from paritykit.pack.tiny_model import (
+    TinyModel,
+    first_tensor,
+    import_from,
+    input_specs,
+    materialize,
+    run_once,
+    tiny_model,
+)
 
 SLICE = 8  # the expected slice: the first and the last SLICE values of the flattened output
 FLOOR_FACTOR = 4  # atol = FLOOR_FACTOR x (reference floor + port floor)
-FIXED_VALUES = 16  # an --inputs float tensor this small keeps its values (a timestep, a resolution)
 
 # (class-name marker, folder under tests/models, word in the file name) of each model family
 _FAMILIES = (("Transformer", "transformers", "transformer"), ("UNet", "unets", "unet"))
@@ -83,19 +91,6 @@ class DiffusersTests:
         lines += self.notes
         lines += [f"wrote {path}" for path in self.paths]
         return "\n".join(lines)
-
-
-@dataclass
-class _Model:
-    r"""The model class as the generated files import and build it."""
-
-    cls: type
-    source: tuple[str, str]  # (module, name) to import it from
-    init: dict[str, Any]
-    inputs: dict[str, Any]  # argument name -> spec (shaped_inputs.Noise / Fixed / dict / value)
-    output_shape: tuple[int, ...]
-    checkpointed: list[str] = field(default_factory=list)
-    parameters: int = 0
 
 
 def generate_diffusers_tests(
@@ -149,7 +144,7 @@ def generate_diffusers_tests(
         _check_pipeline(pipeline_cls)
     make_inputs = callable_from("--inputs", inputs) if isinstance(inputs, str) else inputs
     with quiet_diffusers():
-        model = _tiny_model(cls, _saved_config(cls, pretrained), make_inputs)
+        model = tiny_model(cls, _saved_config(cls, pretrained), make_inputs)
     result = DiffusersTests()
     slow = None
     unused = [flag for flag, value in (("--hub-id", hub_id), ("--convert", convert)) if value is not None]
@@ -225,15 +220,6 @@ def _model_class(value: str | type, what: str = "--model-class") -> type:
     return found
 
 
-def _import_from(cls: type) -> tuple[str, str]:
-    r"""(module, name) the generated files import ``cls`` from: ``diffusers`` when it exports the class."""
-    import diffusers
-
-    if getattr(diffusers, cls.__name__, None) is cls:
-        return "diffusers", cls.__name__
-    return cls.__module__, cls.__name__
-
-
 def _import_lines(names: list[tuple[str, str]]) -> list[str]:
     r"""``from module import a, b`` lines, one per module, sorted as ruff's isort sorts them (a line longer
     than diffusers' 119 characters wrapped one name a line)."""
@@ -260,163 +246,6 @@ def _saved_config(cls: type, pretrained: str | os.PathLike | None) -> dict[str, 
         raise ParityKitError(f"--pretrained {pretrained}: its config.json does not load ({exc})") from exc
     accepted = set(inspect.signature(cls.__init__).parameters)
     return {k: v for k, v in config.items() if k in accepted}
-
-
-# widths of the conditioning a model reads (text, pooled text): shrunk to this when the model still runs
-SMALL_CONTEXT = 32
-
-
-def _tiny_model(cls: type, base: dict[str, Any] | None = None, inputs: Any = None) -> _Model:
-    r"""The class built from its shrunk config (``base``, the port's own, over the class defaults), with the
-    inputs it runs on and its output shape. The init dict holds what differs from the class defaults.
-
-    Beyond :func:`paritykit.tracing.shaped_inputs.tiny_config`: conditioning widths shrink to
-    :data:`SMALL_CONTEXT` when the model still runs so, a sample size left unset takes the input's (pipelines
-    read it), and a model with one attention layer gets two (``AttentionTesterMixin`` needs them)."""
-    from paritykit.tracing.shaped_inputs import CONTEXT_WIDTHS, init_defaults, tiny_config
-
-    defaults = init_defaults(cls)
-    base = {k: v for k, v in (base or {}).items() if k in defaults and _differs(v, defaults[k])}
-    init = {**base, **tiny_config(cls, base)}
-    context = {
-        k: SMALL_CONTEXT
-        for k, v in {**defaults, **init}.items()
-        if k in (*CONTEXT_WIDTHS, "pooled_projection_dim")
-        and isinstance(v, int)
-        and not isinstance(v, bool)
-        and v > SMALL_CONTEXT
-    }
-    if context:
-        try:
-            _built_and_run(cls, {**init, **context}, inputs)
-            init = {**init, **context}
-        except Exception:  # noqa: BLE001 - a model whose widths are tied elsewhere keeps its own
-            pass
-    model, specs, output = _built_and_run(cls, init, inputs)
-    if len(getattr(model, "attn_processors", None) or {}) == 1:
-        # AttentionTesterMixin sets one processor fewer than the model has: a model with one needs two layers
-        init = {
-            k: 2 if v == 1 and "layers" in k and _differs(2, defaults.get(k)) else v for k, v in init.items()
-        }
-        model, specs, output = _built_and_run(cls, init, inputs)
-    if "sample_size" in defaults and {**defaults, **init}.get("sample_size") is None:
-        main = next(iter(specs.values()), None)
-        if getattr(main, "shape", None) is not None and len(main.shape) >= 4:
-            init["sample_size"] = int(main.shape[-1])
-            model, specs, output = _built_and_run(cls, init, inputs)
-    count = sum(p.numel() for p in model.parameters())
-    checkpointed = _checkpointed(model)
-    return _Model(cls, _import_from(cls), init, specs, tuple(output.shape), checkpointed, count)
-
-
-def _built_and_run(cls: type, init: dict[str, Any], inputs: Any) -> tuple[Any, dict[str, Any], Any]:
-    r"""(model, input specs, output) of ``cls`` built from ``init`` over its defaults and run once."""
-    from paritykit.tracing.shaped_inputs import build, init_defaults
-
-    config = {**init_defaults(cls), **init}
-    model = build(cls, config, "cpu").eval()
-    specs = _input_specs(cls, config, inputs)
-    return model, specs, _run(model, _materialize(specs))
-
-
-def _input_specs(cls: type, config: dict[str, Any], inputs: Any) -> dict[str, Any]:
-    r"""How the test makes each input, by argument name: shaped for the class from its signature and
-    ``config`` (:func:`paritykit.tracing.shaped_inputs.input_layout`), or read from what ``inputs(config)``
-    returns (a dict, or (args, kwargs) named by ``forward``'s order): float tensors of more than
-    :data:`FIXED_VALUES` values become seeded noise of their shape, other tensors (timesteps, sizes, ids)
-    their values, dicts their items, anything else its literal."""
-    import torch
-
-    from paritykit.base.usercode import call_user
-    from paritykit.tracing.shaped_inputs import Fixed, Noise, input_layout
-
-    if inputs is None:
-        return dict(input_layout(cls, config).values)
-    try:
-        takes_config = bool(inspect.signature(inputs).parameters)
-    except (TypeError, ValueError):
-        takes_config = True
-    given = call_user(inputs, *([dict(config)] if takes_config else []), what="--inputs")
-    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], dict):
-        names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
-        given = {**dict(zip(names, given[0])), **given[1]}
-    if not isinstance(given, dict):
-        raise ParityKitError(f"--inputs returned a {type(given).__name__}: return a dict or (args, kwargs)")
-
-    def spec(name: str, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.numel() > FIXED_VALUES:
-                return Noise(tuple(value.shape))
-            return Fixed(
-                tuple(value.flatten().tolist()), str(value.dtype).removeprefix("torch."), tuple(value.shape)
-            )
-        if isinstance(value, dict):
-            return {k: spec(f"{name}.{k}", v) for k, v in value.items()}
-        if isinstance(value, (int, float, str, bool, type(None))):
-            return value
-        raise ParityKitError(
-            f"--inputs: {name} is a {type(value).__name__}; give tensors, dicts or plain values"
-        )
-
-    return {k: spec(k, v) for k, v in given.items()}
-
-
-def _checkpointed(model: Any) -> list[str]:
-    r"""The classes of the submodules gradient checkpointing switches on (what
-    ``test_gradient_checkpointing_is_applied`` expects), empty when the model does not support it."""
-    if not getattr(model, "_supports_gradient_checkpointing", False):
-        return []
-    model.enable_gradient_checkpointing()
-    found = sorted({m.__class__.__name__ for m in model.modules() if hasattr(m, "gradient_checkpointing")})
-    model.disable_gradient_checkpointing()
-    return found
-
-
-def _differs(saved: Any, default: Any) -> bool:
-    r"""Whether a saved config value differs from the class default (a JSON list against a default tuple
-    does not)."""
-    if isinstance(saved, (list, tuple)) and isinstance(default, (list, tuple)):
-        return list(saved) != list(default)
-    return saved != default
-
-
-def _materialize(specs: dict[str, Any], generator: Any = None) -> dict[str, Any]:
-    r"""The inputs exactly as the generated test draws them: noise from ``randn_tensor`` on one CPU generator
-    seeded 0, in argument order (``generator`` None: a fresh generator per tensor, as ``self.generator``
-    gives in the fast tests), fixed values as written."""
-    import torch
-    from diffusers.utils.torch_utils import randn_tensor
-
-    from paritykit.tracing.shaped_inputs import Fixed, Noise
-
-    def make(spec: Any) -> Any:
-        if isinstance(spec, Noise):
-            source = generator if generator is not None else torch.Generator("cpu").manual_seed(0)
-            return randn_tensor(spec.shape, generator=source, dtype=torch.float32)
-        if isinstance(spec, Fixed):
-            tensor = torch.tensor(spec.values, dtype=getattr(torch, spec.dtype))
-            return tensor.reshape(spec.shape) if spec.shape is not None else tensor
-        if isinstance(spec, dict):
-            return {k: make(v) for k, v in spec.items()}
-        return spec
-
-    return {k: make(v) for k, v in specs.items()}
-
-
-def _run(model: Any, inputs: dict[str, Any]) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return _first_tensor(model(**inputs))
-
-
-def _first_tensor(output: Any) -> Any:
-    from paritykit.tracing.recording import output_tensor
-
-    found = output_tensor(output)
-    if found is None:
-        raise ParityKitError(f"the model returned a {type(output).__name__} holding no tensor")
-    return found
 
 
 def _model_test_path(cls: type, name: str) -> Path:
@@ -488,7 +317,7 @@ def _input_expr(spec: Any, generator: str, indent: str, dtype: str = "self.torch
     return _py(spec)
 
 
-def _model_context(cls: type, model: _Model, slow: dict | None) -> dict[str, Any]:
+def _model_context(cls: type, model: TinyModel, slow: dict | None) -> dict[str, Any]:
     forward = list(inspect.signature(cls.forward).parameters)
     main = next(iter(model.inputs), forward[1] if len(forward) > 1 else "hidden_states")
     main_spec = model.inputs.get(main)
@@ -542,8 +371,8 @@ def _slow_test(
     if convert is not None:
         converted = call_user(convert, dict(reference.state_dict()), what="--convert")
         _check_saved(port, converted, pretrained, result)
-    specs = _input_specs(cls, dict(port.config), inputs)
-    inputs = _materialize(specs, torch.Generator("cpu").manual_seed(0))
+    specs = input_specs(cls, dict(port.config), inputs)
+    inputs = materialize(specs, torch.Generator("cpu").manual_seed(0))
     required = [n for n, p in inspect.signature(cls.forward).parameters.items() if n != "self"]
     positional = [n for n in required if n in inputs and _is_required(cls, n)]
 
@@ -562,7 +391,7 @@ def _slow_test(
 
     def call(model: Any, values: dict[str, Any], as_reference: bool) -> Any:
         if not as_reference:
-            return _run(model, values)
+            return run_once(model, values)
         # the port's required inputs positionally, its optional ones by name where the reference has the name
         args = [values[n] for n in positional]
         kwargs = {k: v for k, v in values.items() if k in named}
@@ -570,7 +399,7 @@ def _slow_test(
             output = call_user(
                 lambda: model(*args, **kwargs), what=f"--reference {reference_name}: its forward"
             )
-        return _first_tensor(output)
+        return first_tensor(output)
 
     expected = call(reference, inputs, True)
     got = call(port, inputs, False)
@@ -700,14 +529,14 @@ def _components(pipeline_cls: type) -> list[tuple[str, Any, list[Any]]]:
     return found
 
 
-def _pipeline_context(pipeline_cls: type, cls: type, model: _Model, has_slow: bool) -> dict[str, Any]:
+def _pipeline_context(pipeline_cls: type, cls: type, model: TinyModel, has_slow: bool) -> dict[str, Any]:
     r"""The pipeline test's components (the model built tiny, the rest from their classes, optional ones
     None), call arguments and the shape its output has on them (run here on the same components)."""
     import torch
     from diffusers import DDIMScheduler, ModelMixin, SchedulerMixin
     from diffusers.schedulers import KarrasDiffusionSchedulers
 
-    imports = [model.source, _import_from(pipeline_cls)]
+    imports = [model.source, import_from(pipeline_cls)]
     components: dict[str, str] = {}
     built: dict[str, Any] = {}
     for pname, parameter, annotated in _components(pipeline_cls):
@@ -723,12 +552,12 @@ def _pipeline_context(pipeline_cls: type, cls: type, model: _Model, has_slow: bo
                 built[pname] = None
         elif schedulers:
             scheduler = DDIMScheduler if schedulers[0] is KarrasDiffusionSchedulers else schedulers[0]
-            imports.append(_import_from(scheduler))
+            imports.append(import_from(scheduler))
             components[pname] = f"{scheduler.__name__}()"
             built[pname] = scheduler()
         elif models:
-            tiny = _tiny_model(models[0])
-            imports.append(_import_from(models[0]))
+            tiny = tiny_model(models[0])
+            imports.append(import_from(models[0]))
             components[pname] = _construct(models[0], tiny.init)
             built[pname] = models[0](**tiny.init)
         else:

@@ -16,14 +16,21 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import math
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from paritykit.base.errors import ParityKitError, first_line
+from paritykit.tracing.skeleton import (
+    DictSkeleton,
+    TensorRef,
+    decode,
+    encode,
+    has_opaque,
+    unpack_call,
+)
 
 MANIFEST = "trace.json"
 WEIGHTS_FILE = "weights.safetensors"  # a copy of the weights, written by paritykit before 0.9
@@ -35,40 +42,6 @@ _COMPLEX = "paritykit.complex"  # a shard's metadata key: its tensors stored as 
 
 
 # --------------------------------------------------------------------------------------------- structure
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A captured tensor inside an input/output skeleton, stored under ``key`` in the trace."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Opaque:
-    """A non-tensor value that could not be written to JSON; calls holding one cannot be replayed from
-    disk."""
-
-    text: str
-
-    def __repr__(self) -> str:
-        return f"<opaque {self.text}>"
-
-
-class OutputDict(dict):
-    """Stands in for a ``BaseOutput`` read from disk: ``out.sample``, ``out["sample"]`` and ``out[0]`` all
-    work."""
-
-    def __getattr__(self, item: str) -> Any:
-        try:
-            return self[item]
-        except KeyError:
-            raise AttributeError(item) from None
-
-    def __getitem__(self, item: Any) -> Any:
-        if isinstance(item, int):
-            return list(self.values())[item]
-        return super().__getitem__(item)
 
 
 @dataclass
@@ -145,7 +118,7 @@ class Record:
     @property
     def replayable(self) -> bool:
         """Whether :meth:`call_inputs` can rebuild this call's arguments (inputs captured, nothing opaque)."""
-        return self.inputs_skeleton is not None and not _has_opaque(self.inputs_skeleton)
+        return self.inputs_skeleton is not None and not has_opaque(self.inputs_skeleton)
 
     def call_inputs(self) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` rebuilt with the captured tensors."""
@@ -168,8 +141,8 @@ class Record:
             "depth": self.depth,
             "order": self.order,
             "done": self.done,
-            "inputs": _encode(self.inputs_skeleton),
-            "outputs": _encode(self.outputs_skeleton),
+            "inputs": encode(self.inputs_skeleton),
+            "outputs": encode(self.outputs_skeleton),
             "input_keys": self.input_keys,
             "output_keys": self.output_keys,
         }
@@ -403,8 +376,8 @@ class Trace:
                     depth=item["depth"],
                     order=item["order"],
                     done=item["done"],
-                    inputs_skeleton=_decode(item["inputs"]),
-                    outputs_skeleton=_decode(item["outputs"]),
+                    inputs_skeleton=decode(item["inputs"]),
+                    outputs_skeleton=decode(item["outputs"]),
                     input_keys=dict(item["input_keys"]),
                     output_keys=dict(item["output_keys"]),
                 )
@@ -507,7 +480,7 @@ class _Recorder:
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
         if isinstance(obj, dict):
-            return _DictSkeleton(self.pack_items(obj.items(), path, keys), type(obj))
+            return DictSkeleton(self.pack_items(obj.items(), path, keys), type(obj))
         if isinstance(obj, (tuple, list)):
             packed = list(self.pack_items(enumerate(obj), path, keys).values())
             return packed if isinstance(obj, list) else tuple(packed)
@@ -546,7 +519,7 @@ class _Recorder:
             keys: dict[str, str] = {}
             record.inputs_skeleton = (
                 tuple(self.pack_items(enumerate(args), "args", keys).values()) if args else (),
-                _DictSkeleton(self.pack_items(kwargs.items(), "kwargs", keys) if kwargs else {}),
+                DictSkeleton(self.pack_items(kwargs.items(), "kwargs", keys) if kwargs else {}),
             )
             record.input_keys = keys
         self.trace._add(record)
@@ -565,14 +538,6 @@ class _Recorder:
         record.output_keys = keys
         record.done = self.finished
         self.finished += 1
-
-
-@dataclass(frozen=True)
-class _DictSkeleton:
-    """A captured dict (or ``BaseOutput``) with its original class, so replay rebuilds the same type."""
-
-    items: dict[str, Any]
-    cls: type = dict
 
 
 @contextlib.contextmanager
@@ -698,103 +663,6 @@ def _write_manifest(directory: Path, trace: Trace, shard_of: dict[str, str]) -> 
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1, allow_nan=False))
     tmp.replace(directory / MANIFEST)
-
-
-def _encode(node: Any) -> Any:
-    """Skeleton -> JSON. Tensors become ``{"tensor": key}``; values JSON cannot hold become ``{"opaque":
-    repr}``."""
-    if isinstance(node, TensorRef):
-        return {"tensor": node.key}
-    if node is None or isinstance(node, (bool, int, str)):
-        return node
-    if isinstance(node, float):
-        return node if math.isfinite(node) else {"float": repr(node)}
-    if isinstance(node, _DictSkeleton):
-        output = node.cls is not dict
-        return {"dict": [[str(k), _encode(v)] for k, v in node.items.items()], "output": output}
-    if isinstance(node, tuple):
-        return {"tuple": [_encode(v) for v in node]}
-    if isinstance(node, list):
-        return {"list": [_encode(v) for v in node]}
-    if isinstance(node, Opaque):
-        return {"opaque": node.text}
-    text = type(node).__module__ + "." + type(node).__qualname__
-    try:
-        import torch
-
-        if isinstance(node, torch.dtype):
-            return {"dtype": str(node).removeprefix("torch.")}
-        if isinstance(node, torch.device):
-            return {"device": str(node)}
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return {"opaque": f"{text}: {repr(node)[:200]}"}
-
-
-def _decode(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    if "tensor" in node:
-        return TensorRef(node["tensor"])
-    if "float" in node:
-        return float(node["float"])
-    if "dict" in node:
-        return _DictSkeleton(
-            {k: _decode(v) for k, v in node["dict"]}, OutputDict if node.get("output") else dict
-        )
-    if "tuple" in node:
-        return tuple(_decode(v) for v in node["tuple"])
-    if "list" in node:
-        return [_decode(v) for v in node["list"]]
-    if "dtype" in node:
-        import torch
-
-        return getattr(torch, node["dtype"])
-    if "device" in node:
-        import torch
-
-        return torch.device(node["device"])
-    return Opaque(node.get("opaque", "?"))
-
-
-def unpack_call(node: Any, tensor: Any) -> Any:
-    if isinstance(node, TensorRef):
-        return tensor(node.key)
-    if isinstance(node, _DictSkeleton):
-        values = {k: unpack_call(v, tensor) for k, v in node.items.items()}
-        try:
-            return node.cls(**values) if node.cls is not dict else values
-        except TypeError:
-            return OutputDict(values)
-    if isinstance(node, tuple):
-        return tuple(unpack_call(v, tensor) for v in node)
-    if isinstance(node, list):
-        return [unpack_call(v, tensor) for v in node]
-    if isinstance(node, Opaque):
-        raise ParityKitError(f"cannot rebuild a captured value from disk: {node.text}")
-    return node
-
-
-def _has_opaque(node: Any) -> bool:
-    if isinstance(node, Opaque):
-        return True
-    if isinstance(node, _DictSkeleton):
-        return any(_has_opaque(v) for v in node.items.values())
-    if isinstance(node, (tuple, list)):
-        return any(_has_opaque(v) for v in node)
-    return False
-
-
-def tensor_paths(node: Any, prefix: str = "") -> Iterable[tuple[str, str]]:
-    """``(path, key)`` for every tensor in a skeleton, in order."""
-    if isinstance(node, TensorRef):
-        yield prefix, node.key
-    elif isinstance(node, _DictSkeleton):
-        for k, v in node.items.items():
-            yield from tensor_paths(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(node, (tuple, list)):
-        for i, v in enumerate(node):
-            yield from tensor_paths(v, f"{prefix}.{i}" if prefix else str(i))
 
 
 def version_of(tensor: Any) -> int | None:

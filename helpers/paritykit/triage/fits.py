@@ -89,11 +89,11 @@ def affine_words(fit: LinearFit, what: str) -> str:
     return words
 
 
-def update_fit(x: Any, eps: Any, nxt: Any, previous: Any = None) -> LinearFit | None:
-    r"""One side's update from one call to the next as a linear rule: ``next ≈ a·x + b·output`` (each batch
-    half of the output its own term when the output holds a guidance batch), then with the previous call's
-    output as a further term (multistep samplers) when the two-term rule is not exact."""
-    if x is None or eps is None or nxt is None:
+def update_terms(x: Any, eps: Any, previous: Any = None) -> dict[str, Any] | None:
+    r"""The terms an update rule is fitted on, by name: the latents, the output (each batch half its own
+    term when the output holds a guidance batch) and, where given and shaped alike, the previous call's
+    output; ``None`` when the output fits no such shape."""
+    if x is None or eps is None:
         return None
     terms = {"latents": x}
     if tuple(eps.shape) == tuple(x.shape):
@@ -103,18 +103,33 @@ def update_fit(x: Any, eps: Any, nxt: Any, previous: Any = None) -> LinearFit | 
         terms["output[first half]"], terms["output[second half]"] = eps[:half], eps[half:]
     else:
         return None
+    if previous is not None and "output" in terms and tuple(previous.shape) == tuple(eps.shape):
+        terms["previous output"] = previous
+    return terms
+
+
+def update_fit(x: Any, eps: Any, nxt: Any, previous: Any = None) -> LinearFit | None:
+    r"""One side's update from one call to the next as a linear rule: ``next ≈ a·x + b·output`` (each batch
+    half of the output its own term when the output holds a guidance batch), then with the previous call's
+    output as a further term (multistep samplers) when the two-term rule is not exact."""
+    terms = update_terms(x, eps, previous)
+    if terms is None or nxt is None:
+        return None
+    more = terms.pop("previous output", None)
     fit = fit_linear(nxt, terms)
-    if (
-        fit is not None
-        and not fit.exact
-        and previous is not None
-        and tuple(previous.shape) == tuple(eps.shape)
-    ):
-        if "output" in terms:
-            more = fit_linear(nxt, {**terms, "previous output": previous})
-            if more is not None and more.exact:
-                return more
+    if fit is not None and not fit.exact and more is not None:
+        wider = fit_linear(nxt, {**terms, "previous output": more})
+        if wider is not None and wider.exact:
+            return wider
     return fit
+
+
+def predict(fit: LinearFit, terms: dict[str, Any]) -> Any:
+    r"""``Σ coefficient · term`` of a fitted rule on the given terms (in float64), or ``None`` when a term
+    the rule has is not among them."""
+    if any(name not in terms for name in fit.names):
+        return None
+    return sum(c * terms[name].detach().double() for name, c in zip(fit.names, fit.coefficients))
 
 
 def coefficient_differences(ref: LinearFit, port: LinearFit) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +133,28 @@ def as_state_dict(obj: Any, label: str) -> tuple[dict[str, Any], str]:
     if not out:
         raise ParityKitError(f"{label} {name!r} holds no tensors")
     return out, name
+
+
+def in_threads(fn, items: list, sizes: list[int] | None = None) -> Iterable:
+    r"""``fn`` over ``items`` in order, on up to four threads: the hashing and comparing are numpy and torch
+    reductions that release the GIL, so the cores read the checkpoint side by side. Given each item's
+    ``sizes`` (bytes), the items are cut into one contiguous run per thread of about equal bytes: each thread
+    streams a region of the files of its own, rather than taking turns over the same pages."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = min(4, os.cpu_count() or 1)
+    if workers == 1 or len(items) < 2:
+        return map(fn, items)
+    if sizes is None:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(fn, items))
+    total, cuts, run = sum(sizes), [0], 0
+    for i, size in enumerate(sizes):
+        run += size
+        if run >= total * len(cuts) / workers and len(cuts) < workers:
+            cuts.append(i + 1)
+    cuts.append(len(items))
+    runs = [items[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return [r for done in pool.map(lambda run: [fn(i) for i in run], runs) for r in done]

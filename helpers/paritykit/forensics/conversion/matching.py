@@ -30,9 +30,7 @@ library and the generated code cannot disagree.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -49,12 +47,16 @@ from paritykit.forensics.conversion.fingerprints import (
     position_hash,
     resolve_candidates,
 )
-from paritykit.forensics.conversion.loading import PAGES, as_state_dict, dtype_name
+from paritykit.forensics.conversion.loading import PAGES, as_state_dict, dtype_name, in_threads
 from paritykit.forensics.conversion.names import (
+    PARAM_LEAVES,
     NameScorer,
+    is_ema,
     layer_key,
     name_ancestors,
     name_relation,
+    param_stem,
+    stem_names,
 )
 from paritykit.forensics.conversion.results import (
     AmbiguousTarget,
@@ -138,7 +140,7 @@ class _Matcher:
         self.rows: dict[tuple, Any] = {}
         for key in target:
             self.by_module[key.rsplit(".", 1)[0] if "." in key else ""].append(key)
-            self.by_stem[_param_stem(key)[0]].append(key)
+            self.by_stem[param_stem(key)[0]].append(key)
             parts = key.split(".")
             for n in range(1, len(parts)):
                 self.scorer.target_children[".".join(parts[:n])].add(parts[n])
@@ -200,7 +202,7 @@ class _Matcher:
             for dtype in self.dtypes
             if castable(s.dtype, dtype)
         ]
-        hashed = _in_threads(_full_hash, jobs, [job[2].nbytes for job in jobs])
+        hashed = in_threads(_full_hash, jobs, [job[2].nbytes for job in jobs])
         for (side, key, t, dtype), (h, rows) in zip(jobs, hashed, strict=True):
             if rows is not None:
                 self.rows[(side, key, dtype)] = rows
@@ -219,7 +221,7 @@ class _Matcher:
             if len(bucket := self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])) == 1
         ]
         sizes = [self.target[key].nbytes for key, _ in singles]
-        single_steps = dict(zip(singles, _in_threads(self._resolve_pair, singles, sizes), strict=True))
+        single_steps = dict(zip(singles, in_threads(self._resolve_pair, singles, sizes), strict=True))
         for key, t in self.target.items():
             bucket = self.src_table.get((t.dtype, t.numel(), self.tgt_hash[key]), [])
             if not bucket:
@@ -334,7 +336,7 @@ class _Matcher:
                             tasks.append((skey, dtype, dim, start, start + size, tkey, index, count))
         candidates: dict[str, list[_Found]] = defaultdict(list)
         covered: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        for task, f in zip(tasks, _in_threads(self._piece_task, tasks), strict=True):
+        for task, f in zip(tasks, in_threads(self._piece_task, tasks), strict=True):
             if f is not None:
                 skey, dtype, dim, start, stop, tkey = task[:6]
                 candidates[tkey].append(f)
@@ -351,7 +353,7 @@ class _Matcher:
                     (skey, dtype, dim, start, stop, tkey, None, None)
                     for tkey in table.get((dtype, numel, h), [])
                 ]
-        for task, f in zip(tasks, _in_threads(self._piece_task, tasks), strict=True):
+        for task, f in zip(tasks, in_threads(self._piece_task, tasks), strict=True):
             if f is not None:
                 candidates[task[5]].append(f)
         for tkey, fs in candidates.items():
@@ -523,12 +525,12 @@ class _Matcher:
         beside ``in_proj_weight``): the matching source of the same module or stem, same leading chunk (a
         fused bias split like its fused weight), verified exactly."""
         module, leaf = tkey.rsplit(".", 1) if "." in tkey else ("", tkey)
-        stem, stem_leaf = _param_stem(tkey)
+        stem, stem_leaf = param_stem(tkey)
         t = self.target[tkey]
         out = []
         siblings = [(o, False) for o in self.by_module.get(module, ()) if "." in tkey]
-        if stem_leaf in _PARAM_LEAVES:  # a weight/bias pair, dotted or not; not any two root-level tensors
-            siblings += [(o, True) for o in self.by_stem.get(stem, ()) if _param_stem(o)[1] in _PARAM_LEAVES]
+        if stem_leaf in PARAM_LEAVES:  # a weight/bias pair, dotted or not; not any two root-level tensors
+            siblings += [(o, True) for o in self.by_stem.get(stem, ()) if param_stem(o)[1] in PARAM_LEAVES]
         for other, same_stem in siblings:
             way = self.chosen.get(other)
             if other == tkey or way is None or len(way.sources) != 1:
@@ -537,7 +539,7 @@ class _Matcher:
             if "." in way.sources[0]:
                 names.append(f"{way.sources[0].rsplit('.', 1)[0]}.{leaf}")
             if same_stem:
-                names += _stem_names(_param_stem(way.sources[0])[0], stem_leaf)
+                names += stem_names(param_stem(way.sources[0])[0], stem_leaf)
             for candidate in dict.fromkeys(names):
                 found = self._built_like(way, candidate, t)
                 if found is not None:
@@ -698,69 +700,15 @@ class _Matcher:
                 self.n_candidates[tkey] = len(names)
 
 
-_EMA = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema([._]|$)", re.IGNORECASE)
-
-
-_PARAM_LEAVES = ("weight", "bias")
-_PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(_PARAM_LEAVES)})")
-
-
 def _full_hash(job: tuple) -> tuple[int, Any]:
     _, _, t, dtype = job
     PAGES.read(t.nbytes)
     return multiset_rows(t, dtype)
 
 
-def _in_threads(fn, items: list, sizes: list[int] | None = None) -> Iterable:
-    r"""``fn`` over ``items`` in order, on up to four threads: the hashing and comparing are numpy and torch
-    reductions that release the GIL, so the cores read the checkpoint side by side. Given each item's
-    ``sizes`` (bytes), the items are cut into one contiguous run per thread of about equal bytes: each thread
-    streams a region of the files of its own, rather than taking turns over the same pages."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    workers = min(4, os.cpu_count() or 1)
-    if workers == 1 or len(items) < 2:
-        return map(fn, items)
-    if sizes is None:
-        with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(fn, items))
-    total, cuts, run = sum(sizes), [0], 0
-    for i, size in enumerate(sizes):
-        run += size
-        if run >= total * len(cuts) / workers and len(cuts) < workers:
-            cuts.append(i + 1)
-    cuts.append(len(items))
-    runs = [items[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-    with ThreadPoolExecutor(len(runs)) as pool:
-        return [r for done in pool.map(lambda run: [fn(i) for i in run], runs) for r in done]
-
-
-def _param_stem(name: str) -> tuple[str, str]:
-    r"""(module stem, leaf): ``a.qkv.bias`` and ``a.qkv_bias`` are both ``("a.qkv", "bias")``; a top-level
-    ``in_proj_weight`` is ``("in_proj", "weight")``; other names split at the last dot."""
-    head, _, leaf = name.rpartition(".")
-    m = _PARAM_LEAF.fullmatch(leaf)
-    if m:
-        return (f"{head}.{m[1]}" if head else m[1]), m[2]
-    return head, leaf
-
-
-def _stem_names(stem: str, leaf: str) -> list[str]:
-    r"""The source names a parameter ``leaf`` of module ``stem`` may have (``X.bias`` or ``X_bias``)."""
-    if not stem:
-        return [leaf]
-    return [f"{stem}.{leaf}", f"{stem}_{leaf}"] if leaf in _PARAM_LEAVES else [f"{stem}.{leaf}"]
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _is_ema(name: str) -> bool:
-    return _EMA.search(name) is not None
-
-
 def _prefer_live(ways: list[_Found]) -> list[_Found]:
     r"""Ways without EMA/shadow copies among their sources, or all of them when every way uses one."""
-    live = [w for w in ways if not any(_is_ema(s) for s in w.sources)]
+    live = [w for w in ways if not any(is_ema(s) for s in w.sources)]
     return live or ways
 
 

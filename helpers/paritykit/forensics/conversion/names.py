@@ -220,3 +220,32 @@ def name_relation(way: Any, target: str) -> tuple:
     r"""The layer-independent form of a way: ``norm1 <- norm2`` in block 1 differs from ``norm1 <- norm1``
     in block 0, while ``resnets.1 <- block_2`` and ``resnets.0 <- block_1`` are alike."""
     return (tuple(_source_key(s) for s in way.sources), layer_key(target), _op_family(way.op, way.args))
+
+
+EMA_NAME = re.compile(r"(^|[._])(model_ema|ema|shadow\w*)([._]|$)|(^|[._])ema_|_ema([._]|$)", re.IGNORECASE)
+
+
+PARAM_LEAVES = ("weight", "bias")
+PARAM_LEAF = re.compile(rf"(.+)_({'|'.join(PARAM_LEAVES)})")
+
+
+def param_stem(name: str) -> tuple[str, str]:
+    r"""(module stem, leaf): ``a.qkv.bias`` and ``a.qkv_bias`` are both ``("a.qkv", "bias")``; a top-level
+    ``in_proj_weight`` is ``("in_proj", "weight")``; other names split at the last dot."""
+    head, _, leaf = name.rpartition(".")
+    m = PARAM_LEAF.fullmatch(leaf)
+    if m:
+        return (f"{head}.{m[1]}" if head else m[1]), m[2]
+    return head, leaf
+
+
+def stem_names(stem: str, leaf: str) -> list[str]:
+    r"""The source names a parameter ``leaf`` of module ``stem`` may have (``X.bias`` or ``X_bias``)."""
+    if not stem:
+        return [leaf]
+    return [f"{stem}.{leaf}", f"{stem}_{leaf}"] if leaf in PARAM_LEAVES else [f"{stem}.{leaf}"]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def is_ema(name: str) -> bool:
+    return EMA_NAME.search(name) is not None
