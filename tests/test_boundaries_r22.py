@@ -87,3 +87,64 @@ def test_a_time_table_fed_its_timestep_scaled_otherwise_is_no_culprit(eps):
     assert report.culprit is None or report.culprit.reference != "time_embeddings", text
     if eps == 0.5:  # the real slip is still found
         assert report.verdict == "diverge" and report.culprit.port == "norm_out", text
+
+
+class CausalConv(nn.Conv1d):
+    r"""A conv padded on the left only; the research keeps the padding as a pair, the port as a number."""
+
+    def __init__(self, channels: int, causal_padding, gain: float = 1.0):
+        super().__init__(channels, channels, 3)
+        self.causal_padding, self.gain = causal_padding, gain
+
+    def forward(self, x):
+        left = self.causal_padding[0] if isinstance(self.causal_padding, tuple) else self.causal_padding
+        return super().forward(nn.functional.pad(x, (left, 0))) * self.gain
+
+
+class BlockRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = CausalConv(8, (2, 0))
+        self.act = nn.Mish()
+
+    def forward(self, x):  # a norm over channels at each frame, inline
+        h = self.conv(x)
+        h = nn.functional.layer_norm(h.transpose(1, 2), (h.shape[1],)).transpose(1, 2)
+        return self.act(h)
+
+
+class BlockPort(nn.Module):
+    def __init__(self, reference: BlockRef, gain: float = 1.0):
+        super().__init__()
+        self.conv1d = CausalConv(8, 2, gain)
+        self.mish = nn.Mish()
+        self.conv1d.load_state_dict(reference.conv.state_dict())
+
+    def forward(self, x):
+        h = self.conv1d(x)
+        h = nn.functional.layer_norm(h.transpose(1, 2), (h.shape[1],)).transpose(1, 2)
+        return self.mish(h)
+
+
+class GroupNormPort(BlockPort):
+    def forward(self, x):  # over channels and frames together
+        return self.mish(nn.functional.group_norm(self.conv1d(x), 1))
+
+
+@pytest.mark.parametrize("slip", ["inline norm", "gain"])
+def test_a_setting_written_otherwise_in_a_pair_that_matches_is_no_config_hint(slip):
+    # round 22 (chatterbox): "[module-config] reference CausalConv1d causal_padding=(2, 0), port
+    # causal_padding=2 …" beside a culprit whose difference is its inline norm; the conv pair inside matched
+    # on identical inputs (max_abs 0), so no setting of it can be the difference
+    torch.manual_seed(0)
+    reference = BlockRef().eval()
+    port = (GroupNormPort(reference) if slip == "inline norm" else BlockPort(reference, gain=1.5)).eval()
+    report = bisect(reference, port, ((torch.randn(2, 8, 12),), {}))
+    text = report.render()
+    assert report.verdict == "diverge" and report.culprit is not None, text
+    if slip == "inline norm":
+        assert "causal_padding" not in text, text
+        assert "equal (2 pair(s) inside that match on identical inputs left out: no setting there" in text, text
+    else:  # must fire: a conv whose gain differs is the culprit, and that setting is named
+        assert report.culprit.port == "conv1d", text
+        assert "gain" in text, text

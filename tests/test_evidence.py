@@ -282,7 +282,7 @@ def test_no_signature_only_after_every_check_ran():
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
     (hint,) = E.culprit_evidence(_culprit(Plain(), Doubling(), x))
     assert hint.id == "no-signature"
-    assert "each parameter of those pairs holds the values of its aligned" in hint.message
+    assert "each parameter of the aligned pairs holds the values of its aligned" in hint.message
     # a measurement, no conclusion: nothing an unmatched check cannot establish
     assert "forward code" not in hint.message and "ruled out" not in hint.message
     assert hint.evidence["ruled_out"][:5] == [

@@ -347,6 +347,11 @@ def _culprit_context(
         return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
 
     subpairs = searcher.alignment.inside(call.module, port_call.module if port_call is not None else "")
+    matched = {
+        pair
+        for pair in subpairs
+        if _matched_replayed(searcher, ".".join(p for p in (call.module, pair[0]) if p))
+    }
     # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
     can_run = replayed
     return Culprit(
@@ -362,8 +367,20 @@ def _culprit_context(
         run_port=(lambda fn: leaf_of(fn, port_inputs(), j)) if port_module is not None and can_run else None,
         check=check if port_module is not None and can_run else None,
         subpairs=subpairs,
+        matched_subpairs=matched,
         reference_inputs=ref_inputs() if can_run else None,
         port_model=searcher.port_modules.get(""),
+    )
+
+
+def _matched_replayed(searcher: Searcher, module: str) -> bool:
+    r"""Whether every captured call of the reference ``module`` was replayed and matched within the tolerance
+    on identical inputs (a pass by a note, outputs that agree only in the runs, is no match here)."""
+    calls = searcher.ref_trace.calls(module)
+    tests = [searcher.results.get(record.name) for record in calls]
+    return bool(tests) and all(
+        t is not None and t.test == "replay" and t.comparison is not None and t.comparison.passed
+        for t in tests
     )
 
 

@@ -116,7 +116,10 @@ class UpdateChecks:
             for i in range(len(self.pairs)):
                 if i not in checked:
                     missed.setdefault(self._why_no_update_rule(i, fits[i]), []).append(i)
-            said = "; ".join(f"not compared at calls {runs(calls)}: {why}" for why, calls in missed.items())
+            said = "; ".join(
+                f"not compared at calls {runs(calls)}: {why}{self._residuals(calls, fits)}"
+                for why, calls in missed.items()
+            )
             self.skip("update", f"{words}; {said}")
         else:
             words = self._timesteps_words()
@@ -183,9 +186,19 @@ class UpdateChecks:
             if found is None:
                 return f"the {side}'s latents, output or next latents are missing there or shaped apart"
             if not found.exact:
-                residual = format_number(found.residual)
-                return f"the {side}'s update is no exact linear rule there (residual {residual})"
+                return f"the {side}'s update is no exact linear rule there"
         return "not compared"
+
+    def _residuals(self, calls: list[int], fits: list[tuple[Any, Any]]) -> str:
+        r"""The residuals of the inexact fits at ``calls``, as a value or a range (words for a grouped
+        line)."""
+        found = [f.residual for i in calls for f in fits[i] if f is not None and not f.exact]
+        if not found:
+            return ""
+        low, high = min(found), max(found)
+        if low == high:
+            return f" (residual {format_number(low)})"
+        return f" (residuals {format_number(low)} to {format_number(high)})"
 
     def _update_in_lockstep(self) -> bool:
         r"""With ``port_scheduler()``: its ``step()`` replayed on the reference's recorded model outputs and

@@ -81,10 +81,17 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
         c.reference is not None and c.port is not None and "module config" in ran and "weight slices" in ran
     )
     if checked_all:
-        pairs = 1 + len(c.subpairs)
+        settled = len(c.matched_subpairs)
+        pairs = 1 + len(c.subpairs) - settled
+        left_out = (
+            f" ({settled} pair(s) inside that match on identical inputs left out: no setting there matters)"
+            if settled
+            else ""
+        )
         message = (
             f"no detector matched; measured: the settings of the {pairs} aligned module pair(s) in it are"
-            " equal, and each parameter of those pairs holds the values of its aligned reference parameter"
+            f" equal{left_out}, and each parameter of the aligned pairs holds the values of its aligned"
+            " reference parameter"
         )
         if c.layouts:
             message += (

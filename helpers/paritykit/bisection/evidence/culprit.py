@@ -63,6 +63,7 @@ class Culprit:
         check: ``check(fn) -> (matches, max_abs)``: ``fn`` run on the port's inputs, every output leaf
             compared with the reference's within the bisect tolerances.
         subpairs: aligned ``(reference, port)`` module names inside the culprit, relative to it.
+        matched_subpairs: those of ``subpairs`` that matched, replayed on identical inputs at every call.
         reference_inputs: the reference call's captured ``(args, kwargs)``.
     """
 
@@ -76,6 +77,8 @@ class Culprit:
     run_port: Callable[[Callable], Any] | None = None
     check: Callable[[Callable], tuple[bool, float]] | None = None
     subpairs: list[tuple[str, str]] = field(default_factory=list)
+    # of those, the pairs whose every captured call matched within the tolerance replayed on identical inputs
+    matched_subpairs: set[tuple[str, str]] = field(default_factory=set)
     reference_inputs: tuple[tuple, dict] | None = None
     # filled by :func:`weights`: port parameters built from the reference through a layout op (transpose, …)
     layouts: list[str] = field(default_factory=list)

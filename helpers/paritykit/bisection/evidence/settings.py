@@ -317,7 +317,8 @@ def _fix_value(d: SettingDifference, reference: Any) -> Any:
 
 
 def module_config(c: Culprit) -> list[Hint]:
-    r"""``module-config``: the culprit's settings (and those of the aligned pairs inside it) that differ.
+    r"""``module-config``: the culprit's settings (and those of the aligned pairs inside it that did not match
+    on identical inputs) that differ.
 
     Fixes are tried on a copy of the port (the attribute set to the reference's value, a differing buffer or a
     missing parameter copied from the reference): all differences together, then without each one that is not
@@ -327,6 +328,8 @@ def module_config(c: Culprit) -> list[Hint]:
         return []
     diffs = settings_diff(c.reference, c.port)
     for ref_sub, port_sub in c.subpairs:
+        if (ref_sub, port_sub) in c.matched_subpairs:
+            continue  # it computes the reference's output on the reference's inputs: no setting there matters
         try:
             a, b = c.reference.get_submodule(ref_sub), c.port.get_submodule(port_sub)
         except AttributeError:
