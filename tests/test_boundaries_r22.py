@@ -144,7 +144,8 @@ def test_a_setting_written_otherwise_in_a_pair_that_matches_is_no_config_hint(sl
     assert report.verdict == "diverge" and report.culprit is not None, text
     if slip == "inline norm":
         assert "causal_padding" not in text, text
-        assert "equal (2 pair(s) inside that match on identical inputs left out: no setting there" in text, text
+        said = "equal (2 pair(s) inside that match on identical inputs left out: no setting there"
+        assert said in text, text
     else:  # must fire: a conv whose gain differs is the culprit, and that setting is named
         assert report.culprit.port == "conv1d", text
         assert "gain" in text, text
