@@ -549,6 +549,22 @@ def test_a_rule_out_of_the_initial_noise_says_which_later_draws_it_does_not_cove
         assert "not covered" not in text, text
 
 
+def test_the_progress_bars_of_the_code_run_stay_off_when_stderr_is_captured(tmp_path, cli):
+    # round 22: a research sampler's tqdm bars (two nested, redrawn at every step) filled an agent's `2>&1`
+    spec = tmp_path / "spec.py"
+    text = STOCHASTIC_SPEC.format(churn=0.0, skip=False)
+    text = text.replace(
+        "enumerate(zip(SIGMAS, SIGMAS[1:]))", "enumerate(tqdm(list(zip(SIGMAS, SIGMAS[1:])), desc='steps'))"
+    )
+    spec.write_text("from tqdm import tqdm\n" + text)
+    run = cli("triage", spec, "--out", tmp_path / "out")
+    assert run.returncode == 0 and "verdict: match" in run.stdout, run.stdout + run.stderr
+    assert "steps" not in run.stderr and "it/s" not in run.stderr, run.stderr
+    # must not override a caller who asked for the bars
+    run = cli("triage", spec, "--out", tmp_path / "out2", env={"TQDM_DISABLE": ""})
+    assert "steps" in run.stderr, run.stderr
+
+
 KEPT_SPEC = """
 import torch
 

@@ -70,6 +70,7 @@ class LazyGroup(click.Group):
 
     def main(self, args=None, prog_name=None, **extra):  # noqa: D401 - click signature
         """Run with paritykit's error conventions: one line and exit 2 for user mistakes."""
+        quiet_progress_bars()
         argv = list(sys.argv[1:] if args is None else args)
         as_json = "--json" in argv
         extra.pop("standalone_mode", None)
@@ -123,6 +124,17 @@ def cli() -> None:
       2  bad input or usage (one line naming the file or argument)
     Add --json to a report command for strict JSON (schema_version 1) on stdout.
     """
+
+
+def quiet_progress_bars() -> None:
+    r"""Where stderr is no terminal (an agent reading ``2>&1``, a log file), the progress bars of the code
+    paritykit runs (a research sampler's or a diffusers pipeline's tqdm bars, redrawn at every step) stay
+    off: ``TQDM_DISABLE=1``, unless the caller set ``TQDM_DISABLE`` already. Nothing else of that code
+    changes."""
+    import os
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def main() -> None:
