@@ -350,6 +350,34 @@ class _Builder(OrderPairing):
                     if self._evidence(r, p, port_keys, identifying) == "high":
                         self.add(r, p, "weights", group=True)
 
+    def unpair_other_extents(self) -> None:
+        r"""Drop the pairs made by names whose two modules, by the weights pass, hold different extents of
+        work: every tensor the one holds is made from the other's, while some of the other's are held outside
+        it (research ``patches_self_attn`` holding its norm, time modulation and output norm, against
+        diffusers' ``Attention`` of the same name with those in sibling modules). Replayed on the reference's
+        inputs such a pair differs by the work only one of them holds. Two modules that hold each other's
+        tensors in part (neither within the other) stay a pair: a conversion slip there is theirs."""
+        if not self.sources_of:
+            return
+        kept = []
+        for q in self.pairs:
+            if q.how == "names" and q.reference and not q.group and self._other_extent(q.reference, q.port):
+                self.ref_done.discard(q.reference)
+                self.port_done.discard(q.port)
+                continue
+            kept.append(q)
+        self.pairs = kept
+
+    def _other_extent(self, r: str, p: str) -> bool:
+        r_prefix, p_prefix = r + ".", p + "."
+        inside_p = [t for t in self.sources_of if t.startswith(p_prefix)]
+        from_r = [t for t, s in self.sources_of.items() if any(x.startswith(r_prefix) for x in s)]
+        if not inside_p or not from_r:
+            return False
+        p_from_r = all(all(x.startswith(r_prefix) for x in self.sources_of[t]) for t in inside_p)
+        r_in_p = all(t.startswith(p_prefix) for t in from_r)
+        return p_from_r != r_in_p
+
     def by_weight_keys(self) -> None:
         r"""Modules paired by the hashes of the tensors under them, where a side has its trace folder's
         fingerprints in place of weights: a tensor pairs with the one tensor of the other side that has its
@@ -614,6 +642,7 @@ def align_modules(
     builder.by_names(rules)
     if use_weights:
         builder.by_weights()
+        builder.unpair_other_extents()
     builder.by_order()
     ref_pos, port_pos = ref_side.position, port_side.position
     pairs = sorted(
