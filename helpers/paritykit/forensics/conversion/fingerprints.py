@@ -4,12 +4,14 @@ confirmation of which op turns one tensor into another."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 from paritykit.forensics.conversion.runtime import (
     BLOCK,
+    MAX_PIECES,
     apply_step,
     row_index,
 )
@@ -497,3 +499,23 @@ def _describe_permutation(perm: list[int]) -> dict[str, Any]:
         ranges.append([perm[i], perm[j - 1] + stride, stride])
         i = j
     return {"pattern": "ranges", "ranges": ranges}
+
+
+def piece_gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """Ranges of ``[0, length)`` not covered by ``spans``."""
+    out, pos = [], 0
+    for start, stop in sorted(set(spans)):
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, stop)
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+def even_splits(shape: tuple[int, ...], numels: set[int]) -> list[tuple[int, int]]:
+    r"""The ``(dim, count)`` splits of a tensor of ``shape`` into ``count`` equal pieces (2 to
+    :data:`~paritykit.forensics.conversion.runtime.MAX_PIECES`) whose size is one of ``numels``."""
+    total = math.prod(shape)
+    counts = sorted({total // n for n in numels if n and total % n == 0 and 2 <= total // n <= MAX_PIECES})
+    return [(d, k) for d in range(len(shape)) for k in counts if shape[d] % k == 0]

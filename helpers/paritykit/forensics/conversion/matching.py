@@ -42,12 +42,20 @@ from paritykit.forensics.conversion.fingerprints import (
     all_equal,
     castable,
     equal_values,
+    even_splits,
     multiset_hashes,
     multiset_rows,
+    piece_gaps,
     position_hash,
     resolve_candidates,
 )
-from paritykit.forensics.conversion.loading import PAGES, as_state_dict, dtype_name, in_threads
+from paritykit.forensics.conversion.loading import (
+    PAGES,
+    as_state_dict,
+    dtype_name,
+    in_threads,
+    without_cycle_collection,
+)
 from paritykit.forensics.conversion.names import (
     PARAM_LEAVES,
     NameScorer,
@@ -299,6 +307,8 @@ class _Matcher:
 
     # -- phase 3: pieces of fused sources -----------------------------------------------------------------
     def match_pieces(self) -> None:
+        import numpy as np
+
         open_targets = [k for k in self.target if k not in self.found]
         if not open_targets:
             return
@@ -312,6 +322,11 @@ class _Matcher:
         used = {s for pool in pools.values() for s in pool}
         # the pieces whose hashes a target shares, confirmed on the threads; then the leftover ranges next
         # to confirmed pieces (the unequal parts of a fused tensor: QKV + MLP), confirmed alike
+        # the open targets' hashes by (dtype, numel), to look a piece's hashes up in one vectorised step
+        wanted = defaultdict(list)
+        for dtype, numel, h in table:
+            wanted[(dtype, numel)].append(h)
+        wanted_arrays = {key: np.array(hs, dtype=np.int64) for key, hs in wanted.items()}
         tasks, shapes = [], {}
         for skey, s in self.source.items():
             if skey in used or s.ndim == 0:
@@ -319,19 +334,17 @@ class _Matcher:
             for dtype in self.dtypes:
                 if not castable(s.dtype, dtype) or not numels[dtype]:
                     continue
-                splits = [
-                    (d, k)
-                    for d in range(s.ndim)
-                    for k in range(2, min(s.shape[d], MAX_PIECES) + 1)
-                    if s.shape[d] % k == 0 and s.numel() // k in numels[dtype]
-                ]
+                splits = even_splits(tuple(s.shape), numels[dtype])
                 if not splits:
                     continue
                 shapes[(skey, dtype)] = s
                 for (dim, count), hashes in self.piece_hashes("s", skey, s, dtype, splits).items():
-                    size = s.shape[dim] // count
-                    for index, h in enumerate(hashes):
-                        for tkey in table.get((dtype, s.numel() // count, h), []):
+                    size, numel = s.shape[dim] // count, s.numel() // count
+                    found = np.nonzero(
+                        np.isin(np.asarray(hashes, dtype=np.int64), wanted_arrays[(dtype, numel)])
+                    )
+                    for index in found[0].tolist():
+                        for tkey in table.get((dtype, numel, int(hashes[index])), []):
                             start = index * size
                             tasks.append((skey, dtype, dim, start, start + size, tkey, index, count))
         candidates: dict[str, list[_Found]] = defaultdict(list)
@@ -344,7 +357,7 @@ class _Matcher:
         tasks = []
         for (skey, dtype, dim), spans in covered.items():
             s = shapes[(skey, dtype)]
-            for start, stop in _gaps(spans, s.shape[dim]):
+            for start, stop in piece_gaps(spans, s.shape[dim]):
                 numel = (stop - start) * (s.numel() // s.shape[dim])
                 if numel not in numels[dtype]:
                     continue
@@ -429,7 +442,7 @@ class _Matcher:
                 ]
                 if not spans:
                     continue
-                for start, stop in _gaps([(a, b) for a, b, _ in spans], t.shape[dim]):
+                for start, stop in piece_gaps([(a, b) for a, b, _ in spans], t.shape[dim]):
                     spans.append((start, stop, self.range_hash("t", tkey, t.dtype, dim, start, stop)))
                 spans.sort()
                 found = self._concat(tkey, dim, spans)
@@ -728,18 +741,6 @@ def _dedupe(ways: list[_Found]) -> list[_Found]:
     return out
 
 
-def _gaps(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """Ranges of ``[0, length)`` not covered by ``spans``."""
-    out, pos = [], 0
-    for start, stop in sorted(set(spans)):
-        if start > pos:
-            out.append((pos, start))
-        pos = max(pos, stop)
-    if pos < length:
-        out.append((pos, length))
-    return out
-
-
 def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = False) -> ConversionMap:
     r"""Explain every TARGET tensor from SOURCE tensors by value, and collapse the result into rules.
 
@@ -762,13 +763,14 @@ def infer_conversion_map(source: Any, target: Any, *, allow_ambiguous: bool = Fa
     src, src_label = as_state_dict(source, "SOURCE")
     tgt, tgt_label = as_state_dict(target, "TARGET")
     m = _Matcher(src, tgt)
-    m.fingerprint()
-    m.match_whole()
-    m.match_rounded()
-    m.match_pieces()
-    m.match_concat()
-    m.match_offsets()
-    m.choose()
+    with without_cycle_collection():
+        m.fingerprint()
+        m.match_whole()
+        m.match_rounded()
+        m.match_pieces()
+        m.match_concat()
+        m.match_offsets()
+        m.choose()
     PAGES.release()
 
     mapping = [
