@@ -1,8 +1,10 @@
-"""Round 22 of the agent A/B (benchmarks/results/agent_ab.md): a time embedding the research feeds ``t`` and
-scales by 1000 inside, the port feeds ``1000 t`` (chatterbox's ``SinusoidalPosEmb(scale=1000)`` against
-diffusers' ``Timesteps``). In the runs both give the same table up to rounding; replayed on the reference's
-``t``, the port's differs. With a real slip elsewhere, bisect named the embedding the culprit ("it fails on
-identical inputs")."""
+"""Rounds 22 to 24 of the agent A/B (benchmarks/results/agent_ab.md). A time embedding the research feeds
+``t`` and scales by 1000 inside, the port ``1000 t`` (chatterbox's ``SinusoidalPosEmb(scale=1000)`` against
+diffusers' ``Timesteps``): in the runs both give the same table up to rounding, replayed on the reference's
+``t`` the port's differs, and with a real slip elsewhere bisect named it the culprit. Causal convs whose
+padding is written otherwise (chatterbox); a research attention holding its norms against a plain namesake
+(rin); a weight fix verified on the reference's inputs only, and a ``Sequential(Linear, SiLU)`` against
+diffusers' ``FeedForward`` (simple diffusion)."""
 
 from __future__ import annotations
 
@@ -279,3 +281,104 @@ def test_two_namesakes_holding_each_others_weights_stay_a_pair():
     report = bisect(reference, port, ((torch.randn(3, 8),), {}))
     assert any(p.reference == "0" and p.port == "0" for p in report.alignment.pairs), report.render()
     assert report.verdict == "diverge" and report.culprit.port == "0", report.render()
+
+
+class TimeRef(nn.Module):
+    r"""The research's time input: the raw level first, then its sin and cos (simple diffusion's UViT)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.freqs = nn.Parameter(torch.randn(4))
+        self.mlp = nn.Linear(9, 16)
+
+    def forward(self, t):
+        angles = t[:, None] * self.freqs[None] * 2 * math.pi
+        return self.mlp(torch.cat([t[:, None], angles.sin(), angles.cos()], dim=-1))
+
+
+class TimePort(nn.Module):
+    r"""The port puts the raw level last; its converter rotates the weight's columns to follow, or not."""
+
+    def __init__(self, reference: TimeRef, rotation: int, level_last: bool):
+        super().__init__()
+        self.freqs = nn.Parameter(reference.freqs.detach().clone())
+        self.linear = nn.Linear(9, 16)
+        with torch.no_grad():
+            self.linear.weight.copy_(reference.mlp.weight.roll(rotation, dims=1))
+            self.linear.bias.copy_(reference.mlp.bias)
+        self.level_last = level_last
+
+    def forward(self, t):
+        angles = t[:, None] * self.freqs[None] * 2 * math.pi
+        parts = (
+            [angles.sin(), angles.cos(), t[:, None]]
+            if self.level_last
+            else [t[:, None], angles.sin(), angles.cos()]
+        )
+        return self.linear(torch.cat(parts, dim=-1))
+
+
+@pytest.mark.parametrize("level_last", [True, False])
+def test_a_weight_fix_that_holds_on_the_references_inputs_only_is_not_said_verified(level_last):
+    # round 24 (simple diffusion): "fix (verified): load time_embedding.linear_1.weight from
+    # time_mlp.1.weight", verified on the reference's [t, sin, cos]; the port feeds that layer [sin, cos, t],
+    # where the fix is the opposite rotation. A fix is tried on the port's own inputs where the run fed it
+    # other ones
+    reference = TimeRef().eval()
+    port = TimePort(reference, rotation=1 if level_last else 2, level_last=level_last).eval()
+    report = bisect(reference, port, ((torch.tensor([0.3, -1.2]),), {}))
+    text = report.render()
+    assert report.verdict == "diverge" and report.culprit.port == "linear", text
+    if level_last:  # the shipped rotation is wrong for the port's order, and so is the plain copy
+        assert "fix (verified)" not in text, text
+        assert "fix on the reference's inputs only: load linear.weight from mlp.weight" in text, text
+        assert "the port feeds this module other inputs in its run" in text, text
+    else:  # must not fire: fed the reference's order, the plain copy is the fix
+        assert "fix (verified): load linear.weight from mlp.weight" in text, text
+
+
+class SiluMlpRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj_in = nn.Sequential(nn.Linear(8, 16), nn.SiLU())
+        self.proj_out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.proj_out(self.proj_in(x))
+
+
+@pytest.mark.parametrize("activation_fn", ["gelu", "linear-silu"])
+def test_a_sequential_projection_and_activation_is_named_by_the_feed_forward_word_that_builds_it(
+    activation_fn,
+):
+    # round 24 (simple diffusion): research `proj_in = Sequential(Linear, SiLU)` against diffusers'
+    # FeedForward(activation_fn="gelu"): no detector matched ("checked without a match: … activation")
+    from diffusers.models.attention import FeedForward
+
+    reference = SiluMlpRef().eval()
+
+    class Port(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ff = FeedForward(8, dim_out=8, mult=2, activation_fn=activation_fn)
+            with torch.no_grad():
+                self.ff.net[0].proj.weight.copy_(reference.proj_in[0].weight)
+                self.ff.net[0].proj.bias.copy_(reference.proj_in[0].bias)
+                self.ff.net[2].weight.copy_(reference.proj_out.weight)
+                self.ff.net[2].bias.copy_(reference.proj_out.bias)
+
+        def forward(self, x):
+            return self.ff(x)
+
+    report = bisect(reference, Port().eval(), ((torch.randn(2, 5, 8),), {}))
+    text = report.render()
+    if activation_fn == "linear-silu":  # must not fire: the same function
+        assert report.verdict == "match", text
+        return
+    assert report.culprit is not None and report.culprit.port == "ff.net.0", text
+    said = (
+        "LinearActivation(8, 16, bias=True, activation='silu') holding its proj (its FeedForward ff builds it"
+    )
+    assert "fix (verified)" in text and said in text and "activation_fn='linear-silu'" in text, text

@@ -346,6 +346,23 @@ def _culprit_context(
         cmp = searcher.compare_leaves(ref_leaves, output_leaves(fn(*inputs[0], **inputs[1])), call.name)
         return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
 
+    def run_check(fn: Callable) -> tuple[bool, float]:
+        r"""``fn`` on the port's own captured inputs of this call, against the reference's captured outputs:
+        whether an edit verified on the reference's inputs also fixes the port's run."""
+        args, kwargs = port_call.call_inputs()
+        device = module_device(port_module)
+        args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
+        kwargs = {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
+        cmp = searcher.compare_leaves(ref_leaves, output_leaves(fn(*args, **kwargs)), call.name)
+        return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
+
+    # a port fed other inputs in its run than the reference's: a fix verified on those is tried on its own
+    fed_otherwise = (
+        port_module is not None
+        and port_call is not None
+        and port_call.replayable
+        and not searcher._inputs_agree(call, port_call)
+    )
     subpairs = searcher.alignment.inside(call.module, port_call.module if port_call is not None else "")
     matched = {
         pair
@@ -366,6 +383,7 @@ def _culprit_context(
         ),
         run_port=(lambda fn: leaf_of(fn, port_inputs(), j)) if port_module is not None and can_run else None,
         check=check if port_module is not None and can_run else None,
+        run_check=run_check if fed_otherwise and can_run else None,
         subpairs=subpairs,
         matched_subpairs=matched,
         reference_inputs=ref_inputs() if can_run else None,

@@ -442,7 +442,14 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads
     if f.note:
         lines.append(f"  note: {f.note}")
     for hint in f.hints:
-        if hint.verified and hint.fix:
+        if hint.verified and hint.fix and hint.evidence.get("in_run", True) is not True:
+            left = hint.evidence.get("in_run_max_abs")
+            lines.append(
+                f"  fix on the reference's inputs only: {hint.fix}; the port feeds this module other inputs"
+                " in its run, and with this edit its output there still differs"
+                + (f" (max_abs {format_number(left)})" if left is not None else " (not re-run there)")
+            )
+        elif hint.verified and hint.fix:
             lines.append(f"  fix (verified): {hint.fix}")
     for relation in f.relations:
         lines.append(f"  relation: {relation.line()}")

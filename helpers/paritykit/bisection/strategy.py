@@ -361,6 +361,10 @@ def run_strategy(
             if first_hint in ("no-signature", "unknown") and not any(h.verified for h in culprit.hints):
                 moved = transplant_hint(located.searcher, located.call, ref_final, select_output)
                 if moved is not None:
+                    for hint in culprit.hints:  # the transplant is a detector that matched
+                        hint.message = hint.message.replace(
+                            "no detector matched;", "no other detector matched;", 1
+                        )
                     culprit.hints.insert(0, moved)
             _layer_order_hint(culprit, strategy.final_alignment())
     # after the search: the layouts its replays measured (same shape, another layout) read the captures

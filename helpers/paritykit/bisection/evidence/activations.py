@@ -76,6 +76,15 @@ _DIFFUSERS_ACTIVATIONS = {
 }
 
 
+# diffusers' FeedForward(activation_fn=…) word that builds each of those classes
+_FEED_FORWARD_KEYS = {
+    "quick-GELU": "geglu-approximate",
+    "exact GELU": "gelu",
+    "tanh-GELU": "gelu-approximate",
+    "SiLU": "linear-silu",
+}
+
+
 def activation(c: Culprit) -> list[Hint]:
     r"""``activation``: for parameterless modules, name the known function each side computes on its input;
     for a projection and its activation in one module, :func:`fused_activation`; for other modules with
@@ -192,12 +201,18 @@ def inner_activation(c: Culprit) -> list[Hint]:
     return []
 
 
-def _projection(module: Any) -> Any:
-    r"""The one ``Linear`` a projection-and-activation module holds (``proj``), or ``None``."""
+def _projection(module: Any) -> tuple[str, Any] | None:
+    r"""``(name, Linear)`` of the one ``Linear`` a projection-and-activation module holds beside
+    parameterless children only (diffusers' ``GELU.proj``; research code's ``Sequential(Linear, SiLU)``), or
+    ``None``."""
     import torch
 
-    children = list(module.children())
-    return children[0] if len(children) == 1 and isinstance(children[0], torch.nn.Linear) else None
+    children = list(module.named_children())
+    linears = [(n, m) for n, m in children if isinstance(m, torch.nn.Linear)]
+    rest = [m for _, m in children if not isinstance(m, torch.nn.Linear)]
+    if len(linears) != 1 or any(True for m in rest for _ in m.parameters()):
+        return None
+    return linears[0]
 
 
 def fused_activation(c: Culprit) -> list[Hint]:
@@ -207,11 +222,14 @@ def fused_activation(c: Culprit) -> list[Hint]:
     holding the port's projection, is put in the port module's place and verified by replay."""
     import copy
 
-    ref_proj, port_proj = _projection(c.reference), _projection(c.port)
-    if ref_proj is None or port_proj is None or c.run_reference is None or c.run_port is None:
+    ref_found, port_found = _projection(c.reference), _projection(c.port)
+    if ref_found is None or port_found is None or c.run_reference is None or c.run_port is None:
         return []
-    ref_inner = [out for name, _x, out in _leaf_calls(c.reference, c.run_reference, False) if name]
-    port_inner = [out for name, _x, out in _leaf_calls(c.port, c.run_port, False) if name]
+    (ref_name, _), (port_name, port_proj) = ref_found, port_found
+    ref_inner = [
+        out for name, _x, out in _leaf_calls(c.reference, c.run_reference, False) if name == ref_name
+    ]
+    port_inner = [out for name, _x, out in _leaf_calls(c.port, c.run_port, False) if name == port_name]
     if len(ref_inner) != 1 or len(port_inner) != 1:
         return []
     ref_names, ref_err = identify_function(ref_inner[0], c.reference_output)
@@ -255,4 +273,13 @@ def fused_activation(c: Culprit) -> list[Hint]:
     replacement.proj = copy.deepcopy(port_proj)
     replacement.to(port_proj.weight.device, port_proj.weight.dtype)
     hint.fix = f"{c.port_path()} = diffusers.models.activations.{words.format(**dims)} holding its proj"
+    key = _FEED_FORWARD_KEYS.get(ref_names[0])
+    parent = c.port_name.rsplit(".net.", 1)[0] if ".net." in c.port_name else None
+    if key and parent and c.port_model is not None:
+        try:
+            in_feed_forward = type(c.port_model.get_submodule(parent)).__name__ == "FeedForward"
+        except AttributeError:
+            in_feed_forward = False
+        if in_feed_forward:  # the config word that builds that class, where the port's FeedForward made it
+            hint.fix += f" (its FeedForward {parent} builds it with activation_fn={key!r})"
     return [verify_hint(c, lambda: replacement.eval(), hint)]

@@ -62,6 +62,8 @@ class Culprit:
         run_port: the same for the port's call (the reference's tensors in the port's signature).
         check: ``check(fn) -> (matches, max_abs)``: ``fn`` run on the port's inputs, every output leaf
             compared with the reference's within the bisect tolerances.
+        run_check: the same with ``fn`` run on the port's own captured inputs (against the reference's
+            captured outputs), where the port fed the call other inputs in its run; ``None`` otherwise.
         subpairs: aligned ``(reference, port)`` module names inside the culprit, relative to it.
         matched_subpairs: those of ``subpairs`` that matched, replayed on identical inputs at every call.
         reference_inputs: the reference call's captured ``(args, kwargs)``.
@@ -76,6 +78,8 @@ class Culprit:
     run_reference: Callable[[Callable], Any] | None = None
     run_port: Callable[[Callable], Any] | None = None
     check: Callable[[Callable], tuple[bool, float]] | None = None
+    # the same on the port's own captured inputs, where the port fed this call other inputs in its run
+    run_check: Callable[[Callable], tuple[bool, float]] | None = None
     subpairs: list[tuple[str, str]] = field(default_factory=list)
     # of those, the pairs whose every captured call matched within the tolerance replayed on identical inputs
     matched_subpairs: set[tuple[str, str]] = field(default_factory=set)
@@ -107,6 +111,15 @@ def verify_hint(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
     hint.verified = bool(ok)
     hint.evidence["max_abs_before"] = float((c.reference_output - c.port_output).abs().max())
     hint.evidence["max_abs_after"] = after
+    if ok and c.run_check is not None:
+        try:
+            in_run, left = c.run_check(make())
+        except Exception:  # the port's own inputs cannot be re-run: said as not tried
+            in_run, left = None, None
+        hint.evidence["in_run"] = in_run
+        if in_run is not True:
+            hint.evidence["in_run_max_abs"] = left
+            return hint  # a fix for the reference's inputs only: not ranked as the fix
     if ok:
         hint.score = max(hint.score, 0.99)
     return hint

@@ -194,7 +194,9 @@ def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any])
     if len(kept) == len(steps):
         return None
     rule = _rule(entry.sources[0], entry.target, kept)
-    rule["layout"] = " + ".join(s["op"] for s in steps if s["op"] in _LAYOUT_OPS)
+    rule["layout"] = " + ".join(
+        s["op"] + (f" (dim {s['dim']})" if "dim" in s else "") for s in steps if s["op"] in _LAYOUT_OPS
+    )
     from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
 
     # the shape must come out right without the layout step (a transposed square matrix, a reordered row set)
