@@ -400,13 +400,8 @@ def test_an_input_scaled_before_the_denoiser_on_one_side_and_inside_it_on_the_ot
     assert "every call's outputs agree (5 calls) although the inputs differ" in text, text
 
 
-ROUNDING_SPEC = """
-import torch
-
-TOLERANCE = {{"atol": {tol}, "rtol": {tol}}}
-SIGMAS = [3.0, 2.0, 1.2, 0.6, 0.0]
-SLIP = {slip}
-
+# a denoiser whose output scales with sigma: each step's update is an exact linear rule of latents and output
+SIGMA_NET = """
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -419,7 +414,19 @@ class Net(torch.nn.Module):
 
 
 NET = Net().eval()
+"""
 
+
+ROUNDING_SPEC = (
+    """
+import torch
+
+TOLERANCE = {{"atol": {tol}, "rtol": {tol}}}
+SIGMAS = [3.0, 2.0, 1.2, 0.6, 0.0]
+SLIP = {slip}
+"""
+    + SIGMA_NET
+    + """
 
 def run_reference():  # the update computed in float64, as a research loop may
     x = torch.randn(1, 4, 8) * SIGMAS[0]
@@ -444,6 +451,7 @@ def reference_denoiser():
 def port_denoiser():
     return NET
 """
+)
 
 
 @pytest.mark.parametrize("slip", [0.0, 1e-4])
@@ -480,26 +488,16 @@ def test_update_rules_apart_by_less_than_the_tolerance_moves_are_no_place(tmp_pa
     assert any(f.place == "update" for f in report.findings), report.render()
 
 
-STOCHASTIC_SPEC = """
+STOCHASTIC_SPEC = (
+    """
 import torch
 
 SIGMAS = [3.0, 2.0, 1.2, 0.6, 0.0]
 CHURN = {churn}
 SKIP_FIRST_DRAW = {skip}
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x, sigma):
-        return self.proj(x) * (1 + sigma.reshape(-1, 1, 1))
-
-
-NET = Net().eval()
-
+"""
+    + SIGMA_NET
+    + """
 
 def sample(skip):
     x = torch.randn(1, 4, 8) * SIGMAS[0]
@@ -526,6 +524,7 @@ def reference_denoiser():
 def port_denoiser():
     return NET
 """
+)
 
 
 @pytest.mark.parametrize("churn", [0.0, 0.1])
