@@ -169,7 +169,16 @@ def bisect_finding(place: Place, call: int | None, report: Any, kept: list[str] 
             details=report.to_dict(),
         )
     hints = list(culprit.hints)
-    verified = next((h for h in hints if getattr(h, "verified", None) and getattr(h, "fix", None)), None)
+    verified = next(
+        (
+            h
+            for h in hints
+            if getattr(h, "verified", None)
+            and getattr(h, "fix", None)
+            and h.evidence.get("in_run", True) is True  # a fix on the reference's inputs only is no fix here
+        ),
+        None,
+    )
     first = hints[0].render() if hints else (culprit.note or "no cause named")
     # bisect named no culprit: the first module whose outputs differ is where the difference shows, not a
     # module that fails on its own (round 18: a Linear fed a differing table was called the culprit)
