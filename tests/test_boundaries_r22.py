@@ -382,3 +382,45 @@ def test_a_sequential_projection_and_activation_is_named_by_the_feed_forward_wor
         "LinearActivation(8, 16, bias=True, activation='silu') holding its proj (its FeedForward ff builds it"
     )
     assert "fix (verified)" in text and said in text and "activation_fn='linear-silu'" in text, text
+
+
+class FoldedRef(nn.Module):
+    r"""A kernel held as two parts the research sums in its forward: no layout op of one gives the port's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Parameter(torch.randn(4, 4, 3) / 3), nn.Parameter(torch.randn(4, 4, 3) / 3)
+        self.bias = nn.Parameter(torch.randn(4) / 3)
+
+    def forward(self, x):
+        return torch.tanh(nn.functional.conv1d(x, self.a + self.b, self.bias, padding=1))
+
+
+class FoldedPort(nn.Module):
+    def __init__(self, reference: FoldedRef, flipped: bool):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        with torch.no_grad():
+            kernel = reference.a + reference.b
+            self.conv.weight.copy_(kernel.flip(2) if flipped else kernel)
+            self.conv.bias.copy_(reference.bias)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x))
+
+
+@pytest.mark.parametrize("flipped", [True, False])
+def test_a_kernel_held_in_reverse_is_said_as_measured(flipped):
+    # round 25 (a 1-D U-Net's upsampler taps folded in mirrored order): "flip it along dim 2 (its kernel is
+    # flipped: convolution vs correlation order)" named a reason nobody measured; the words now say what the
+    # weights hold
+    reference = FoldedRef().eval()
+    port = FoldedPort(reference, flipped).eval()
+    report = bisect(reference, port, ((torch.randn(2, 4, 9),), {}))
+    text = report.render()
+    if not flipped:  # must not fire
+        assert report.verdict == "match", text
+        return
+    said = "conv.weight: flip it along dim 2 (the port's kernel holds its taps in the reverse order)"
+    assert "fix (verified)" in text and said in text and "correlation" not in text, text

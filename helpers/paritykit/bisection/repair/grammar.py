@@ -167,7 +167,7 @@ class _ParameterEdits:
             name,
             lambda: {name: p.flip(dims)},
             f"flip it along dim{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))}",
-            "its kernel is flipped: convolution vs correlation order",
+            "the port's kernel holds its taps in the reverse order",
             dims=list(dims),
         )
 
