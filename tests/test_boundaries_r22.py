@@ -424,3 +424,81 @@ def test_a_kernel_held_in_reverse_is_said_as_measured(flipped):
         return
     said = "conv.weight: flip it along dim 2 (the port's kernel holds its taps in the reverse order)"
     assert "fix (verified)" in text and said in text and "correlation" not in text, text
+
+
+class Residual(nn.Module):
+    def __init__(self, fn: nn.Module):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return x + self.fn(x)
+
+
+class Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class WrappedRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = Residual(Branch())
+        self.out = nn.Linear(16, 16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+
+    def forward(self, x):
+        return self.out(self.block(x))
+
+
+class BranchPort(nn.Module):
+    def __init__(self, reference: WrappedRef, adds_input: bool, slip: bool):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(16), nn.Linear(16, 16)
+        self.norm.load_state_dict(reference.block.fn.norm.state_dict())
+        self.proj.load_state_dict(reference.block.fn.proj.state_dict())
+        self.adds_input, self.slip = adds_input, slip
+
+    def forward(self, x):
+        h = self.proj(self.norm(x) * (1.5 if self.slip else 1.0))  # a slip inline: agrees with no member
+        return x + h if self.adds_input else h
+
+
+class BlockPort(nn.Module):
+    def __init__(self, reference: WrappedRef, adds_input: bool, slip: bool = True):
+        super().__init__()
+        self.attention = BranchPort(reference, adds_input, slip)
+        self.out = nn.Linear(16, 16)
+        self.out.load_state_dict(reference.out.state_dict())
+        self.adds_input = adds_input
+
+    def forward(self, x):
+        h = self.attention(x)
+        return self.out(h if self.adds_input else x + h)
+
+
+@pytest.mark.parametrize("adds_input", [True, False])
+def test_a_block_that_adds_its_input_pairs_with_the_residual_wrapper_not_its_branch(adds_input):
+    # round 25 (classifier-free guidance): the port's attention block returns x + norm_out(attn(norm(x))); the
+    # research's Residual(PreNorm(…)) holds the same weights in both members, and with a slip in the branch
+    # the port agreed with neither: the branch was paired, and `--all` fed the port its output without the
+    # residual. Both sides' structure is measured: a call that returns its input plus a child call's output
+    reference = WrappedRef().eval()
+    port = BlockPort(reference, adds_input).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, 16),), {}), all_culprits=True)
+    text = report.render()
+    pairs = {(p.reference, p.port) for p in report.alignment.pairs}
+    assert report.verdict == "diverge", text
+    if adds_input:
+        assert ("block", "attention") in pairs, text
+        assert "with the 1 culprit(s) given the reference's outputs, the port's output matches" in text, text
+    else:  # must not fire: a block that returns the branch alone pairs with the branch
+        assert ("block.fn", "attention") in pairs, text

@@ -471,7 +471,15 @@ class _Builder(OrderPairing):
         module = self.port_modules.get(p)
         distances = sorted((replayed_distance(module, self.ref.first_calls.get(r)), r) for r in refs)
         (best, r), (second, _) = distances[0], distances[1]
-        return r if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12) else None
+        if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
+            return r
+        # a slip inside keeps the port module from agreeing with any member: the structure decides. A member
+        # that returns its input plus another member's output is a residual wrapper of it; the port module
+        # pairs with the wrapper when it too returns its input plus one of its own calls' outputs
+        wrappers = [w for w in refs if self.ref.residual_child(w) in refs]
+        if len(wrappers) == 1 and self.port.residual_child(p) is not None:
+            return wrappers[0]
+        return None
 
     def _evidence(self, ref: str, port: str, port_keys: list[str], identifying: set[str]) -> Confidence:
         """``high`` when a value-unique, non-constant parameter under ``port`` comes from one under

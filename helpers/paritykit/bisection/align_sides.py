@@ -29,6 +29,32 @@ class Side:
     weight_keys: dict[str, tuple] | None = None
     # the hashes of this model's weights taken earlier (another zoom level), shared while the weights hold
     _hashed: dict[bool, dict[str, tuple]] = field(default_factory=dict)
+    # the trace the calls come from (the calls inside a call), when there is one
+    trace: Any = None
+
+    def residual_child(self, name: str) -> str | None:
+        r"""The module whose call inside ``name``'s first call returns what ``name`` adds to its input: the
+        first call's first floating-point output equals its first floating-point input plus that child's
+        output (relative L2 error at most :data:`RESIDUAL_AGREE`), measured on the captured tensors; ``None``
+        where no child's does or the calls are not at hand."""
+        from paritykit.compare.tensors import relative_error
+
+        record = self.first_calls.get(name)
+        if record is None or self.trace is None:
+            return None
+        try:
+            x = next((t for t in record.inputs.values() if t.is_floating_point()), None)
+            y = next((t for t in record.outputs.values() if t.is_floating_point()), None)
+            if x is None or y is None or tuple(x.shape) != tuple(y.shape):
+                return None
+            for child in self.trace.children(record):
+                z = next((t for t in child.outputs.values() if t.is_floating_point()), None)
+                if z is not None and tuple(z.shape) == tuple(y.shape):
+                    if relative_error(x + z, y) <= RESIDUAL_AGREE:
+                        return child.module
+        except Exception:  # a trace folder with a missing shard: no measurement
+            return None
+        return None
 
     def keys(self, layers_only: bool = False) -> dict[str, tuple] | None:
         r"""``{name: (shape, dtype, hash)}`` of this side's informative weights, from the tensors or from
@@ -54,6 +80,10 @@ class Side:
         for module, params in self.params.items():
             keys += [f"{module}.{p}" if module else p for p in params]
         self._keys = keys
+
+
+# a residual wrapper of a child: its output is its input plus the child's, within this (relative L2)
+RESIDUAL_AGREE = 1e-5
 
 
 def side_of(model: Any, trace: Trace | None) -> Side:
@@ -88,7 +118,7 @@ def side_of(model: Any, trace: Trace | None) -> Side:
     for record in trace.records if trace is not None else ():
         types.setdefault(record.module, record.type)
     params = {name: info.params for name, info in table.items()}
-    return Side(order, types, params, out_shapes, state_dict, first_calls, weight_keys, hashed)
+    return Side(order, types, params, out_shapes, state_dict, first_calls, weight_keys, hashed, trace)
 
 
 # model -> (what its weights were: each tensor's name, address and version; their hashes). Zoom aligns one
