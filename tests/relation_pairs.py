@@ -270,7 +270,7 @@ def gate_twice():
         "block",
         [
             "port = reference + gate·attn",
-            "its input gate is the reference's multiplied by 2",
+            "with its input gate multiplied by 1/2 it matches the reference",
             "reference output = 0.5 x port output + 0.5 x input x",
         ],
     )
@@ -358,7 +358,8 @@ CASES = {
     "rotary-interleaved": rotary_interleaved,
     "residual-dropped": _residual(ResidualDropped, ["port = reference − 1/√2·x"]),
     "residual-twice": _residual(
-        ResidualTwice, ["port = reference + 1/√2·x", "its input x is the reference's multiplied by 2"]
+        ResidualTwice,
+        ["port = reference + 1/√2·x", "with its input x multiplied by 1/2 it matches the reference"],
     ),
     "residual-rescaled": _residual(
         ResidualRescaled, ["port = 1/√2 × reference", "its output is the reference's multiplied by 1/√2"]

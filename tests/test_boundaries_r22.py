@@ -472,7 +472,7 @@ class BranchPort(nn.Module):
         return x + h if self.adds_input else h
 
 
-class BlockPort(nn.Module):
+class ResidualBlockPort(nn.Module):
     def __init__(self, reference: WrappedRef, adds_input: bool, slip: bool = True):
         super().__init__()
         self.attention = BranchPort(reference, adds_input, slip)
@@ -492,7 +492,7 @@ def test_a_block_that_adds_its_input_pairs_with_the_residual_wrapper_not_its_bra
     # the port agreed with neither: the branch was paired, and `--all` fed the port its output without the
     # residual. Both sides' structure is measured: a call that returns its input plus a child call's output
     reference = WrappedRef().eval()
-    port = BlockPort(reference, adds_input).eval()
+    port = ResidualBlockPort(reference, adds_input).eval()
     report = bisect(reference, port, ((torch.randn(2, 5, 16),), {}), all_culprits=True)
     text = report.render()
     pairs = {(p.reference, p.port) for p in report.alignment.pairs}
@@ -502,3 +502,38 @@ def test_a_block_that_adds_its_input_pairs_with_the_residual_wrapper_not_its_bra
         assert "with the 1 culprit(s) given the reference's outputs, the port's output matches" in text, text
     else:  # must not fire: a block that returns the branch alone pairs with the branch
         assert ("block.fn", "attention") in pairs, text
+
+
+class TwoSlipRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(x)))
+
+
+class TwoSlipPort(TwoSlipRef):
+    def __init__(self, reference: TwoSlipRef):
+        super().__init__()
+        self.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            self.inner.weight.mul_(2.0)  # a converted weight off: a [weights] hint at `inner`
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(x))) + 0.5  # and an inline slip at the top level
+
+
+def test_a_later_culprit_has_no_weights_hint_about_modules_already_substituted():
+    # round 25 (classifier-free guidance): `bisect --all`'s top-level culprit repeated "[weights] port
+    # parameters …attention.attn.to_q.weight … equal no reference tensor" for four attentions it had already
+    # given the reference's outputs
+    reference = TwoSlipRef().eval()
+    report = bisect(reference, TwoSlipPort(reference).eval(), ((torch.randn(3, 8),), {}), all_culprits=True)
+    text = report.render()
+    assert [c.port for c in report.culprits] == ["inner", ""], text
+    first, top = report.culprits
+    assert any(h.id == "weights" for h in first.hints) or "fix (verified)" in text, text  # said at `inner`
+    assert not any(h.id == "weights" and "inner.weight" in h.message for h in top.hints), text

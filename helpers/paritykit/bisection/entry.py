@@ -153,15 +153,29 @@ def _after_substitution(found: ModuleFinding, before: list[ModuleFinding]) -> No
     r"""A culprit found with the earlier ones given the reference's outputs: said so in its note, and its
     setting hints about modules inside those culprits dropped (what they name is already substituted)."""
     done = [c.port for c in before if c.port]
+    done_ref = [module_of(c.reference) for c in before if c.reference]
 
-    def substituted(path: str) -> bool:
-        return any(path == d or path.startswith(d + ".") for d in done)
+    def substituted(path: str, modules: list[str] = done) -> bool:
+        return any(path == d or path.startswith(d + ".") for d in modules)
+
+    def full(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
 
     kept = []
     for hint in found.hints:
-        differences = hint.evidence.get("differences") if isinstance(hint.evidence, dict) else None
-        about = [d.get("port", "") for d in differences or [] if isinstance(d, dict)]
+        evidence = hint.evidence if isinstance(hint.evidence, dict) else {}
+        about = [d.get("port", "") for d in evidence.get("differences") or [] if isinstance(d, dict)]
         if hint.id == "module-config" and about and all(substituted(path) for path in about):
+            continue
+        # a weights hint whose tensors all sit in modules already given the reference's outputs
+        port_names = [full(found.port, n) for n in evidence.get("unmatched_port") or []]
+        ref_names = [full(module_of(found.reference), n) for n in evidence.get("unused_reference") or []]
+        if (
+            hint.id == "weights"
+            and (port_names or ref_names)
+            and all(substituted(n) for n in port_names)
+            and all(substituted(n, done_ref) for n in ref_names)
+        ):
             continue
         kept.append(hint)
     found.hints = kept

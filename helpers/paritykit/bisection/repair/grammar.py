@@ -422,8 +422,8 @@ def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edi
 
     def scaled(factor: float, label: str) -> Edit:
         words = (
-            f"{site.path()}: its {name} is the reference's multiplied by {inverse(label, factor)}: multiply"
-            f" it by {label} (fix where it is computed, or the scale the reference applies)"
+            f"{site.path()}: with its {name} multiplied by {label} it matches the reference (a factor"
+            f" {inverse(label, factor)} on it, or on what it meets inside the module, is the difference)"
         )
         if timestep_like and factor in (1000.0, 0.001):
             port_units = "t / 1000 (in [0, 1])" if factor == 1000.0 else "t × 1000 (in [0, 1000])"
