@@ -396,11 +396,15 @@ def test_a_unit_and_the_sequential_inside_it_pair_by_which_output_agrees():
     assert alignment.port_of("0.layers") is None
 
 
-def test_a_unit_whose_outputs_agree_with_no_member_keeps_the_innermost_pairing():
-    # must not fire: with a planted scale neither member's output agrees, and the measurement decides nothing
+def test_a_unit_whose_outputs_agree_with_no_member_pairs_by_what_both_add():
+    # with a planted scale neither member's output agrees, so the values decide nothing; the structure does,
+    # measured on both sides (round 25): the research unit returns its input plus its `layers`' output, the
+    # port's unit its input plus `conv2`'s, so the two units pair (the port never computes `layers` alone).
+    # A port module that returns the branch alone keeps the branch:
+    # test_boundaries_r22.py::test_a_block_that_adds_its_input_pairs_with_the_residual_wrapper_not_its_branch
     reference, port, inputs = _residual_pair(scale=1.5)
     alignment = aligned(reference, port, inputs)
-    assert alignment.port_of("0.layers") == "units.0"
+    assert alignment.port_of("0") == "units.0" and alignment.port_of("0.layers") is None
 
 
 def test_a_module_is_not_paired_with_a_block_that_also_holds_another_modules_work():

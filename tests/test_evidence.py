@@ -283,6 +283,9 @@ def test_no_signature_only_after_every_check_ran():
     (hint,) = E.culprit_evidence(_culprit(Plain(), Doubling(), x))
     assert hint.id == "no-signature"
     assert "each parameter of the aligned pairs holds the values of its aligned" in hint.message
+    assert (
+        "how each forward reads them, an axis or a square tensor's transpose, is not compared" in hint.message
+    )
     # a measurement, no conclusion: nothing an unmatched check cannot establish
     assert "forward code" not in hint.message and "ruled out" not in hint.message
     assert hint.evidence["ruled_out"][:5] == [

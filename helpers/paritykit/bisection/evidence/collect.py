@@ -91,7 +91,8 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
         message = (
             f"no detector matched; measured: the settings of the {pairs} aligned module pair(s) in it are"
             f" equal{left_out}, and each parameter of the aligned pairs holds the values of its aligned"
-            " reference parameter"
+            " reference parameter (how each forward reads them, an axis or a square tensor's transpose, is"
+            " not compared by this)"
         )
         if c.layouts:
             message += (

@@ -420,9 +420,11 @@ def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edi
     leaf = dict(flatten_tensors(site.inputs(), "input")).get(path)
     timestep_like = _TIMESTEP_NAME.search(name) is not None or (leaf is not None and leaf.ndim <= 1)
 
+    shown = "input" if name == "input input" else name  # a forward whose argument is named `input`
+
     def scaled(factor: float, label: str) -> Edit:
         words = (
-            f"{site.path()}: with its {name} multiplied by {label} it matches the reference (a factor"
+            f"{site.path()}: with its {shown} multiplied by {label} it matches the reference (a factor"
             f" {inverse(label, factor)} on it, or on what it meets inside the module, is the difference)"
         )
         if timestep_like and factor in (1000.0, 0.001):
