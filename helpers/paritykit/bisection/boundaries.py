@@ -34,7 +34,7 @@ class Boundaries:
         reference's inputs it differs, but the run never gives it those. A note saying so, with the
         measurement; empty otherwise."""
         own = self.port_record(ref_record)
-        if own is None or self._inputs_agree(ref_record, own):
+        if own is None or self.inputs_agree(ref_record, own):
             return ""
         paired = self.compare_paired(ref_out, list(own.outputs.items()), ref_record.name)
         if paired is None:
@@ -106,7 +106,7 @@ class Boundaries:
             return ""
         fed = self._equal_leaf(after.inputs, ref_out, after.name)
         port_after = self.port_record(after)
-        if fed is None or port_after is None or not self._inputs_agree(after, port_after):
+        if fed is None or port_after is None or not self.inputs_agree(after, port_after):
             return ""
         path, _ = fed
         said = (

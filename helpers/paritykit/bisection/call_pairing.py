@@ -163,11 +163,11 @@ class CallPairing:
             calls = self._port_calls[port_module] = self.port_trace.calls(port_module)
         by_order = calls[ref_record.call] if ref_record.call < len(calls) else None
         repeated = len(calls) > 1 or ref_record.call > 0 or f"{ref_record.module}#1" in self.ref_trace
-        if not repeated or (by_order is not None and self._inputs_agree(ref_record, by_order)):
+        if not repeated or (by_order is not None and self.inputs_agree(ref_record, by_order)):
             return by_order
         nearest = sorted(calls, key=lambda c: abs(c.call - ref_record.call))[:MAX_CALL_CANDIDATES]
         for candidate in nearest:
-            if candidate is not by_order and self._inputs_agree(ref_record, candidate):
+            if candidate is not by_order and self.inputs_agree(ref_record, candidate):
                 return candidate
         # the same place of the order is kept only inside the call that holds its counterpart: a module the
         # port shares (one activation called after two convolutions) has its calls in other parent calls
@@ -191,7 +191,7 @@ class CallPairing:
             parent = record.parent
         return True
 
-    def _inputs_agree(self, ref_record: Record, port_record: Record) -> bool:
+    def inputs_agree(self, ref_record: Record, port_record: Record) -> bool:
         r"""Whether every reference input paired with a port input agrees with it within tolerance (at least
         one pair)."""
         try:

@@ -361,7 +361,7 @@ def _culprit_context(
         port_module is not None
         and port_call is not None
         and port_call.replayable
-        and not searcher._inputs_agree(call, port_call)
+        and not searcher.inputs_agree(call, port_call)
     )
     subpairs = searcher.alignment.inside(call.module, port_call.module if port_call is not None else "")
     matched = {

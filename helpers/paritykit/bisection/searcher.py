@@ -584,7 +584,7 @@ class Searcher(Boundaries, CallPairing):
         in the other order) fails a replay on inputs the port never gives it, while the run matches."""
         record = self.ref_trace[name] if name in self.ref_trace else None
         port_record = self.port_record(record) if record is not None else None
-        return port_record is not None and self._inputs_agree(record, port_record)
+        return port_record is not None and self.inputs_agree(record, port_record)
 
     def _trusted_low(self, test: ModuleTest) -> bool:
         r"""Whether a low-confidence test's pair counts as evidence: its two calls of one module class, and

@@ -316,10 +316,9 @@ class UpdateChecks:
         )
 
     def _update_fits(self, i: int):
-        memo = self.__dict__.setdefault("_update_fit_memo", {})
-        if i not in memo:
-            memo[i] = self._fit_update(i)
-        return memo[i]
+        if i not in self.update_fit_memo:
+            self.update_fit_memo[i] = self._fit_update(i)
+        return self.update_fit_memo[i]
 
     def _fit_update(self, i: int):
         sides = []

@@ -72,6 +72,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         self.spec, self.tol, self.ref = spec, tol, ref
         self.commands, self.folders, self.all_causes = commands, commands.folders, all_causes
         self.findings: list[Finding] = []
+        self.update_fit_memo: dict[int, tuple] = {}  # each call's fitted update rules (UpdateChecks)
         self.ruled_out: list[Note] = []
         self.not_checked: list[Note] = []
         self.recorded_calls = (len(ref.calls), len(port.calls))
