@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from paritykit.base.inputs import is_tensor, to_device
+from paritykit.base.inputs import copy_inputs, is_tensor, to_device
 from paritykit.bisection.align import Alignment
 from paritykit.bisection.floor import FloatFloor, within
 from paritykit.bisection.leaves import flatten_tensors, in_layout, module_device, output_leaves, pair_layouts
@@ -324,10 +324,7 @@ def _culprit_context(
     def ref_inputs() -> tuple[tuple, dict] | None:
         if ref_module is None or not call.replayable:
             return None
-        args, kwargs = call.call_inputs()
-        device = module_device(ref_module)
-        args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
-        return args, {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
+        return copy_inputs(to_device(call.call_inputs(), module_device(ref_module)))
 
     def port_inputs() -> tuple[tuple, dict] | None:
         if port_module is None or port_call is None:
@@ -349,10 +346,7 @@ def _culprit_context(
     def run_check(fn: Callable) -> tuple[bool, float]:
         r"""``fn`` on the port's own captured inputs of this call, against the reference's captured outputs:
         whether an edit verified on the reference's inputs also fixes the port's run."""
-        args, kwargs = port_call.call_inputs()
-        device = module_device(port_module)
-        args = tuple(a.to(device, copy=True) if is_tensor(a) else a for a in args)
-        kwargs = {k: v.to(device, copy=True) if is_tensor(v) else v for k, v in kwargs.items()}
+        args, kwargs = copy_inputs(to_device(port_call.call_inputs(), module_device(port_module)))
         cmp = searcher.compare_leaves(ref_leaves, output_leaves(fn(*args, **kwargs)), call.name)
         return (cmp is not None and cmp.passed), (cmp.max_abs if cmp is not None else math.inf)
 

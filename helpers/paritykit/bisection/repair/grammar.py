@@ -344,7 +344,9 @@ def _input_edit(
 def _input_names(leaves: list[tuple[str, Any]], module: Any = None) -> dict[str, str]:
     r"""How a porter names each input leaf: ``input hidden_states`` for a keyword, and for a position the
     name its ``forward`` gives it (``input 0`` when the signature does not say)."""
-    return {path: f"input {input_leaf_name(module, path)}" for path, _ in leaves}
+    names = {path: input_leaf_name(module, path) for path, _ in leaves}
+    # an argument named `input` (torch's Conv and Linear) is said once
+    return {path: "input" if name == "input" else f"input {name}" for path, name in names.items()}
 
 
 def _swap_inputs(pa: str, pb: str) -> Callable[[Tensors], Tensors]:
@@ -420,11 +422,9 @@ def _rescaled_input(site: Site, work: Any, path: str, name: str) -> Iterator[Edi
     leaf = dict(flatten_tensors(site.inputs(), "input")).get(path)
     timestep_like = _TIMESTEP_NAME.search(name) is not None or (leaf is not None and leaf.ndim <= 1)
 
-    shown = "input" if name == "input input" else name  # a forward whose argument is named `input`
-
     def scaled(factor: float, label: str) -> Edit:
         words = (
-            f"{site.path()}: with its {shown} multiplied by {label} it matches the reference (a factor"
+            f"{site.path()}: with its {name} multiplied by {label} it matches the reference (a factor"
             f" {inverse(label, factor)} on it, or on what it meets inside the module, is the difference)"
         )
         if timestep_like and factor in (1000.0, 0.001):
