@@ -123,7 +123,7 @@ class Spec:
         )
 
 
-def _user_frames(exc: BaseException, spec: Spec | None) -> str:
+def user_frames(exc: BaseException, spec: Spec | None) -> str:
     """The traceback of ``exc`` trimmed to the frames in the spec's folder (the user's own files)."""
     import traceback
     from pathlib import Path
@@ -157,7 +157,7 @@ def call_user(fn: Callable, *args: Any, what: str, spec: Spec | None = None) -> 
         raise
     except Exception as exc:
         raise UserCodeError(
-            f"{what} raised {type(exc).__name__}: {exc}", detail=_user_frames(exc, spec)
+            f"{what} raised {type(exc).__name__}: {exc}", detail=user_frames(exc, spec)
         ) from exc
 
 

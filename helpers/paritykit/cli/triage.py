@@ -44,6 +44,19 @@ from paritykit.cli._common import emit, json_option, limit_option
     "--port-scheduler", metavar="MODULE:FUNCTION", help="No SPEC file: returns the port's scheduler object."
 )
 @click.option(
+    "--reference-script",
+    metavar="SCRIPT.py",
+    help=(
+        "No SPEC file: the reference's sampling script, run as `python SCRIPT` would from here; its denoiser"
+        " is"
+        " the module it calls more than once from outside any other module (the largest), its result the last"
+        " tensor it saves."
+    ),
+)
+@click.option(
+    "--port-script", metavar="SCRIPT.py", help="No SPEC file: the port's script, read the same way."
+)
+@click.option(
     "--all",
     "all_causes",
     is_flag=True,
@@ -66,22 +79,32 @@ from paritykit.cli._common import emit, json_option, limit_option
 )
 @json_option
 @limit_option
-def triage(spec, all_causes, out, seed, as_json, limit, **callables) -> None:
+def triage(spec, all_causes, out, seed, as_json, limit, reference_script, port_script, **callables) -> None:
     from paritykit.base.errors import ParityKitError
     from paritykit.triage import triage_spec
 
     given = {name: value for name, value in callables.items() if value}
-    if given and spec is not None:
-        raise ParityKitError("give SPEC.py or the --run-…/--…-denoiser callables, not both")
-    if spec is None and not given:
-        raise click.UsageError(
-            "give SPEC.py, or --run-reference, --run-port, --reference-denoiser, --port-denoiser"
+    scripts = [s for s in (reference_script, port_script) if s]
+    if sum(map(bool, (spec is not None, given, scripts))) > 1:
+        raise ParityKitError(
+            "give one of SPEC.py, the --run-…/--…-denoiser callables, or the two --…-script files"
         )
+    if spec is None and not given and not scripts:
+        raise click.UsageError(
+            "give SPEC.py, or --reference-script and --port-script, or --run-reference, --run-port,"
+            " --reference-denoiser, --port-denoiser"
+        )
+    if scripts and len(scripts) != 2:
+        raise ParityKitError("give both --reference-script and --port-script")
     written = None
     if given:
         from paritykit.triage.spec import spec_from_callables
 
         spec = written = spec_from_callables(out, **given)
+    if scripts:
+        from paritykit.triage.spec import spec_from_scripts
+
+        spec = written = spec_from_scripts(out, reference_script, port_script)
     report = triage_spec(spec, all_causes=all_causes, out=out, seed=seed)
     report.spec_written = str(written) if written is not None else ""
     emit(report, as_json=as_json, limit=limit)

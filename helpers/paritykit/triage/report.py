@@ -140,8 +140,10 @@ class TriageReport:
     environment: dict[str, Any] = field(default_factory=dict)
     # how the two sides' calls were paired when one makes several per step (CallGroups.words)
     grouping: str = ""
-    # a run from callables (no SPEC file): the SPEC it wrote and ran, to keep
+    # a run from callables or scripts (no SPEC file): the SPEC it wrote and ran, to keep
     spec_written: str = ""
+    # a run of scripts: what each side's run was read as (its denoiser, calls, result, scheduler)
+    sides: list[str] = field(default_factory=list)
 
     @property
     def result_matches(self) -> bool:
@@ -178,6 +180,7 @@ class TriageReport:
             "out_dir": self.out_dir,
             "environment": self.environment,
             "spec_written": self.spec_written,
+            "sides": self.sides,
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -200,6 +203,7 @@ class TriageReport:
             f"denoiser calls: reference {self.calls[0]}, port {self.calls[1]}"
             + (f" ({self.grouping})" if self.grouping else "")
             + f"; {_result_text(self.result)}",
+            *(f"{side}: {text}" for side, text in zip(("reference", "port"), self.sides)),
         ]
         for number, f in enumerate(self.findings, 1):
             where = f" at call {f.call}" if f.call is not None else ""
@@ -229,7 +233,8 @@ class TriageReport:
             lines.append(f"recordings and reproduction files: {self.out_dir}")
         if self.spec_written:
             lines.append(
-                f"this run's SPEC, written from the callables (keep it, rerun it): {self.spec_written}"
+                f"this run's SPEC, written from the {'scripts' if self.sides else 'callables'}"
+                f" (keep it, rerun it): {self.spec_written}"
             )
         return "\n".join(lines)
 

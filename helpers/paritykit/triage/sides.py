@@ -54,11 +54,20 @@ def spec_module(spec: Spec, name: str) -> Any:
 
 
 def run_side(spec: Spec, side: Side, seed: int) -> SideRun:
-    r"""Seed torch, run ``run_{side}()`` with every call of the side's denoiser (and decoder) recorded."""
+    r"""Seed torch, run ``run_{side}()`` with every call of the side's denoiser (and decoder) recorded; a
+    SPEC written for scripts (``{side}_script()``) runs the script, which finds and records its denoiser
+    (:mod:`~paritykit.triage.scripts`)."""
     import torch
 
     from paritykit.tracing.recording import record_calls
 
+    if spec.has(f"{side}_script"):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            run = spec.call(f"{side}_script")
+        return SideRun(
+            side, run.denoiser, None, run.calls, [], result_tensor(run.result, str(run.script), spec), seed
+        )
     denoiser = spec_module(spec, f"{side}_denoiser")
     vae = spec_module(spec, f"{side}_vae") if spec.has(f"{side}_vae") else None
     torch.manual_seed(seed)

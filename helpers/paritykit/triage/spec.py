@@ -24,6 +24,7 @@ from paritykit.triage.reproduce import (
     write_files,
     write_recordings,
 )
+from paritykit.triage.scripts import adopt_scheduler, script_summaries
 from paritykit.triage.sides import check_required, run_side
 from paritykit.triage.walk import Triage
 
@@ -64,8 +65,10 @@ def triage_spec(
             )
     ref = run_side(spec, "reference", seed)
     port = run_side(spec, "port", seed)
+    adopt_scheduler(spec)
     folders = write_recordings(out_dir, spec.path, ref, port) if out_dir is not None else None
     report = Triage(spec, tol, ref, port, Commands(spec.path, spec.tolerance, folders), all_causes).report()
+    report.sides = script_summaries(spec)
     write_files(report.findings)
     return report
 
@@ -90,8 +93,6 @@ def spec_from_callables(out: Any, **targets: str | None) -> Any:
     import os
     from pathlib import Path
 
-    from paritykit.base.errors import ParityKitError
-    from paritykit.base.files import atomic_write_text
     from paritykit.base.usercode import callable_from
 
     missing = [option for name, option in CALLABLE_FUNCTIONS[:4] if not targets.get(name)]
@@ -124,11 +125,33 @@ def spec_from_callables(out: Any, **targets: str | None) -> Any:
             "",
             "    return _callable()",
         ]
-    text = "\n".join(lines) + "\n"
-    path = Path(out_dir) / "triage_spec.py"
+    return _write_spec(out_dir, "\n".join(lines) + "\n", "these callables")
+
+
+def spec_from_scripts(out: Any, reference: str, port: str) -> Any:
+    r"""A triage SPEC file written into ``out`` that runs two scripts as ``python SCRIPT`` would, from the
+    folder this runs in (:mod:`~paritykit.triage.scripts`). Returns its path."""
+    import os
+    from pathlib import Path
+
+    from paritykit.triage.scripts import check_script, spec_text
+
+    check_script(reference, "--reference-script")
+    check_script(port, "--port-script")
+    out_dir = checked_out(out)
+    if out_dir is None:
+        raise ParityKitError("with scripts, triage needs --out to write the SPEC it runs")
+    root = Path(os.path.relpath(Path.cwd(), out_dir.resolve())).as_posix()
+    return _write_spec(out_dir, spec_text(reference, port, root), "these scripts")
+
+
+def _write_spec(out_dir: Any, text: str, made_from: str) -> Any:
+    from paritykit.base.files import atomic_write_text
+
+    path = out_dir / "triage_spec.py"
     if path.exists() and path.read_text() != text:
         raise ParityKitError(
-            f"{path} exists and differs from the SPEC these callables make (kept or edited?): run it with"
+            f"{path} exists and differs from the SPEC {made_from} make (kept or edited?): run it with"
             f" `paritykit triage {path}`, or give another --out"
         )
     out_dir.mkdir(parents=True, exist_ok=True)

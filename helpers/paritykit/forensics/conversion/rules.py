@@ -299,14 +299,16 @@ def _bad_rules(rules: list[ConversionRule], expected: dict, keys: list[str]) -> 
     by_skel: dict[str, list[int]] = defaultdict(list)
     for k, r in enumerate(rules):
         by_skel[name_skeleton(_unescape_pattern(r.pattern))].append(k)
+    regexes = [re.compile(r.pattern) for r in rules]  # once per rule: re's own cache holds 512 patterns
+    ops = [json.dumps([r.op, r.args], sort_keys=True) for r in rules]
     bad: set[int] = set()
     for key in keys:
         for k in by_skel.get(name_skeleton(key), ()):
             r = rules[k]
-            m = re.fullmatch(r.pattern, key)
+            m = regexes[k].fullmatch(key)
             if m is None:
                 continue
             names = (key, *(_fill(m, s) for s in r.sources[1:]))
-            if expected.get(_fill(m, r.target)) != (names, json.dumps([r.op, r.args], sort_keys=True)):
+            if expected.get(_fill(m, r.target)) != (names, ops[k]):
                 bad.add(k)
     return bad

@@ -1,0 +1,220 @@
+"""`paritykit triage --reference-script … --port-script …`: two sampling scripts in, no SPEC written by hand.
+
+Each case writes a research folder and a port folder, each with its own `model.py` (the same module name,
+other code), a research script that saves the weights the port script loads, and both scripts sampling with
+diffusers' DDIMScheduler. What is asserted: the denoiser each run is read as (by its class and its number of
+calls), the result, the port's scheduler, the verdict, and the cases where no denoiser or result can be told.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from paritykit.base.errors import ParityKitError
+from paritykit.triage import triage_spec
+from paritykit.triage.scripts import run_script
+from paritykit.triage.spec import spec_from_scripts
+
+from tests.conftest import run_cli
+
+STEPS = 4
+
+MODEL = """
+import torch
+
+
+class {name}(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.time = torch.nn.Linear(1, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+
+    def forward(self, x, t):
+        emb = self.time(torch.as_tensor(t, dtype=x.dtype).reshape(1, 1).expand(x.shape[0], 1) / 50)
+        return self.body(torch.cat([x, emb], -1)){slip}
+"""
+
+LOOP = """
+scheduler = DDIMScheduler(num_train_timesteps=50)
+scheduler.set_timesteps({steps})
+x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+for t in scheduler.timesteps:
+    eps = {call}
+    x = scheduler.step(eps{scale}, t, x).prev_sample
+"""
+
+RESEARCH = """
+import torch
+from diffusers import DDIMScheduler
+from model import Net
+
+{extra}
+torch.manual_seed(0)
+net = Net()
+torch.save(net.state_dict(), "weights.pt")
+{loop}
+torch.save(x, "out/research.pt")
+"""
+
+PORT = """
+import torch
+from diffusers import DDIMScheduler
+from model import PortNet
+
+
+def run():
+    net = PortNet()
+    net.load_state_dict(torch.load("weights.pt"))
+{loop}
+    torch.save({{"sample": x, "steps": torch.tensor({steps})}}, "out/port.pt")
+
+
+if __name__ == "__main__":
+    run()
+"""
+
+
+def _write(root: Path, *, slip: str = "", scale: str = "", call: str = "net(x, t)", extra: str = "") -> None:
+    (root / "research").mkdir(parents=True)
+    (root / "port").mkdir()
+    (root / "out").mkdir()
+    (root / "research" / "model.py").write_text(MODEL.format(name="Net", slip=""))
+    (root / "port" / "model.py").write_text(MODEL.format(name="PortNet", slip=slip))
+    loop = LOOP.format(steps=STEPS, call=call, scale="")
+    (root / "research" / "sample.py").write_text(RESEARCH.format(loop=loop, extra=textwrap.dedent(extra)))
+    port_loop = textwrap.indent(LOOP.format(steps=STEPS, call="net(x, t)", scale=scale), "    ")
+    (root / "port" / "run.py").write_text(PORT.format(loop=port_loop, steps=STEPS))
+
+
+def _triage(root: Path, monkeypatch):
+    monkeypatch.chdir(root)
+    spec = spec_from_scripts("triage-out", "research/sample.py", "port/run.py")
+    return triage_spec(spec, out="triage-out")
+
+
+def test_two_scripts_that_compute_alike_match_and_each_side_names_its_denoiser_result_and_scheduler(
+    tmp_path, monkeypatch
+):
+    _write(tmp_path)
+    argv = list(sys.argv)
+    report = _triage(tmp_path, monkeypatch)
+    assert report.verdict == "match", report.render()
+    assert report.calls == (STEPS, STEPS)
+    reference, port = report.sides
+    assert f"denoiser Net ({STEPS} calls" in reference and "research.pt" in reference
+    # the port saved a dict: its first tensor is the result, named by its key
+    assert f"denoiser PortNet ({STEPS} calls" in port and "port.pt['sample']" in port
+    assert "scheduler DDIMScheduler" in port
+    text = report.render()
+    assert "reference: research/sample.py: denoiser Net" in text
+    # the scripts' sys.path and sys.argv are put back, and each found its own model.py
+    assert not [p for p in sys.path if p.endswith(("research", "port"))] and sys.argv == argv
+    assert "model" not in sys.modules or "research" not in str(getattr(sys.modules["model"], "__file__", ""))
+
+
+def test_a_slip_in_the_ports_loop_is_a_difference_found_from_the_scripts(tmp_path, monkeypatch):
+    _write(tmp_path, scale=" * 1.05")
+    report = _triage(tmp_path, monkeypatch)
+    assert report.verdict == "differ"
+    assert report.exit_code == 1
+    # the denoiser itself computes alike: no module of it is blamed
+    assert all(f.place != "denoiser" for f in report.findings), report.render()
+
+
+def test_a_slip_in_the_ports_model_is_found_in_the_denoiser(tmp_path, monkeypatch):
+    _write(tmp_path, slip=" * 1.05")
+    report = _triage(tmp_path, monkeypatch)
+    assert report.verdict == "differ"
+    assert report.findings[0].place == "denoiser", report.render()
+
+
+def test_a_denoiser_called_by_forward_directly_is_found_and_recorded(tmp_path, monkeypatch):
+    # as lucidrains' forward_with_cond_scale does: self.forward(...), which no module hook sees
+    _write(tmp_path, call="guided(net, x, t)", extra="def guided(net, x, t):\n    return net.forward(x, t)\n")
+    report = _triage(tmp_path, monkeypatch)
+    assert report.sides[0].startswith(f"research/sample.py: denoiser Net ({STEPS} calls"), report.sides
+    assert report.verdict == "match", report.render()
+
+
+def test_a_denoiser_inside_a_sampler_module_called_once_is_found(tmp_path, monkeypatch):
+    # the whole loop is a module's forward (called once): the denoiser's calls are inside it
+    extra = """
+    class Loop(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            for t in scheduler.timesteps:
+                x = scheduler.step(self.net(x, t), t, x).prev_sample
+            return x
+    """
+    _write(tmp_path, call="net(x, t)", extra=extra)
+    research = tmp_path / "research" / "sample.py"
+    text = research.read_text().replace(
+        "for t in scheduler.timesteps:\n    eps = net(x, t)\n    x = scheduler.step(eps, t, x).prev_sample",
+        "x = Loop(net)(x)",
+    )
+    assert "Loop(net)(x)" in text
+    research.write_text(text)
+    report = _triage(tmp_path, monkeypatch)
+    assert report.sides[0].startswith(f"research/sample.py: denoiser Net ({STEPS} calls"), report.sides
+    assert report.verdict == "match", report.render()
+
+
+def test_a_small_module_called_more_often_than_the_denoiser_is_not_taken_for_it(tmp_path, monkeypatch):
+    extra = """
+    gain = torch.nn.Linear(4, 4)
+    """
+    _write(tmp_path, call="net(gain(gain(x)) * 0 + x, t)", extra=extra)
+    monkeypatch.chdir(tmp_path)
+    run = run_script("research/sample.py")
+    assert type(run.denoiser).__name__ == "Net"
+    assert len(run.calls) == STEPS
+
+
+def test_a_script_without_a_repeated_module_or_a_saved_tensor_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    once = tmp_path / "once.py"
+    once.write_text("import torch\nm = torch.nn.Linear(2, 2)\ntorch.save(m(torch.ones(1, 2)), 'o.pt')\n")
+    with pytest.raises(ParityKitError, match="once.py: no module was called more than once"):
+        run_script(once)
+    unsaved = tmp_path / "unsaved.py"
+    unsaved.write_text(
+        "import torch\nm = torch.nn.Linear(2, 2)\nfor _ in range(3):\n    m(torch.ones(1, 2))\n"
+    )
+    with pytest.raises(ParityKitError, match="unsaved.py saved no tensor or array"):
+        run_script(unsaved)
+    failing = tmp_path / "failing.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ParityKitError, match="failing.py exited with 3"):
+        run_script(failing)
+    assert Path.cwd() == tmp_path
+
+
+def test_the_cli_runs_two_scripts_and_refuses_a_missing_one_in_one_line(tmp_path):
+    _write(tmp_path, slip=" * 1.05")
+    done = run_cli(
+        "triage", "--reference-script", "research/sample.py", "--port-script", "port/run.py", cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "reference: research/sample.py: denoiser Net" in done.stdout
+    assert "written from the scripts" in done.stdout
+    assert (tmp_path / "triage-out" / "triage_spec.py").is_file()
+    # the SPEC it wrote runs again on its own, from another folder
+    again = run_cli(
+        "triage", str(tmp_path / "triage-out" / "triage_spec.py"), "--out", "t2", cwd=tmp_path / "out"
+    )
+    assert again.returncode == 1, again.stdout + again.stderr
+    missing = run_cli("triage", "--reference-script", "nope.py", "--port-script", "port/run.py", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        "paritykit: error: --reference-script nope.py: no such file"
+    ]
+    one = run_cli("triage", "--reference-script", "research/sample.py", cwd=tmp_path)
+    assert one.returncode == 2 and "give both --reference-script and --port-script" in one.stderr
+    assert os.listdir(tmp_path / "out")  # the scripts' own files are where they wrote them
