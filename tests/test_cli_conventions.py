@@ -1047,6 +1047,7 @@ def test_json_puts_the_same_answer_first(tmp_path):
         ["compare", "a.pt", "b.pt"],
         ["steps", "a", "b"],
         ["images", "a.png", "b.png"],
+        ["triage", "--reference-script", "a.py", "--port-script", "b.py"],
     ],
     ids=lambda a: " ".join(a[:2]),
 )

@@ -213,7 +213,7 @@ def test_the_cli_runs_two_scripts_and_refuses_a_missing_one_in_one_line(tmp_path
     missing = run_cli("triage", "--reference-script", "nope.py", "--port-script", "port/run.py", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
-        "paritykit: error: --reference-script nope.py: no such file"
+        "paritykit: error: --reference-script 'nope.py': no such file or folder"
     ]
     one = run_cli("triage", "--reference-script", "research/sample.py", cwd=tmp_path)
     assert one.returncode == 2 and "give both --reference-script and --port-script" in one.stderr

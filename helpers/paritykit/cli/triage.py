@@ -81,7 +81,6 @@ from paritykit.cli._common import emit, json_option, limit_option
 @limit_option
 def triage(spec, all_causes, out, seed, as_json, limit, reference_script, port_script, **callables) -> None:
     from paritykit.base.errors import ParityKitError
-    from paritykit.triage import triage_spec
 
     given = {name: value for name, value in callables.items() if value}
     scripts = [s for s in (reference_script, port_script) if s]
@@ -96,6 +95,13 @@ def triage(spec, all_causes, out, seed, as_json, limit, reference_script, port_s
         )
     if scripts and len(scripts) != 2:
         raise ParityKitError("give both --reference-script and --port-script")
+    if scripts:  # a missing script is one line before torch is imported
+        from paritykit.triage.scripts import check_script
+
+        check_script(reference_script, "--reference-script")
+        check_script(port_script, "--port-script")
+    from paritykit.triage import triage_spec
+
     written = None
     if given:
         from paritykit.triage.spec import spec_from_callables

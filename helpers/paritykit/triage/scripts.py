@@ -156,7 +156,7 @@ def check_script(path: Any, option: str) -> Path:
     r"""``path`` as an existing ``.py`` file, or one line naming ``option``."""
     found = Path(path)
     if not found.is_file():
-        raise ParityKitError(f"{option} {path}: no such file")
+        raise ParityKitError(f"{option} '{path}': no such file or folder")
     if found.suffix != ".py":
         raise ParityKitError(f"{option} {path}: expected a Python script (.py)")
     return found
