@@ -263,3 +263,43 @@ def test_a_right_multiplied_matrix_loaded_untransposed_is_a_use_of_the_values_no
     assert "load them so in the conversion" in said and "transpose" in said, said
     held = "the reference's values in their order (w, shape [4, 4, 16])" if len(shape) == 3 else "exactly"
     assert held in said, said
+
+
+def test_below_the_top_level_the_search_takes_no_longer_than_the_capture_before_it(monkeypatch):
+    # issue 47: a repair search of 888 edits took 100 s after a 37 s capture and replay, verifying nothing;
+    # without --repair-budget it now stops once it has run as long as the bisect before it (after its first
+    # edits), and says so
+    import paritykit.bisection.repair.culprit_sites as sites
+
+    reference, port, x = _pair(1)
+    with torch.no_grad():
+        port[2].bias.add_(torch.linspace(-1, 1, 8))  # outside the grammar: nothing verifies
+    cut = repair_site(
+        _linear_site(port, reference, x), Budget(100_000, seconds=0.0, first=3, clock="capture")
+    )
+    assert cut.tried == 3 and "as long as the capture and replays before it took" in cut.ruled_out()
+    # bisect hands the search that clock (a culprit below the top level, no budget asked for) ...
+    seen = []
+    search = sites.repair_site
+
+    def spy(site, budget=None, **options):
+        seen.append((budget.clock, budget.seconds, budget.first))
+        return search(site, budget, **options)
+
+    monkeypatch.setattr(sites, "repair_site", spy)
+
+    class Odd(nn.Linear):  # equal weights, another computation: no detector explains it, so the search runs
+        def forward(self, x):
+            return super().forward(x) + 0.05 * torch.sin(3 * x).sum(-1, keepdim=True)
+
+    odd = Odd(8, 8)
+    odd.load_state_dict(port[2].state_dict())
+    port[2] = odd.eval()
+    bisect(reference, port, ((x,), {}))
+    assert seen and all(
+        clock == "capture" and seconds >= sites.MIN_SECONDS and first > 0 for clock, seconds, first in seen
+    ), seen
+    # ... and must not: with a budget asked for, the edits are counted and no clock is read
+    seen.clear()
+    counted = bisect(reference, port, ((x,), {}), repair_budget=50).render()
+    assert seen and all(seconds is None for _, seconds, _ in seen) and "stopped after" not in counted

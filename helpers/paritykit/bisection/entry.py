@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,7 @@ def bisect_traces(
     repair_budget: int | None = None,
     catalogue: bool = True,
     float_floor: FloatFloor | None = None,
+    started: float | None = None,
 ) -> BisectReport:
     r"""Find the culprit from two traces (e.g. written in two environments by ``paritykit trace``).
 
@@ -87,7 +89,10 @@ def bisect_traces(
     ``catalogue=False`` skips the catalogue's detectors (to measure the repair search alone).
     ``float_floor`` (:mod:`paritykit.bisection.floor`) makes differences at float-noise level no difference:
     failing replays are measured in float64, and with its float64 traces every captured call and the output.
+    ``started`` (``time.perf_counter()`` when the capture began; default: now) sets the repair search's clock:
+    without ``repair_budget`` it takes no longer than the bisect had run when it began.
     """
+    started = time.perf_counter() if started is None else started
     if alignment is None:
         alignment = align_modules(reference, port, ref_trace, port_trace, rules=rules)
     ref_root, port_root = ref_trace.root, port_trace.root
@@ -99,7 +104,7 @@ def bisect_traces(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
     searcher.float_floor = float_floor
-    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget)
+    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget, started=started)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     report = run_strategy(FullSearch(searcher), select_output=select_output, repair=explain, **options)
     if reference is not None and port is not None:
@@ -416,6 +421,8 @@ def capture_and_bisect(
 
     from paritykit.bisection.zoom import NamespaceLevel, use_zoom, zoom_bisect
     from paritykit.tracing.trace import capture
+
+    search.setdefault("started", time.perf_counter())
 
     # --all substitutes modules anywhere in the port and re-runs it whole: it needs every module captured
     if not all_culprits and use_zoom(levels, reference):

@@ -19,6 +19,7 @@ top-level blocks only, and ``tested`` lists what was tested on the way down.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -394,6 +395,7 @@ def zoom_bisect(
     repair_budget: int | None = None,
     catalogue: bool = True,
     float_floor: bool = True,
+    started: float | None = None,
 ) -> Any:
     r""":func:`paritykit.bisect` by levels: same tests, same
     :class:`~paritykit.bisection.results.BisectReport`,
@@ -416,13 +418,14 @@ def zoom_bisect(
         A :class:`~paritykit.bisection.results.BisectReport`; its environment records ``levels: zoom`` and the
         blocks entered.
     """
+    started = time.perf_counter() if started is None else started
     ref_trace = capture_level(reference, *ref_inputs, run=run)
     port_trace = capture_level(port, *port_inputs, run=run)
     zoom = ZoomSearch(reference, port, ref_trace, port_trace, rules=rules, atol=atol, rtol=rtol, ratio=ratio)
     if float_floor:
         zoom.float_floor = FloatFloor(reason="levels zoom: no whole float64 run")
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
-    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget)
+    explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget, started=started)
     return run_strategy(zoom, select_output=select_output, repair=explain, **options)
 
 

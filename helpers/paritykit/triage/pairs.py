@@ -239,8 +239,9 @@ def unpaired_conditioning(
 ) -> tuple[list[str], list[str]]:
     r"""The conditioning arguments left unpaired, measured: ``(differences, alone)``. A reference argument
     and a port one of its rank that differ along one axis only (a padded or truncated sequence) are compared
-    on the part both have: a difference. Each other one is said alone, with its shape (a mask or a length
-    passed by one side only is no difference by itself)."""
+    on the part both have: a difference, where that part agrees or the two have one name (two of other
+    names that agree nowhere are not known to be one input). Each other one is said alone, with its shape (a
+    mask or a length passed by one side only is no difference by itself)."""
     differences, used, compared = [], set(), set()
     for r, a in ref:
         for p, b in port:
@@ -248,7 +249,6 @@ def unpaired_conditioning(
             # a sequence that differs in length: never the batch axis (a guidance batch of two is no padding)
             if p in used or len(axes) != 1 or axes[0] == 0 or a.dim() < 2:
                 continue
-            used.add(p)
             axis, n = axes[0], min(a.shape[axes[0]], b.shape[axes[0]])
             longer, extra = ("reference", a) if a.shape[axis] > n else ("port", b)
             more = extra.shape[axis] - n
@@ -258,6 +258,9 @@ def unpaired_conditioning(
             tail = compare(a_tail, b_tail.to(a.dtype), tol, f"{r} / {p}")
             at_start = tail.passed and not head.passed
             common = tail if at_start else head
+            if not common.passed and r != p:
+                continue  # two inputs of other names agreeing nowhere: nothing says they are one input
+            used.add(p)
             rest = extra.narrow(axis, 0, more) if at_start else extra.narrow(axis, n, more)
             agree = "agree" if common.passed else f"differ (max_abs {format_number(common.max_abs)})"
             padding = (

@@ -181,7 +181,8 @@ def _read_runs(script: Path) -> ScriptRun:
         )
     module, calls = best, watch.top_calls.get(id(best))
     scheduler = watch.schedulers.get(id(best))
-    if calls is None:  # called inside another module, or by .forward() directly: run again, recording it
+    if calls is None or len(calls) < watch.calls(id(best)):
+        # called inside another module, or (some or all) by .forward() directly: run again, recording it
         again = _ClassWatch(type(best), sum(p.numel() for p in best.parameters()))
         with _saves() as saved, again.watching():
             _execute(script)
@@ -325,10 +326,14 @@ class _Watch:
                 handle.remove()
             self.last_frame.clear()
 
+    def calls(self, key: int) -> int:
+        r"""The calls of one module the run made: through ``__call__`` and through ``.forward()`` directly."""
+        return self.counts.get(key, 0) + self.direct.get(key, 0)
+
     def denoiser(self) -> Any:
         r"""Of the modules called more than once (through ``__call__`` or ``.forward()``), the one holding the
         most parameters, then the most calls; ``None`` where none was."""
-        calls = {k: max(self.counts.get(k, 0), self.direct.get(k, 0)) for k in self.modules}
+        calls = {k: self.calls(k) for k in self.modules}
         repeated = [k for k, n in calls.items() if n >= 2]
         if not repeated:
             return None

@@ -105,3 +105,46 @@ def result_tensor(value: Any, what: str, spec: Spec) -> Any:
             f"{spec.path}: {what} returned {type(value).__name__}, which is not a tensor, array or list of"
             " images"
         ) from None
+
+
+def leading_unpaired(ref: SideRun, port: SideRun, tol: Any) -> tuple[SideRun, SideRun, str]:
+    r"""Where one side makes ``d`` more denoiser calls and no grouping pairs them, the ``k ≤ d`` first calls
+    of that side that pair with none of the other's: the one ``k`` at which its call ``k`` gets the latents
+    the other side's first call gets (within ``tol``, same shape), where its call 0 does not (a prefix or
+    warm-up call before the loop). Returns both runs with those calls left out and the words saying so, or
+    the runs as they are and ``""``."""
+    import dataclasses
+
+    import torch
+
+    from paritykit.triage.roles import latents, roles_of
+
+    longer, shorter = (ref, port) if len(ref.calls) > len(port.calls) else (port, ref)
+    extra = len(longer.calls) - len(shorter.calls)
+    if not extra or not shorter.calls:
+        return ref, port, ""
+    first = latents(shorter.calls[0], roles_of(shorter.calls[0]))
+
+    def agrees(call: Any) -> bool:
+        mine = latents(call, roles_of(call))
+        if not isinstance(mine, torch.Tensor) or not isinstance(first, torch.Tensor):
+            return False
+        if mine.shape != first.shape:
+            return False
+        return bool(torch.allclose(mine.double(), first.double(), atol=tol.atol, rtol=tol.rtol))
+
+    if agrees(longer.calls[0]):
+        return ref, port, ""
+    found = [k for k in range(1, extra + 1) if agrees(longer.calls[k])]
+    if len(found) != 1:
+        return ref, port, ""
+    k, n, m = found[0], len(longer.calls), len(shorter.calls)
+    other = "port" if longer.side == "reference" else "reference"
+    first_calls = "first call" if k == 1 else f"first {k} calls"
+    words = (
+        f"the {longer.side}'s {first_calls} (of {n}) pair{'s' if k == 1 else ''} with no {other} call: its"
+        f" calls {k}-{n - 1} are compared with the {other}'s 0-{m - 1} (the {other}'s first call gets the"
+        f" latents its call {k} gets, not those of its call 0)"
+    )
+    trimmed = dataclasses.replace(longer, calls=longer.calls[k:])
+    return (trimmed, shorter, words) if longer is ref else (shorter, trimmed, words)

@@ -25,7 +25,7 @@ from paritykit.triage.reproduce import (
     write_recordings,
 )
 from paritykit.triage.scripts import adopt_scheduler, script_summaries
-from paritykit.triage.sides import check_required, run_side
+from paritykit.triage.sides import check_required, leading_unpaired, run_side
 from paritykit.triage.walk import Triage
 
 # Tensors of two whole pipelines (a float64 research loop against a float32 port) drift apart by float
@@ -66,8 +66,13 @@ def triage_spec(
     ref = run_side(spec, "reference", seed)
     port = run_side(spec, "port", seed)
     adopt_scheduler(spec)
+    counts = (len(ref.calls), len(port.calls))
+    ref, port, unpaired = leading_unpaired(ref, port, tol)
     folders = write_recordings(out_dir, spec.path, ref, port) if out_dir is not None else None
     report = Triage(spec, tol, ref, port, Commands(spec.path, spec.tolerance, folders), all_causes).report()
+    if unpaired:  # the counts as run, and which calls were left out of the pairing
+        report.calls = counts
+        report.grouping = "; ".join(w for w in (unpaired, report.grouping) if w)
     report.sides = script_summaries(spec)
     write_files(report.findings)
     return report

@@ -264,7 +264,11 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
                 f": the port's are {affine_words(fit, THE_REFERENCES)} (exact, residual"
                 f" {format_number(fit.residual)})"
             )
-            summary += "; a missing or extra scaling of the noise (init_noise_sigma, a sigma_max factor)"
+            summary += (
+                "; a lead: the first call's input is scaled otherwise, by the noise's own scale"
+                " (init_noise_sigma, sigma_max) or by a preconditioning of the denoiser's input (c_in and"
+                " what sets it, such as sigma_data)"
+            )
         elif pair.latents.cosine is not None and abs(pair.latents.cosine) < 0.1:
             summary += " and are uncorrelated (cosine ~0): other noise"
         if fit is None or not fit.exact:  # what a plain draw reproduces exactly, side by side

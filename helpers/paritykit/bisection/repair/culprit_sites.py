@@ -3,6 +3,7 @@ that produce a differing input of an inline culprit), and how verified edits joi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,8 @@ from paritykit.bisection.extra_inputs import extra_inputs, extra_producers, repl
 from paritykit.bisection.leaves import module_device
 from paritykit.bisection.module_fit import first_differing_input, replay_with_module
 from paritykit.bisection.repair.engine import (
+    FIRST_EDITS,
+    MIN_SECONDS,
     TOP_LEVEL_SECONDS,
     Budget,
     RepairOutcome,
@@ -34,12 +37,15 @@ class RepairOptions:
         catalogue: run the catalogue's detectors (off only to measure the repair search alone).
         budget: the edits the search may try at one culprit, shared fairly by its sites
             (``--repair-budget N``); None: :meth:`Budget.for_modules` of the culprit, which grows with its
-            size.
+            size, and a clock: the search takes no longer than the bisect had run when it began (from
+            ``started``, the capture's start), at least :data:`MIN_SECONDS`, after its first
+            :data:`FIRST_EDITS` edits.
     """
 
     enabled: bool = True
     catalogue: bool = True
     budget: int | None = None
+    started: float | None = None
 
 
 def culprit_site(searcher: Searcher, call: Record, port_call: Record | None) -> Site | None:
@@ -252,14 +258,23 @@ def repair_hints(
     )
     if total == 0:
         return [*hints, *_not_searched(hints)]
-    # at the top level each edit replays the whole port: a wall-clock cap there unless a budget was asked for
-    seconds = TOP_LEVEL_SECONDS if call.parent is None and options.budget is None else None
+    # at the top level each edit replays the whole port: a wall-clock cap there unless a budget was asked for;
+    # below it, as long as the capture and replays before the search took (after its first edits)
+    seconds, first, kind = None, 0, "top"
+    if options.budget is None and call.parent is None:
+        seconds = TOP_LEVEL_SECONDS
+    elif options.budget is None and options.started is not None:
+        seconds = max(MIN_SECONDS, time.perf_counter() - options.started)
+        first, kind = FIRST_EDITS, "capture"
     clock = Budget(total, seconds=seconds)  # started now: every site's budget shares its start
     with progress_bar() as progress:
         for k, s in enumerate(sites):
             if k and seconds is not None and not clock.left:
                 break  # the first site always reports, so a search cut short says so
-            budget = Budget(max(1, total // (len(sites) - k)), seconds=seconds, started=clock.started)
+            share = max(1, total // (len(sites) - k))
+            budget = Budget(
+                share, seconds=seconds, started=clock.started, first=min(first, share), clock=kind
+            )
             outcome = repair_site(s, budget, progress=progress)
             total -= budget.used
             outcomes.append(outcome)

@@ -40,8 +40,13 @@ EDITS_PER_PART = 8
 REPLAY_ELEMENTS = 30_000_000
 MIN_EDITS = 100
 # at a top-level culprit every edit is a run of the whole port: unless --repair-budget is given, the search
-# there stops after this many seconds (the only clock in the search; a tiny model's whole search fits in it)
+# there stops after this many seconds (a tiny model's whole search fits in it)
 TOP_LEVEL_SECONDS = 10.0
+# below the top level, unless --repair-budget is given, the search may take as long as the capture and
+# replays before it took, at least this many seconds, and always tries its first FIRST_EDITS edits (the
+# cheapest tiers: the same model gives the same first edits on any machine)
+MIN_SECONDS = 5.0
+FIRST_EDITS = 100
 
 
 @dataclass
@@ -54,6 +59,10 @@ class Budget:
     seconds: float | None = None
     started: float | None = None
     timed_out: bool = False
+    # edits tried before the clock is read (0: the clock from the first edit)
+    first: int = 0
+    # why the clock: "top" (each edit replays the whole port) or "capture" (as long as the capture took)
+    clock: str = "top"
 
     def __post_init__(self) -> None:
         if self.seconds is not None and self.started is None:
@@ -73,6 +82,8 @@ class Budget:
     def left(self) -> bool:
         if self.used >= self.edits:
             return False
+        if self.used < self.first:
+            return True
         if self.seconds is not None and time.perf_counter() - self.started > self.seconds:
             self.timed_out = True
             return False
@@ -95,6 +106,7 @@ class RepairOutcome:
     exhausted: bool = False
     # seconds of the wall-clock cap the search stopped at, if it did (whole-port replays only)
     timed_out: float | None = None
+    clock: str = "top"
     failed: list[str] = field(default_factory=list)
     # edits that verified, but so did the same edit with its factor moved: evidence of nothing
     unspecific: list[str] = field(default_factory=list)
@@ -148,7 +160,12 @@ class RepairOutcome:
             f" {', '.join(self.tiers) or 'no tier'}"
         )
         text += ", none verified"
-        if self.timed_out is not None:
+        if self.timed_out is not None and self.clock == "capture":
+            text += (
+                f" (stopped after {self.timed_out:.3g} s, as long as the capture and replays before it took;"
+                " --repair-budget N searches N edits whatever they take)"
+            )
+        elif self.timed_out is not None:
             text += (
                 f" (stopped after {self.timed_out:g} s: each edit there replays the whole port;"
                 " --repair-budget N searches N edits whatever they take)"
@@ -204,7 +221,7 @@ def repair_site(
             if here and (not site.wanted or any(_exact(site, after, outcome.before) for _, after, _ in here)):
                 stopped = [PROBE]
     if budget.timed_out:
-        outcome.exhausted, outcome.timed_out = True, budget.seconds
+        outcome.exhausted, outcome.timed_out, outcome.clock = True, budget.seconds, budget.clock
     chosen = _best(site, found)
     outcome.verified = [(e, after) for e, after, _ in sorted(chosen, key=lambda f: (f[1], f[0].cost))]
     return outcome
