@@ -537,3 +537,71 @@ def test_a_later_culprit_has_no_weights_hint_about_modules_already_substituted()
     first, top = report.culprits
     assert any(h.id == "weights" for h in first.hints) or "fix (verified)" in text, text  # said at `inner`
     assert not any(h.id == "weights" and "inner.weight" in h.message for h in top.hints), text
+
+
+class _ResearchTimeCond(nn.Module):
+    # pi-zero's layout: the time MLP ends in a SiLU, and each adaptive norm reads its output through a Linear
+    def __init__(self):
+        super().__init__()
+        mlp = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 16), nn.SiLU()), nn.Sequential(nn.Linear(16, 16), nn.SiLU())
+        )
+        self.to_time_cond = nn.Sequential(Timesteps(8, True, 0), mlp)  # the MLP its parent's last call
+        self.norm = nn.LayerNorm(16, elementwise_affine=False)
+        self.to_scale_shift = nn.Linear(16, 32)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, t):
+        cond = self.to_time_cond(t)
+        scale, shift = self.to_scale_shift(cond)[:, None].chunk(2, -1)
+        return self.proj(self.norm(x) * (1 + scale) + shift)
+
+
+class _PortTimeCond(nn.Module):
+    # diffusers' layout: TimestepEmbedding (no trailing activation), the SiLU inside AdaLayerNormContinuous
+    def __init__(self, reference: _ResearchTimeCond, last_silu: bool):
+        from diffusers.models.embeddings import TimestepEmbedding
+        from diffusers.models.normalization import AdaLayerNormContinuous
+
+        super().__init__()
+        self.time_proj = Timesteps(8, True, 0)
+        self.time_embedding = TimestepEmbedding(8, 16)
+        self.norm_out = AdaLayerNormContinuous(
+            16, 16, elementwise_affine=False, eps=1e-5, norm_type="layer_norm"
+        )
+        self.proj_out = nn.Linear(16, 16)
+        self.last_silu = last_silu
+        r = reference
+        with torch.no_grad():
+            self.time_embedding.linear_1.load_state_dict(r.to_time_cond[1][0][0].state_dict())
+            self.time_embedding.linear_2.load_state_dict(r.to_time_cond[1][1][0].state_dict())
+            # diffusers' AdaLayerNormContinuous reads (scale, shift) in that order, as the research does
+            self.norm_out.linear.load_state_dict(r.to_scale_shift.state_dict())
+            self.proj_out.load_state_dict(r.proj.state_dict())
+
+    def forward(self, hidden_states, timestep):
+        emb = self.time_embedding(self.time_proj(timestep))
+        if not self.last_silu:  # the slip: the SiLU the research applies is dropped, not moved
+            self.norm_out.silu = nn.Identity()
+        return self.proj_out(self.norm_out(hidden_states, emb))
+
+
+@pytest.mark.parametrize("last_silu", [True, False])
+def test_an_activation_the_port_applies_after_the_module_is_no_culprit_there(last_silu):
+    # round 27 (pi-zero): the research's time MLP ends in a SiLU; the port's TimestepEmbedding does not, and
+    # its adaptive norm applies the SiLU itself. bisect named the time embedding the culprit ("reference =
+    # SiLU(port)"), on a port whose time path is right. It is no culprit where a later port call computes the
+    # reference's output; where the port drops the SiLU, nothing computes it and the culprit stays.
+    torch.manual_seed(0)
+    reference = _ResearchTimeCond().eval()
+    port = _PortTimeCond(reference, last_silu).eval()
+    inputs = ((torch.randn(2, 5, 16), torch.tensor([3.0, 500.0])), {})
+    report = bisect(reference, port, inputs)
+    text = report.render()
+    if last_silu:
+        assert report.verdict == "match", text
+        assert report.culprit is None or report.culprit.port != "time_embedding", text
+        return
+    assert report.verdict == "diverge", text
+    assert report.culprit.port in ("time_embedding", "norm_out", ""), text
+    assert "the port computes this output later" not in text, text

@@ -218,3 +218,33 @@ def test_the_cli_runs_two_scripts_and_refuses_a_missing_one_in_one_line(tmp_path
     one = run_cli("triage", "--reference-script", "research/sample.py", cwd=tmp_path)
     assert one.returncode == 2 and "give both --reference-script and --port-script" in one.stderr
     assert os.listdir(tmp_path / "out")  # the scripts' own files are where they wrote them
+
+
+def test_a_call_one_side_makes_before_its_loop_is_left_out_of_the_pairing_and_said(tmp_path, monkeypatch):
+    # round 27 (pi-zero): the research calls its model once on zero actions (its prefix) before the loop;
+    # pairing by order compared that call with the port's first step and called the noise "other noise"
+    _write(tmp_path)
+    research = tmp_path / "research" / "sample.py"
+    text = research.read_text().replace(
+        "x = torch.randn(2, 4,", "net(torch.zeros(2, 4), 0)\nx = torch.randn(2, 4,"
+    )
+    research.write_text(text)
+    report = _triage(tmp_path, monkeypatch)
+    assert report.calls == (STEPS + 1, STEPS)
+    assert "the reference's first call (of 5) pairs with no port call" in report.grouping, report.render()
+    assert report.verdict == "match" and not report.findings, report.render()
+    assert "initial noise" not in " ".join(f.place for f in report.findings)
+
+
+def test_calls_of_other_counts_that_nothing_pairs_are_said_to_be_compared_by_order(tmp_path, monkeypatch):
+    # round 27 (styletts2): 8 reference calls against 20 port calls, the table's rows paired by index with
+    # nothing saying so; must not fire where the counts agree
+    _write(tmp_path)
+    port = tmp_path / "port" / "run.py"
+    port.write_text(port.read_text().replace(f"set_timesteps({STEPS})", f"set_timesteps({STEPS + 2})"))
+    report = _triage(tmp_path, monkeypatch)
+    assert report.calls == (STEPS, STEPS + 2) and report.by_order
+    assert "by order alone: the sides make 4 and 6 calls and no grouping pairs them" in report.render()
+    _write(tmp_path / "same")
+    same = _triage(tmp_path / "same", monkeypatch)
+    assert not same.by_order and "by order alone" not in same.render()

@@ -1,7 +1,7 @@
 r"""Where a module's work ends, for bisect's searcher: a culprit whose difference the port takes back
-before the next call, that agrees in the runs on other inputs, or whose output is the input of a later call
-on the reference's side is no culprit. A mixin of :class:`paritykit.bisection.searcher.Searcher`, which holds
-the traces they read."""
+before the next call, that agrees in the runs on other inputs, whose output is the input of a later call
+on the reference's side, or whose output a later port call computes is no culprit. A mixin of
+:class:`paritykit.bisection.searcher.Searcher`, which holds the traces they read."""
 
 from __future__ import annotations
 
@@ -25,7 +25,37 @@ class Boundaries:
             or self._agrees_in_runs(ref_record, ref_out)
             or self._taken_back_before_next(ref_record, ref_out)
             or self._offset_absorbed(ref_record, ref_out, port_out)
+            or self._computed_later(ref_record, ref_out)
         )
+
+    def _computed_later(self, ref_record: Record, ref_out: Leaves) -> str:
+        r"""Whether the port computes this call's output later: a port call that starts after its own
+        counterpart's, outside it, returns exactly the reference's output here (the research's time MLP ends
+        in a SiLU the port applies inside each adaptive norm). The work the reference does at the end of this
+        call the port does after it; the boundaries differ, not the values. A note saying so, with the
+        measurement; empty otherwise."""
+        own = self.port_record(ref_record)
+        if own is None or len(ref_out) != 1:
+            return ""
+        after = False
+        for record in self.port_trace:
+            if record is own:
+                after = True
+                continue
+            if not after or record.name.startswith(own.name + ".") or not record.outputs:
+                continue
+            for path, value in record.outputs.items():
+                if not is_tensor(value) or value.shape != ref_out[0][1].shape:
+                    continue
+                paired = self.compare_paired(ref_out, [(path, value)], f"{record.name}:{path}")
+                if paired is not None and paired.worst.passed:
+                    return (
+                        f"the port computes this output later: its {record.module}'s output equals it"
+                        f" (max_abs {format_number(paired.worst.max_abs or 0.0)}), so the work the reference"
+                        f" does at the end of this call the port does after {own.module}; the pair's"
+                        " boundaries differ, not its values"
+                    )
+        return ""
 
     def _agrees_in_runs(self, ref_record: Record, ref_out: Leaves) -> str:
         r"""Whether the pair's outputs agree in the runs although its inputs there do not: the port feeds

@@ -144,6 +144,8 @@ class TriageReport:
     spec_written: str = ""
     # a run of scripts: what each side's run was read as (its denoiser, calls, result, scheduler)
     sides: list[str] = field(default_factory=list)
+    # the sides make other numbers of calls and no grouping pairs them: the table's rows are paired by order
+    by_order: bool = False
 
     @property
     def result_matches(self) -> bool:
@@ -181,6 +183,7 @@ class TriageReport:
             "environment": self.environment,
             "spec_written": self.spec_written,
             "sides": self.sides,
+            "by_order": self.by_order,
         }
 
     def render(self, limit: int | None = DEFAULT_LIMIT) -> str:
@@ -227,7 +230,17 @@ class TriageReport:
                 ]
                 for r in self.curve
             ]
-            lines.append("error per denoiser call (relative L2, port against reference):")
+            lines.append(
+                "error per denoiser call (relative L2, port against reference"
+                + (
+                    f"; the k-th call of each side, by order alone: the sides make {self.calls[0]} and"
+                    f" {self.calls[1]} calls and no grouping pairs them, so a row compares calls at the"
+                    " timesteps its two columns show"
+                    if self.by_order
+                    else ""
+                )
+                + "):"
+            )
             lines.append(render_table(["call", "t ref", "t port", "latents in", "output"], rows, limit=limit))
         if self.out_dir:
             lines.append(f"recordings and reproduction files: {self.out_dir}")

@@ -172,6 +172,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             curve=self.curve(),
             calls=self.recorded_calls,
             grouping=self.grouping.words() if self.grouping is not None else "",
+            by_order=self.grouping is None and len(self.ref.calls) != len(self.port.calls),
             result={k: v for k, v in result.items() if k != "evidence"},
             all_causes=self.all_causes,
             out_dir=str(self.commands.out_dir) if self.commands.out_dir is not None else None,
