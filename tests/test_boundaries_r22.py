@@ -605,3 +605,52 @@ def test_an_activation_the_port_applies_after_the_module_is_no_culprit_there(las
     assert report.verdict == "diverge", text
     assert report.culprit.port in ("time_embedding", "norm_out", ""), text
     assert "the port computes this output later" not in text, text
+
+
+class _GemmaNormBlock(nn.Module):
+    # pi-zero's norms: the weight held as gamma, the forward reading 1 + gamma
+    def __init__(self):
+        super().__init__()
+        self.norm_gamma = nn.Parameter(torch.randn(16) * 0.2)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.norm_gamma)
+        return self.proj(x)
+
+
+class _DiffusersNormBlock(nn.Module):
+    def __init__(self, reference: _GemmaNormBlock, offset: float):
+        from diffusers.models.normalization import RMSNorm
+
+        super().__init__()
+        self.norm = RMSNorm(16, eps=1e-6)
+        self.proj = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.norm.weight.copy_(reference.norm_gamma + offset)
+            self.proj.load_state_dict(reference.proj.state_dict())
+
+    def forward(self, x):
+        return self.proj(self.norm(x)) + 0.05  # the slip: in the block's own code
+
+
+@pytest.mark.parametrize("offset", [1.0, 0.5])
+def test_a_norm_weight_converted_with_its_offset_is_said_as_one_not_as_unmatched(offset):
+    # round 27 (pi-zero): the converter adds 1 to each Gemma-style gamma for diffusers' RMSNorm; the [weights]
+    # hint listed those norms with the tiled q/k norms as "equal no reference tensor", burying the one real
+    # slip. A port parameter that is one reference tensor plus a constant is said so, after what nothing
+    # explains; the constant is measured (+1 here, +0.5 a wrong offset: said with its value, never hidden).
+    torch.manual_seed(0)
+    reference = nn.Sequential(_GemmaNormBlock()).eval()
+    port = nn.Sequential(_DiffusersNormBlock(reference[0], offset)).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, 16),), {}))
+    hint = next(h for h in report.culprit.hints if h.id == "weights")
+    assert hint.evidence["offsets"] == {"0.norm.weight": ["0.norm_gamma", offset]}, hint.message
+    assert f"0.norm.weight = reference 0.norm_gamma {offset:+g}" in hint.message
+    assert "0.norm.weight" not in hint.evidence["unmatched_port"]
+    # must not fire: a port weight no reference tensor plus a constant gives stays unmatched
+    with torch.no_grad():
+        port[0].norm.weight.copy_(torch.randn(16))
+    report = bisect(reference, port, ((torch.randn(2, 5, 16),), {}))
+    hint = next(h for h in report.culprit.hints if h.id == "weights")
+    assert not hint.evidence["offsets"] and "0.norm.weight" in hint.evidence["unmatched_port"]

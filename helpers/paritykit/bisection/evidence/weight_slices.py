@@ -92,7 +92,7 @@ def weights(c: Culprit) -> list[Hint]:
         # makes the module match, so these come back only verified
         rules = [r for r in (_without_layout(e, ref_sd, port_sd) for e in entries) if r is not None]
         if not rules:
-            return _unmatched(c, cmap, ref_sd)
+            return _unmatched(c, cmap, ref_sd, port_sd)
         message = "conversion slip: " + "; ".join(
             f"port {r['target']} is reference {r['sources'][0]} after {r['layout']}" for r in rules
         )
@@ -107,7 +107,7 @@ def weights(c: Culprit) -> list[Hint]:
     patch = {k.removeprefix(port_prefix): v.to(port_sd[k].dtype) for k, v in fixed.items()}
     verify_hint(c, lambda: patched_copy(c.port, patch), hint)
     if "layout" in rules[0] and not hint.verified:
-        return _unmatched(c, cmap, ref_sd)
+        return _unmatched(c, cmap, ref_sd, port_sd)
     return [hint]
 
 
@@ -230,15 +230,18 @@ def _constant_said(c: Culprit, name: str) -> str:
     return f"{name} (all {format_number(float(tensor.reshape(-1)[0]))})"
 
 
-def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
+def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any]) -> list[Hint]:
     r"""Port parameters that equal no reference tensor (nor a slice, transpose or cast of one), and reference
     parameters with information (not constant) that no port parameter uses: dropped in the conversion."""
     dropped = [k for k in cmap.unused_source if informative(ref_sd[k])]
     if not cmap.unmapped_target and not dropped:
         return []
     parts = []
-    if cmap.unmapped_target:
-        names = ", ".join(_constant_said(c, name) for name in cmap.unmapped_target[:6])
+    offsets = _offsets(port_sd, cmap.unmapped_target, {k: ref_sd[k] for k in dropped})
+    unmapped = [k for k in cmap.unmapped_target if k not in offsets]
+    dropped = [k for k in dropped if k not in {r for r, _ in offsets.values()}]
+    if unmapped:
+        names = ", ".join(_constant_said(c, name) for name in unmapped[:6])
         parts.append(
             f"port parameters {names} equal no reference tensor of {c.reference_path()}, nor a layout op of"
             f" one ({_OPS_TRIED})"
@@ -255,18 +258,58 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any]) -> list[Hint]:
             "the port holds them elsewhere, value for value: "
             + ", ".join(f"{r} in port {p}" for r, p in list(elsewhere.items())[:6])
         )
+    if offsets:  # explained by their values: said after what nothing explains
+        parts.append(
+            "port parameters "
+            + ", ".join(f"{p} = reference {r} {d:+g}" for p, (r, d) in list(offsets.items())[:6])
+            + " (every element: a constant added in the conversion, as for a norm stored as γ on one side and"
+            " 1 + γ on the other; whether each forward reads them so is not compared by this)"
+        )
+    if not parts:
+        return []
     return [
         Hint(
             "weights",
             "; ".join(parts) + " (evidence: parameter values matched as in `paritykit weights map`)",
             {
-                "unmatched_port": list(cmap.unmapped_target),
+                "offsets": {p: [r, d] for p, (r, d) in offsets.items()},
+                "unmatched_port": unmapped,
                 "unused_reference": dropped,
                 "elsewhere": elsewhere,
             },
             score=0.85,
         )
     ]
+
+
+def _offsets(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple[str, float]]:
+    r"""Port parameters that are one reference tensor of their shape plus one constant, every element (a
+    norm's γ stored as 1 + γ on one side): port name -> (reference name, the constant). Each reference tensor
+    explains one port parameter at most; a port parameter two reference tensors explain is left out."""
+
+    if not unmapped or not candidates:
+        return {}
+    found: dict[str, tuple[str, float]] = {}
+    taken: set[str] = set()
+    for name in unmapped:
+        p = port_sd.get(name)
+        if p is None or not p.is_floating_point() or p.numel() < 2:
+            continue
+        hits = []
+        for ref_name, r in candidates.items():
+            if ref_name in taken or tuple(r.shape) != tuple(p.shape) or not r.is_floating_point():
+                continue
+            d = p.detach().cpu().double() - r.detach().cpu().double()
+            step = float(d.reshape(-1)[0])
+            scale = max(1.0, float(r.detach().abs().max()), abs(step))
+            if step != 0 and float((d - step).abs().max()) <= 1e-6 * scale:
+                hits.append((ref_name, round(step, 6)))
+        if len(hits) == 1:
+            found[name] = hits[0]
+            taken.add(hits[0][0])
+    return found
 
 
 def _held_elsewhere(c: Culprit, tensors: dict[str, Any]) -> dict[str, str]:
