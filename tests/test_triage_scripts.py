@@ -193,6 +193,8 @@ def test_a_script_without_a_repeated_module_or_a_saved_tensor_is_one_line(tmp_pa
     failing.write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(ParityKitError, match="failing.py exited with 3"):
         run_script(failing)
+    with pytest.raises(ParityKitError, match="expected a Python script"):
+        run_script(tmp_path)  # a folder
     assert Path.cwd() == tmp_path
 
 

@@ -155,9 +155,9 @@ def spec_text(reference: str, port: str, root: str) -> str:
 def check_script(path: Any, option: str) -> Path:
     r"""``path`` as an existing ``.py`` file, or one line naming ``option``."""
     found = Path(path)
-    if not found.is_file():
+    if not found.exists():
         raise ParityKitError(f"{option} '{path}': no such file or folder")
-    if found.suffix != ".py":
+    if not found.is_file() or found.suffix != ".py":
         raise ParityKitError(f"{option} {path}: expected a Python script (.py)")
     return found
 
@@ -189,9 +189,8 @@ def _read_runs(script: Path) -> ScriptRun:
         found = again.picked()
         if found is None:
             raise ParityKitError(
-                f"{script}: its second run did not call {type(best).__name__} as its first run did (a run"
-                " that"
-                " is not the same each time cannot be read as a script)"
+                f"{script}: its second run did not call {type(best).__name__} as its first run did (a"
+                " run that is not the same each time cannot be read as a script)"
             )
         module, calls, scheduler = found
     result, saved_to = _result(saved, script)
