@@ -165,7 +165,7 @@ def check_script(path: Any, option: str) -> Path:
 def run_script(path: Any) -> ScriptRun:
     r"""Run ``path`` as ``python path`` would; its denoiser, calls, result and scheduler (the module doc)."""
     script = check_script(path, "script")
-    with _own_imports():
+    with _own_imports(script.resolve().parent):
         return _read_runs(script)
 
 
@@ -198,15 +198,17 @@ def _read_runs(script: Path) -> ScriptRun:
 
 
 @contextlib.contextmanager
-def _own_imports():
-    r"""The modules a script imports from outside site-packages are dropped after its runs, so another
-    script's ``import model`` finds its own file; its second run finds the first's (and their classes)."""
+def _own_imports(folder: Path):
+    r"""The modules a script imports from its own folder are dropped after its runs, so another script's
+    ``import model`` finds its own file; its second run finds the first's (and their classes). Packages
+    imported from elsewhere (installed, or vendored beside the scripts) stay: two copies of one library in a
+    process do not recognise each other's objects."""
     before = set(sys.modules)
     try:
         yield
     finally:
         for name in set(sys.modules) - before:
-            if _user_module(sys.modules.get(name)):
+            if _inside(sys.modules.get(name), folder):
                 del sys.modules[name]
 
 
@@ -237,13 +239,10 @@ def _execute(script: Path) -> None:
         sys.path[:], sys.argv = saved_path, saved_argv
 
 
-def _user_module(module: Any) -> bool:
-    r"""A module imported from the user's files, not from an installed package or paritykit."""
+def _inside(module: Any, folder: Path) -> bool:
+    r"""A module whose file lies under ``folder``."""
     file = getattr(module, "__file__", None)
-    if not file:
-        return False
-    text = str(Path(file).resolve())
-    return "site-packages" not in text and "dist-packages" not in text and "/paritykit/" not in text
+    return bool(file) and Path(file).resolve().is_relative_to(folder)
 
 
 class _Watch:
@@ -336,8 +335,16 @@ class _Watch:
         repeated = [k for k, n in calls.items() if n >= 2]
         if not repeated:
             return None
-        best = max(repeated, key=lambda k: (sum(p.numel() for p in self.modules[k].parameters()), calls[k]))
-        return self.modules[best]
+        size = {k: sum(p.numel() for p in self.modules[k].parameters()) for k in repeated}
+        largest = max(size.values())
+        tied = [k for k in repeated if size[k] == largest]
+        # a wrapper holding the network and nothing more (k-diffusion's Denoiser and its c_in, c_skip, c_out)
+        # ties with the network: the network is the denoiser, as a diffusers model is (the preconditioning
+        # sits in its scheduler)
+        inner = [
+            k for k in tied if not any(self.modules[j] in list(self.modules[k].modules())[1:] for j in tied)
+        ]
+        return self.modules[max(inner or tied, key=lambda k: calls[k])]
 
 
 class _ClassWatch:
@@ -428,11 +435,14 @@ def _scheduler_of_callers(frame: Any = None) -> Any:
         if frame is None:
             break
         for value in list(frame.f_locals.values()):
-            if isinstance(value, mixin):
-                return value
-            held = getattr(value, "scheduler", None) if not isinstance(value, (int, float, str)) else None
-            if isinstance(held, mixin):
-                return held
+            try:  # a local of any kind: a tracer object (einx's) may raise on any attribute read
+                if isinstance(value, mixin):
+                    return value
+                held = getattr(value, "scheduler", None)
+                if isinstance(held, mixin):
+                    return held
+            except Exception:
+                continue
         frame = frame.f_back
     return None
 

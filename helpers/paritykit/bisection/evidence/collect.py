@@ -4,6 +4,7 @@ the plain ``no-signature`` hint that lists what was checked when no detector fin
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from paritykit.bisection.evidence.activations import activation
 from paritykit.bisection.evidence.casts import reduced_precision
@@ -73,6 +74,19 @@ def culprit_evidence(c: Culprit, tensor_hints: Sequence[Hint] = ()) -> list[Hint
     return [no_signature(c, ran, failed)]
 
 
+def _equal_dims(module: Any) -> list[str]:
+    r"""The parameters of ``module`` with two dims of one size (above 1), as ``name (shape)``: values that
+    agree as laid out would agree read with those dims swapped too."""
+    if module is None:
+        return []
+    found = []
+    for name, p in module.named_parameters():
+        sizes = [d for d in p.shape if d > 1]
+        if len(sizes) != len(set(sizes)):
+            found.append(f"{name} {tuple(p.shape)}")
+    return found
+
+
 def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> Hint:
     r"""The plain statement when no detector has evidence: what was measured, which checks ran without a
     match and which could not run. It names no cause: an unmatched check is no proof of anything."""
@@ -88,11 +102,18 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
             if settled
             else ""
         )
+        square = _equal_dims(c.port)
+        ambiguous = (
+            f"; {', '.join(square[:4])}{f' and {len(square) - 4} more' if len(square) > 4 else ''} have two"
+            " dims of one size, so read with those dims swapped they would hold the values too"
+            if square
+            else ""
+        )
         message = (
             f"no detector matched; measured: the settings of the {pairs} aligned module pair(s) in it are"
             f" equal{left_out}, and each parameter of the aligned pairs holds the values of its aligned"
-            " reference parameter (how each forward reads them, an axis or a square tensor's transpose, is"
-            " not compared by this)"
+            " reference parameter (how each forward reads them, an axis or a transpose, is not compared by"
+            f" this{ambiguous})"
         )
         if c.layouts:
             message += (
