@@ -250,3 +250,50 @@ def test_calls_of_other_counts_that_nothing_pairs_are_said_to_be_compared_by_ord
     _write(tmp_path / "same")
     same = _triage(tmp_path / "same", monkeypatch)
     assert not same.by_order and "by order alone" not in same.render()
+
+
+def test_a_wrapper_holding_only_the_network_yields_the_network(tmp_path, monkeypatch):
+    # round 28 (k-diffusion): its Denoiser wraps the network with c_in, c_skip and c_out and holds nothing
+    # else; taking the wrapper compared its raw input with the port network's preconditioned one ("initial
+    # noise: the port's are 0.0125 x the reference's"). The network is the denoiser, as a diffusers model is.
+    extra = """
+    class Wrap(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, t):
+            return self.net(x * 0.5, t) + x
+    """
+    _write(tmp_path, call="wrap(x, t)", extra=extra)
+    research = tmp_path / "research" / "sample.py"
+    research.write_text(research.read_text().replace("net = Net()\n", "net = Net()\nwrap = Wrap(net)\n"))
+    monkeypatch.chdir(tmp_path)
+    run = run_script("research/sample.py")
+    assert type(run.denoiser).__name__ == "Net" and len(run.calls) == STEPS
+    # must not fire: a wrapper holding parameters of its own is the larger module, and is taken
+    research.write_text(
+        research.read_text().replace(
+            "self.net = net\n", "self.net = net\n        self.gain = torch.nn.Linear(4, 4)\n"
+        )
+    )
+    assert type(run_script("research/sample.py").denoiser).__name__ == "Wrap"
+
+
+def test_libraries_beside_the_scripts_stay_one_copy_and_odd_locals_do_not_break_a_run(tmp_path, monkeypatch):
+    # round 28 (alphafold3-pytorch): einx vendored beside the scripts was dropped after the research run and
+    # imported again by the port's, and objects of the two copies failed each other's checks; a local whose
+    # attributes raise on reading (einx's tracers) must not break the scheduler lookup either
+    _write(tmp_path)
+    (tmp_path / "vendor").mkdir()
+    (tmp_path / "vendor" / "sharedlib.py").write_text(
+        "class Odd:\n    def __getattr__(self, name):\n        raise ValueError('a tracer')\n"
+    )
+    research = tmp_path / "research" / "sample.py"
+    head = "import sys\nsys.path.insert(0, 'vendor')\nimport sharedlib\nodd = sharedlib.Odd()\n"
+    research.write_text(head + research.read_text())
+    monkeypatch.chdir(tmp_path)
+    run = run_script("research/sample.py")
+    assert type(run.denoiser).__name__ == "Net"
+    assert "sharedlib" in sys.modules  # vendored beside the scripts: kept, one copy for both runs
+    assert "model" not in sys.modules  # the script's own folder's module: dropped
