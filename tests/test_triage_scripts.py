@@ -247,6 +247,16 @@ def test_calls_of_other_counts_that_nothing_pairs_are_said_to_be_compared_by_ord
     report = _triage(tmp_path, monkeypatch)
     assert report.calls == (STEPS, STEPS + 2) and report.by_order
     assert "by order alone: the sides make 4 and 6 calls and no grouping pairs them" in report.render()
+    # round 27 (styletts2, --all): calls after the first paired by order gave "update at call 0 … differs"
+    # (the port's next call was its guidance pass at the same noise level): only the first calls are compared
+    monkeypatch.chdir(tmp_path)
+    every = triage_spec(
+        spec_from_scripts("triage-all", "research/sample.py", "port/run.py"),
+        out="triage-all",
+        all_causes=True,
+    )
+    assert all(f.place != "update" for f in every.findings), every.render()
+    assert any(n.place == "update" and "not paired" in n.text for n in every.not_checked), every.render()
     _write(tmp_path / "same")
     same = _triage(tmp_path / "same", monkeypatch)
     assert not same.by_order and "by order alone" not in same.render()

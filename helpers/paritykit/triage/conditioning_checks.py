@@ -71,8 +71,13 @@ class ConditioningChecks:
         if everywhere:
             self.rule_out(
                 "conditioning",
-                f"{', '.join(everywhere)} are equal in shape and agree element by element at all"
-                f" {len(self.pairs)} calls" + ordered,
+                f"{', '.join(everywhere)} are equal in shape and agree element by element "
+                + (
+                    f"at all {len(self.pairs)} calls"
+                    if len(self.pairs) > 1
+                    else "at the first call, the one compared"
+                )
+                + ordered,
             )
         for words, missing in partly:
             self.skip(

@@ -28,6 +28,13 @@ class UpdateChecks:
 
     # ----------------------------------------------------------------------------------------- 5. update
     def update(self, step: int | None = None) -> None:
+        if self.by_order:  # the next calls are not one call on both sides: no update is compared
+            self.skip(
+                "update",
+                "the calls after the first are not paired (the sides make other numbers of calls), so no"
+                " update between two calls is compared",
+            )
+            return
         fits = [self._update_fits(i) for i in range(len(self.pairs))]
         comparable = [
             i

@@ -124,6 +124,19 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             )
             for i in range(n)
         ]
+        # other numbers of calls that no grouping pairs: the first calls are one call on both sides, the
+        # k-th calls after them need not be (a guidance pass, a second stage); only the table shows them
+        self.table_pairs = self.pairs
+        self.by_order = self.grouping is None and len(ref.calls) != len(self.port.calls)
+        if self.by_order:
+            self.pairs = self.pairs[:1]
+            self.skip(
+                "denoiser",
+                f"calls after the first: the sides make {len(ref.calls)} and {len(self.port.calls)} calls and"
+                " no grouping pairs them, so only the first calls are compared (the table shows the rest by"
+                " order)",
+                check="calls",
+            )
         self.flagged = self._flagged_conditioning(tol)
 
     def rule_out(self, place: Place, text: str, check: str | None = None) -> None:
@@ -172,7 +185,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             curve=self.curve(),
             calls=self.recorded_calls,
             grouping=self.grouping.words() if self.grouping is not None else "",
-            by_order=self.grouping is None and len(self.ref.calls) != len(self.port.calls),
+            by_order=self.by_order,
             result={k: v for k, v in result.items() if k != "evidence"},
             all_causes=self.all_causes,
             out_dir=str(self.commands.out_dir) if self.commands.out_dir is not None else None,
@@ -599,7 +612,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             )
             return []
         rows = []
-        for p in self.pairs:
+        for p in self.table_pairs:
             i = p.index
             rows.append(
                 CallError(
