@@ -217,24 +217,17 @@ def _execute(script: Path) -> None:
     ``sys.path`` and ``sys.argv`` are put back after."""
     import runpy
 
+    from paritykit.base.usercode import call_user
+
     folder = str(script.resolve().parent)
     saved_path, saved_argv = list(sys.path), list(sys.argv)
     sys.path.insert(0, folder)
     sys.argv = [str(script)]
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        call_user(lambda: runpy.run_path(str(script), run_name="__main__"), what=str(script))
     except SystemExit as done:
         if done.code not in (None, 0):
             raise ParityKitError(f"{script} exited with {done.code}") from None
-    except (ParityKitError, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        from paritykit.base.errors import UserCodeError
-        from paritykit.base.usercode import user_frames
-
-        raise UserCodeError(
-            f"{script} raised {type(exc).__name__}: {exc}", detail=user_frames(exc, None)
-        ) from exc
     finally:
         sys.path[:], sys.argv = saved_path, saved_argv
 
