@@ -398,3 +398,18 @@ def test_masked_names_the_elements_one_side_zeroes_and_only_those():
     assert D.detect_masked(a, other) is None
     assert D.detect_masked(a, torch.zeros_like(a)) is None
     assert D.detect_masked(a, a * 1.5) is None
+
+
+def test_chunks_in_a_transposed_grid_order_are_said_as_tiled_against_interleaved():
+    # round 29 (TimeGrad): the port tiled its conditioning with repeat where the research uses
+    # repeat_interleave; the hint said "check the order of a chunked projection (shift/scale/gate) or of a
+    # fused qkv". A chunk order that reads a grid transposed is now said as one.
+    from paritykit.compare.diagnose import detect_swapped_halves
+
+    a = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    hint = detect_swapped_halves(a, a[[0, 3, 1, 4, 2, 5]])
+    assert hint is not None and hint.evidence["order"] == [0, 3, 1, 4, 2, 5]
+    assert "read as a 2 x 3 grid" in hint.message and "repeat_interleave" in hint.message
+    # must not fire: an order that is no grid read transposed keeps the plain words
+    other = detect_swapped_halves(a, a[[1, 0, 2, 3, 5, 4]])
+    assert other is not None and "grid" not in other.message

@@ -307,3 +307,71 @@ def test_libraries_beside_the_scripts_stay_one_copy_and_odd_locals_do_not_break_
     assert type(run.denoiser).__name__ == "Net"
     assert "sharedlib" in sys.modules  # vendored beside the scripts: kept, one copy for both runs
     assert "model" not in sys.modules  # the script's own folder's module: dropped
+
+
+SIGMA_NET = """
+import torch
+
+
+class {name}(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.time = torch.nn.Linear(1, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4))
+
+    def forward(self, x, {arg}):
+        level = {level}
+        emb = self.time(level.reshape(-1, 1).expand(x.shape[0], 1))
+        return self.body(torch.cat([x, emb], -1))
+"""
+
+SIGMA_LOOP = """
+import torch
+from model import {name}
+
+torch.manual_seed(0)
+net = {name}()
+{load}
+x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)) * 10
+for sigma in [10.0, 4.0, 1.5, 0.5, 0.1]:
+    sigma = torch.tensor([sigma])
+    x = x - 0.1 * net(x, {feed})
+torch.save(x, "out/{out}.pt")
+"""
+
+
+@pytest.mark.parametrize("factor", [4, 2])
+def test_a_noise_level_against_edm_c_noise_is_one_schedule_in_other_units(tmp_path, monkeypatch, factor):
+    # round 29 (k-diffusion's transformer): the research denoiser takes sigma, diffusers' EDM preconditioning
+    # hands the network c_noise = ln(sigma)/4; triage said "schedule: the timesteps differ" and fed the port
+    # sigma as its timestep, a false culprit on the fixed port. ln(sigma)/4 is now a unit map (compared and
+    # replayed so); a port reading ln(sigma)/2 is a schedule that differs (must not be read as one).
+    for side in ("research", "port", "out"):
+        (tmp_path / side).mkdir()
+    (tmp_path / "research" / "model.py").write_text(
+        SIGMA_NET.format(name="Net", arg="sigma", level="torch.log(sigma) / 4")
+    )
+    (tmp_path / "port" / "model.py").write_text(
+        SIGMA_NET.format(name="PortNet", arg="timestep", level="timestep")
+    )
+    (tmp_path / "research" / "sample.py").write_text(
+        SIGMA_LOOP.format(
+            name="Net", load="torch.save(net.state_dict(), 'weights.pt')", feed="sigma", out="research"
+        )
+    )
+    (tmp_path / "port" / "run.py").write_text(
+        SIGMA_LOOP.format(
+            name="PortNet",
+            load="net.load_state_dict(torch.load('weights.pt'))",
+            feed=f"torch.log(sigma) / {factor}",
+            out="port",
+        )
+    )
+    report = _triage(tmp_path, monkeypatch)
+    text = report.render()
+    if factor == 4:
+        assert report.verdict == "match" and not report.findings, text
+        assert "timestep and output agree at every call (5)" in text, text
+        return
+    assert report.verdict == "differ" and any(f.place == "schedule" for f in report.findings), text
+    assert "c_noise" not in text

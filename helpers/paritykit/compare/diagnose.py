@@ -362,6 +362,15 @@ def detect_swapped_halves(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
                     "matches the other's place, not its own): check the order of a "
                     "chunked pair such as (shift, scale) in adaptive norms, or (uncond, cond) in guidance."
                 )
+            elif (grid := _grid_transpose(order)) is not None:
+                rows, cols = grid
+                message = (
+                    f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order}"
+                    " (evidence: each chunk matches another chunk's place, not its own): read as a"
+                    f" {rows} x {cols} grid, one side's order is the other's transposed, as a batch repeated"
+                    " whole (repeat) against one repeated item by item (repeat_interleave), or a fused"
+                    " projection's pieces laid out per head against per piece."
+                )
             else:
                 message = (
                     f"B is A with its {k} chunks along dim {dim} (size {size}) reordered as {order}"
@@ -369,6 +378,19 @@ def detect_swapped_halves(a: torch.Tensor, b: torch.Tensor) -> Hint | None:
                     " a chunked projection (shift/scale/gate) or of a fused qkv."
                 )
             return Hint("swapped-halves", message, evidence, score=0.96)
+    return None
+
+
+def _grid_transpose(order: list[int]) -> tuple[int, int] | None:
+    r"""``(rows, cols)`` where ``order`` reads ``rows x cols`` chunks in the transposed order
+    (``[0, 3, 1, 4, 2, 5]``: a 2 x 3 grid, items tiled against items interleaved); ``None`` otherwise."""
+    n = len(order)
+    for rows in range(2, n // 2 + 1):
+        if n % rows:
+            continue
+        cols = n // rows
+        if order == [(i % rows) * cols + i // rows for i in range(n)]:
+            return rows, cols
     return None
 
 

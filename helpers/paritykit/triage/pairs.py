@@ -49,7 +49,9 @@ def same_timestep(a: float | None, b: float | None) -> bool:
 
 @dataclass(frozen=True)
 class TimestepUnits:
-    r"""How one schedule's timestep reads on the port's side: ``port = scale · reference + offset``."""
+    r"""How one schedule's timestep reads on the port's side: ``port = scale · reference + offset``, or with
+    ``curve`` ``"log"`` ``port = scale · ln(reference) + offset`` (EDM's c_noise = ln(σ)/4 against σ) and
+    ``"exp"`` ``port = exp((reference - offset) / scale)`` (its inverse)."""
 
     scale: float = 1.0
     offset: float = 0.0
@@ -57,8 +59,14 @@ class TimestepUnits:
     # the largest timestep each side gives in these units (1 or 1000); 0: either
     ref_top: float = 0.0
     port_top: float = 0.0
+    curve: str = ""
 
     def __call__(self, t: float) -> float:
+        if self.curve == "log":
+            return self.scale * math.log(t) + self.offset if t > 0 else math.nan
+        if self.curve == "exp":
+            power = (t - self.offset) / self.scale
+            return math.exp(power) if power < 700 else math.inf  # a timestep of 1000 is no c_noise
         return t * self.scale + self.offset
 
     def fits_ranges(self, t_ref: list[float | None], t_port: list[float | None]) -> bool:
@@ -104,7 +112,9 @@ class CallComparison:
     @property
     def timestep_match(self) -> bool:
         scaled = None if self.t_reference is None else self.t_units(self.t_reference)
-        return self.timestep_kinds[0] == self.timestep_kinds[1] and same_timestep(scaled, self.t_port)
+        # a noise level against a log-noise-level timestep (EDM's c_noise) is one value read two ways
+        kinds = self.timestep_kinds[0] == self.timestep_kinds[1] or bool(self.t_units.curve)
+        return kinds and same_timestep(scaled, self.t_port)
 
     @property
     def conditioning_match(self) -> bool:
@@ -142,6 +152,9 @@ TIMESTEP_UNITS = (
     TimestepUnits(
         -1.0, 1000.0, "the reference gives t in [0, 1000] (noise at 1000), the port 1000 - t", 1000, 1000
     ),
+    # EDM's preconditioning: the network gets c_noise = ln(σ)/4 where a research loop passes σ (or back)
+    TimestepUnits(0.25, 0.0, "the reference gives σ, the port c_noise = ln(σ)/4", curve="log"),
+    TimestepUnits(0.25, 0.0, "the reference gives c_noise = ln(σ)/4, the port σ", curve="exp"),
 )
 SAME_UNITS = TimestepUnits()
 
