@@ -238,8 +238,11 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
         return []
     parts = []
     offsets = _offsets(port_sd, cmap.unmapped_target, {k: ref_sd[k] for k in dropped})
-    unmapped = [k for k in cmap.unmapped_target if k not in offsets]
-    dropped = [k for k in dropped if k not in {r for r, _ in offsets.values()}]
+    left = [k for k in cmap.unmapped_target if k not in offsets]
+    used = {r for r, _ in offsets.values()}
+    exps = _exp_affine(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
+    unmapped = [k for k in left if k not in exps]
+    dropped = [k for k in dropped if k not in used | {r for r, _, _ in exps.values()}]
     if unmapped:
         names = ", ".join(_constant_said(c, name) for name in unmapped[:6])
         parts.append(
@@ -265,6 +268,13 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             + " (every element: a constant added in the conversion, as for a norm stored as γ on one side and"
             " 1 + γ on the other; whether each forward reads them so is not compared by this)"
         )
+    if exps:
+        parts.append(
+            "port parameters "
+            + ", ".join(f"{p} = exp({a:g} · reference {r} {b:+g})" for p, (r, a, b) in list(exps.items())[:6])
+            + " (every element: a log-parameterised value the conversion exponentiates; whether each forward"
+            " reads them so is not compared by this)"
+        )
     if not parts:
         return []
     return [
@@ -273,11 +283,13 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             "; ".join(parts) + " (evidence: parameter values matched as in `paritykit weights map`)",
             {
                 "offsets": {p: [r, d] for p, (r, d) in offsets.items()},
+                "exponentiated": {p: [r, a, b] for p, (r, a, b) in exps.items()},
                 "unmatched_port": unmapped,
                 "unused_reference": dropped,
                 "elsewhere": elsewhere,
             },
-            score=0.85,
+            # tensors a relation explains, every one, are no sign of a slip: ranked after the other hints
+            score=0.85 if unmapped or dropped or elsewhere else 0.3,
         )
     ]
 
@@ -306,6 +318,40 @@ def _offsets(
             scale = max(1.0, float(r.detach().abs().max()), abs(step))
             if step != 0 and float((d - step).abs().max()) <= 1e-6 * scale:
                 hits.append((ref_name, round(step, 6)))
+        if len(hits) == 1:
+            found[name] = hits[0]
+            taken.add(hits[0][0])
+    return found
+
+
+def _exp_affine(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple[str, float, float]]:
+    r"""Port parameters that are ``exp(a · r + b)`` of one reference tensor ``r`` of their shape, every
+    element (a scale the research keeps as its log): port name -> (reference name, a, b). The reference
+    tensor must not be constant, so ``a`` is measured; one reference tensor explains one port parameter at
+    most."""
+    if not unmapped or not candidates:
+        return {}
+    found: dict[str, tuple[str, float, float]] = {}
+    taken: set[str] = set()
+    for name in unmapped:
+        p = port_sd.get(name)
+        if p is None or not p.is_floating_point() or p.numel() < 2 or not bool((p > 0).all()):
+            continue
+        y = p.detach().cpu().double().log().reshape(-1)
+        hits = []
+        for ref_name, r in candidates.items():
+            if ref_name in taken or tuple(r.shape) != tuple(p.shape) or not r.is_floating_point():
+                continue
+            x = r.detach().cpu().double().reshape(-1)
+            spread = x - x.mean()
+            if float(spread.abs().max()) == 0:
+                continue
+            a = float((spread * (y - y.mean())).sum() / (spread * spread).sum())
+            b = float(y.mean() - a * x.mean())
+            if a != 0 and float((a * x + b - y).abs().max()) <= 1e-5 * max(1.0, float(y.abs().max())):
+                hits.append((ref_name, round(a, 6), round(b, 6)))
         if len(hits) == 1:
             found[name] = hits[0]
             taken.add(hits[0][0])
