@@ -131,7 +131,7 @@ def leading_unpaired(ref: SideRun, port: SideRun, tol: Any) -> tuple[SideRun, Si
             return False
         if mine.shape != first.shape:
             return False
-        return bool(torch.allclose(mine.double(), first.double(), atol=tol.atol, rtol=tol.rtol))
+        return bool(torch.allclose(mine.double(), first.double(), atol=tol.atol or 0.0, rtol=tol.rtol or 0.0))
 
     if agrees(longer.calls[0]):
         return ref, port, ""

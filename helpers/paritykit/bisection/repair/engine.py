@@ -1,9 +1,11 @@
 r"""The repair search: try the grammar's edits at a site, tier by tier, and keep only those that make the
 replay match the reference (``repair_site``); turn the outcome into hints (``RepairOutcome.hints``).
 
-The search is budgeted in edits tried: the same input gives the same report on any machine and under any
-load. The one exception is a top-level culprit, where each edit replays the whole port: unless a budget is
-given (``--repair-budget N``), the search there also stops after :data:`TOP_LEVEL_SECONDS` and says so."""
+The search is budgeted in edits tried, and, unless a budget is given (``--repair-budget N``, which makes the
+same input give the same report on any machine and under any load), by a clock: at a top-level culprit, where
+each edit replays the whole port, :data:`TOP_LEVEL_SECONDS`; below it, after its first :data:`FIRST_EDITS`
+edits, as long as the capture and replays before it took (at least :data:`MIN_SECONDS`). Where a clock
+stops it, the report says so."""
 
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ class RepairOutcome:
     tried: int = 0
     tiers: list[Tier] = field(default_factory=list)
     exhausted: bool = False
-    # seconds of the wall-clock cap the search stopped at, if it did (whole-port replays only)
+    # seconds of the wall-clock cap the search stopped at, if it did (``clock`` says which cap)
     timed_out: float | None = None
     clock: str = "top"
     failed: list[str] = field(default_factory=list)
