@@ -384,3 +384,15 @@ def test_a_pasted_list_says_it_holds_at_its_own_count_only():
     assert result.pasted and result.one_count_only
     assert "holds at the recorded count only" in result.why_one_count()
     assert "matched none of the closed forms" not in result.why_one_count()
+
+
+def test_a_linear_grid_in_unit_range_is_not_said_to_be_flow_sigmas_alone():
+    # round 30 (continuous-time DDPM): the port fed its U-Net t in [0, 1] where the research feeds log-SNR(t);
+    # "B follows flow-matching, linear (…; the values read as sigmas)" pointed away from the fix. The words
+    # now say a continuous time reads the same, and that the list cannot tell which one the denoiser expects.
+    from paritykit.schedule import compare_schedules
+
+    port = [1 - k / 8 for k in range(8)]
+    reference = [-10.0, -7.6, -5.9, -4.4, -3.0, -1.5, 0.4, 3.1]
+    text = " ".join(h.message for h in compare_schedules(reference, port).hints)
+    assert "a continuous time t in [0, 1] reads the same" in text, text

@@ -370,7 +370,13 @@ def flow_timestep_family(ts: Sequence[float], train_steps: int) -> Family | None
         def generate(m: int, inner=inner, scale=scale) -> list[float]:
             return [scale * v for v in inner(m)] if inner is not None else []
 
-        unit = f"timesteps = {format_number(scale)} × sigma" if scale != 1.0 else "the values read as sigmas"
+        unit = (
+            f"timesteps = {format_number(scale)} × sigma"
+            if scale != 1.0
+            # a list in [0, 1] reads as flow sigmas as well as continuous times: the list cannot tell which
+            else "the values read as sigmas; a continuous time t in [0, 1] reads the same, and which of the"
+            " two the denoiser expects is not read from the list"
+        )
         detail = f"{family.detail}; {unit}" if family.detail else unit
         return Family(family.name, dict(family.params), generate, detail=detail)
     return None
