@@ -700,3 +700,47 @@ def test_a_scale_converted_from_its_log_is_said_as_one_and_ranked_after_real_lea
     # must not fire: a scale no exp of the reference's gives stays unmatched, and leads
     assert not hint.evidence["exponentiated"] and "0.scale" in hint.evidence["unmatched_port"]
     assert hint.score > 0.5
+
+
+class _ConvProjBlock(nn.Module):
+    # EDM2's magnitude-preserving layers: a 1x1 conv whose weight the forward normalises per output row
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv1d(16, 16, 1, bias=False)
+
+    def forward(self, x):
+        w = self.proj.weight / self.proj.weight.flatten(1).norm(dim=1)[:, None, None]
+        return torch.nn.functional.conv1d(x.transpose(1, 2), w).transpose(1, 2)
+
+
+class _NormalisedLinearBlock(nn.Module):
+    def __init__(self, reference: _ConvProjBlock, exact: bool):
+        super().__init__()
+        w = reference.proj.weight.detach()
+        self.proj = nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.proj.weight.copy_((w / w.flatten(1).norm(dim=1)[:, None, None]).squeeze(-1))
+            if not exact:
+                self.proj.weight.add_(torch.randn(16, 16) * 0.1)
+
+    def forward(self, x):
+        return self.proj(x) + 0.05  # the slip: in the block's own code
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_weight_normalised_in_conversion_is_said_as_rows_scaled(exact):
+    # round 30 (KarrasUnet1D): the port folds EDM2's forced weight normalisation into its Linear weights; the
+    # [weights] hint listed them as "equal no reference tensor". Each row scaled by its own factor (a 1x1
+    # conv's (out, in, 1) against a Linear's (out, in)) is measured and said.
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ConvProjBlock()).eval()
+    port = nn.Sequential(_NormalisedLinearBlock(reference[0], exact)).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, 16),), {}))
+    hint = next(h for h in report.culprit.hints if h.id == "weights")
+    if exact:
+        ((ref_name, how),) = hint.evidence["scaled"].values()
+        assert ref_name == "0.proj.weight" and how.startswith("each row scaled"), hint.message
+        assert not hint.evidence["unmatched_port"]
+        return
+    # must not fire: a weight no per-row factor of the reference's gives stays unmatched
+    assert not hint.evidence["scaled"] and "0.proj.weight" in hint.evidence["unmatched_port"]

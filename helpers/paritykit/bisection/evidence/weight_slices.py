@@ -241,8 +241,12 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     left = [k for k in cmap.unmapped_target if k not in offsets]
     used = {r for r, _ in offsets.values()}
     exps = _exp_affine(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
-    unmapped = [k for k in left if k not in exps]
-    dropped = [k for k in dropped if k not in used | {r for r, _, _ in exps.values()}]
+    used |= {r for r, _, _ in exps.values()}
+    left = [k for k in left if k not in exps]
+    scaled = _axis_scaled(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
+    used |= {r for r, _ in scaled.values()}
+    unmapped = [k for k in left if k not in scaled]
+    dropped = [k for k in dropped if k not in used]
     if unmapped:
         names = ", ".join(_constant_said(c, name) for name in unmapped[:6])
         parts.append(
@@ -275,6 +279,13 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             + " (every element: a log-parameterised value the conversion exponentiates; whether each forward"
             " reads them so is not compared by this)"
         )
+    if scaled:
+        parts.append(
+            "port parameters "
+            + ", ".join(f"{p} = reference {r} with {how}" for p, (r, how) in list(scaled.items())[:6])
+            + " (a norm or gain folded in by the conversion, or a weight normalised; whether each forward"
+            " reads them so is not compared by this)"
+        )
     if not parts:
         return []
     return [
@@ -284,6 +295,7 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             {
                 "offsets": {p: [r, d] for p, (r, d) in offsets.items()},
                 "exponentiated": {p: [r, a, b] for p, (r, a, b) in exps.items()},
+                "scaled": {p: [r, how] for p, (r, how) in scaled.items()},
                 "unmatched_port": unmapped,
                 "unused_reference": dropped,
                 "elsewhere": elsewhere,
@@ -356,6 +368,63 @@ def _exp_affine(
             found[name] = hits[0]
             taken.add(hits[0][0])
     return found
+
+
+def _axis_scaled(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple[str, str]]:
+    r"""Port parameters of two or more dims that are one reference tensor of their shape with each row (dim 0)
+    or each column (dim 1) multiplied by its own factor, not all 1 (a gain folded into a projection, a
+    weight-normalised layer): port name -> (reference name, which axis and the factors' range). Elements
+    where the reference is 0 must be 0; one reference tensor explains one port parameter at most."""
+    if not unmapped or not candidates:
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    taken: set[str] = set()
+    for name in unmapped:
+        p = port_sd.get(name)
+        if p is None or not p.is_floating_point() or p.dim() < 2:
+            continue
+        pd = p.detach().cpu().double()
+        hits = []
+        for ref_name, r in candidates.items():
+            if ref_name in taken or not r.is_floating_point() or _squeezed(r) != _squeezed(p):
+                continue  # a 1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape
+            how = _factors(pd, r.detach().cpu().double().reshape(p.shape))
+            if how:
+                hits.append((ref_name, how))
+        if len(hits) == 1:
+            found[name] = hits[0]
+            taken.add(hits[0][0])
+    return found
+
+
+def _squeezed(t: Any) -> tuple[int, ...]:
+    return tuple(d for d in t.shape if d != 1)
+
+
+def _factors(p: Any, r: Any) -> str:
+    r"""``"each row scaled (factors a to b)"`` (or column) where ``p`` is ``r`` with one factor per index of
+    dim 0 (or 1), every element, within 1e-6; ``""`` otherwise."""
+    import torch
+
+    zero = r == 0
+    if not bool((p[zero] == 0).all()) or bool(zero.all()):
+        return ""
+    ratio = torch.where(zero, torch.nan, p / torch.where(zero, 1.0, r))
+    for dim, word in ((0, "row"), (1, "column")):
+        others = [d for d in range(p.dim()) if d != dim]
+        factor = ratio.nanmean(dim=others, keepdim=True)
+        if bool(factor.isnan().any()):
+            continue
+        close = (p - factor * r).abs() <= 1e-6 * max(1.0, float(p.abs().max()))
+        spread = float(factor.max() - factor.min())
+        if bool(close.all()) and (spread > 1e-6 or abs(float(factor.mean()) - 1) > 1e-6):
+            low, high = float(factor.min()), float(factor.max())
+            if spread <= 1e-6 * max(1.0, abs(high)):
+                return f"every element scaled by {high:.4g}"
+            return f"each {word} scaled (factors {low:.4g} to {high:.4g})"
+    return ""
 
 
 def _held_elsewhere(c: Culprit, tensors: dict[str, Any]) -> dict[str, str]:
