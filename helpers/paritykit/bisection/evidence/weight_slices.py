@@ -306,97 +306,78 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     ]
 
 
-def _offsets(
-    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
-) -> dict[str, tuple[str, float]]:
-    r"""Port parameters that are one reference tensor of their shape plus one constant, every element (a
-    norm's γ stored as 1 + γ on one side): port name -> (reference name, the constant). Each reference tensor
-    explains one port parameter at most; a port parameter two reference tensors explain is left out."""
-
-    if not unmapped or not candidates:
-        return {}
-    found: dict[str, tuple[str, float]] = {}
+def _one_relation(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any], relation: Any
+) -> dict[str, tuple]:
+    r"""The port parameters among ``unmapped`` that ``relation(port, reference)`` (its measured values, or
+    ``None``) ties to exactly one of ``candidates``: port name -> (reference name, *values). Each reference
+    tensor explains one port parameter at most."""
+    found: dict[str, tuple] = {}
     taken: set[str] = set()
     for name in unmapped:
         p = port_sd.get(name)
         if p is None or not p.is_floating_point() or p.numel() < 2:
-            continue
-        hits = []
-        for ref_name, r in candidates.items():
-            if ref_name in taken or tuple(r.shape) != tuple(p.shape) or not r.is_floating_point():
-                continue
-            d = p.detach().cpu().double() - r.detach().cpu().double()
-            step = float(d.reshape(-1)[0])
-            scale = max(1.0, float(r.detach().abs().max()), abs(step))
-            if step != 0 and float((d - step).abs().max()) <= 1e-6 * scale:
-                hits.append((ref_name, round(step, 6)))
-        if len(hits) == 1:
-            found[name] = hits[0]
-            taken.add(hits[0][0])
-    return found
-
-
-def _exp_affine(
-    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
-) -> dict[str, tuple[str, float, float]]:
-    r"""Port parameters that are ``exp(a · r + b)`` of one reference tensor ``r`` of their shape, every
-    element (a scale the research keeps as its log): port name -> (reference name, a, b). The reference
-    tensor must not be constant, so ``a`` is measured; one reference tensor explains one port parameter at
-    most."""
-    if not unmapped or not candidates:
-        return {}
-    found: dict[str, tuple[str, float, float]] = {}
-    taken: set[str] = set()
-    for name in unmapped:
-        p = port_sd.get(name)
-        if p is None or not p.is_floating_point() or p.numel() < 2 or not bool((p > 0).all()):
-            continue
-        y = p.detach().cpu().double().log().reshape(-1)
-        hits = []
-        for ref_name, r in candidates.items():
-            if ref_name in taken or tuple(r.shape) != tuple(p.shape) or not r.is_floating_point():
-                continue
-            x = r.detach().cpu().double().reshape(-1)
-            spread = x - x.mean()
-            if float(spread.abs().max()) == 0:
-                continue
-            a = float((spread * (y - y.mean())).sum() / (spread * spread).sum())
-            b = float(y.mean() - a * x.mean())
-            if a != 0 and float((a * x + b - y).abs().max()) <= 1e-5 * max(1.0, float(y.abs().max())):
-                hits.append((ref_name, round(a, 6), round(b, 6)))
-        if len(hits) == 1:
-            found[name] = hits[0]
-            taken.add(hits[0][0])
-    return found
-
-
-def _axis_scaled(
-    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
-) -> dict[str, tuple[str, str]]:
-    r"""Port parameters of two or more dims that are one reference tensor of their shape with each row (dim 0)
-    or each column (dim 1) multiplied by its own factor, not all 1 (a gain folded into a projection, a
-    weight-normalised layer): port name -> (reference name, which axis and the factors' range). Elements
-    where the reference is 0 must be 0; one reference tensor explains one port parameter at most."""
-    if not unmapped or not candidates:
-        return {}
-    found: dict[str, tuple[str, str]] = {}
-    taken: set[str] = set()
-    for name in unmapped:
-        p = port_sd.get(name)
-        if p is None or not p.is_floating_point() or p.dim() < 2:
             continue
         pd = p.detach().cpu().double()
         hits = []
         for ref_name, r in candidates.items():
             if ref_name in taken or not r.is_floating_point() or _squeezed(r) != _squeezed(p):
                 continue  # a 1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape
-            how = _factors(pd, r.detach().cpu().double().reshape(p.shape))
-            if how:
-                hits.append((ref_name, how))
+            got = relation(pd, r.detach().cpu().double().reshape(p.shape))
+            if got is not None:
+                hits.append((ref_name, *got))
         if len(hits) == 1:
             found[name] = hits[0]
             taken.add(hits[0][0])
     return found
+
+
+def _offsets(port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]) -> dict[str, tuple]:
+    r"""Port parameters that are one reference tensor plus one constant, every element (a norm's γ stored as
+    1 + γ on one side): port name -> (reference name, the constant)."""
+    return _one_relation(port_sd, unmapped, candidates, _offset)
+
+
+def _offset(p: Any, r: Any) -> tuple[float] | None:
+    d = p - r
+    step = float(d.reshape(-1)[0])
+    scale = max(1.0, float(r.abs().max()), abs(step))
+    return (round(step, 6),) if step != 0 and float((d - step).abs().max()) <= 1e-6 * scale else None
+
+
+def _exp_affine(port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]) -> dict[str, tuple]:
+    r"""Port parameters that are ``exp(a · r + b)`` of one reference tensor ``r``, every element (a scale the
+    research keeps as its log): port name -> (reference name, a, b). The reference tensor must not be
+    constant, so ``a`` is measured."""
+    return _one_relation(port_sd, unmapped, candidates, _exp_fit)
+
+
+def _exp_fit(p: Any, r: Any) -> tuple[float, float] | None:
+    if not bool((p > 0).all()):
+        return None
+    y, x = p.log().reshape(-1), r.reshape(-1)
+    spread = x - x.mean()
+    if float(spread.abs().max()) == 0:
+        return None
+    a = float((spread * (y - y.mean())).sum() / (spread * spread).sum())
+    b = float(y.mean() - a * x.mean())
+    exact = float((a * x + b - y).abs().max()) <= 1e-5 * max(1.0, float(y.abs().max()))
+    return (round(a, 6), round(b, 6)) if a != 0 and exact else None
+
+
+def _axis_scaled(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple]:
+    r"""Port parameters of two or more dims that are one reference tensor with each row (dim 0) or each
+    column (dim 1) multiplied by its own factor, not all 1 (a gain folded into a projection, a
+    weight-normalised layer): port name -> (reference name, which axis and the factors' range). Elements
+    where the reference is 0 must be 0."""
+    return _one_relation(
+        port_sd,
+        unmapped,
+        candidates,
+        lambda p, r: (how,) if p.dim() >= 2 and (how := _factors(p, r)) else None,
+    )
 
 
 def _squeezed(t: Any) -> tuple[int, ...]:
