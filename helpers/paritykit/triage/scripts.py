@@ -109,8 +109,8 @@ SPEC_TEXT = '''"""Triage SPEC written by `paritykit triage --reference-script {r
 --port-script {port}`; keep it, edit it, or run it again with `paritykit triage THIS_FILE`.
 
 Each side runs its script as `python SCRIPT` would, from the folder triage ran in; its denoiser is the module
-the run called more than once from outside any other module, holding the most parameters, and its result the
-last tensor it saved (paritykit.triage.scripts says how each is found).
+the run called more than once holding the most parameters, and its result the last tensor it saved
+(paritykit.triage.scripts says how each is found).
 """
 
 from pathlib import Path
@@ -121,29 +121,10 @@ ROOT = str((Path(__file__).resolve().parent / {root!r}).resolve())
 REFERENCE = ScriptSide({reference!r}, cwd=ROOT)
 PORT = ScriptSide({port!r}, cwd=ROOT)
 
-
-def reference_script():
-    return REFERENCE.run()
-
-
-def port_script():
-    return PORT.run()
-
-
-def reference_denoiser():
-    return REFERENCE.denoiser()
-
-
-def port_denoiser():
-    return PORT.denoiser()
-
-
-def run_reference():
-    return REFERENCE.result()
-
-
-def run_port():
-    return PORT.result()
+# the functions triage calls: each side's script is run once, on the first of them
+reference_script, port_script = REFERENCE.run, PORT.run
+reference_denoiser, port_denoiser = REFERENCE.denoiser, PORT.denoiser
+run_reference, run_port = REFERENCE.result, PORT.result
 '''
 
 
@@ -241,7 +222,7 @@ def _inside(module: Any, folder: Path) -> bool:
 class _Watch:
     r"""The global forward hooks of one run: every module's calls counted (those of a module whose
     ``forward`` runs without ``__call__`` too, read off the Python frames), the calls made from outside any
-    other module copied as they return, and the scheduler seen by each module's first call."""
+    other module copied as they return, with the scheduler seen by each such module's first call."""
 
     def __init__(self) -> None:
         self.local = threading.local()
@@ -264,7 +245,8 @@ class _Watch:
         key = id(module)
         if key not in self.modules:
             self.modules[key] = module
-            self.schedulers[key] = _scheduler_of_callers()
+            if not stack:  # only a call from outside every module is kept from this run, with its scheduler
+                self.schedulers[key] = _scheduler_of_callers()
         self.counts[key] = self.counts.get(key, 0) + 1
         self._unhooked_forwards(stack[-1] if stack else None)
         stack.append(module)
@@ -283,9 +265,7 @@ class _Watch:
                 if owner is parent:
                     return
                 key = id(owner)
-                if key not in self.modules:
-                    self.modules[key] = owner
-                    self.schedulers[key] = _scheduler_of_callers(frame.f_back)
+                self.modules.setdefault(key, owner)  # recorded by the second run, which finds its scheduler
                 if self.last_frame.get(key) is not frame:
                     self.last_frame[key] = frame
                     self.direct[key] = self.direct.get(key, 0) + 1
