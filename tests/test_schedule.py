@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from diffusers import (
     DDIMScheduler,
+    DDPMScheduler,
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -710,3 +711,35 @@ def test_continuous_timesteps_are_compared_at_their_own_scale_and_sampling_eps_i
         return
     assert "config as given" not in text, text
     assert fit.fits and fit.fits[0].changes == {"sampling_eps": 1e-05}, text
+
+
+@pytest.mark.parametrize("out_channels", [4, 2])
+def test_a_loop_that_mixes_several_outputs_before_step_is_said_not_checked_not_a_solver_error(
+    tmp_path, out_channels
+):
+    # round 30 (a weighted objective: the network returns noise, x0 and their weights, the loop mixes them):
+    # the lockstep check fed the raw 4-channel output to DDPMScheduler.step and reported "step() failed …
+    # (RuntimeError: torch.linalg.lstsq …)". Twice the channels is a learned variance step() splits off: it
+    # must still be stepped
+    from paritykit.schedule.step_check import lockstep
+
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(1, out_channels, 1)
+    variance = "fixed_small" if out_channels == 4 else "learned_range"
+    scheduler = DDPMScheduler(num_train_timesteps=10, variance_type=variance)
+    scheduler.set_timesteps(4)
+
+    def loop():
+        x = torch.randn(1, 1, 4, 4)
+        for t in scheduler.timesteps:
+            out = net(x)
+            eps = out[:, :1] * out[:, 1:2] if out_channels == 4 else out
+            x = scheduler.step(eps, t, x, generator=torch.Generator().manual_seed(1)).prev_sample
+        return x
+
+    folder = record(net, tmp_path / "rec", loop)
+    check = lockstep(DDPMScheduler(**scheduler.config), folder)
+    if out_channels == 4:
+        assert isinstance(check, str) and "(1, 4, 4, 4) is not shaped like its latents (1, 1, 4, 4)" in check
+    else:
+        assert not isinstance(check, str), check

@@ -232,12 +232,31 @@ def _recorded_calls(source: Any) -> Recorded | str | None:
                 "the recorded calls batch the latents twice (classifier-free guidance), so the guided output "
                 "step() used is not in the folder: record the loop with guidance off"
             )
-        calls.append((sample.float(), data["output"].float()))
+        output = data["output"]
+        if not _steppable(tuple(sample.shape), tuple(output.shape)):
+            # round 30: a weighted objective's network returns noise, x0 and their weights; the loop mixes
+            # them into what step() reads, which no recorded call holds
+            return (
+                f"the denoiser's output {tuple(output.shape)} is not shaped like its latents"
+                f" {tuple(sample.shape)}: the loop turns it into what step() reads, which the recorded calls"
+                " do not hold"
+            )
+        calls.append((sample.float(), output.float()))
     final = ck["final"].data.get("latents") if "final" in ck else None
     return Recorded(calls, None if final is None else final.float())
 
 
 _SAMPLE_NAMES = ("sample", "hidden_states", "x", "latents", "input", "arg0")
+
+
+def _steppable(sample: tuple[int, ...], output: tuple[int, ...]) -> bool:
+    r"""Whether ``step()`` can read a model output of shape ``output`` for latents of shape ``sample``: the
+    same shape, or twice the channels (a learned variance the scheduler splits off)."""
+    if output == sample:
+        return True
+    return len(output) == len(sample) > 1 and output[0] == sample[0] and output[2:] == sample[2:] and (
+        output[1] == 2 * sample[1]
+    )
 
 
 def lockstep(scheduler: Any, source: Any) -> StepCheck | str:
@@ -315,6 +334,8 @@ def _mismatch(
     # turning an x1 prediction into a cosine path's velocity scales it by pi/2 on the same sigmas)
     quantity = "previous alpha" if alpha_based else "coefficient of the model output"
     alpha_t = float(scheduler.alphas_cumprod[int(t)]) if alpha_based else None
+    if eps.shape != x.shape:  # a learned variance in the second half of the channels: step() reads the first
+        eps = eps[:, : x.shape[1]]
     ref_v, ref_r = _implied(quantity, x, eps, nxt, alpha_t)
     port_v, port_r = _implied(quantity, x, eps, out, alpha_t)
     head = (
