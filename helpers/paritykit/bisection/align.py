@@ -466,6 +466,14 @@ class _Builder(OrderPairing):
         (best, r), (second, _) = distances[0], distances[1]
         if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
             return r
+        if distances[0][0] == distances[1][0]:
+            # members with one output (a Sequential and its last layer: round 29's space-to-depth Rearrange
+            # and 1x1 conv, folded by the port into one strided conv): the member fed what the port module is
+            # fed, so that the pair can be replayed
+            fed = sorted((call_distance(self.ref.first_calls.get(r), port_call, "inputs", math.inf), r) for r in refs)
+            (best, r), (second, _) = fed[0], fed[1]
+            if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
+                return r
         # the captured outputs cannot tell (the inputs already differ upstream): the port module run on each
         # member's own captured inputs can
         module = self.port_modules.get(p)

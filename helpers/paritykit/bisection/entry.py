@@ -169,7 +169,8 @@ def _after_substitution(found: ModuleFinding, before: list[ModuleFinding]) -> No
     kept = []
     for hint in found.hints:
         evidence = hint.evidence if isinstance(hint.evidence, dict) else {}
-        about = [d.get("port", "") for d in evidence.get("differences") or [] if isinstance(d, dict)]
+        differences = evidence.get("differences") or [evidence.get("difference")]
+        about = [d.get("port", "") for d in differences if isinstance(d, dict)]
         if hint.id == "module-config" and about and all(substituted(path) for path in about):
             continue
         # a weights hint whose tensors all sit in modules already given the reference's outputs

@@ -363,6 +363,9 @@ def _culprit_context(
         for pair in subpairs
         if _matched_replayed(searcher, ".".join(p for p in (call.module, pair[0]) if p))
     }
+    unpaired = {
+        pair for pair in subpairs if _unpaired(searcher, ".".join(p for p in (call.module, pair[0]) if p))
+    }
     # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
     can_run = replayed
     return Culprit(
@@ -380,6 +383,7 @@ def _culprit_context(
         run_check=run_check if fed_otherwise and can_run else None,
         subpairs=subpairs,
         matched_subpairs=matched,
+        unpaired_subpairs=unpaired,
         reference_inputs=ref_inputs() if can_run else None,
         port_model=searcher.port_modules.get(""),
     )
@@ -394,6 +398,12 @@ def _matched_replayed(searcher: Searcher, module: str) -> bool:
         t is not None and t.test == "replay" and t.comparison is not None and t.comparison.passed
         for t in tests
     )
+
+
+def _unpaired(searcher: Searcher, module: str) -> bool:
+    r"""Whether no captured call of the reference ``module`` had inputs the port's aligned call could be fed."""
+    tests = [searcher.results.get(record.name) for record in searcher.ref_trace.calls(module)]
+    return bool(tests) and all(t is not None and t.status == "untestable" for t in tests)
 
 
 def place_relations(

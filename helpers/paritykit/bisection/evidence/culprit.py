@@ -66,6 +66,8 @@ class Culprit:
             captured outputs), where the port fed the call other inputs in its run; ``None`` otherwise.
         subpairs: aligned ``(reference, port)`` module names inside the culprit, relative to it.
         matched_subpairs: those of ``subpairs`` that matched, replayed on identical inputs at every call.
+        unpaired_subpairs: those of ``subpairs`` whose inputs could not be paired at any call (they compute on
+            other layouts, a space-to-depth conv against the strided conv it was folded into).
         reference_inputs: the reference call's captured ``(args, kwargs)``.
     """
 
@@ -83,6 +85,7 @@ class Culprit:
     subpairs: list[tuple[str, str]] = field(default_factory=list)
     # of those, the pairs whose every captured call matched within the tolerance replayed on identical inputs
     matched_subpairs: set[tuple[str, str]] = field(default_factory=set)
+    unpaired_subpairs: set[tuple[str, str]] = field(default_factory=set)
     reference_inputs: tuple[tuple, dict] | None = None
     # filled by :func:`weights`: port parameters built from the reference through a layout op (transpose, …)
     layouts: list[str] = field(default_factory=list)

@@ -1,0 +1,78 @@
+"""Rounds 30 to 32 of the agent A/B (benchmarks/results/agent_ab.md). A research downsampler written as
+``Sequential(space-to-depth, 1x1 conv)`` that the port folds into one strided 2x2 conv (denoising-diffusion-
+pytorch's ``Downsample`` against diffusers' ``Downsample2D``): the conv inside the Sequential and the port's
+module hold one set of weights and give one output, but only the Sequential is fed what the port module is
+fed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.downsampling import Downsample2D
+from paritykit.bisection.entry import bisect
+from torch import nn
+
+C = 8
+
+
+class _SpaceToDepthRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.init_conv = nn.Conv2d(3, C, 3, padding=1)
+        self.down = nn.Sequential(nn.PixelUnshuffle(2), nn.Conv2d(4 * C, C, 1))
+        self.final_conv = nn.Conv2d(C, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.final_conv(torch.nn.functional.silu(self.down(self.init_conv(x))))
+
+
+class _FoldedPort(nn.Module):
+    def __init__(self, reference: _SpaceToDepthRef, with_bias: bool, inline: float = 0.0):
+        super().__init__()
+        self.inline = inline
+        self.conv_in = nn.Conv2d(3, C, 3, padding=1)
+        self.downsampler = Downsample2D(C, use_conv=True, out_channels=C, padding=0, kernel_size=2)
+        self.conv_out = nn.Conv2d(C, 3, 3, padding=1)
+        with torch.no_grad():
+            self.conv_in.load_state_dict(reference.init_conv.state_dict())
+            self.conv_out.load_state_dict(reference.final_conv.state_dict())
+            # PixelUnshuffle puts pixel (i, j) of each 2x2 cell at channel 4c + 2i + j: the 1x1 weight's
+            # columns are the 2x2 kernel's taps in that order
+            self.downsampler.conv.weight.copy_(reference.down[1].weight.reshape(C, C, 2, 2))
+            if with_bias:
+                self.downsampler.conv.bias.copy_(reference.down[1].bias)
+
+    def forward(self, x):
+        return self.conv_out(torch.nn.functional.silu(self.downsampler(self.conv_in(x)))) + self.inline
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_folded_space_to_depth_conv_is_paired_with_the_sequential_it_was_fed_like(with_bias):
+    # round 29 (DDIM on denoising-diffusion-pytorch): the port's folded downsampler kept a random bias. bisect
+    # paired it with the 1x1 conv inside the research's Sequential (fed the rearranged input, so never
+    # replayed) and named the top level the culprit, with "[module-config] reference Conv2d kernel_size=(1,
+    # 1), port kernel_size=(2, 2)" hints about the fold itself
+    reference = _SpaceToDepthRef().eval()
+    port = _FoldedPort(reference, with_bias).eval()
+    report = bisect(reference, port, ((torch.randn(2, 3, 8, 8),), {}))
+    text = report.render()
+    if with_bias:  # must not fire: the fold is exact
+        assert report.verdict == "match", text
+        return
+    assert report.verdict == "diverge", text
+    assert [(c.reference, c.port) for c in report.culprits] == [("down", "downsampler")], text
+    assert any(h.id == "weights" and "downsampler.conv.bias" in h.message for h in report.culprits[0].hints)
+    assert "kernel_size" not in text and "stride" not in text, text
+
+
+def test_a_later_culprit_has_no_setting_hints_about_a_module_already_substituted():
+    # round 29: after the downsampler, `bisect --all`'s top-level culprit listed "[module-config] reference
+    # Conv2d kernel_size=(1, 1), port kernel_size=(2, 2)" for the conv inside it, already given the
+    # reference's outputs (one differing setting per hint was not looked through, only a combined hint)
+    reference = _SpaceToDepthRef().eval()
+    port = _FoldedPort(reference, with_bias=False, inline=0.1).eval()
+    report = bisect(reference, port, ((torch.randn(2, 3, 8, 8),), {}), all_culprits=True)
+    text = report.render()
+    assert [c.port for c in report.culprits] == ["downsampler", ""], text
+    assert not any(h.id == "module-config" for c in report.culprits for h in c.hints), text
