@@ -76,3 +76,63 @@ def test_a_later_culprit_has_no_setting_hints_about_a_module_already_substituted
     text = report.render()
     assert [c.port for c in report.culprits] == ["downsampler", ""], text
     assert not any(h.id == "module-config" for c in report.culprits for h in c.hints), text
+
+
+D = 8
+
+
+class _NormalisedQKV(nn.Module):
+    # EDM2's forced weight normalisation (denoising-diffusion-pytorch's Karras U-Net): each row of the fused
+    # q/k/v weight is normalised in the forward
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.to_qkv = nn.Linear(D, 3 * D, bias=False)
+        self.to_out = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        w = self.to_qkv.weight / self.to_qkv.weight.norm(dim=1, keepdim=True)
+        q, k, v = (x @ w.t()).chunk(3, -1)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / D**0.5, -1)
+        return 0.7 * x + 0.3 * self.to_out(attn @ v)
+
+
+class _SplitQKV(nn.Module):
+    # the port: the normalisation folded into three plain weights at conversion time
+    def __init__(self, reference: _NormalisedQKV, exact: bool):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(D, D, bias=False)
+        w = reference.to_qkv.weight.detach()
+        folded = w / w.norm(dim=1, keepdim=True)
+        with torch.no_grad():
+            for layer, part in zip((self.to_q, self.to_k, self.to_v), folded.chunk(3, 0)):
+                layer.weight.copy_(part)
+            if not exact:
+                self.to_k.weight[0, 0] += 0.5  # one element off: no scaling of a chunk explains it
+            self.to_out.weight.copy_(reference.to_out.weight)
+
+    def forward(self, x):
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / D**0.5, -1)
+        return 0.3 * x + 0.7 * self.to_out(attn @ v)  # the slip: the residual weights swapped
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_fused_qkv_split_and_normalised_by_the_conversion_is_said_as_scaled_chunks(exact):
+    # round 31 (Karras U-Net 1-D): the port folds the forced weight normalisation into to_q/to_k/to_v, and the
+    # [weights] hint at the (right) culprit said they "equal no reference tensor …, nor a layout op of one",
+    # leading to the conversion, which was right
+    reference = _NormalisedQKV().eval()
+    report = bisect(reference, _SplitQKV(reference, exact).eval(), ((torch.randn(2, 5, D),), {}))
+    text = report.render()
+    (hint,) = [h for h in report.culprits[0].hints if h.id == "weights"]
+    if exact:
+        assert (
+            "to_k.weight = reference to_qkv.weight rows 8:16 (chunk 1 of 3) with each row scaled"
+            in hint.message
+        )
+        assert "equal no reference tensor" not in hint.message and hint.score < 0.5, text
+    else:  # must not fire for the chunk no scaling explains
+        assert "port parameters to_k.weight equal no reference tensor" in hint.message, text
+        assert "to_q.weight = reference to_qkv.weight rows 0:8 (chunk 0 of 3)" in hint.message, text

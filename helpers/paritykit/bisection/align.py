@@ -470,7 +470,9 @@ class _Builder(OrderPairing):
             # members with one output (a Sequential and its last layer: round 29's space-to-depth Rearrange
             # and 1x1 conv, folded by the port into one strided conv): the member fed what the port module is
             # fed, so that the pair can be replayed
-            fed = sorted((call_distance(self.ref.first_calls.get(r), port_call, "inputs", math.inf), r) for r in refs)
+            fed = sorted(
+                (call_distance(self.ref.first_calls.get(r), port_call, "inputs", math.inf), r) for r in refs
+            )
             (best, r), (second, _) = fed[0], fed[1]
             if best <= CHAIN_AGREE and second >= CHAIN_GAIN * max(best, 1e-12):
                 return r

@@ -254,8 +254,11 @@ def _steppable(sample: tuple[int, ...], output: tuple[int, ...]) -> bool:
     same shape, or twice the channels (a learned variance the scheduler splits off)."""
     if output == sample:
         return True
-    return len(output) == len(sample) > 1 and output[0] == sample[0] and output[2:] == sample[2:] and (
-        output[1] == 2 * sample[1]
+    return (
+        len(output) == len(sample) > 1
+        and output[0] == sample[0]
+        and output[2:] == sample[2:]
+        and (output[1] == 2 * sample[1])
     )
 
 

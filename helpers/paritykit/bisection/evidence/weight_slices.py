@@ -244,7 +244,7 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     used |= {r for r, _, _ in exps.values()}
     left = [k for k in left if k not in exps]
     scaled = _axis_scaled(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
-    used |= {r for r, _ in scaled.values()}
+    used |= _wholly_used([r for r, _ in scaled.values()])
     unmapped = [k for k in left if k not in scaled]
     dropped = [k for k in dropped if k not in used]
     if unmapped:
@@ -307,13 +307,19 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
 
 
 def _one_relation(
-    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any], relation: Any
+    port_sd: dict[str, Any],
+    unmapped: list[str],
+    candidates: dict[str, Any],
+    relation: Any,
+    chunks: bool = False,
 ) -> dict[str, tuple]:
     r"""The port parameters among ``unmapped`` that ``relation(port, reference)`` (its measured values, or
     ``None``) ties to exactly one of ``candidates``: port name -> (reference name, *values). Each reference
-    tensor explains one port parameter at most."""
+    tensor explains one port parameter at most. With ``chunks``, a reference tensor whose dim 0 is 2 to 4
+    times the port's is tried chunk by chunk too (a fused q/k/v split by the conversion), each chunk
+    explaining one port parameter: the values then end with ``(chunk index, chunk count)``."""
     found: dict[str, tuple] = {}
-    taken: set[str] = set()
+    taken: set[tuple[str, int]] = set()
     for name in unmapped:
         p = port_sd.get(name)
         if p is None or not p.is_floating_point() or p.numel() < 2:
@@ -321,15 +327,48 @@ def _one_relation(
         pd = p.detach().cpu().double()
         hits = []
         for ref_name, r in candidates.items():
-            if ref_name in taken or not r.is_floating_point() or _squeezed(r) != _squeezed(p):
-                continue  # a 1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape
-            got = relation(pd, r.detach().cpu().double().reshape(p.shape))
-            if got is not None:
-                hits.append((ref_name, *got))
+            if not r.is_floating_point():
+                continue
+            for index, count, part in _parts(r, p, chunks):
+                if (ref_name, index) in taken:
+                    continue
+                got = relation(pd, part.detach().cpu().double().reshape(p.shape))
+                if got is not None:
+                    hits.append(((ref_name, index), (ref_name, *got, *((index, count) if count > 1 else ()))))
         if len(hits) == 1:
-            found[name] = hits[0]
-            taken.add(hits[0][0])
+            key, found[name] = hits[0]
+            taken.add(key)
     return found
+
+
+def _parts(r: Any, p: Any, chunks: bool) -> list[tuple[int, int, Any]]:
+    r"""``(index, count, tensor)`` of ``r`` to compare with ``p``: ``r`` itself when it has ``p``'s shape (a
+    1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape); with ``chunks``, each of its
+    2 to 4 equal chunks along dim 0 that has ``p``'s shape."""
+    if _squeezed(r) == _squeezed(p):
+        return [(0, 1, r)]
+    if not chunks or r.dim() == 0 or p.dim() == 0 or r.shape[0] % p.shape[0]:
+        return []
+    count = r.shape[0] // p.shape[0]
+    if not 2 <= count <= 4 or _squeezed(r[: p.shape[0]]) != _squeezed(p):
+        return []
+    return [(i, count, part) for i, part in enumerate(r.chunk(count, 0))]
+
+
+def _wholly_used(said: list[str]) -> set[str]:
+    r"""The reference tensors that ``said`` (names, or ``"NAME rows a:b (chunk i of n)"``) explain whole: a
+    fused tensor only when each of its chunks is explained."""
+    whole = {s for s in said if " rows " not in s}
+    chunks: dict[str, set[str]] = {}
+    for s in said:
+        if " rows " in s:
+            name, rest = s.split(" rows ", 1)
+            chunks.setdefault(name, set()).add(rest)
+    for name, parts in chunks.items():
+        count = int(next(iter(parts)).rsplit(" of ", 1)[1].rstrip(")"))
+        if len(parts) == count:
+            whole.add(name)
+    return whole
 
 
 def _offsets(port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]) -> dict[str, tuple]:
@@ -372,12 +411,21 @@ def _axis_scaled(
     column (dim 1) multiplied by its own factor, not all 1 (a gain folded into a projection, a
     weight-normalised layer): port name -> (reference name, which axis and the factors' range). Elements
     where the reference is 0 must be 0."""
-    return _one_relation(
+    found = _one_relation(
         port_sd,
         unmapped,
         candidates,
         lambda p, r: (how,) if p.dim() >= 2 and (how := _factors(p, r)) else None,
+        chunks=True,
     )
+    out = {}
+    for name, (ref_name, how, *chunk) in found.items():
+        if chunk:
+            index, count = chunk
+            rows = candidates[ref_name].shape[0] // count
+            ref_name = f"{ref_name} rows {index * rows}:{(index + 1) * rows} (chunk {index} of {count})"
+        out[name] = (ref_name, how)
+    return out
 
 
 def _squeezed(t: Any) -> tuple[int, ...]:
