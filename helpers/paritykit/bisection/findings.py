@@ -401,7 +401,7 @@ def _matched_replayed(searcher: Searcher, module: str) -> bool:
 
 
 def _unpaired(searcher: Searcher, module: str) -> bool:
-    r"""Whether no captured call of the reference ``module`` had inputs the port's aligned call could be fed."""
+    r"""Whether no captured call of the reference ``module`` had inputs its aligned port call could take."""
     tests = [searcher.results.get(record.name) for record in searcher.ref_trace.calls(module)]
     return bool(tests) and all(t is not None and t.status == "untestable" for t in tests)
 
