@@ -393,6 +393,7 @@ def test_an_input_scaled_before_the_denoiser_on_one_side_and_inside_it_on_the_ot
     if port == "noise":  # must not fire: the noise itself is scaled, and the outputs differ
         finding = next(f for f in report.findings if f.place == "initial noise")
         assert "a lead: the first call's input is scaled otherwise" in finding.summary, text
+        assert "timestep differs too" not in finding.summary, text  # the sigmas agree
         return
     assert report.result_matches, text
     assert not any(f.place in ("initial noise", "denoiser") for f in report.findings), text
@@ -639,3 +640,17 @@ def test_a_denoiser_fed_some_of_its_own_inputs_is_never_said_to_get_identical_on
     finding = next(f for f in report.findings if f.place == "denoiser")
     assert "fed the reference's call-0 inputs but its own timestep" in finding.summary, finding.summary
     assert "identical inputs" not in finding.summary, finding.summary
+
+
+def test_first_latents_that_differ_with_the_first_timestep_are_said_to_maybe_come_from_it(tmp_path):
+    # round 31 (Karras U-Net 1-D with EDM churn): the port churned its first step (sigma 80 raised to 113,
+    # noise added), and triage's first line, "initial noise at call 0: the first call's latents differ",
+    # pointed at the noise draw; the timestep line below it was the cause
+    spec = tmp_path / "spec.py"
+    spec.write_text(HEUN_SPEC.format(port_churn=0))
+    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    finding = next(f for f in report.findings if f.place == "initial noise")
+    assert "call 0's timestep differs too, so a lead: the latents may be prepared for that other level" in (
+        finding.summary
+    ), report.render()
+    assert any(f.place == "schedule" and f.call == 0 for f in report.findings), report.render()

@@ -293,6 +293,13 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
                     f"the {side}'s are exactly {how}" if how else f"the {side}'s are no plain CPU draw tried"
                     for side, how in drawn
                 )
+        if not pair.timestep_match:
+            # round 31 (EDM with churn): the port churned its first step, noising its latents further for a
+            # higher level; the line read as other initial noise
+            summary += (
+                "; call 0's timestep differs too, so a lead: the latents may be prepared for that other level"
+                " (scaled by it, or noised further as a churn step does) from the same initial noise"
+            )
         self.findings.append(
             Finding(
                 "initial noise",
