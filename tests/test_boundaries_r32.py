@@ -136,3 +136,40 @@ def test_a_fused_qkv_split_and_normalised_by_the_conversion_is_said_as_scaled_ch
     else:  # must not fire for the chunk no scaling explains
         assert "port parameters to_k.weight equal no reference tensor" in hint.message, text
         assert "to_q.weight = reference to_qkv.weight rows 0:8 (chunk 0 of 3)" in hint.message, text
+
+
+class _TimeMLP(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = nn.Linear(D, 4 * D).to(dtype)
+        self.lin2 = nn.Linear(4 * D, D).to(dtype)
+
+    def forward(self, x):
+        x = x.to(self.lin1.weight.dtype)
+        return self.lin2(torch.nn.functional.silu(self.lin1(x))).float()
+
+
+@pytest.mark.parametrize("stored", ["rounded", "reference-half", "exact"])
+def test_weights_rounded_to_half_precision_by_the_conversion_are_named_with_a_verified_fix(stored):
+    # round 32 (AudioLDM, torchcfm): a converter ending in `.to(torch.float16)`, loaded into a float32 model.
+    # bisect named the first module and said "each parameter of the aligned pairs holds the values of its
+    # aligned reference parameter … (checked without a match: … a bf16 or fp16 cast (re-run in each))"
+    reference = _TimeMLP(torch.float16 if stored == "reference-half" else torch.float32).eval()
+    port = _TimeMLP().eval()
+    with torch.no_grad():
+        for name, p in port.named_parameters():
+            value = reference.get_parameter(name)
+            p.copy_(value.half().float() if stored == "rounded" else value.float())
+        if stored != "rounded":
+            port.lin2.bias[0] += 0.1  # a slip of another kind, so that there is a culprit
+    report = bisect(reference, port, ((torch.randn(3, D),), {}))
+    text = report.render()
+    rounded = [h for c in report.culprits for h in c.hints if "rounded to float16" in h.message]
+    if stored != "rounded":  # must not fire: a half-precision reference read in float32 loses nothing
+        assert not rounded, text
+        return
+    assert report.culprits[0].port == "lin1", text
+    (hint,) = rounded
+    assert "lin1.weight, lin1.bias hold the reference's values rounded to float16" in hint.message, text
+    assert hint.verified, text

@@ -92,7 +92,7 @@ def weights(c: Culprit) -> list[Hint]:
         # makes the module match, so these come back only verified
         rules = [r for r in (_without_layout(e, ref_sd, port_sd) for e in entries) if r is not None]
         if not rules:
-            return _unmatched(c, cmap, ref_sd, port_sd)
+            return _rounded(c, entries, ref_sd, port_sd, port_prefix) + _unmatched(c, cmap, ref_sd, port_sd)
         message = "conversion slip: " + "; ".join(
             f"port {r['target']} is reference {r['sources'][0]} after {r['layout']}" for r in rules
         )
@@ -112,6 +112,58 @@ def weights(c: Culprit) -> list[Hint]:
 
 
 _LAYOUT_OPS = ("transpose", "permute", "swap_halves", "permute_rows")
+_NARROW = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def _rounded(
+    c: Culprit, entries: list[Any], ref_sd: dict[str, Any], port_sd: dict[str, Any], port_prefix: str
+) -> list[Hint]:
+    r"""Port parameters that are their reference tensor rounded through a narrower float type and widened
+    again (round 32, AudioLDM: a converter ending in ``.to(torch.float16)`` whose tensors were loaded into
+    a float32 model): every element is the reference's rounded, which no layout op explains and which the
+    parameter's own dtype hides. Verified by loading the reference's exact values."""
+    rounded: dict[str, str] = {}
+    for entry in entries:
+        source = ref_sd.get(entry.sources[0]) if entry.sources else None
+        if source is None or not all(st["op"] == "cast" for st in _steps(entry)):
+            continue  # a cast among layout ops: the relation is said by weights map, not replayed here
+        wide = min(_NARROW.get(str(source.dtype).removeprefix("torch."), 0), _width(port_sd[entry.target]))
+        narrow = [
+            st["dtype"] for st in _steps(entry) if st["op"] == "cast" and _NARROW.get(st["dtype"], 9) < wide
+        ]
+        if narrow and not torch_equal(port_sd[entry.target], source):
+            rounded[entry.target] = narrow[0]
+    if not rounded:
+        return []
+    kinds = sorted(set(rounded.values()))
+    names = list(rounded)
+    hint = Hint(
+        "weights",
+        f"port parameters {', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
+        f" hold the reference's values rounded to {' or '.join(kinds)}, every element (the reference's and the"
+        " port's are wider): a conversion that passed them through that dtype (evidence: parameter values"
+        " matched as in `paritykit weights map`)",
+        {"rounded": rounded},
+        score=0.9,
+        fix=f"load {', '.join(names[:3])}{' …' if len(names) > 3 else ''} without the cast to {kinds[0]}",
+    )
+    sources = {e.target: e.sources[0] for e in entries}
+    patch = {
+        k.removeprefix(port_prefix): ref_sd[sources[k]].to(port_sd[k].dtype).reshape(port_sd[k].shape)
+        for k in rounded
+    }
+    verify_hint(c, lambda: patched_copy(c.port, patch), hint)
+    return [hint]
+
+
+def _width(t: Any) -> int:
+    return _NARROW.get(str(t.dtype).removeprefix("torch."), 0)
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu().to(a.dtype))
 
 
 def _describe(rule: dict[str, Any]) -> str:
