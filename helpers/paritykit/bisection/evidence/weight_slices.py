@@ -140,8 +140,8 @@ def _rounded(
     hint = Hint(
         "weights",
         f"port parameters {', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
-        f" hold the reference's values rounded to {' or '.join(kinds)}, every element (the reference's and the"
-        " port's are wider): a conversion that passed them through that dtype (evidence: parameter values"
+        f" hold the reference's values rounded to {' or '.join(kinds)}, every element (the reference's and"
+        " the port's are wider): a conversion that passed them through that dtype (evidence: parameter values"
         " matched as in `paritykit weights map`)",
         {"rounded": rounded},
         score=0.9,
