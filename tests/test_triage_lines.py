@@ -97,7 +97,8 @@ def test_a_result_that_differs_where_nothing_was_comparable_points_nowhere(tmp_p
     head = every.render().splitlines()[0]
     assert (
         head
-        == "verdict: differ (1 place differs, each checked on its own; not checked: denoiser, initial noise)"
+        == "verdict: differ (1 place differs, each checked on its own; causes in a place are not counted; not"
+        " checked: denoiser, initial noise)"
     )
 
 
@@ -654,3 +655,98 @@ def test_first_latents_that_differ_with_the_first_timestep_are_said_to_maybe_com
         finding.summary
     ), report.render()
     assert any(f.place == "schedule" and f.call == 0 for f in report.findings), report.render()
+
+
+FLOW_TIME_SPEC = (
+    """
+import torch
+
+PORT = "{port}"
+TIMES = [0.0, 0.25, 0.5, 0.75, 1.0]  # the research's flow time: noise at 0
+
+
+"""
+    + TINY_NET
+    + """
+
+NET = Net().eval()
+
+
+class FromSigma(torch.nn.Module):  # a port denoiser that turns the scheduler's sigma into flow time inside
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, t):  # given the scheduler's sigma
+        return self.net(x, 1 - t)
+
+
+PORT_DENOISER = FromSigma(NET).eval() if PORT == "inside" else NET
+
+
+def run_reference():
+    x = torch.randn(1, 4, 8)
+    for t, t_next in zip(TIMES, TIMES[1:]):
+        x = x + (t_next - t) * NET(x, torch.tensor([t]))
+    return x
+
+
+def run_port():
+    x = torch.randn(1, 4, 8)
+    sigmas = [1 - t for t in TIMES]
+    for s, s_next in zip(sigmas, sigmas[1:]):
+        x = x + (s - s_next) * PORT_DENOISER(x, torch.tensor([s]))
+    return x
+
+
+def reference_denoiser():
+    return NET
+
+
+def port_denoiser():
+    return PORT_DENOISER
+"""
+)
+
+
+@pytest.mark.parametrize("port", ["inside", "fed-sigma"])
+def test_timesteps_that_agree_only_in_other_units_are_one_schedule_only_where_the_port_takes_them_so(
+    tmp_path, port
+):
+    # round 32 (torchcfm + flow_matching): the port fed its network the scheduler's sigma where the research
+    # feeds flow time t = 1 - sigma, and triage said "ruled out: schedule timesteps: the 16 timesteps agree
+    # (the reference gives t in [0, 1] (noise at 1), the port 1 - t: compared and replayed so)". The units are
+    # now measured on the port's denoiser: the reference's inputs with the timestep read so, and as given
+    spec = tmp_path / "spec.py"
+    spec.write_text(FLOW_TIME_SPEC.format(port=port))
+    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    text = report.render()
+    if port == "inside":  # must not fire: the port's denoiser turns sigma into flow time itself
+        assert report.verdict == "match", text
+        (note,) = [n for n in report.ruled_out if n.place == "schedule"]
+        assert (
+            "the reference gives t in [0, 1], the port 1 - t: measured: the port's denoiser fed" in note.text
+        )
+        return
+    assert report.verdict == "differ", text
+    assert not any(n.place == "schedule" for n in report.ruled_out), text
+    (finding,) = [f for f in report.findings if f.place == "schedule"]
+    said = "read as the reference gives t in [0, 1], the port 1 - t they would agree, but the port's denoiser"
+    assert any(said in e for e in finding.evidence), text
+
+
+def test_the_default_atol_is_held_to_the_scale_of_values_in_the_tens():
+    # round 32 (AudioLDM, latents of RMS 47): the fixed port was "verdict: differ … update at call 3: the
+    # latents after step 3 differ", max_abs 5.4e-05 on values up to 160, at elements near zero; the default
+    # atol 1e-5 is set for values of order 1
+    from paritykit.triage.pairs import Tolerance, compare
+
+    torch.manual_seed(0)
+    large = torch.randn(4096) * 50
+    noise = torch.randn(4096) * 2e-5
+    default = Tolerance(atol=1e-5, rtol=1e-4, atol_scaled=True)
+    assert compare(large, large + noise, default, "x").passed
+    assert not compare(large, large + noise, Tolerance(atol=1e-5, rtol=1e-4), "x").passed  # a SPEC's atol
+    assert not compare(large, large * (1 + 1e-3) + 1e-2, default, "x").passed  # must not fire: a real slip
+    unit = large / 50
+    assert not compare(unit, unit + noise * 5, default, "x").passed  # must not fire: values of order 1

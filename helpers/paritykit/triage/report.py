@@ -196,7 +196,7 @@ class TriageReport:
             # the places not checked are not among those that agree: said beside the count
             unchecked = sorted({n.place for n in self.not_checked} - {f.place for f in self.findings})
             head += (
-                f" ({places}, each checked on its own"
+                f" ({places}, each checked on its own; causes in a place are not counted"
                 + (f"; not checked: {', '.join(unchecked)})" if unchecked else ")")
                 if self.all_causes
                 else " (the first place that differs; --all checks every place on its own)"

@@ -55,7 +55,7 @@ def triage_spec(
     spec = load_spec(spec_path, command="triage")
     check_required(spec)
     seed = int(getattr(spec.module, "SEED", 0) if seed is None else seed)
-    tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance})
+    tol = Tolerance(**{**PIPELINE_TOLERANCE, **spec.tolerance}, atol_scaled="atol" not in spec.tolerance)
     if spec.has("port_scheduler"):  # checked before either side runs, not after minutes of recording
         scheduler = spec.call("port_scheduler")
         if not callable(getattr(scheduler, "set_timesteps", None)):

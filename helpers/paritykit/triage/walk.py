@@ -60,6 +60,7 @@ from paritykit.triage.roles import (
 )
 from paritykit.triage.schedule_checks import ScheduleChecks
 from paritykit.triage.sides import SideRun
+from paritykit.triage.units_check import UnitsMeasured, units_measured
 from paritykit.triage.update_checks import UpdateChecks
 
 
@@ -118,6 +119,10 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         self.t_lead = 0
         if self.t_units is SAME_UNITS:
             self.t_units, self.t_lead = leading_units(self.t_ref, self.t_port)
+        self.units_measured, self.units_rejected = self._measure_units(), None
+        if self.units_measured is not None and self.units_measured.contradicted:
+            # the port's network takes the reference's values as they are: no map, the timesteps differ
+            self.units_rejected, self.t_units, self.t_lead = self.t_units, SAME_UNITS, 0
         self.pairs = [
             compare_call(
                 i, ref.calls[i], self.ref_roles[i], self.port.calls[i], self.port_roles[i], tol, self.t_units
@@ -350,7 +355,18 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             self.skip("schedule", "a side's denoiser calls carry no recognisable timestep argument")
             return
         if len(t_ref) == len(t_port) and all(p.timestep_match for p in self.pairs):
-            units = f" ({self.t_units.words}: compared and replayed so)" if self.t_units.words else ""
+            measured = self.units_measured
+            if self.t_units.words and (measured is None or not measured.supported):
+                # read in other units by their values alone: whether the port's network takes them so is
+                # what makes them one schedule, and it is not settled
+                how = measured.words() if measured is not None else "the port's denoiser could not be run so"
+                self.skip(
+                    "schedule",
+                    f"the {len(t_ref)} timesteps agree only read in other units ({self.t_units.words}), and"
+                    f" not settled by measurement: {how}; compared and replayed read so",
+                )
+                return
+            units = f" ({self.t_units.words}: measured: {measured.words()})" if self.t_units.words else ""
             # what was compared is the timesteps the denoiser saw; the noise levels each update uses (betas,
             # alphas, sigmas) reach it only through the update, which its own check compares
             self.rule_out("schedule", f"the {len(t_ref)} timesteps agree{units}", check="timesteps")
@@ -436,6 +452,12 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             ),
             details=comparison.to_dict(),
         )
+        if self.units_rejected is not None:
+            finding.evidence.insert(
+                2,
+                f"read as {self.units_rejected.words} they would agree, but {self.units_measured.words()}:"
+                " the port feeds its network other values than the reference feeds its own",
+            )
         self._fit_schedule(finding)
         self.findings.append(finding)
 
@@ -571,6 +593,25 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             select_output=select if layout is not None or rows is not None else None,
             atol=self.spec.tolerance.get("atol"),
             rtol=self.spec.tolerance.get("rtol"),
+        )
+
+    def _measure_units(self) -> UnitsMeasured | None:
+        r"""Call 0 replayed on the port's denoiser with the timestep in the units the values suggest and as
+        given (:mod:`paritykit.triage.units_check`); ``None`` when the timesteps need no map or the calls
+        are grouped."""
+        if self.t_units is SAME_UNITS or self.grouping is not None or not self.ref.calls:
+            return None
+        if not self.port_run.calls:
+            return None
+        return units_measured(
+            self.ref.denoiser,
+            self.port.denoiser,
+            self.ref.calls[0],
+            self.ref_roles[0],
+            self.port_run.calls[0],
+            self.port_roles[0],
+            self.t_units,
+            self.layout,
         )
 
     def final_latents_differ(self) -> bool:
