@@ -173,3 +173,53 @@ def test_weights_rounded_to_half_precision_by_the_conversion_are_named_with_a_ve
     (hint,) = rounded
     assert "lin1.weight, lin1.bias hold the reference's values rounded to float16" in hint.message, text
     assert hint.verified, text
+
+
+class _OneStepForBatch(nn.Module):
+    # DiffWave's layout: one diffusion step (shape (1,)) for the whole batch, its features (1, D) broadcast
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(1, D)
+        self.time_proj = nn.Linear(D, D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x, diffusion_step):
+        temb = self.time_proj(torch.nn.functional.silu(self.embed(diffusion_step[:, None])))
+        return self.proj(x + temb[:, None])
+
+
+class _StepPerSample(nn.Module):
+    # the diffusers port: a timestep per sample, features (B, D)
+    def __init__(self, reference: _OneStepForBatch, bias: bool):
+        super().__init__()
+        self.embed = nn.Linear(1, D)
+        self.time_proj = nn.Linear(D, D, bias=bias)
+        self.proj = nn.Linear(D, D)
+        with torch.no_grad():
+            self.embed.load_state_dict(reference.embed.state_dict())
+            self.proj.load_state_dict(reference.proj.state_dict())
+            self.time_proj.weight.copy_(reference.time_proj.weight)
+            if bias:
+                self.time_proj.bias.copy_(reference.time_proj.bias)
+
+    def forward(self, x, timestep):
+        timestep = timestep.expand(x.shape[0])
+        temb = self.time_proj(torch.nn.functional.silu(self.embed(timestep[:, None])))
+        return self.proj(x + temb[:, None])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_time_features_of_one_row_for_the_batch_are_compared_with_the_ports_per_sample_rows(bias):
+    # round 32 (DiffWave): the research feeds one diffusion step (1,) for a batch of 2, the port a timestep per
+    # sample; every time-embedding pair was "untestable: inputs cannot be paired" (shapes (1, 512) against
+    # (2, 512)), and the slip there (a bias dropped from the time projection) went unnamed
+    reference = _OneStepForBatch().eval()
+    port = _StepPerSample(reference, bias).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, D), torch.tensor([42.9])), {}))
+    text = report.render()
+    if bias:  # must not fire: one row read for the batch is every row
+        assert report.verdict == "match", text
+        return
+    assert [c.port for c in report.culprits] == ["time_proj"], text
+    assert "one row read for the batch as [1, 8]" in text, text

@@ -750,3 +750,15 @@ def test_the_default_atol_is_held_to_the_scale_of_values_in_the_tens():
     assert not compare(large, large * (1 + 1e-3) + 1e-2, default, "x").passed  # must not fire: a real slip
     unit = large / 50
     assert not compare(unit, unit + noise * 5, default, "x").passed  # must not fire: values of order 1
+
+
+def test_a_diffusion_step_passed_third_is_read_as_the_timestep():
+    # round 32 (DiffWave: model(audio, spectrogram, diffusion_step)): "not checked: schedule: a side's denoiser
+    # calls carry no recognisable timestep argument", where the port's fractional steps were the cause
+    from paritykit.tracing.recording import timestep_argument
+
+    audio, mel = torch.randn(2, 64), torch.randn(2, 16, 8)
+    found = timestep_argument({"audio": audio, "spectrogram": mel, "diffusion_step": torch.tensor([42.9])})
+    assert found is not None and found[:2] == ("diffusion_step", "timesteps"), found
+    # must not fire: a third argument of another name is not taken for a timestep by its place
+    assert timestep_argument({"audio": audio, "spectrogram": mel, "scale": torch.tensor([2.0])}) is None

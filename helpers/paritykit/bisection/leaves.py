@@ -122,10 +122,10 @@ def pair_layouts(
                 if best is None or error < best[0]:
                     best = (error, order)
         if best is None:
-            view = _singleton_view(tensor, [t for _, t in a])
+            view = _singleton_view(tensor, [t for _, t in a]) or _batch_broadcast(tensor, [t for _, t in a])
             if view is None:
                 return None
-            moved[j], orders[path] = (path, tensor.reshape(view)), view
+            moved[j], orders[path] = (path, _laid_out(tensor, view)), view
             continue
         moved[j] = (path, tensor.permute(best[1]))
         orders[path] = best[1]
@@ -149,6 +149,38 @@ def _singleton_view(tensor: Any, targets: list[Any]) -> Viewed | None:
     mine = core(tuple(tensor.shape))
     found = {tuple(t.shape) for t in targets if t.numel() == tensor.numel() and core(tuple(t.shape)) == mine}
     return Viewed(found.pop()) if len(found) == 1 and _sizes_tell_dims_apart(mine) else None
+
+
+class Broadcast(tuple):
+    r"""A layout that is one row for the whole batch against one per sample: a research model fed one
+    timestep ``(1,)`` for a batch of 2 (DiffWave's ``diffusion_step``) computes ``[1, D]`` time features where
+    the port computes ``[2, D]``, every row alike. The one row is read as every row (``expand``), or every
+    row, all equal, as the one (the first)."""
+
+
+def _batch_broadcast(tensor: Any, targets: list[Any]) -> Broadcast | None:
+    r"""The one target shape that ``tensor``'s is with the batch dim 1 on one side: ``tensor`` of batch 1
+    against a target of batch B (read expanded), or of batch B with every row equal against a target of
+    batch 1 (read as its first row); ``None`` otherwise."""
+    import torch
+
+    shape = tuple(tensor.shape)
+    if not shape:
+        return None
+    found = {
+        tuple(t.shape)
+        for t in targets
+        if t.dim() == len(shape)
+        and tuple(t.shape[1:]) == shape[1:]
+        and 1 in (t.shape[0], shape[0])
+        and t.shape[0] != shape[0]
+    }
+    if len(found) != 1:
+        return None
+    target = found.pop()
+    if shape[0] > 1 and not bool(torch.equal(tensor, tensor[:1].expand_as(tensor))):
+        return None  # rows that differ are no one row per batch
+    return Broadcast(target)
 
 
 def viewed_as(tensor: Any, target: Any) -> tuple[Any, str]:
@@ -220,6 +252,8 @@ def in_layout(leaves: list[tuple[str, Any]], orders: dict[str, tuple[int, ...]])
 
 
 def _laid_out(t: Any, order: tuple[int, ...]) -> Any:
+    if isinstance(order, Broadcast):
+        return t.expand(order) if t.shape[0] == 1 else t[: order[0]]
     return t.reshape(order) if isinstance(order, Viewed) else t.permute(order)
 
 
@@ -228,7 +262,11 @@ def layout_note(orders: dict[str, tuple[int, ...]]) -> str:
     if not orders:
         return ""
     shown = ", ".join(
-        f"{path} viewed as {list(order)}" if isinstance(order, Viewed) else f"{path} permuted {tuple(order)}"
+        f"{path} one row read for the batch as {list(order)}"
+        if isinstance(order, Broadcast)
+        else f"{path} viewed as {list(order)}"
+        if isinstance(order, Viewed)
+        else f"{path} permuted {tuple(order)}"
         for path, order in orders.items()
     )
     return f"compared up to the port's layout: {shown}"

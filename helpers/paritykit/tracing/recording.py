@@ -28,7 +28,19 @@ from typing import Any
 from paritykit.base.errors import ParityKitError
 
 # argument names read as the timestep (or the sigma) of a call, most specific first
-TIMESTEP_NAMES = ("timestep", "timesteps", "t", "time", "sigma", "sigmas", "noise_level")
+TIMESTEP_NAMES = (
+    "timestep",
+    "timesteps",
+    "t",
+    "time",
+    "sigma",
+    "sigmas",
+    "noise_level",
+    "diffusion_step",
+    "diffusion_steps",
+    "time_step",
+    "noise_labels",
+)
 
 
 def batch_of(value: Any) -> Any:
