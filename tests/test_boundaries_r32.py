@@ -211,8 +211,8 @@ class _StepPerSample(nn.Module):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_time_features_of_one_row_for_the_batch_are_compared_with_the_ports_per_sample_rows(bias):
-    # round 32 (DiffWave): the research feeds one diffusion step (1,) for a batch of 2, the port a timestep per
-    # sample; every time-embedding pair was "untestable: inputs cannot be paired" (shapes (1, 512) against
+    # round 32 (DiffWave): the research feeds one diffusion step (1,) for a batch of 2, the port a timestep
+    # per sample; every time-embedding pair was "untestable: inputs cannot be paired" (shapes (1, 512) against
     # (2, 512)), and the slip there (a bias dropped from the time projection) went unnamed
     reference = _OneStepForBatch().eval()
     port = _StepPerSample(reference, bias).eval()
