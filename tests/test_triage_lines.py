@@ -754,7 +754,8 @@ def test_the_default_atol_is_held_to_the_scale_of_values_in_the_tens():
 
 def test_a_diffusion_step_passed_third_is_read_as_the_timestep():
     # round 32 (DiffWave: model(audio, spectrogram, diffusion_step)): "not checked: schedule: a side's
-    # denoiser calls carry no recognisable timestep argument", where the port's fractional steps were the cause
+    # denoiser calls carry no recognisable timestep argument", where the port's fractional steps were the
+    # cause
     from paritykit.tracing.recording import timestep_argument
 
     audio, mel = torch.randn(2, 64), torch.randn(2, 16, 8)
