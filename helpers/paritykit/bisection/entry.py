@@ -174,7 +174,7 @@ def _after_substitution(found: ModuleFinding, before: list[ModuleFinding]) -> No
         if hint.id == "module-config" and about and all(substituted(path) for path in about):
             continue
         # a weights hint whose tensors all sit in modules already given the reference's outputs
-        explained = [*(evidence.get(k) or {} for k in ("offsets", "exponentiated", "scaled"))]
+        explained = [*(evidence.get(k) or {} for k in ("offsets", "exponentiated", "scaled", "gathered"))]
         port_names = [
             full(found.port, n)
             for n in [*(evidence.get("unmatched_port") or []), *(n for e in explained for n in e)]

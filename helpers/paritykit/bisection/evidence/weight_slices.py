@@ -297,7 +297,10 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     left = [k for k in left if k not in exps]
     scaled = _axis_scaled(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
     used |= _wholly_used([r for r, _ in scaled.values()])
-    unmapped = [k for k in left if k not in scaled]
+    left = [k for k in left if k not in scaled]
+    gathered = _head_gathered(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
+    used |= _wholly_used([r for r, _ in gathered.values()])
+    unmapped = [k for k in left if k not in gathered]
     dropped = [k for k in dropped if k not in used]
     if unmapped:
         names = ", ".join(_constant_said(c, name) for name in unmapped[:6])
@@ -338,6 +341,13 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             + " (a norm or gain folded in by the conversion, or a weight normalised; whether each forward"
             " reads them so is not compared by this)"
         )
+    if gathered:
+        parts.append(
+            "port parameters "
+            + ", ".join(f"{p} = reference {r}" for p, (r, _) in list(gathered.items())[:6])
+            + " (a fused projection laid out head by head, split by the conversion; whether each forward"
+            " reads them so is not compared by this)"
+        )
     if not parts:
         return []
     return [
@@ -348,6 +358,7 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
                 "offsets": {p: [r, d] for p, (r, d) in offsets.items()},
                 "exponentiated": {p: [r, a, b] for p, (r, a, b) in exps.items()},
                 "scaled": {p: [r, how] for p, (r, how) in scaled.items()},
+                "gathered": {p: r for p, (r, _) in gathered.items()},
                 "unmatched_port": unmapped,
                 "unused_reference": dropped,
                 "elsewhere": elsewhere,
@@ -381,45 +392,64 @@ def _one_relation(
         for ref_name, r in candidates.items():
             if not r.is_floating_point():
                 continue
-            for index, count, part in _parts(r, p, chunks):
+            for index, count, heads, part in _parts(r, p, chunks):
                 if (ref_name, index) in taken:
                     continue
                 got = relation(pd, part.detach().cpu().double().reshape(p.shape))
                 if got is not None:
-                    hits.append(((ref_name, index), (ref_name, *got, *((index, count) if count > 1 else ()))))
+                    chunk = (index, count, heads) if count > 1 else ()
+                    hits.append(((ref_name, index), (ref_name, *got, *chunk)))
+                    break  # one layout of this tensor explains it
         if len(hits) == 1:
             key, found[name] = hits[0]
             taken.add(key)
     return found
 
 
-def _parts(r: Any, p: Any, chunks: bool) -> list[tuple[int, int, Any]]:
-    r"""``(index, count, tensor)`` of ``r`` to compare with ``p``: ``r`` itself when it has ``p``'s shape (a
-    1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape); with ``chunks``, each of its
-    2 to 4 equal chunks along dim 0 that has ``p``'s shape."""
+def _parts(r: Any, p: Any, chunks: bool) -> list[tuple[int, int, int, Any]]:
+    r"""``(index, count, heads, tensor)`` of ``r`` to compare with ``p``: ``r`` itself when it has ``p``'s
+    shape (a 1x1 conv's (out, in, 1) weight against a Linear's (out, in) is one shape); with ``chunks``, each
+    of its 2 to 4 equal chunks along dim 0 that has ``p``'s shape, taken whole (``heads`` 1) or head by head
+    (rows laid out ``[head][chunk][row]``, guided diffusion's legacy q/k/v: ``heads`` H)."""
     if _squeezed(r) == _squeezed(p):
-        return [(0, 1, r)]
+        return [(0, 1, 1, r)]
     if not chunks or r.dim() == 0 or p.dim() == 0 or r.shape[0] % p.shape[0]:
         return []
     count = r.shape[0] // p.shape[0]
     if not 2 <= count <= 4 or _squeezed(r[: p.shape[0]]) != _squeezed(p):
         return []
-    return [(i, count, part) for i, part in enumerate(r.chunk(count, 0))]
+    rows, rest = p.shape[0], tuple(r.shape[1:])
+    parts = [(i, count, 1, part) for i, part in enumerate(r.chunk(count, 0))]
+    for heads in (h for h in range(2, min(rows, 64) + 1) if rows % h == 0):
+        grouped = r.reshape(heads, count, rows // heads, *rest)
+        parts += [(i, count, heads, grouped[:, i].reshape(rows, *rest)) for i in range(count)]
+    return parts
+
+
+def _part_words(ref_name: str, shape0: int, index: int, count: int, heads: int) -> str:
+    rows = shape0 // count
+    if heads == 1:
+        return f"{ref_name} rows {index * rows}:{(index + 1) * rows} (chunk {index} of {count})"
+    return f"{ref_name} rows of chunk {index} of {count} in each of {heads} heads"
+
+
+_CHUNK = re.compile(r"^(.*?) rows .*?chunk (\d+) of (\d+)")
 
 
 def _wholly_used(said: list[str]) -> set[str]:
-    r"""The reference tensors that ``said`` (names, or ``"NAME rows a:b (chunk i of n)"``) explain whole: a
+    r"""The reference tensors that ``said`` (names, or :func:`_part_words` of their chunks) explain whole: a
     fused tensor only when each of its chunks is explained."""
-    whole = {s for s in said if " rows " not in s}
-    chunks: dict[str, set[str]] = {}
-    for s in said:
-        if " rows " in s:
-            name, rest = s.split(" rows ", 1)
-            chunks.setdefault(name, set()).add(rest)
-    for name, parts in chunks.items():
-        count = int(next(iter(parts)).rsplit(" of ", 1)[1].rstrip(")"))
-        if len(parts) == count:
-            whole.add(name)
+    whole: set[str] = set()
+    chunks: dict[str, set[int]] = {}
+    counts: dict[str, int] = {}
+    for text in said:
+        m = _CHUNK.match(text)
+        if m is None:
+            whole.add(text)
+            continue
+        chunks.setdefault(m.group(1), set()).add(int(m.group(2)))
+        counts[m.group(1)] = int(m.group(3))
+    whole |= {name for name, got in chunks.items() if len(got) == counts[name]}
     return whole
 
 
@@ -470,14 +500,34 @@ def _axis_scaled(
         lambda p, r: (how,) if p.dim() >= 2 and (how := _factors(p, r)) else None,
         chunks=True,
     )
+    return _named_parts(found, candidates)
+
+
+def _named_parts(found: dict[str, tuple], candidates: dict[str, Any]) -> dict[str, tuple]:
+    r"""``found`` with each chunk's reference name said as :func:`_part_words`."""
     out = {}
     for name, (ref_name, how, *chunk) in found.items():
         if chunk:
-            index, count = chunk
-            rows = candidates[ref_name].shape[0] // count
-            ref_name = f"{ref_name} rows {index * rows}:{(index + 1) * rows} (chunk {index} of {count})"
+            ref_name = _part_words(ref_name, candidates[ref_name].shape[0], *chunk)
         out[name] = (ref_name, how)
     return out
+
+
+def _head_gathered(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple]:
+    r"""Port parameters that equal a chunk of a fused reference tensor gathered head by head (rows laid out
+    ``[head][q, k, v][row]``, guided diffusion's legacy attention): port name -> (reference words, "")."""
+    import torch
+
+    found = _one_relation(
+        port_sd,
+        unmapped,
+        candidates,
+        lambda p, r: ("",) if torch.equal(p, r) else None,
+        chunks=True,
+    )
+    return _named_parts({k: v for k, v in found.items() if len(v) > 2 and v[-1] > 1}, candidates)
 
 
 def _squeezed(t: Any) -> tuple[int, ...]:
