@@ -694,6 +694,7 @@ def test_all_reports_the_update_that_changes_latents_after_a_step_whose_inputs_a
             assert report.verdict == "differ" and [f.place for f in report.findings] == ["update"]
             finding = report.findings[0]
             assert finding.call == step and f"the latents after step {step} differ while" in finding.summary
+            assert "not equal but" not in finding.summary  # the step's inputs are the same: nothing carried
         assert "no place the walk compared differs" not in every.render()
     else:  # must not fire: both clamp the state; every place agrees
         assert first.verdict == every.verdict == "match" and not every.findings
