@@ -23,6 +23,12 @@ ROUNDING_SCALE = {
 }
 
 
+# an update finding says its step's inputs may be carried only where the latents after it differ by at most
+# CARRIED_LIMIT (relative L2) and at most CARRIED_GAIN times the step's own latents or output
+CARRIED_LIMIT = 1e-3
+CARRIED_GAIN = 1000.0
+
+
 class UpdateChecks:
     r"""The update checks of :class:`~paritykit.triage.walk.Triage`: between a denoiser call and the next."""
 
@@ -171,6 +177,8 @@ class UpdateChecks:
         )
         if None in before or after is None or max(before) == 0:
             return ""
+        if not (after <= CARRIED_LIMIT and after <= CARRIED_GAIN * max(before)):
+            return ""  # far beyond what rounding carried through one update reaches (a clamp on one side)
         return (
             f"; that step's latents and output are not equal but {format_number(before[0])} and"
             f" {format_number(before[1])} apart (relative L2), the latents after it {format_number(after)}: a"
