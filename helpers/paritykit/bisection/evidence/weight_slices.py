@@ -320,34 +320,32 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             "the port holds them elsewhere, value for value: "
             + ", ".join(f"{r} in port {p}" for r, p in list(elsewhere.items())[:6])
         )
-    if offsets:  # explained by their values: said after what nothing explains
-        parts.append(
-            "port parameters "
-            + ", ".join(f"{p} = reference {r} {d:+g}" for p, (r, d) in list(offsets.items())[:6])
-            + " (every element: a constant added in the conversion, as for a norm stored as γ on one side and"
-            " 1 + γ on the other; whether each forward reads them so is not compared by this)"
-        )
-    if exps:
-        parts.append(
-            "port parameters "
-            + ", ".join(f"{p} = exp({a:g} · reference {r} {b:+g})" for p, (r, a, b) in list(exps.items())[:6])
-            + " (every element: a log-parameterised value the conversion exponentiates; whether each forward"
-            " reads them so is not compared by this)"
-        )
-    if scaled:
-        parts.append(
-            "port parameters "
-            + ", ".join(f"{p} = reference {r} with {how}" for p, (r, how) in list(scaled.items())[:6])
-            + " (a norm or gain folded in by the conversion, or a weight normalised; whether each forward"
-            " reads them so is not compared by this)"
-        )
-    if gathered:
-        parts.append(
-            "port parameters "
-            + ", ".join(f"{p} = reference {r}" for p, (r, _) in list(gathered.items())[:6])
-            + " (a fused projection laid out head by head, split by the conversion; whether each forward"
-            " reads them so is not compared by this)"
-        )
+    # explained by their values: said after what nothing explains
+    explained = (
+        (
+            [f"{p} = reference {r} {d:+g}" for p, (r, d) in offsets.items()],
+            "every element: a constant added in the conversion, as for a norm stored as γ on one side and"
+            " 1 + γ on the other",
+        ),
+        (
+            [f"{p} = exp({a:g} · reference {r} {b:+g})" for p, (r, a, b) in exps.items()],
+            "every element: a log-parameterised value the conversion exponentiates",
+        ),
+        (
+            [f"{p} = reference {r} with {how}" for p, (r, how) in scaled.items()],
+            "a norm or gain folded in by the conversion, or a weight normalised",
+        ),
+        (
+            [f"{p} = reference {r}" for p, (r, _) in gathered.items()],
+            "a fused projection laid out head by head, split by the conversion",
+        ),
+    )
+    parts += [
+        f"port parameters {', '.join(said[:6])} ({why}; whether each forward reads them so is not compared by"
+        " this)"
+        for said, why in explained
+        if said
+    ]
     if not parts:
         return []
     return [
