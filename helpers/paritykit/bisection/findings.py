@@ -386,6 +386,7 @@ def _culprit_context(
         unpaired_subpairs=unpaired,
         reference_inputs=ref_inputs() if can_run else None,
         port_model=searcher.port_modules.get(""),
+        reference_model=searcher.ref_modules.get(""),
     )
 
 

@@ -91,6 +91,7 @@ class Culprit:
     layouts: list[str] = field(default_factory=list)
     # the whole port model, where a reference tensor the culprit lacks may sit in another module
     port_model: Any = None
+    reference_model: Any = None
 
     def port_path(self, sub: str = "", attr: str = "") -> str:
         r"""The dotted name of an attribute of the port (``port`` stands for the top level)."""

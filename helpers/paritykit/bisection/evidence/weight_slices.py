@@ -141,8 +141,9 @@ def _rounded(
         "weights",
         f"port parameters {', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
         f" hold the reference's values rounded to {' or '.join(kinds)}, every element (the reference's and"
-        " the port's are wider): a conversion that passed them through that dtype (evidence: parameter values"
-        " matched as in `paritykit weights map`)",
+        " the port's are wider): a conversion that passed them through that dtype"
+        + _model_wide(c, kinds[0])
+        + " (evidence: parameter values matched as in `paritykit weights map`)",
         {"rounded": rounded},
         score=0.9,
         fix=f"load {', '.join(names[:3])}{' …' if len(names) > 3 else ''} without the cast to {kinds[0]}",
@@ -154,6 +155,27 @@ def _rounded(
     }
     verify_hint(c, lambda: patched_copy(c.port, patch), hint)
     return [hint]
+
+
+def _model_wide(c: Culprit, dtype_name: str) -> str:
+    r"""How many of each whole model's wider floating-point parameters hold values ``dtype_name`` represents
+    exactly, every element: a rounding in the conversion shows on (nearly) every port parameter and on
+    (nearly) none of a reference trained in the wider type."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    counts = []
+    for model in (c.port_model, c.reference_model):
+        if model is None:
+            return ""
+        wide = [p for p in model.parameters() if p.is_floating_point() and _width(p) > _NARROW[dtype_name]]
+        held = sum(bool(torch.equal(p.detach(), p.detach().to(dtype).to(p.dtype))) for p in wide)
+        counts.append((held, len(wide)))
+    (port_held, port_all), (ref_held, ref_all) = counts
+    return (
+        f"; in the whole models {port_held} of the port's {port_all} wider parameters hold only values"
+        f" {dtype_name} represents, {ref_held} of the reference's {ref_all}"
+    )
 
 
 def _width(t: Any) -> int:
