@@ -22,6 +22,7 @@ class UnitsMeasured:
 
     mapped: float
     given: float
+    call: int = 0
 
     @property
     def supported(self) -> bool:
@@ -33,8 +34,9 @@ class UnitsMeasured:
 
     def words(self) -> str:
         return (
-            f"the port's denoiser fed the reference's call-0 inputs with the timestep read so is at relative"
-            f" error {format_number(self.mapped)} of the reference's output, fed it as the reference gives it"
+            f"the port's denoiser fed the reference's call-{self.call} inputs with the timestep read so is at"
+            f" relative error {format_number(self.mapped)} of the reference's output, fed it as the reference"
+            " gives it"
             f" {format_number(self.given)}"
         )
 
@@ -48,9 +50,12 @@ def units_measured(
     port_roles: Any,
     t_units: Any,
     layout: Any = None,
+    sign: float = 1.0,
+    call: int = 0,
 ) -> UnitsMeasured | None:
-    r""":class:`UnitsMeasured` for call 0; ``None`` when a side has no module or no timestep to swap, or a
-    run cannot be made or compared (then nothing is settled)."""
+    r""":class:`UnitsMeasured` for call ``call`` (the calls given), against the reference's output times
+    ``sign`` (-1 where the port keeps the opposite sign convention at every call); ``None`` when a side has no
+    module or no timestep to swap, or a run cannot be made or compared (then nothing is settled)."""
     import torch
 
     from paritykit.base.inputs import copy_inputs, to_device
@@ -64,6 +69,7 @@ def units_measured(
     target = output_tensor(ref_call.output)
     if not isinstance(target, torch.Tensor):
         return None
+    target = target * sign
     errors = []
     for units in (t_units, None):
         args, kwargs = with_reference_values(
@@ -85,4 +91,4 @@ def units_measured(
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(target.shape):
             return None
         errors.append(relative_error(out.detach().cpu().double(), target.detach().cpu().double()))
-    return UnitsMeasured(*errors)
+    return UnitsMeasured(*errors, call=call)

@@ -13,6 +13,7 @@ from paritykit.triage.pairs import SAME_UNITS, compare, comparison_evidence, sam
 from paritykit.triage.report import Finding
 from paritykit.triage.roles import Roles, latents, output
 from paritykit.triage.sides import SideRun
+from paritykit.triage.sign_convention import NEGATED
 
 # a relative L2 error at most this, per dtype, is rounding's scale: eight times the dtype's machine epsilon
 ROUNDING_SCALE = {
@@ -33,7 +34,27 @@ class UpdateChecks:
     r"""The update checks of :class:`~paritykit.triage.walk.Triage`: between a denoiser call and the next."""
 
     # ----------------------------------------------------------------------------------------- 5. update
+    def sign_convention(self) -> str:
+        r"""Words for one sign convention kept on both sides of the call (:mod:`paritykit.triage.sign_
+        convention`): every call's output negated and every update's output term too; empty otherwise."""
+        from paritykit.triage.sign_convention import convention_words, negated_error, opposite_output_terms
+
+        if self.by_order or not self.pairs or not all(p.inputs_agree for p in self.pairs):
+            return ""
+        n = len(self.pairs)
+        error = negated_error(
+            [output(self.ref.calls[i]) for i in range(n)], [output(self.port.calls[i]) for i in range(n)]
+        )
+        if error is None or error > NEGATED:
+            return ""
+        terms = opposite_output_terms([self._update_fits(i) for i in range(n - 1)])
+        return convention_words(n, error, terms) if terms else ""
+
     def update(self, step: int | None = None) -> None:
+        convention = self.sign_convention()
+        if convention:
+            self.rule_out("update", convention)
+            return
         if self.by_order:  # the next calls are not one call on both sides: no update is compared
             self.skip(
                 "update",

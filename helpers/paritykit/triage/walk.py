@@ -60,6 +60,7 @@ from paritykit.triage.roles import (
 )
 from paritykit.triage.schedule_checks import ScheduleChecks
 from paritykit.triage.sides import SideRun
+from paritykit.triage.sign_convention import NEGATED, negated_error
 from paritykit.triage.units_check import UnitsMeasured, units_measured
 from paritykit.triage.update_checks import UpdateChecks
 
@@ -478,6 +479,10 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
                     " denoisers' outputs, so neither is bisected",
                 )
                 return
+        convention = self.sign_convention() if call is None else ""
+        if convention:
+            self.rule_out("denoiser", convention)
+            return
         if call is None:
             call = next((p.index for p in self.pairs if p.inputs_agree), 0)
         ref_x, port_x = (
@@ -603,15 +608,30 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             return None
         if not self.port_run.calls:
             return None
+        n = min(len(self.ref.calls), len(self.port.calls))
+        flipped = negated_error(
+            [output(c) for c in self.ref.calls[:n]], [output(c) for c in self.port.calls[:n]]
+        )
+        # the first call the map moves: one at t = 0 reads the same both ways (Matcha's first call)
+        moved = [
+            i
+            for i in range(n)
+            if self.t_ref[i] is not None and not same_timestep(self.t_units(self.t_ref[i]), self.t_ref[i])
+        ]
+        if not moved:
+            return None
+        i = moved[0]
         return units_measured(
             self.ref.denoiser,
             self.port.denoiser,
-            self.ref.calls[0],
-            self.ref_roles[0],
-            self.port_run.calls[0],
-            self.port_roles[0],
+            self.ref.calls[i],
+            self.ref_roles[i],
+            self.port_run.calls[i],
+            self.port_roles[i],
             self.t_units,
             self.layout,
+            sign=-1.0 if flipped is not None and flipped <= NEGATED else 1.0,
+            call=i,
         )
 
     def final_latents_differ(self) -> bool:
