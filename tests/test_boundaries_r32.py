@@ -341,3 +341,13 @@ def test_a_fused_qkv_laid_out_head_by_head_is_said_as_gathered_not_unmatched(exa
         assert "equal no reference tensor" not in hint.message and hint.score < 0.5, text
     else:  # must not fire for the tensor no layout explains
         assert "port parameters to_v.weight equal no reference tensor" in hint.message, text
+
+
+def test_a_dropout_rate_is_no_setting_difference_in_eval_mode():
+    # round 33 (f5-tts): "[module-config] reference Dropout p=0.1, port p=0" twice at a top-level culprit
+    from paritykit.bisection.evidence.settings import settings_diff
+
+    reference, port = nn.Dropout(0.1), nn.Dropout(0.0)
+    assert settings_diff(reference.eval(), port.eval()) == []
+    (training,) = settings_diff(reference.train(), port.train())  # must fire: in training it draws
+    assert training.name == "p"
