@@ -831,3 +831,71 @@ def test_an_update_finding_says_when_the_steps_inputs_agree_only_within_the_tole
     (finding,) = [f for f in report.findings if f.place == "update"]
     assert "that step's latents and output are not equal but" in finding.summary, text
     assert "a lead that the update carries those differences" in finding.summary, text
+
+
+SIGN_SPEC = (
+    """
+import torch
+
+UPDATE_FLIPPED = {flipped}
+
+
+"""
+    + TINY_NET
+    + """
+
+NET = Net().eval()
+
+
+class Negated(torch.nn.Module):  # the port folds the velocity's sign into its output projection
+    def __init__(self):
+        super().__init__()
+        self.net = NET
+
+    def forward(self, x, t):
+        return -self.net(x, t)
+
+
+PORT = Negated().eval()
+
+
+def run_reference():
+    x = torch.randn(1, 4, 8)
+    for t in (0.0, 0.25, 0.5, 0.75):
+        x = x + 0.25 * NET(x, torch.tensor([t]))
+    return x
+
+
+def run_port():
+    x = torch.randn(1, 4, 8)
+    for t in (0.0, 0.25, 0.5, 0.75):
+        x = x + (-0.25 if UPDATE_FLIPPED else 0.25) * PORT(x, torch.tensor([t]))
+    return x
+
+
+def reference_denoiser():
+    return NET
+
+
+def port_denoiser():
+    return PORT
+"""
+)
+
+
+@pytest.mark.parametrize("flipped", [True, False])
+def test_one_sign_convention_on_both_sides_of_the_call_is_no_difference(tmp_path, flipped):
+    # round 33 (Matcha-TTS): the port negated its output projection to fit FlowMatchEulerDiscreteScheduler,
+    # whose update steps the other way; the fixed port's report listed "culprit: (top) … cosine -1" and
+    # "update … ×-1" as two places that differ
+    spec = tmp_path / "spec.py"
+    spec.write_text(SIGN_SPEC.format(flipped=flipped))
+    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    text = report.render()
+    if not flipped:  # must not fire: the port's update keeps the reference's sign, so the result differs
+        assert report.verdict == "differ", text
+        assert "one sign convention" not in text, text
+        return
+    assert report.verdict == "match" and not report.findings, text
+    ruled = {n.place for n in report.ruled_out if "one sign convention kept on both sides" in n.text}
+    assert ruled == {"denoiser", "update"}, text
