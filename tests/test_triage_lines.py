@@ -899,3 +899,15 @@ def test_one_sign_convention_on_both_sides_of_the_call_is_no_difference(tmp_path
     assert report.verdict == "match" and not report.findings, text
     ruled = {n.place for n in report.ruled_out if "one sign convention kept on both sides" in n.text}
     assert ruled == {"denoiser", "update"}, text
+
+
+def test_latents_repeated_along_the_batch_are_said_to_agree_and_nothing_else():
+    # round 33 (f5-tts): the research doubles its batch for guidance inside its DiT, the port before the
+    # call: "not checked: initial noise: latents shapes differ: reference (1, 48, 16), port (2, 48, 16)"
+    from paritykit.triage.walk import batch_repeats
+
+    x = torch.randn(1, 48, 16)
+    said = batch_repeats(x, torch.cat([x, x]))
+    assert said.startswith("the port's (2, 48, 16) are the other's (1, 48, 16) repeated 2 times"), said
+    assert batch_repeats(x, torch.cat([x, x + 1e-3])) == ""  # must not fire: rows that differ
+    assert batch_repeats(x, x.clone()) == ""  # one shape: the ordinary comparison

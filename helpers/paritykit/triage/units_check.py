@@ -62,7 +62,7 @@ def units_measured(
     from paritykit.bisection.leaves import module_device
     from paritykit.compare.tensors import relative_error
     from paritykit.tracing.recording import output_tensor
-    from paritykit.triage.roles import with_reference_values
+    from paritykit.triage.roles import kept_own, with_reference_values
 
     if not isinstance(port_denoiser, torch.nn.Module) or not (ref_roles.timestep and port_roles.timestep):
         return None
@@ -70,6 +70,11 @@ def units_measured(
     if not isinstance(target, torch.Tensor):
         return None
     target = target * sign
+    own = kept_own(
+        ref_call, ref_roles, port_call, port_roles, layout=layout.to_port if layout is not None else None
+    )
+    if own:  # an input left the port's own: no replay on the reference's inputs, nothing settled
+        return None
     errors = []
     for units in (t_units, None):
         args, kwargs = with_reference_values(

@@ -250,6 +250,10 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         xr = latents(self.ref.calls[0], self.ref_roles[0])
         xp = latents(self.port.calls[0], self.port_roles[0])
         if pair.latents is None:
+            repeated = batch_repeats(xr, xp)
+            if repeated:
+                self.rule_out("initial noise", f"the first call's latents agree: {repeated}")
+                return
             if xr is None or xp is None or xr.numel() != xp.numel():
                 self.skip("initial noise", f"{pair.latents_note}")
                 return
@@ -695,6 +699,31 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
                 )
             )
         return rows
+
+
+def batch_repeats(reference: Any, port: Any) -> str:
+    r"""Words where one side's latents are the other's repeated along the batch, every row exactly (round 33,
+    f5-tts: the research doubles its batch for guidance inside its denoiser, the port before the call); empty
+    otherwise."""
+    import torch
+
+    if reference is None or port is None or reference.dim() == 0 or reference.dim() != port.dim():
+        return ""
+    if tuple(reference.shape[1:]) != tuple(port.shape[1:]) or reference.shape[0] == port.shape[0]:
+        return ""
+    small, large, who = (
+        (reference, port, "port") if reference.shape[0] < port.shape[0] else (port, reference, "reference")
+    )
+    if large.shape[0] % small.shape[0]:
+        return ""
+    times = large.shape[0] // small.shape[0]
+    if not torch.equal(large, small.repeat(times, *([1] * (small.dim() - 1))).to(large.dtype)):
+        return ""
+    return (
+        f"the {who}'s {tuple(large.shape)} are the other's {tuple(small.shape)} repeated {times} times along"
+        " the batch (a guidance batch made before the call on one side, inside the denoiser on the other);"
+        " the calls are not compared further"
+    )
 
 
 def _timesteps(calls: list[Call]) -> list[float | None]:
