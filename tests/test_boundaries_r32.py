@@ -351,3 +351,49 @@ def test_a_dropout_rate_is_no_setting_difference_in_eval_mode():
     assert settings_diff(reference.eval(), port.eval()) == []
     (training,) = settings_diff(reference.train(), port.train())  # must fire: in training it draws
     assert training.name == "p"
+
+
+class _PlainBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _PositionedBlock(nn.Module):  # diffusers' BasicTransformerBlock with positional_embeddings set
+    def __init__(self, reference: _PlainBlock):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.proj.load_state_dict(reference.proj.state_dict())
+        self.register_buffer("pe", torch.sin(torch.arange(5 * D, dtype=torch.float32).reshape(5, D)))
+
+    def forward(self, x):
+        return self.proj(x + self.pe)
+
+
+class _Wrap(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        self.out = nn.Linear(D, D)
+        torch.manual_seed(2)
+        self.out.reset_parameters()
+
+    def forward(self, x):
+        return self.out(self.block(x))
+
+
+def test_a_table_only_the_port_holds_is_said_as_a_buffer_not_as_a_converted_parameter():
+    # round 33 (Matcha-TTS): BasicTransformerBlock's default sinusoidal positional embedding; the hint said
+    # "port parameters …pos_embed.pe equal no reference tensor", read as a conversion slip
+    reference = _Wrap(_PlainBlock()).eval()
+    port = _Wrap(_PositionedBlock(reference.block)).eval()
+    port.out.load_state_dict(reference.out.state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 5, D),), {}))
+    text = report.render()
+    (hint,) = [h for c in report.culprits for h in c.hints if h.id == "weights"]
+    assert "port buffers block.pe (tables the port's modules hold, not parameters)" in hint.message, text
+    assert "port parameters block.pe" not in hint.message, text

@@ -838,6 +838,7 @@ SIGN_SPEC = (
 import torch
 
 UPDATE_FLIPPED = {flipped}
+SLIP = {slip}
 
 
 """
@@ -853,7 +854,7 @@ class Negated(torch.nn.Module):  # the port folds the velocity's sign into its o
         self.net = NET
 
     def forward(self, x, t):
-        return -self.net(x, t)
+        return -self.net(x, t) * (1 + SLIP)
 
 
 PORT = Negated().eval()
@@ -883,15 +884,19 @@ def port_denoiser():
 )
 
 
-@pytest.mark.parametrize("flipped", [True, False])
-def test_one_sign_convention_on_both_sides_of_the_call_is_no_difference(tmp_path, flipped):
+@pytest.mark.parametrize("flipped, slip", [(True, 0.0), (False, 0.0), (True, 0.05)])
+def test_one_sign_convention_on_both_sides_of_the_call_is_no_difference(tmp_path, flipped, slip):
     # round 33 (Matcha-TTS): the port negated its output projection to fit FlowMatchEulerDiscreteScheduler,
     # whose update steps the other way; the fixed port's report listed "culprit: (top) … cosine -1" and
     # "update … ×-1" as two places that differ
     spec = tmp_path / "spec.py"
-    spec.write_text(SIGN_SPEC.format(flipped=flipped))
+    spec.write_text(SIGN_SPEC.format(flipped=flipped, slip=slip))
     report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
     text = report.render()
+    if slip:  # a slip besides the convention: the update's ×-1 stays a finding, with the convention a lead
+        (update,) = [f for f in report.findings if f.place == "update"]
+        assert "×-1; a lead: a port that folds the output's sign into its denoiser" in update.summary, text
+        return
     if not flipped:  # must not fire: the port's update keeps the reference's sign, so the result differs
         assert report.verdict == "differ", text
         assert "one sign convention" not in text, text

@@ -177,7 +177,11 @@ def _after_substitution(found: ModuleFinding, before: list[ModuleFinding]) -> No
         explained = [*(evidence.get(k) or {} for k in ("offsets", "exponentiated", "scaled", "gathered"))]
         port_names = [
             full(found.port, n)
-            for n in [*(evidence.get("unmatched_port") or []), *(n for e in explained for n in e)]
+            for n in [
+                *(evidence.get("unmatched_port") or []),
+                *(evidence.get("unmatched_buffers") or []),
+                *(n for e in explained for n in e),
+            ]
         ]
         ref_names = [full(module_of(found.reference), n) for n in evidence.get("unused_reference") or []]
         if (

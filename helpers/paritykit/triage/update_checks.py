@@ -13,7 +13,7 @@ from paritykit.triage.pairs import SAME_UNITS, compare, comparison_evidence, sam
 from paritykit.triage.report import Finding
 from paritykit.triage.roles import Roles, latents, output
 from paritykit.triage.sides import SideRun
-from paritykit.triage.sign_convention import NEGATED
+from paritykit.triage.sign_convention import NEGATED, opposite_output_terms
 
 # a relative L2 error at most this, per dtype, is rounding's scale: eight times the dtype's machine epsilon
 ROUNDING_SCALE = {
@@ -83,11 +83,19 @@ class UpdateChecks:
                 within[i] = effect
                 continue
             if differences:
+                flipped = opposite_output_terms([(fr, fp)]) is not None
+                lead = (
+                    "; a lead: a port that folds the output's sign into its denoiser (a negated"
+                    " output layer, to fit a scheduler stepping the other way) applies it so; then the"
+                    " outputs agree up to sign (the denoiser line compares them as they are)"
+                    if flipped
+                    else ""
+                )
                 self.findings.append(
                     Finding(
                         "update",
                         i,
-                        f"the update from call {i} to the next differs: " + "; ".join(differences),
+                        f"the update from call {i} to the next differs: " + "; ".join(differences) + lead,
                         evidence=[
                             f"reference: next latents = {fr.text()} (residual {format_number(fr.residual)})",
                             f"port:      next latents = {fp.text()} (residual {format_number(fp.residual)})",

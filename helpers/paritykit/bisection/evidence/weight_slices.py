@@ -157,6 +157,14 @@ def _rounded(
     return [hint]
 
 
+def _buffers(c: Culprit, names: list[str]) -> list[str]:
+    r"""Those of ``names`` (whole-model names) that are buffers of the culprit's port module, not
+    parameters."""
+    prefix = _prefix(c.port_name)
+    held = {prefix + k for k, _ in c.port.named_buffers()} if c.port is not None else set()
+    return [k for k in names if k in held]
+
+
 def _model_wide(c: Culprit, dtype_name: str) -> str:
     r"""How many of each whole model's wider floating-point parameters hold values ``dtype_name`` represents
     exactly, every element: a rounding in the conversion shows on (nearly) every port parameter and on
@@ -324,11 +332,20 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     used |= _wholly_used([r for r, _ in gathered.values()])
     unmapped = [k for k in left if k not in gathered]
     dropped = [k for k in dropped if k not in used]
+    built = _buffers(c, unmapped)
+    unmapped = [k for k in unmapped if k not in built]
     if unmapped:
         names = ", ".join(_constant_said(c, name) for name in unmapped[:6])
         parts.append(
             f"port parameters {names} equal no reference tensor of {c.reference_path()}, nor a layout op of"
             f" one ({_OPS_TRIED})"
+        )
+    if built:
+        parts.append(
+            f"port buffers {', '.join(built[:6])} (tables the port's modules hold, not parameters) equal no"
+            f" reference tensor of {c.reference_path()}: a lead that the port's module computes a part the"
+            " reference's does not (a setting that adds it, such as a positional embedding), or builds it"
+            " otherwise"
         )
     elsewhere = _held_elsewhere(c, {k: ref_sd[k] for k in dropped})
     if dropped:
@@ -380,11 +397,12 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
                 "scaled": {p: [r, how] for p, (r, how) in scaled.items()},
                 "gathered": {p: r for p, (r, _) in gathered.items()},
                 "unmatched_port": unmapped,
+                "unmatched_buffers": built,
                 "unused_reference": dropped,
                 "elsewhere": elsewhere,
             },
             # tensors a relation explains, every one, are no sign of a slip: ranked after the other hints
-            score=0.85 if unmapped or dropped or elsewhere else 0.3,
+            score=0.85 if unmapped or dropped or elsewhere else 0.6 if built else 0.3,
         )
     ]
 
