@@ -916,3 +916,84 @@ def test_latents_repeated_along_the_batch_are_said_to_agree_and_nothing_else():
     assert said.startswith("the port's (2, 48, 16) are the other's (1, 48, 16) repeated 2 times"), said
     assert batch_repeats(x, torch.cat([x, x + 1e-3])) == ""  # must not fire: rows that differ
     assert batch_repeats(x, x.clone()) == ""  # one shape: the ordinary comparison
+
+
+PACKED_GUIDANCE_SPEC = (
+    """
+import torch
+
+SLIP = {slip}
+
+
+"""
+    + TINY_NET
+    + """
+
+NET = Net().eval()
+
+
+class Inside(torch.nn.Module):  # f5-tts's DiT: the guidance batch made inside the call
+    def __init__(self):
+        super().__init__()
+        self.net = NET
+
+    def forward(self, x, t):
+        return self.net(torch.cat([x, x]), t)
+
+
+class Before(torch.nn.Module):  # the port: fed the doubled batch
+    def __init__(self):
+        super().__init__()
+        self.net = NET
+
+    def forward(self, x, t):
+        return self.net(x, t) * (1 + SLIP)
+
+
+REFERENCE, PORT = Inside().eval(), Before().eval()
+
+
+def run_reference():
+    x = torch.randn(1, 4, 8)
+    for t in (1.0, 0.5):
+        out = REFERENCE(x, torch.tensor([t]))
+        x = x - 0.5 * (out[:1] + 0.5 * (out[:1] - out[1:]))
+    return x
+
+
+def run_port():
+    x = torch.randn(1, 4, 8)
+    for t in (1.0, 0.5):
+        out = PORT(torch.cat([x, x]), torch.tensor([t]))
+        x = x - 0.5 * (out[:1] + 0.5 * (out[:1] - out[1:]))
+    return x
+
+
+def reference_denoiser():
+    return REFERENCE
+
+
+def port_denoiser():
+    return PORT
+"""
+)
+
+
+@pytest.mark.parametrize("slip", [0.0, 0.1])
+def test_a_denoiser_fed_the_guidance_batch_made_before_the_call_is_bisected_on_the_reference_latents(
+    tmp_path, slip
+):
+    # round 33 (f5-tts): "not checked: denoiser: not bisected on call 0: its latents differ in shape
+    # (reference (1, 48, 16), port (2, 48, 16))": the port's latents were the reference's repeated
+    spec = tmp_path / "spec.py"
+    spec.write_text(PACKED_GUIDANCE_SPEC.format(slip=slip))
+    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    text = report.render()
+    assert any(
+        n.place == "initial noise" and "repeated 2 times along the batch" in n.text for n in report.ruled_out
+    )
+    if not slip:  # must not fire
+        assert report.verdict == "match", text
+        return
+    (finding,) = [f for f in report.findings if f.place == "denoiser"]
+    assert "fed the reference's call-0 inputs" in finding.summary, text

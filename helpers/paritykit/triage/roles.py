@@ -166,6 +166,9 @@ def reference_swap(
             theirs = layout(theirs)
         if tuple(mine.shape) == tuple(theirs.shape):
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], theirs)
+        elif _repeated_batch(theirs, mine):  # guidance batched before the port's call: each row the same
+            grown = theirs.repeat(mine.shape[0] // theirs.shape[0], *([1] * (theirs.dim() - 1)))
+            swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], grown)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
         if p in port.named:  # a tensor inside a dict argument stays the port's own
             swap[p] = in_form_of(port.named[p], argument(ref, r))
@@ -176,6 +179,22 @@ def reference_swap(
             torch.full_like(mine, value) if isinstance(mine, torch.Tensor) else type(mine)(value)
         )
     return swap
+
+
+def _repeated_batch(reference: Any, port: Any) -> bool:
+    r"""Whether ``port`` is ``reference`` repeated along the batch, every row exactly."""
+    import torch
+
+    if (
+        reference.dim() == 0
+        or reference.dim() != port.dim()
+        or tuple(reference.shape[1:]) != tuple(port.shape[1:])
+    ):
+        return False
+    if port.shape[0] <= reference.shape[0] or port.shape[0] % reference.shape[0]:
+        return False
+    times = port.shape[0] // reference.shape[0]
+    return bool(torch.equal(port, reference.repeat(times, *([1] * (reference.dim() - 1))).to(port.dtype)))
 
 
 def with_values(call: Call, swap: dict[str, Any]) -> tuple[tuple, dict]:

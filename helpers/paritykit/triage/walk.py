@@ -493,7 +493,8 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             latents(self.ref.calls[call], self.ref_roles[call]),
             latents(self.port.calls[call], self.port_roles[call]),
         )
-        if ref_x is not None and port_x is not None and tuple(ref_x.shape) != tuple(port_x.shape):
+        apart = ref_x is not None and port_x is not None and tuple(ref_x.shape) != tuple(port_x.shape)
+        if apart and not batch_repeats(ref_x, port_x).startswith("the port's"):
             self.skip(
                 "denoiser",
                 f"not bisected on call {call}: its latents differ in shape (reference {tuple(ref_x.shape)},"
@@ -721,8 +722,7 @@ def batch_repeats(reference: Any, port: Any) -> str:
         return ""
     return (
         f"the {who}'s {tuple(large.shape)} are the other's {tuple(small.shape)} repeated {times} times along"
-        " the batch (a guidance batch made before the call on one side, inside the denoiser on the other);"
-        " the calls are not compared further"
+        " the batch (a guidance batch made before the call on one side, inside the denoiser on the other)"
     )
 
 
