@@ -397,3 +397,26 @@ def test_a_table_only_the_port_holds_is_said_as_a_buffer_not_as_a_converted_para
     (hint,) = [h for c in report.culprits for h in c.hints if h.id == "weights"]
     assert "port buffers block.pe (tables the port's modules hold, not parameters)" in hint.message, text
     assert "port parameters block.pe" not in hint.message, text
+
+
+def test_a_constant_parameter_below_the_top_level_is_said_with_its_value():
+    # round 34 (mmdit): "port parameters transformer_blocks.0.attn.norm_q.weight, …norm_k.weight equal no
+    # reference tensor" for q/k norms the research never applies, left at their fill of ones: the value was
+    # looked up under the whole model's name in the culprit's own parameters, and never said
+    reference = _Wrap(_PlainBlock()).eval()
+
+    class _Normed(nn.Module):
+        def __init__(self, plain):
+            super().__init__()
+            self.proj = nn.Linear(D, D)
+            self.proj.load_state_dict(plain.proj.state_dict())
+            self.norm_q = nn.LayerNorm(D)  # a part the research does not have, at its identity fill
+
+        def forward(self, x):
+            return self.proj(self.norm_q(x))
+
+    port = _Wrap(_Normed(reference.block)).eval()
+    port.out.load_state_dict(reference.out.state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 5, D),), {}))
+    text = report.render()
+    assert "block.norm_q.weight (all 1), block.norm_q.bias (all 0) equal no reference tensor" in text, text

@@ -306,7 +306,9 @@ def _constant_said(c: Culprit, name: str) -> str:
     norm's identity fill, which matches no reference tensor because the reference has no such norm)."""
     from paritykit.forensics.conversion.fingerprints import all_equal
 
-    tensor = dict(c.port.named_parameters()).get(name) if c.port is not None else None
+    # ``name`` is the whole model's (as weights map names it); the culprit's own parameters are relative
+    own = name.removeprefix(_prefix(c.port_name))
+    tensor = dict(c.port.named_parameters()).get(own) if c.port is not None else None
     if tensor is None or tensor.numel() < 2 or not all_equal(tensor.detach()):
         return name
     return f"{name} (all {format_number(float(tensor.reshape(-1)[0]))})"
