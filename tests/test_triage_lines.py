@@ -997,3 +997,22 @@ def test_a_denoiser_fed_the_guidance_batch_made_before_the_call_is_bisected_on_t
         return
     (finding,) = [f for f in report.findings if f.place == "denoiser"]
     assert "fed the reference's call-0 inputs" in finding.summary, text
+
+
+def test_an_update_on_complex_latents_is_fitted_over_both_parts_without_a_warning():
+    # round 34 (sgmse: complex spectrograms): triage printed torch's "Casting complex values to real discards
+    # the imaginary part" from its update fit, which fitted the real parts alone
+    import warnings
+
+    from paritykit.triage.fits import fit_linear
+
+    torch.manual_seed(0)
+    x, eps = torch.randn(3, 4, dtype=torch.complex64), torch.randn(3, 4, dtype=torch.complex64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit = fit_linear(x * 0.9 + 0.2 * eps, {"latents": x, "output": eps})
+        off = fit_linear(
+            x * 0.9 + 0.2j * eps, {"latents": x, "output": eps}
+        )  # must not fit: an imaginary factor
+    assert fit.exact and fit.text() == "0.9·latents + 0.2·output", fit.text()
+    assert not off.exact

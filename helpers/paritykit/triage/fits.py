@@ -47,15 +47,30 @@ def fit_linear(target: Any, regressors: dict[str, Any]) -> LinearFit | None:
 
     if any(tuple(r.shape) != tuple(target.shape) for r in regressors.values()):
         return None
-    y = target.detach().double().reshape(-1)
+    spread = target.is_complex() or any(r.is_complex() for r in regressors.values())
+    y = _real(target, spread).reshape(-1)
     if not bool(torch.isfinite(y).all()):
         return None
-    columns = torch.stack([r.detach().double().reshape(-1) for r in regressors.values()], dim=1)
+    columns = torch.stack([_real(r, spread).reshape(-1) for r in regressors.values()], dim=1)
     if not bool(torch.isfinite(columns).all()):
         return None
     solution = least_squares(columns, y, driver="gelsd")
     residual = float((columns @ solution - y).norm()) / max(float(y.norm()), 1e-30)
     return LinearFit(list(regressors), [float(c) for c in solution], residual)
+
+
+def _real(t: Any, spread: bool = False) -> Any:
+    r"""``t`` in float64; with ``spread`` (a complex tensor in the fit: a spectrogram's latents) as real and
+    imaginary parts, a real tensor with an imaginary part of 0: real coefficients fitted over both parts, as a
+    complex update with real coefficients acts on each."""
+    import torch
+
+    t = t.detach()
+    if not spread:
+        return t.double()
+    if not t.is_complex():
+        t = torch.complex(t.double(), torch.zeros_like(t, dtype=torch.float64))
+    return torch.view_as_real(t.resolve_conj()).double()
 
 
 def fit_affine(target: Any, source: Any, per_channel: bool = False) -> LinearFit | None:
