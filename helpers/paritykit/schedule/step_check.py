@@ -419,7 +419,14 @@ def run_step_check(result: Any, cls, base, keys, ref, ref_n, steps, source, trai
 
         def check(config: dict, cand: Any) -> StepCheck:
             mu = next(iter(cand.mu.values()), None)
-            return _check_calls(cls, config, steps, calls, cand.call, ref_n, mu)
+            try:
+                return _check_calls(cls, config, steps, calls, cand.call, ref_n, mu)
+            except (RuntimeError, ValueError, IndexError) as exc:  # a step that cannot take these outputs
+                return StepCheck(
+                    False,
+                    0,
+                    explanation=f"{name}.step() failed on the recorded calls ({type(exc).__name__}: {exc})",
+                )
 
         if calls.final is None:
             result.notes.append(
