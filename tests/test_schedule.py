@@ -743,3 +743,32 @@ def test_a_loop_that_mixes_several_outputs_before_step_is_said_not_checked_not_a
         assert isinstance(check, str) and "(1, 4, 4, 4) is not shaped like its latents (1, 1, 4, 4)" in check
     else:
         assert not isinstance(check, str), check
+
+
+def test_a_scheduler_whose_step_cannot_take_a_learned_variance_output_is_a_failed_candidate_not_a_crash(
+    tmp_path,
+):
+    # round 34's rerun of round 26 (learned variance): the step check of a sibling scheduler (Euler) fed the
+    # recorded 2C-channel outputs raised from inside diffusers and ended triage with a traceback
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv2d(1, 2, 1)
+
+        def forward(self, sample, timestep):
+            return self.conv(sample) * (1 + timestep / 100)
+
+    net = Net()
+    scheduler = DDPMScheduler(num_train_timesteps=10, variance_type="learned_range")
+    scheduler.set_timesteps(4)
+
+    def loop():
+        x = torch.randn(1, 1, 4, 4)
+        for t in scheduler.timesteps:
+            x = scheduler.step(net(x, t), t, x, generator=torch.Generator().manual_seed(1)).prev_sample
+        return x
+
+    folder = record(net, tmp_path / "rec", loop)
+    fit = fit_scheduler("EulerDiscreteScheduler", folder, step_check=folder)
+    assert "step() failed on the recorded calls" in fit.render(), fit.render()
