@@ -375,3 +375,19 @@ def test_a_noise_level_against_edm_c_noise_is_one_schedule_in_other_units(tmp_pa
         return
     assert report.verdict == "differ" and any(f.place == "schedule" for f in report.findings), text
     assert "c_noise" not in text
+
+
+def test_a_spec_triage_wrote_is_replaced_by_the_next_run_and_an_edited_one_is_kept(tmp_path):
+    # round 34 (AudioLDM 2): a second `triage --reference-script … --port-script other/run_port.py` into the
+    # same folder was refused ("triage-out/triage_spec.py exists and differs …"); the agent reran with --out
+    from paritykit.base.errors import ParityKitError
+    from paritykit.triage.spec import _write_spec
+
+    out = tmp_path / "triage-out"
+    path = _write_spec(out, "A = 1\n", "these scripts")
+    _write_spec(out, "A = 2\n", "these scripts")  # triage's own, unedited: replaced
+    assert path.read_text() == "A = 2\n"
+    path.write_text("A = 2\nSEED = 3\n")  # edited: the user's now
+    with pytest.raises(ParityKitError, match="exists and differs"):
+        _write_spec(out, "A = 4\n", "these scripts")
+    assert path.read_text() == "A = 2\nSEED = 3\n"

@@ -154,12 +154,25 @@ def _write_spec(out_dir: Any, text: str, made_from: str) -> Any:
     from paritykit.base.files import atomic_write_text
 
     path = out_dir / "triage_spec.py"
+    written = out_dir / SPEC_HASH  # the hash of the SPEC triage last wrote here: unedited, it is triage's own
     if path.exists() and path.read_text() != text:
-        raise ParityKitError(
-            f"{path} exists and differs from the SPEC {made_from} make (kept or edited?): run it with"
-            f" `paritykit triage {path}`, or give another --out"
-        )
+        ours = written.is_file() and written.read_text().strip() == _sha256(path.read_text())
+        if not ours:
+            raise ParityKitError(
+                f"{path} exists and differs from the SPEC {made_from} make (kept or edited?): run it with"
+                f" `paritykit triage {path}`, or give another --out"
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MARKER).write_text("{}\n")  # the folder is triage's, so the run may write into it
     atomic_write_text(path, text)
+    written.write_text(_sha256(text) + "\n")
     return path
+
+
+SPEC_HASH = "triage_spec.sha256"
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
