@@ -1016,3 +1016,14 @@ def test_an_update_on_complex_latents_is_fitted_over_both_parts_without_a_warnin
         )  # must not fit: an imaginary factor
     assert fit.exact and fit.text() == "0.9·latents + 0.2·output", fit.text()
     assert not off.exact
+
+
+def test_calls_repeated_at_each_timestep_are_said_so_not_other_timesteps():
+    # round 34 (sgmse: a corrector call before each predictor call, both at one t): "not checked: update: not
+    # replayed in lockstep with port_scheduler(): its set_timesteps(n) gives other timesteps than the port's
+    # denoiser was fed", on a port whose timesteps were right
+    from paritykit.triage.update_checks import _repeats_each
+
+    assert _repeats_each([1.0, 1.0, 0.68, 0.68, 0.35, 0.35]) == 2
+    assert _repeats_each([1.0, 0.68, 0.35]) == 1  # must not fire: one call per timestep
+    assert _repeats_each([1.0, 1.0, 0.68]) == 1  # must not fire: not every timestep twice

@@ -294,6 +294,15 @@ class UpdateChecks:
         if noisy:
             self.skip("update", f"not replayed in lockstep with port_scheduler(): {noisy}")
             return False
+        repeats = _repeats_each(self.t_port)
+        if repeats > 1:
+            self.skip(
+                "update",
+                "not replayed in lockstep with port_scheduler(): the port calls its denoiser"
+                f" {repeats} times at each timestep (a corrector before the predictor, or a second-order"
+                " step), so one step() per call does not replay it",
+            )
+            return False
         if not self._scheduler_steps_the_run():
             self.skip(
                 "update",
@@ -409,3 +418,19 @@ class UpdateChecks:
         a = self._next_latents(self.ref, self.ref_roles, i)
         b = self._next_latents(self.port, self.port_roles, i)
         return compare(a, b, self.tol, f"latents after step {i}")
+
+
+def _repeats_each(values: list[Any]) -> int:
+    r"""``k`` where every value of ``values`` comes ``k`` times in a row (k > 1: several calls per timestep);
+    1 otherwise."""
+    if not values or None in values:
+        return 1
+    runs, count = [], 1
+    for a, b in zip(values, values[1:]):
+        if same_timestep(a, b):
+            count += 1
+        else:
+            runs.append(count)
+            count = 1
+    runs.append(count)
+    return runs[0] if len(set(runs)) == 1 and runs[0] > 1 else 1
