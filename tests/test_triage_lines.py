@@ -765,6 +765,18 @@ def test_a_diffusion_step_passed_third_is_read_as_the_timestep():
     assert timestep_argument({"audio": audio, "spectrogram": mel, "scale": torch.tensor([2.0])}) is None
 
 
+# the two denoiser callables of a SPEC whose modules are REFERENCE and PORT
+DENOISERS = """
+
+def reference_denoiser():
+    return REFERENCE
+
+
+def port_denoiser():
+    return PORT
+"""
+
+
 CARRIED_SPEC = (
     """
 import torch
@@ -805,14 +817,8 @@ def run_reference():
 def run_port():
     return loop(PORT)
 
-
-def reference_denoiser():
-    return REFERENCE
-
-
-def port_denoiser():
-    return PORT
 """
+    + DENOISERS
 )
 
 
@@ -968,14 +974,8 @@ def run_port():
         x = x - 0.5 * (out[:1] + 0.5 * (out[:1] - out[1:]))
     return x
 
-
-def reference_denoiser():
-    return REFERENCE
-
-
-def port_denoiser():
-    return PORT
 """
+    + DENOISERS
 )
 
 
