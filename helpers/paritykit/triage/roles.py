@@ -166,8 +166,8 @@ def reference_swap(
             theirs = layout(theirs)
         if tuple(mine.shape) == tuple(theirs.shape):
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], theirs)
-        elif _repeated_batch(theirs, mine):  # guidance batched before the port's call: each row the same
-            grown = theirs.repeat(mine.shape[0] // theirs.shape[0], *([1] * (theirs.dim() - 1)))
+        elif times := repeated_batch(theirs, mine):  # guidance batched before the port's call
+            grown = theirs.repeat(times, *([1] * (theirs.dim() - 1)))
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], grown)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
         if p in port.named:  # a tensor inside a dict argument stays the port's own
@@ -181,8 +181,9 @@ def reference_swap(
     return swap
 
 
-def _repeated_batch(reference: Any, port: Any) -> bool:
-    r"""Whether ``port`` is ``reference`` repeated along the batch, every row exactly."""
+def repeated_batch(reference: Any, port: Any) -> int:
+    r"""``k`` where ``port`` is ``reference`` repeated ``k`` > 1 times along the batch, every row exactly (a
+    guidance batch made before the call on one side, inside the denoiser on the other); 0 otherwise."""
     import torch
 
     if (
@@ -190,11 +191,12 @@ def _repeated_batch(reference: Any, port: Any) -> bool:
         or reference.dim() != port.dim()
         or tuple(reference.shape[1:]) != tuple(port.shape[1:])
     ):
-        return False
+        return 0
     if port.shape[0] <= reference.shape[0] or port.shape[0] % reference.shape[0]:
-        return False
+        return 0
     times = port.shape[0] // reference.shape[0]
-    return bool(torch.equal(port, reference.repeat(times, *([1] * (reference.dim() - 1))).to(port.dtype)))
+    grown = reference.repeat(times, *([1] * (reference.dim() - 1))).to(port.dtype)
+    return times if bool(torch.equal(port, grown)) else 0
 
 
 def with_values(call: Call, swap: dict[str, Any]) -> tuple[tuple, dict]:

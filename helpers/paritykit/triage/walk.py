@@ -54,6 +54,7 @@ from paritykit.triage.roles import (
     kept_own,
     latents,
     output,
+    repeated_batch,
     roles_of,
     timestep,
     with_reference_values,
@@ -706,24 +707,17 @@ def batch_repeats(reference: Any, port: Any) -> str:
     r"""Words where one side's latents are the other's repeated along the batch, every row exactly (round 33,
     f5-tts: the research doubles its batch for guidance inside its denoiser, the port before the call); empty
     otherwise."""
-    import torch
-
-    if reference is None or port is None or reference.dim() == 0 or reference.dim() != port.dim():
+    if reference is None or port is None:
         return ""
-    if tuple(reference.shape[1:]) != tuple(port.shape[1:]) or reference.shape[0] == port.shape[0]:
-        return ""
-    small, large, who = (
-        (reference, port, "port") if reference.shape[0] < port.shape[0] else (port, reference, "reference")
-    )
-    if large.shape[0] % small.shape[0]:
-        return ""
-    times = large.shape[0] // small.shape[0]
-    if not torch.equal(large, small.repeat(times, *([1] * (small.dim() - 1))).to(large.dtype)):
-        return ""
-    return (
-        f"the {who}'s {tuple(large.shape)} are the other's {tuple(small.shape)} repeated {times} times along"
-        " the batch (a guidance batch made before the call on one side, inside the denoiser on the other)"
-    )
+    for small, large, who in ((reference, port, "port"), (port, reference, "reference")):
+        times = repeated_batch(small, large)
+        if times:
+            return (
+                f"the {who}'s {tuple(large.shape)} are the other's {tuple(small.shape)} repeated {times}"
+                " times along the batch (a guidance batch made before the call on one side, inside the"
+                " denoiser on the other)"
+            )
+    return ""
 
 
 def _timesteps(calls: list[Call]) -> list[float | None]:

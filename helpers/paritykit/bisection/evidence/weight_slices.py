@@ -12,6 +12,7 @@ from paritykit.bisection.evidence.culprit import (
     patched_copy,
     verify_hint,
 )
+from paritykit.bisection.leaves import torch_equal
 from paritykit.compare.diagnose import Hint
 from paritykit.forensics.conversion.fingerprints import informative
 
@@ -131,7 +132,8 @@ def _rounded(
         narrow = [
             st["dtype"] for st in _steps(entry) if st["op"] == "cast" and _NARROW.get(st["dtype"], 9) < wide
         ]
-        if narrow and not torch_equal(port_sd[entry.target], source):
+        port_value = port_sd[entry.target]
+        if narrow and not torch_equal(port_value, source.to(port_value.dtype)):
             rounded[entry.target] = narrow[0]
     if not rounded:
         return []
@@ -188,12 +190,6 @@ def _model_wide(c: Culprit, dtype_name: str) -> str:
 
 def _width(t: Any) -> int:
     return _NARROW.get(str(t.dtype).removeprefix("torch."), 0)
-
-
-def torch_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    return a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu().to(a.dtype))
 
 
 def _describe(rule: dict[str, Any]) -> str:
