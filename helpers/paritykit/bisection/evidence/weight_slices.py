@@ -307,7 +307,7 @@ def _constant_said(c: Culprit, name: str) -> str:
     tensor = dict(c.port.named_parameters()).get(own) if c.port is not None else None
     if tensor is None or tensor.numel() < 2 or not all_equal(tensor.detach()):
         return name
-    return f"{name} (all {format_number(float(tensor.reshape(-1)[0]))})"
+    return f"{name} (all {format_number(float(tensor.detach().reshape(-1)[0]))})"
 
 
 def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any]) -> list[Hint]:
