@@ -420,3 +420,15 @@ def test_a_constant_parameter_below_the_top_level_is_said_with_its_value():
     report = bisect(reference, port, ((torch.randn(2, 5, D),), {}))
     text = report.render()
     assert "block.norm_q.weight (all 1), block.norm_q.bias (all 0) equal no reference tensor" in text, text
+
+
+def test_a_norm_gain_folded_with_a_constant_is_said_scaled_and_a_zero_bias_is_scaled_from_nothing():
+    # round 34 (classifier guidance): RMS-norm gains folded with sqrt(W/C) were "equal no reference tensor";
+    # once 1-D tensors were tried, the port's all-zero LayerNorm bias read as "reference … scaled by 0"
+    from paritykit.bisection.evidence.weight_slices import _axis_scaled
+
+    torch.manual_seed(0)
+    g, h = torch.randn(8), torch.randn(8)
+    port = {"norm.weight": g * 2**0.5, "norm.bias": torch.zeros(8), "other.weight": torch.randn(8)}
+    found = _axis_scaled(port, list(port), {"ref.g": g, "ref.h": h})
+    assert found == {"norm.weight": ("ref.g", "every element scaled by 1.414")}, found

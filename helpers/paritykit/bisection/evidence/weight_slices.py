@@ -525,15 +525,18 @@ def _exp_fit(p: Any, r: Any) -> tuple[float, float] | None:
 def _axis_scaled(
     port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
 ) -> dict[str, tuple]:
-    r"""Port parameters of two or more dims that are one reference tensor with each row (dim 0) or each
-    column (dim 1) multiplied by its own factor, not all 1 (a gain folded into a projection, a
-    weight-normalised layer): port name -> (reference name, which axis and the factors' range). Elements
-    where the reference is 0 must be 0."""
+    r"""Port parameters that are one reference tensor with each row (dim 0) or each column (dim 1) multiplied
+    by its own factor, not all 1 (a gain folded into a projection, a weight-normalised layer), or, for a 1-D
+    tensor, every element by one (a norm's gain folded with a constant): port name -> (reference name, which
+    axis and the factors' range). Elements where the reference is 0 must be 0."""
     found = _one_relation(
         port_sd,
         unmapped,
         candidates,
-        lambda p, r: (how,) if p.dim() >= 2 and (how := _factors(p, r)) else None,
+        # a 1-D tensor (a norm's gain) only scaled as a whole: per element, any two tensors are "scaled"
+        lambda p, r: (
+            (how,) if (how := _factors(p, r)) and (p.dim() >= 2 or how.startswith("every")) else None
+        ),
         chunks=True,
     )
     return _named_parts(found, candidates)
@@ -576,8 +579,8 @@ def _factors(p: Any, r: Any) -> str:
     import torch
 
     zero = r == 0
-    if not bool((p[zero] == 0).all()) or bool(zero.all()):
-        return ""
+    if not bool((p[zero] == 0).all()) or bool(zero.all()) or not bool(p.any()):
+        return ""  # an all-zero port tensor is a constant (said so), no scaling of anything
     ratio = torch.where(zero, torch.nan, p / torch.where(zero, 1.0, r))
     for dim, word in ((0, "row"), (1, "column")):
         others = [d for d in range(p.dim()) if d != dim]
