@@ -16,11 +16,16 @@ def run(tmp_path, bugs=(), *, vae=True):
     return triage_spec(write_spec(tmp_path, bugs, vae=vae), out=tmp_path / "out")
 
 
-def one_finding(tmp_path, text: str, place: str):
-    r"""Triage of a SPEC written from ``text``: its one finding, which must be at ``place``."""
+def triage_text(tmp_path, text: str, all_causes: bool = False):
+    r"""Triage of a SPEC written from ``text`` into ``tmp_path``."""
     spec = tmp_path / "spec.py"
     spec.write_text(text)
-    report = triage_spec(spec, out=tmp_path / "out")
+    return triage_spec(spec, out=tmp_path / "out", all_causes=all_causes)
+
+
+def one_finding(tmp_path, text: str, place: str):
+    r"""Triage of a SPEC written from ``text``: its one finding, which must be at ``place``."""
+    report = triage_text(tmp_path, text)
     (finding,) = report.findings
     assert finding.place == place, report.render()
     return finding
@@ -311,9 +316,7 @@ def test_a_heun_loop_is_read_against_the_schedulers_list_for_its_own_step_count(
     # round 18 (EDM, denoising-diffusion-pytorch): the port's Heun loop calls its denoiser 7 times in 4
     # steps; triage printed "the port's scheduler gives the timesteps [...] (7)", set_timesteps(7)'s list,
     # and called the port's values converted although each was its scheduler's own for the 4 steps it set
-    spec = tmp_path / "spec.py"
-    spec.write_text(HEUN_SPEC.format(port_churn=port_churn))
-    report = triage_spec(spec, out=tmp_path / "out")
+    report = triage_text(tmp_path, HEUN_SPEC.format(port_churn=port_churn))
     finding = next(f for f in report.findings if f.place == "schedule")
     assert finding.call == 2, report.render()
     text = "\n".join(finding.evidence)
@@ -387,9 +390,7 @@ def test_an_input_scaled_before_the_denoiser_on_one_side_and_inside_it_on_the_ot
     # round 19 (smalldiffusion): the research scales x by 1/sqrt(1 + sigma^2) inside its Scaled wrapper, the
     # port before its transformer; triage called the first call's latents "a missing or extra scaling of the
     # noise", and fed the port's transformer the reference's unscaled latents to name a false culprit
-    spec = tmp_path / "spec.py"
-    spec.write_text(SCALED_SPEC.format(port=port))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, SCALED_SPEC.format(port=port), all_causes=True)
     text = report.render()
     if port == "noise":  # must not fire: the noise itself is scaled, and the outputs differ
         finding = next(f for f in report.findings if f.place == "initial noise")
@@ -460,9 +461,7 @@ def port_denoiser():
 def test_an_update_that_differs_by_rounding_alone_is_no_place(tmp_path, slip):
     # round 20 (score-models): on the fixed port, "inside the run, update at call 6: the latents after step 6
     # differ …, the sampler's update (cause unknown …)" for a relative 2.8e-7, float32 rounding
-    spec = tmp_path / "spec.py"
-    spec.write_text(ROUNDING_SPEC.format(slip=slip, tol=1e-9))
-    report = triage_spec(spec, out=tmp_path / "out")
+    report = triage_text(tmp_path, ROUNDING_SPEC.format(slip=slip, tol=1e-9))
     text = report.render()
     if slip:  # must not fire: a step size 1e-4 off is a place that differs
         assert any(f.place == "update" for f in report.findings), text
@@ -477,16 +476,15 @@ def test_update_rules_apart_by_less_than_the_tolerance_moves_are_no_place(tmp_pa
     # apart from the research's float32 ones at the last steps; "update at call 13: the update … differs:
     # ×1.00012" was counted as a place that differs, on the shipped port and on the fixed one alike. The two
     # rules, applied to the same latents and output, are compared under the run's tolerance
-    spec = tmp_path / "spec.py"
-    spec.write_text(ROUNDING_SPEC.format(slip=1.2e-4, tol=1e-2))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, ROUNDING_SPEC.format(slip=1.2e-4, tol=1e-2), all_causes=True)
     text = report.render()
     assert report.verdict == "match" and not report.findings, text
     said = "at calls 0-3 they agree within the tolerance only: their coefficients differ, and applied to the"
     assert said in text, text
     # must fire where that tolerance is strict: the same rules then move the latents beyond it
-    spec.write_text(ROUNDING_SPEC.format(slip=1.2e-4, tol=1e-6))
-    report = triage_spec(spec, out=tmp_path / "out2", all_causes=True)
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    report = triage_text(strict, ROUNDING_SPEC.format(slip=1.2e-4, tol=1e-6), all_causes=True)
     assert any(f.place == "update" for f in report.findings), report.render()
 
 
@@ -534,9 +532,7 @@ def test_a_rule_out_of_the_initial_noise_says_which_later_draws_it_does_not_cove
     # round 22 (autoregressive-diffusion-pytorch): "ruled out: initial noise: the first call's latents agree"
     # on a port that skipped one of the sampler's later noise draws, shifting every draw after it. The
     # rule-out names the calls whose latents no linear update explains, which it does not cover
-    spec = tmp_path / "spec.py"
-    spec.write_text(STOCHASTIC_SPEC.format(churn=churn, skip=bool(churn)))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, STOCHASTIC_SPEC.format(churn=churn, skip=bool(churn)), all_causes=True)
     text = report.render()
     said = (
         "ruled out: initial noise: the first call's latents agree; the latents of calls 1-3 are no exact"
@@ -635,9 +631,7 @@ def test_a_denoiser_fed_some_of_its_own_inputs_is_never_said_to_get_identical_on
     # round 21 (wavegrad): the port's noise level paired with no reference input stayed the port's own, and
     # triage said "the port's denoiser, fed the reference's call-0 inputs, differs …; bisect's culprit, a
     # module that differs on identical inputs: (top level)"
-    spec = tmp_path / "spec.py"
-    spec.write_text(KEPT_SPEC)
-    report = triage_spec(spec, out=tmp_path / "out")
+    report = triage_text(tmp_path, KEPT_SPEC)
     finding = next(f for f in report.findings if f.place == "denoiser")
     assert "fed the reference's call-0 inputs but its own timestep" in finding.summary, finding.summary
     assert "identical inputs" not in finding.summary, finding.summary
@@ -647,9 +641,7 @@ def test_first_latents_that_differ_with_the_first_timestep_are_said_to_maybe_com
     # round 31 (Karras U-Net 1-D with EDM churn): the port churned its first step (sigma 80 raised to 113,
     # noise added), and triage's first line, "initial noise at call 0: the first call's latents differ",
     # pointed at the noise draw; the timestep line below it was the cause
-    spec = tmp_path / "spec.py"
-    spec.write_text(HEUN_SPEC.format(port_churn=0))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, HEUN_SPEC.format(port_churn=0), all_causes=True)
     finding = next(f for f in report.findings if f.place == "initial noise")
     assert "call 0's timestep differs too, so a lead: the latents may be prepared for that other level" in (
         finding.summary
@@ -717,9 +709,7 @@ def test_timesteps_that_agree_only_in_other_units_are_one_schedule_only_where_th
     # feeds flow time t = 1 - sigma, and triage said "ruled out: schedule timesteps: the 16 timesteps agree
     # (the reference gives t in [0, 1] (noise at 1), the port 1 - t: compared and replayed so)". The units are
     # now measured on the port's denoiser: the reference's inputs with the timestep read so, and as given
-    spec = tmp_path / "spec.py"
-    spec.write_text(FLOW_TIME_SPEC.format(port=port))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, FLOW_TIME_SPEC.format(port=port), all_causes=True)
     text = report.render()
     if port == "inside":  # must not fire: the port's denoiser turns sigma into flow time itself
         assert report.verdict == "match", text
@@ -827,9 +817,7 @@ def test_an_update_finding_says_when_the_steps_inputs_agree_only_within_the_tole
     # round 32 (tortoise-tts, fixed port): "update at call 13: the latents after step 13 differ while that
     # step's inputs and output agree" read as a cause; the step's output was 2e-6 apart, within the tolerance,
     # and an update dividing by a small noise level carried it to 2e-5
-    spec = tmp_path / "spec.py"
-    spec.write_text(CARRIED_SPEC.format(off=off))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, CARRIED_SPEC.format(off=off), all_causes=True)
     text = report.render()
     if off == 0.0:  # must not fire: the two runs are one
         assert report.verdict == "match", text
@@ -895,9 +883,7 @@ def test_one_sign_convention_on_both_sides_of_the_call_is_no_difference(tmp_path
     # round 33 (Matcha-TTS): the port negated its output projection to fit FlowMatchEulerDiscreteScheduler,
     # whose update steps the other way; the fixed port's report listed "culprit: (top) … cosine -1" and
     # "update … ×-1" as two places that differ
-    spec = tmp_path / "spec.py"
-    spec.write_text(SIGN_SPEC.format(flipped=flipped, slip=slip))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, SIGN_SPEC.format(flipped=flipped, slip=slip), all_causes=True)
     text = report.render()
     if slip:  # a slip besides the convention: the update's ×-1 stays a finding, with the convention a lead
         (update,) = [f for f in report.findings if f.place == "update"]
@@ -985,9 +971,7 @@ def test_a_denoiser_fed_the_guidance_batch_made_before_the_call_is_bisected_on_t
 ):
     # round 33 (f5-tts): "not checked: denoiser: not bisected on call 0: its latents differ in shape
     # (reference (1, 48, 16), port (2, 48, 16))": the port's latents were the reference's repeated
-    spec = tmp_path / "spec.py"
-    spec.write_text(PACKED_GUIDANCE_SPEC.format(slip=slip))
-    report = triage_spec(spec, out=tmp_path / "out", all_causes=True)
+    report = triage_text(tmp_path, PACKED_GUIDANCE_SPEC.format(slip=slip), all_causes=True)
     text = report.render()
     assert any(
         n.place == "initial noise" and "repeated 2 times along the batch" in n.text for n in report.ruled_out

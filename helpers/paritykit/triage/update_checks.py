@@ -4,6 +4,7 @@ fed other values. A mixin of :class:`paritykit.triage.walk.Triage`, which holds 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from paritykit.base.report import format_number
@@ -13,7 +14,7 @@ from paritykit.triage.pairs import SAME_UNITS, compare, comparison_evidence, sam
 from paritykit.triage.report import Finding
 from paritykit.triage.roles import Roles, latents, output
 from paritykit.triage.sides import SideRun
-from paritykit.triage.sign_convention import NEGATED, opposite_output_terms
+from paritykit.triage.sign_convention import NEGATED, convention_words, negated_error, opposite_output_terms
 
 # a relative L2 error at most this, per dtype, is rounding's scale: eight times the dtype's machine epsilon
 ROUNDING_SCALE = {
@@ -34,11 +35,11 @@ class UpdateChecks:
     r"""The update checks of :class:`~paritykit.triage.walk.Triage`: between a denoiser call and the next."""
 
     # ----------------------------------------------------------------------------------------- 5. update
+    @functools.cached_property
     def sign_convention(self) -> str:
-        r"""Words for one sign convention kept on both sides of the call (:mod:`paritykit.triage.sign_
-        convention`): every call's output negated and every update's output term too; empty otherwise."""
-        from paritykit.triage.sign_convention import convention_words, negated_error, opposite_output_terms
-
+        r"""Words for one sign convention kept on both sides of the call
+        (:mod:`paritykit.triage.sign_convention`): every call's output negated and every update's output term
+        too; empty otherwise. Read once, by the denoiser's place and the update's."""
         if self.by_order or not self.pairs or not all(p.inputs_agree for p in self.pairs):
             return ""
         n = len(self.pairs)
@@ -51,7 +52,7 @@ class UpdateChecks:
         return convention_words(n, error, terms) if terms else ""
 
     def update(self, step: int | None = None) -> None:
-        convention = self.sign_convention()
+        convention = self.sign_convention
         if convention:
             self.rule_out("update", convention)
             return

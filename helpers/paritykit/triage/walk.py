@@ -484,7 +484,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
                     " denoisers' outputs, so neither is bisected",
                 )
                 return
-        convention = self.sign_convention() if call is None else ""
+        convention = self.sign_convention if call is None else ""
         if convention:
             self.rule_out("denoiser", convention)
             return
