@@ -432,3 +432,66 @@ def test_a_norm_gain_folded_with_a_constant_is_said_scaled_and_a_zero_bias_is_sc
     port = {"norm.weight": g * 2**0.5, "norm.bias": torch.zeros(8), "other.weight": torch.randn(8)}
     found = _axis_scaled(port, list(port), {"ref.g": g, "ref.h": h})
     assert found == {"norm.weight": ("ref.g", "every element scaled by 1.414")}, found
+
+
+class _FusedModulation(nn.Module):  # MMDiT: one projection's 12 chunks modulate two streams
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.to_cond = nn.Linear(D, 12 * D)
+        self.norm = nn.LayerNorm(D, elementwise_affine=False)
+
+    def forward(self, x, c, t):
+        chunks = self.to_cond(t).chunk(12, -1)
+        # text gammas, image gammas, then the betas text/image: each stream takes 2 gammas and 1 beta here
+        x = self.norm(x) * chunks[4] + chunks[10]
+        c = self.norm(c) * chunks[0] + chunks[8]
+        return x * chunks[5], c * chunks[1]
+
+
+class _SplitModulation(nn.Module):  # the port: one (shift, scale, gate) projection per stream, scale as 1 + s
+    def __init__(self, reference: _FusedModulation, image: list[int], text: list[int]):
+        super().__init__()
+        self.norm1, self.norm1_context = nn.Linear(D, 3 * D), nn.Linear(D, 3 * D)
+        self.norm = nn.LayerNorm(D, elementwise_affine=False)
+        w, b = reference.to_cond.weight.detach().chunk(12), reference.to_cond.bias.detach().chunk(12)
+        with torch.no_grad():
+            for layer, order in ((self.norm1, image), (self.norm1_context, text)):
+                layer.weight.copy_(torch.cat([w[j] for j in order]))
+                layer.bias.copy_(torch.cat([b[j] - (1.0 if i == 1 else 0.0) for i, j in enumerate(order)]))
+
+    def forward(self, x, c, t):
+        shift, scale, gate = self.norm1(t).chunk(3, -1)
+        c_shift, c_scale, c_gate = self.norm1_context(t).chunk(3, -1)
+        x = (self.norm(x) * (1 + scale) + shift) * gate
+        return x + 0.1, (self.norm(c) * (1 + c_scale) + c_shift) * c_gate  # the slip: + 0.1
+
+
+@pytest.mark.parametrize("case", ["gathered", "one_element_off"])
+def test_a_fused_modulation_gathered_into_two_projections_is_said_block_by_block(case):
+    # round 34 (MMDiT): the port split a 12-chunk modulation into two AdaLayerNormZero projections, and the
+    # [weights] hint said both "equal no reference tensor", the fused one "no port parameter … equals one"
+    reference = _FusedModulation().eval()
+    port = _SplitModulation(reference, [10, 4, 5], [8, 0, 1])
+    if case == "one_element_off":
+        with torch.no_grad():
+            port.norm1.weight[0, 0] += 0.5
+    x, c, t = torch.randn(2, 5, D), torch.randn(2, 3, D), torch.randn(2, 1, D)
+    report = bisect(reference, port.eval(), ((x, c, t), {}))
+    text = report.render()
+    (hint,) = [h for c_ in report.culprits for h in c_.hints if h.id == "weights"]
+    said = "norm1_context.weight = reference to_cond.weight row blocks 8, 0, 1 of 12, in that order"
+    assert said in hint.message, text
+    bias = "norm1_context.bias = reference to_cond.bias row blocks 8, 0, 1 of 12, in that order (-1 added to"
+    bias += " blocks 0)"
+    assert bias in hint.message, text
+    if case == "one_element_off":  # must not fire for the projection one element breaks
+        assert "port parameters norm1.weight equal no reference tensor" in hint.message, text
+        assert "norm1.weight = reference" not in hint.message, text
+    else:
+        image = "norm1.weight = reference to_cond.weight row blocks 10, 4, 5 of 12, in that order"
+        assert image in hint.message, text
+        assert "equal no reference tensor" not in hint.message, text
+        # six of the twelve blocks feed nothing in the port: said as such, never as the whole tensor unused
+        spare = "reference to_cond.weight row blocks 2, 3, 6, 7, 9, 11 of 12: in no port parameter"
+        assert spare in hint.message, text

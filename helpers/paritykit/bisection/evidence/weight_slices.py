@@ -328,7 +328,11 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     left = [k for k in left if k not in scaled]
     gathered = _head_gathered(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
     used |= _wholly_used([r for r, _ in gathered.values()])
-    unmapped = [k for k in left if k not in gathered]
+    left = [k for k in left if k not in gathered]
+    blocks = _block_gathered(port_sd, left, {k: ref_sd[k] for k in dropped if k not in used})
+    spare = _blocks_unused(blocks)
+    used |= {r for r, *_ in blocks.values()} - set(spare)
+    unmapped = [k for k in left if k not in blocks]
     dropped = [k for k in dropped if k not in used]
     built = _buffers(c, unmapped)
     unmapped = [k for k in unmapped if k not in built]
@@ -346,6 +350,15 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             " otherwise"
         )
     elsewhere = _held_elsewhere(c, {k: ref_sd[k] for k in dropped})
+    if spare:
+        parts.append(
+            "; ".join(
+                f"reference {r} row blocks {', '.join(map(str, left_over))} of {count}: in no port"
+                " parameter of the culprit"
+                for r, (count, left_over) in spare.items()
+            )
+        )
+    dropped = [k for k in dropped if k not in spare]
     if dropped:
         names = ", ".join(dropped[:6])
         parts.append(
@@ -376,6 +389,10 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
             [f"{p} = reference {r}" for p, (r, _) in gathered.items()],
             "a fused projection laid out head by head, split by the conversion",
         ),
+        (
+            [f"{p} = reference {_block_words(*found)}" for p, found in blocks.items()],
+            "a fused projection's blocks gathered by the conversion",
+        ),
     )
     parts += [
         f"port parameters {', '.join(said[:6])} ({why}; whether each forward reads them so is not compared by"
@@ -394,6 +411,10 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
                 "exponentiated": {p: [r, a, b] for p, (r, a, b) in exps.items()},
                 "scaled": {p: [r, how] for p, (r, how) in scaled.items()},
                 "gathered": {p: r for p, (r, _) in gathered.items()},
+                "blocks": {
+                    p: [r, order, count, {str(k): v for k, v in added.items()}]
+                    for p, (r, order, count, added) in blocks.items()
+                },
                 "unmatched_port": unmapped,
                 "unmatched_buffers": built,
                 "unused_reference": dropped,
@@ -567,6 +588,98 @@ def _head_gathered(
         chunks=True,
     )
     return _named_parts({k: v for k, v in found.items() if len(v) > 2 and v[-1] > 1}, candidates)
+
+
+# a gather of row blocks is looked for in reference tensors of at most this many blocks
+MAX_BLOCKS = 64
+
+
+def _block_gathered(
+    port_sd: dict[str, Any], unmapped: list[str], candidates: dict[str, Any]
+) -> dict[str, tuple]:
+    r"""Port parameters that are equal-sized row blocks of one fused reference tensor, joined in some order
+    (a 12-chunk modulation split into two AdaLN projections): port name -> (reference name, the block
+    indices in the port's order, the reference's block count, {block: constant added}). Each port block must
+    equal exactly one reference block, every element, or for a 1-D tensor that block plus one constant (a
+    scale stored as 1 + γ on one side). The coarsest blocks that explain it are said."""
+    found: dict[str, tuple] = {}
+    for name in unmapped:
+        p = port_sd.get(name)
+        if p is None or not p.is_floating_point() or p.dim() == 0 or p.shape[0] < 2:
+            continue
+        hits = [
+            (ref_name, *got)
+            for ref_name, r in candidates.items()
+            if r.is_floating_point() and r.dim() == p.dim() and r.shape[1:] == p.shape[1:]
+            if (got := _blocks_of(p.detach().cpu().double(), r.detach().cpu().double())) is not None
+        ]
+        if len(hits) == 1:
+            found[name] = hits[0]
+    return found
+
+
+def _blocks_of(p: Any, r: Any) -> tuple[list[int], int, dict[int, float]] | None:
+    import math
+
+    n, m = p.shape[0], r.shape[0]
+    for size in sorted((b for b in range(1, math.gcd(n, m) + 1) if n % b == 0 and m % b == 0), reverse=True):
+        if m // size > MAX_BLOCKS or (size == n == m):
+            continue
+        ours, theirs = p.split(size), r.split(size)
+        order, added = [], {}
+        for block in ours:
+            matches = [
+                (j, d) for j, other in enumerate(theirs) if (d := _same_block(block, other)) is not None
+            ]
+            if len(matches) != 1:
+                break
+            j, d = matches[0]
+            order.append(j)
+            if d:
+                added[j] = d
+        else:
+            # consecutive blocks as they are: one contiguous slice, which the value matcher already tries
+            if added or order != list(range(order[0], order[0] + len(order))):
+                return order, len(theirs), added
+    return None
+
+
+def _same_block(a: Any, b: Any) -> float | None:
+    r"""0 where ``a`` equals ``b``; the constant where a 1-D ``a`` is ``b`` plus one; ``None`` otherwise."""
+    import torch
+
+    if torch.equal(a, b):
+        return 0.0
+    if a.dim() != 1 or a.numel() < 2:
+        return None
+    got = _offset(a, b)
+    return got[0] if got else None
+
+
+def _blocks_unused(blocks: dict[str, tuple]) -> dict[str, tuple[int, list[int]]]:
+    r"""Reference tensors some of whose blocks no port parameter took: name -> (block count, those blocks)."""
+    taken: dict[str, set[int]] = {}
+    counts: dict[str, int] = {}
+    for r, order, count, _ in blocks.values():
+        taken.setdefault(r, set()).update(order)
+        counts[r] = count
+    return {
+        r: (counts[r], sorted(set(range(counts[r])) - got))
+        for r, got in taken.items()
+        if len(got) < counts[r]
+    }
+
+
+def _block_words(ref_name: str, order: list[int], count: int, added: dict[int, float]) -> str:
+    text = f"{ref_name} row blocks {', '.join(map(str, order))} of {count}, in that order"
+    by_value: dict[float, list[str]] = {}
+    for j, d in added.items():
+        by_value.setdefault(d, []).append(str(j))
+    if by_value:
+        text += (
+            " (" + "; ".join(f"{d:+g} added to blocks {', '.join(js)}" for d, js in by_value.items()) + ")"
+        )
+    return text
 
 
 def _squeezed(t: Any) -> tuple[int, ...]:
