@@ -495,3 +495,62 @@ def test_a_fused_modulation_gathered_into_two_projections_is_said_block_by_block
         # six of the twelve blocks feed nothing in the port: said as such, never as the whole tensor unused
         spare = "reference to_cond.weight row blocks 2, 3, 6, 7, 9, 11 of 12: in no port parameter"
         assert spare in hint.message, text
+
+
+class _MPAdd(nn.Module):
+    def __init__(self, t: float = 0.3):
+        super().__init__()
+        self.t = t
+
+    def forward(self, x, res):
+        return (x * (1 - self.t) + res * self.t) / ((1 - self.t) ** 2 + self.t**2) ** 0.5
+
+
+class _MPBlock(nn.Module):  # the research block: its constructor never passes the config's t on
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(D, D)
+        self.res_mp_add = _MPAdd()
+
+    def forward(self, x):
+        return self.res_mp_add(self.proj(x), x)
+
+
+class _MPPort(nn.Module):
+    def __init__(self, reference: _MPBlock, t: float, reads_t: bool):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.proj.load_state_dict(reference.proj.state_dict())
+        self.resnet_mp_add_t, self.reads_t = t, reads_t
+
+    def forward(self, x):
+        t = self.resnet_mp_add_t if self.reads_t else 0.3
+        out = (self.proj(x) * (1 - t) + x * t) / ((1 - t) ** 2 + t**2) ** 0.5
+        return out if self.reads_t else out + 0.1  # not reading t, the slip is elsewhere
+
+
+class _Two(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("reads_t", [True, False])
+def test_a_setting_of_another_name_is_said_only_when_setting_it_makes_the_module_match(reads_t):
+    # round 34 (karras3d): the port honoured the config's resnet_mp_add_t=0.25 where the research block's
+    # MPAdd keeps t=0.3; the names differ, so no setting was compared and the hint was a correct conversion's
+    reference = _Two(_MPBlock(), _MPBlock()).eval()
+    port = _Two(_MPPort(reference.first, 0.3, True), _MPPort(reference.second, 0.25, reads_t)).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, D),), {}))
+    text = report.render()
+    said = [h for c in report.culprits for h in c.hints if "paired by their name words" in h.message]
+    if reads_t:
+        (hint,) = said
+        assert "reference second.res_mp_add.t=0.3, port second.resnet_mp_add_t=0.25" in hint.message, text
+        assert hint.verified and hint.fix == "second.resnet_mp_add_t = 0.3", text
+    else:  # must not fire: setting t changes nothing the module computes
+        assert said == [], text

@@ -348,7 +348,7 @@ def module_config(c: Culprit) -> list[Hint]:
             continue
         diffs += settings_diff(a, b, ref_sub, port_sub)
     if not diffs:
-        return []
+        return _settings_by_words(c)
     edits = [(".".join(p for p in (d.port, d.attr) if p), _fix_value(d, c.reference)) for d in diffs]
     if len(diffs) > 1 and c.check is not None:
         needed = _needed(c, edits)
@@ -407,3 +407,57 @@ def _config_hint(c: Culprit, d: SettingDifference) -> Hint:
     return Hint(
         "module-config", d.describe(cls) + _CONFIG_EVIDENCE, {"difference": d.to_dict()}, score=0.8, fix=fix
     )
+
+
+# numeric settings of other names tried as a fix, at most this many
+WORD_PAIRS = 12
+
+
+def _words(path: str) -> list[str]:
+    return [w for w in re.split(r"[._]", path.lower()) if w]
+
+
+def _numbers(module: Any) -> list[tuple[str, str, float]]:
+    r"""``(module path, attribute, value)`` of every float setting in ``module`` and below (not bools or
+    ints: those are sizes and flags, which other evidence reads)."""
+    out = []
+    for path, sub in module.named_modules():
+        for _, (attr, value) in config_of(sub).items():
+            if isinstance(value, float) and math.isfinite(value):
+                out.append((path, attr, value))
+    return out
+
+
+def _settings_by_words(c: Culprit) -> list[Hint]:
+    r"""Float settings the two sides name otherwise (round 34, karras3d: the port block's
+    ``resnet_mp_add_t=0.25`` against the research block's ``res_mp_add.t=0.3``, which its constructor never
+    passed the config's value): pairs whose full names end in the same word and share another, with other
+    values. Each is set to the reference's value on a copy of the port, and only a pair that then makes the
+    module match is said: verified, or nothing."""
+    if c.check is None:
+        return []
+    ref_numbers = _numbers(c.reference)
+    pairs = []
+    for port_path, port_attr, b in _numbers(c.port):
+        port_words = _words(f"{port_path}.{port_attr}")
+        for ref_path, ref_attr, a in ref_numbers:
+            ref_words = _words(f"{ref_path}.{ref_attr}")
+            if math.isclose(a, b, rel_tol=1e-9) or port_words[-1] != ref_words[-1]:
+                continue
+            if len(set(port_words[:-1]) & set(ref_words[:-1])) >= 1:
+                pairs.append((ref_path, ref_attr, a, port_path, port_attr, b))
+    hints = []
+    for ref_path, ref_attr, a, port_path, port_attr, b in pairs[:WORD_PAIRS]:
+        where = ".".join(x for x in (port_path, port_attr) if x)
+        hint = Hint(
+            "module-config",
+            f"reference {c.reference_path(ref_path)}.{ref_attr}={format_value(a)}, port"
+            f" {c.port_path(port_path, port_attr)}={format_value(b)} (settings of other names, paired by"
+            " their name words and tried)" + _CONFIG_EVIDENCE,
+            {"reference": ref_path, "attr": ref_attr, "port": port_path, "port_attr": port_attr},
+            score=0.8,
+            fix=f"{c.port_path(port_path, port_attr)} = {a!r}",
+        )
+        if verify_hint(c, lambda w=where, v=a: patched_copy(c.port, {w: v}), hint).verified:
+            hints.append(hint)
+    return hints
