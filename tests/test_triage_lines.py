@@ -981,6 +981,8 @@ def test_a_denoiser_fed_the_guidance_batch_made_before_the_call_is_bisected_on_t
         return
     (finding,) = [f for f in report.findings if f.place == "denoiser"]
     assert "fed the reference's call-0 inputs" in finding.summary, text
+    # round 35 (stable-audio-tools): "the port's own call-0 inputs differ" where they were the repeated rows
+    assert "own call-0 inputs" not in text, text
 
 
 def test_an_update_on_complex_latents_is_fitted_over_both_parts_without_a_warning():
@@ -1011,3 +1013,119 @@ def test_calls_repeated_at_each_timestep_are_said_so_not_other_timesteps():
     assert _repeats_each([1.0, 1.0, 0.68, 0.68, 0.35, 0.35]) == 2
     assert _repeats_each([1.0, 0.68, 0.35]) == 1  # must not fire: one call per timestep
     assert _repeats_each([1.0, 1.0, 0.68]) == 1  # must not fire: not every timestep twice
+
+
+PERMUTED_CONDITIONING_SPEC = (
+    """
+import torch
+
+ORDER = [0, 3, 1, 4, 2, 5]  # the port lays the features out step-major where the reference interleaves them
+SLIP = {slip}
+
+
+class Net(torch.nn.Module):
+    def __init__(self, columns=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.cond = torch.nn.Linear(6, 8)
+        if columns is not None:  # the converter's columns, matched to the port's layout
+            with torch.no_grad():
+                self.cond.weight.copy_(self.cond.weight[:, columns])
+
+    def forward(self, x, t, c):
+        return self.proj(x) + self.cond(c)[:, None] * t.reshape(-1, 1, 1)
+
+
+INVERSE = [ORDER.index(i) for i in range(6)]
+REFERENCE, PORT = Net().eval(), Net(INVERSE if SLIP else ORDER).eval()
+C = torch.randn(2, 6)
+
+
+def run_reference():
+    x = torch.randn(2, 4, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * REFERENCE(x, torch.tensor([t, t]), C)
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 4, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * PORT(x, torch.tensor([t, t]), C[:, ORDER])
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize("slip", [False, True])
+def test_conditioning_the_port_holds_rearranged_is_compared_in_the_references_layout(tmp_path, slip):
+    # round 35 (lerobot's diffusion policy): the port lays its observation features out step-major and
+    # converts the weights to match (one of them the wrong way round): "conditioning at call 0: … differs
+    # …, before any denoiser computation", and a weights "fix (verified)" measured on the reference's layout
+    report = triage_text(tmp_path, PERMUTED_CONDITIONING_SPEC.format(slip=slip), all_causes=True)
+    text = report.render()
+    assert not [f for f in report.findings if f.place == "conditioning"], text
+    (note,) = [n for n in report.ruled_out if n.place == "conditioning"]
+    assert "hold the reference's values rearranged, 8 of 12 elements moved" in note.text, text
+    if not slip:  # must not fire: the layout and the weights agree
+        assert report.verdict == "match", text
+        return
+    (finding,) = [f for f in report.findings if f.place == "denoiser"]
+    assert "cond" in finding.summary and "fix (verified)" not in text, text
+
+
+STACKED_INPUT_SPEC = (
+    """
+import torch
+
+SLIP = {slip}
+
+
+class Net(torch.nn.Module):
+    def __init__(self, slip=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.slip = torch.nn.Linear(16, 8), slip
+
+    def forward(self, stacked, t, mask=None):  # CSDI: (observed, noisy) stacked; the port passes the mask too
+        x = stacked.flatten(-2) if stacked.dim() == 4 else stacked
+        return torch.nn.functional.silu(self.proj(x)) * (1 + self.slip) * t.reshape(-1, 1, 1)
+
+
+REFERENCE, PORT = Net().eval(), Net(SLIP).eval()
+OBSERVED, MASK = torch.randn(2, 3, 8), (torch.rand(2, 3, 8) > 0.5).float()
+
+
+def run_reference():
+    x = torch.randn(2, 3, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * REFERENCE(torch.stack([OBSERVED, x], -1), torch.tensor([t, t]))
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 3, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * PORT(torch.stack([OBSERVED, x], -1), torch.tensor([t, t]), MASK)
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize("slip", [0.0, 0.1])
+def test_a_stacked_input_is_the_latents_on_both_sides_when_only_the_port_passes_one_of_the_outputs_shape(
+    tmp_path, slip
+):
+    # round 35 (CSDI): the port's mask argument has the output's shape and was read as its latents, the
+    # research's stacked input as its own: "not checked: denoiser: not bisected …: its latents differ in shape
+    # (reference (2, 2, 4, 6), port (2, 4, 6))"
+    report = triage_text(tmp_path, STACKED_INPUT_SPEC.format(slip=slip), all_causes=True)
+    text = report.render()
+    assert "latents differ in shape" not in text and "latents shapes differ" not in text, text
+    if not slip:  # must not fire
+        assert report.verdict == "match", text
+        return
+    assert [f for f in report.findings if f.place == "denoiser"], text

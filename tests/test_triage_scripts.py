@@ -391,3 +391,24 @@ def test_a_spec_triage_wrote_is_replaced_by_the_next_run_and_an_edited_one_is_ke
     with pytest.raises(ParityKitError, match="exists and differs"):
         _write_spec(out, "A = 4\n", "these scripts")
     assert path.read_text() == "A = 2\nSEED = 3\n"
+
+
+def test_modules_a_script_makes_by_hand_or_replaces_do_not_reach_the_other_script(tmp_path, monkeypatch):
+    # round 35 (lerobot): the research script put a hand-made `torchvision` in sys.modules; diffusers' imports
+    # in the port's script then failed ("torchvision.__spec__ is None") and triage stopped
+    import colorsys
+    import importlib.util
+
+    stub = """
+import colorsys
+import sys
+import types
+
+sys.modules["pk_hand_made_stub"] = types.ModuleType("pk_hand_made_stub")
+sys.modules["colorsys"] = types.ModuleType("colorsys")
+"""
+    _write(tmp_path, extra=stub)
+    report = _triage(tmp_path, monkeypatch)
+    assert report.verdict == "match", report.render()
+    assert "pk_hand_made_stub" not in sys.modules and importlib.util.find_spec("pk_hand_made_stub") is None
+    assert sys.modules["colorsys"] is colorsys  # the module it replaced is put back

@@ -67,6 +67,18 @@ class ConditioningChecks:
                 return
         first = self.pairs[0]
         ordered = f" ({self.batch_order.words()})" if self.batch_order is not None else ""
+        if self.cond_layouts:
+            ordered += (
+                " (the port's "
+                + ", ".join(f"{p} {layout.port_shape}" for p, layout in self.cond_layouts.items())
+                + " hold the reference's values rearranged, "
+                + ", ".join(
+                    f"{layout.moved()} of {layout.index.numel()} elements moved"
+                    for layout in self.cond_layouts.values()
+                )
+                + ": an exact index map read at the first call; compared in the reference's layout, and the"
+                " denoiser replayed on the reference's values laid out as the port's)"
+            )
         everywhere, partly = self._conditioning_coverage()
         if everywhere:
             self.rule_out(

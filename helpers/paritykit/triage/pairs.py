@@ -145,6 +145,23 @@ class CallComparison:
         unread = self.t_reference is None or self.t_port is None
         return self.latents_match and self.conditioning_match and (self.timestep_match or unread)
 
+    def differing_inputs(self) -> list[str]:
+        r"""What keeps :attr:`inputs_agree` false, each as measured."""
+        out = []
+        if self.latents is None:
+            out.append(f"latents not compared ({self.latents_note or 'not found'})")
+        elif not self.latents.passed:
+            out.append(f"latents differ (max_abs {format_number(self.latents.max_abs)})")
+        if self.t_reference is not None and self.t_port is not None and not self.timestep_match:
+            out.append(f"timestep {format_number(self.t_reference)} against {format_number(self.t_port)}")
+        out += [
+            f"{r} / {p} differ (max_abs {format_number(c.max_abs)})"
+            for r, p, c in self.conditioning
+            if not c.passed
+        ]
+        out += self.unpaired
+        return out
+
     @property
     def inputs_match(self) -> bool:
         return self.latents_match and self.timestep_match and self.conditioning_match
@@ -325,14 +342,17 @@ class Rearrangement:
     index: Any
 
     @classmethod
-    def read(cls, reference: Any, port: Any) -> Rearrangement | None:
+    def read(cls, reference: Any, port: Any, same_shape: bool = False) -> Rearrangement | None:
         r"""The map between two tensors of one size holding the same values: a patch packing (spatial dims
         cut into patches, the patches' values along the last dim in some order, tokens in row order) checked
         element by element; else, when every value is distinct, the map the values alone give. ``None`` when
-        no map reproduces the port's tensor, or the shapes are already equal."""
+        no map reproduces the port's tensor, or the shapes are already equal (with ``same_shape``, when the
+        map leaves every element in place)."""
         import torch
 
-        if reference is None or port is None or tuple(reference.shape) == tuple(port.shape):
+        if reference is None or port is None:
+            return None
+        if tuple(reference.shape) == tuple(port.shape) and (not same_shape or torch.equal(reference, port)):
             return None
         if reference.numel() != port.numel() or not reference.is_floating_point():
             return None
@@ -364,6 +384,12 @@ class Rearrangement:
         out[self.index.to(tensor.device)] = tensor.reshape(-1)
         return out.reshape(self.port_shape)
 
+    def moved(self) -> int:
+        r"""How many elements the map moves."""
+        import torch
+
+        return int((self.index != torch.arange(self.index.numel())).sum())
+
     def words(self) -> str:
         return (
             f"the port's latents {self.port_shape} hold the reference's {self.ref_shape} values rearranged"
@@ -379,6 +405,35 @@ class Rearrangement:
         found = output_tensor(call.output)
         mapped = self.to_reference(found)
         return Call(call.args, call.kwargs, named, mapped if mapped is not found else call.output)
+
+
+def conditioning_layouts(
+    ref: Call, rr: Roles, port: Call, pr: Roles, tol: Tolerance
+) -> dict[str, Rearrangement]:
+    r"""The port's conditioning inputs that hold the reference's values rearranged, every element, at the
+    first call (round 35, lerobot's diffusion policy: the port lays its observation features out step-major
+    where the research interleaves them, and converts the weights to match): port name -> the map. An input
+    that agrees as it is, or whose values no exact map reproduces, is not among them."""
+    from paritykit.triage.roles import pair_conditioning
+
+    found = {}
+    for r, p in pair_conditioning(ref, rr, port, pr):
+        a, b = argument(ref, r), argument(port, p)
+        if compare(a, b, tol, r).passed:
+            continue
+        layout = Rearrangement.read(a, b, same_shape=True)
+        if layout is not None:
+            found[p] = layout
+    return found
+
+
+def view_conditioning(call: Call, layouts: dict[str, Rearrangement]) -> Call:
+    r"""``call`` with each conditioning input ``layouts`` names read in the reference's layout."""
+    named = dict(call.named)
+    for name, layout in layouts.items():
+        if batch_of(named.get(name)) is not None:
+            named[name] = layout.to_reference(batch_of(named[name]))
+    return Call(call.args, call.kwargs, named, call.output)
 
 
 @dataclass

@@ -66,6 +66,54 @@ def _latents_name(tensors: list[str], named: dict[str, Any], out: Any) -> str | 
     return next((k for k in LATENT_NAMES if k in tensors), tensors[0] if tensors else None)
 
 
+def agreeing_latents(
+    ref_calls: list[Call], ref_roles: list[Roles], port_calls: list[Call], port_roles: list[Roles]
+) -> tuple[list[Roles], list[Roles]]:
+    r"""Both sides' roles with one latents shape where only one side can give it (round 35, CSDI: the
+    research network takes the stacked ``(B, 2, K, L)`` input and no argument of its output's shape, the
+    port takes the same stack and a ``cond_mask`` of the output's shape, read as its latents): on the side
+    that holds an argument of the other side's latents shape, that argument is its latents, at every call
+    that has it. Where both sides or neither could change, the roles stay as read."""
+    if not ref_calls or not port_calls:
+        return ref_roles, port_roles
+    ref_shape, port_shape = (
+        _shape(latents(calls[0], roles[0]))
+        for calls, roles in ((ref_calls, ref_roles), (port_calls, port_roles))
+    )
+    if ref_shape is None or port_shape is None or ref_shape == port_shape:
+        return ref_roles, port_roles
+    port_pick = _of_shape(port_calls[0], port_roles[0], ref_shape)
+    ref_pick = _of_shape(ref_calls[0], ref_roles[0], port_shape)
+    if (port_pick is None) == (ref_pick is None):
+        return ref_roles, port_roles
+    if port_pick is not None:
+        return ref_roles, _repicked(port_calls, port_roles, port_pick, ref_shape)
+    return _repicked(ref_calls, ref_roles, ref_pick, port_shape), port_roles
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+def _of_shape(call: Call, roles: Roles, shape: tuple[int, ...]) -> str | None:
+    r"""The one conditioning argument of ``call`` of ``shape`` (a latents name first), if there is one."""
+    shaped = [k for k in roles.conditioning if _shape(argument(call, k)) == shape]
+    named = [k for k in LATENT_NAMES if k in shaped]
+    if named:
+        return named[0]
+    return shaped[0] if len(shaped) == 1 else None
+
+
+def _repicked(calls: list[Call], roles: list[Roles], name: str, shape: tuple[int, ...]) -> list[Roles]:
+    out = []
+    for call, r in zip(calls, roles):
+        if name in r.conditioning and _shape(argument(call, name)) == shape:
+            others = [k for k in r.conditioning if k != name]
+            r = Roles(name, r.timestep, r.timestep_kind, ([r.latents] if r.latents else []) + others)
+        out.append(r)
+    return out
+
+
 def _more_channels(shape: tuple[int, ...], of: tuple[int, ...]) -> bool:
     r"""Whether ``shape`` is ``of`` with a whole multiple of its channels (dim 1)."""
     same_rest = len(of) == len(shape) > 1 and of[0] == shape[0] and of[2:] == shape[2:]
@@ -151,12 +199,14 @@ def reference_swap(
     timestep_too: bool = True,
     t_units: Callable[[float], float] | None = None,
     layout: Callable[[Any], Any] | None = None,
+    laid_out: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     r"""The port's argument names :func:`with_reference_values` replaces, with the reference's values:
     latents (laid out another way by ``layout``: the reference's values into the port's packing),
     conditioning, and (when ``timestep_too`` and both sides give one) the timestep, converted to the port's
     units by ``t_units`` (``t * 1000`` when the reference gives it in [0, 1], ``1 - t / 1000`` for flow time
-    counted the other way)."""
+    counted the other way). A conditioning input the port holds rearranged (``laid_out``: its name -> a
+    :class:`~paritykit.triage.pairs.Rearrangement`) is given the reference's values in the port's layout."""
     import torch
 
     swap: dict[str, Any] = {}
@@ -171,7 +221,10 @@ def reference_swap(
             swap[port_roles.latents] = in_form_of(port.named[port_roles.latents], grown)
     for r, p in pair_conditioning(ref, ref_roles, port, port_roles):
         if p in port.named:  # a tensor inside a dict argument stays the port's own
-            swap[p] = in_form_of(port.named[p], argument(ref, r))
+            value = argument(ref, r)
+            if laid_out and p in laid_out:
+                value = laid_out[p].to_port(value)
+            swap[p] = in_form_of(port.named[p], value)
     if timestep_too and ref_roles.timestep and port_roles.timestep:
         value = t_units(timestep(ref, ref_roles)) if t_units is not None else timestep(ref, ref_roles)
         mine = port.named[port_roles.timestep]

@@ -181,16 +181,28 @@ def _read_runs(script: Path) -> ScriptRun:
 @contextlib.contextmanager
 def _own_imports(folder: Path):
     r"""The modules a script imports from its own folder are dropped after its runs, so another script's
-    ``import model`` finds its own file; its second run finds the first's (and their classes). Packages
-    imported from elsewhere (installed, or vendored beside the scripts) stay: two copies of one library in a
-    process do not recognise each other's objects."""
-    before = set(sys.modules)
+    ``import model`` finds its own file; its second run finds the first's (and their classes). So are the
+    modules it made by hand (stubs put in ``sys.modules`` for a package it does not need, round 35:
+    lerobot's fake ``torchvision`` broke diffusers' imports in the port's script), and a module it replaced
+    is put back. Packages imported from elsewhere (installed, or vendored beside the scripts) stay: two
+    copies of one library in a process do not recognise each other's objects."""
+    before = dict(sys.modules)
     try:
         yield
     finally:
-        for name in set(sys.modules) - before:
-            if _inside(sys.modules.get(name), folder):
+        for name in set(sys.modules) - set(before):
+            module = sys.modules.get(name)
+            if _inside(module, folder) or _hand_made(module):
                 del sys.modules[name]
+        for name, module in before.items():
+            if sys.modules.get(name) is not module:
+                sys.modules[name] = module
+
+
+def _hand_made(module: Any) -> bool:
+    r"""A module no import made: no file and no import spec (``types.ModuleType(name)`` put in
+    ``sys.modules``)."""
+    return getattr(module, "__spec__", None) is None and getattr(module, "__file__", None) is None
 
 
 def _execute(script: Path) -> None:

@@ -43,14 +43,17 @@ from paritykit.triage.pairs import (
     compare,
     compare_call,
     comparison_evidence,
+    conditioning_layouts,
     leading_units,
     rel,
     same_timestep,
     timestep_units,
+    view_conditioning,
 )
 from paritykit.triage.report import PLACE_ORDER, CallError, Finding, Note, Place, TriageReport
 from paritykit.triage.reproduce import Commands
 from paritykit.triage.roles import (
+    agreeing_latents,
     kept_own,
     latents,
     output,
@@ -88,6 +91,9 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             port = dataclasses.replace(port, calls=self.grouping.merge(port.calls))
         self.ref_roles = [roles_of(c) for c in ref.calls]
         self.port_roles = [roles_of(c) for c in port.calls]
+        self.ref_roles, self.port_roles = agreeing_latents(
+            ref.calls, self.ref_roles, port.calls, self.port_roles
+        )
         # the port's run as recorded (replays feed its modules), and as compared: its latents read in the
         # reference's layout when they hold the reference's values rearranged (packed latents)
         self.port, self.port_run = port, recorded
@@ -111,6 +117,17 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         if self.batch_order is not None:
             self.port = dataclasses.replace(
                 self.port, calls=[self.batch_order.view(c) for c in self.port.calls]
+            )
+        # conditioning the port holds rearranged (its weights converted to read it so): compared in the
+        # reference's layout, and given the reference's values in the port's layout when replayed
+        self.cond_layouts = {}
+        if ref.calls and self.port.calls:
+            self.cond_layouts = conditioning_layouts(
+                ref.calls[0], self.ref_roles[0], self.port.calls[0], self.port_roles[0], tol
+            )
+        if self.cond_layouts:
+            self.port = dataclasses.replace(
+                self.port, calls=[view_conditioning(c, self.cond_layouts) for c in self.port.calls]
             )
         n = min(len(ref.calls), len(port.calls))
         self.t_ref = [timestep(c, r) for c, r in zip(ref.calls, self.ref_roles)]
@@ -543,6 +560,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         options = {
             "t_units": self.t_units,
             "layout": self.layout.to_port if self.layout is not None else None,
+            "laid_out": self.cond_layouts,
         }
         mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, port_roles, **options)
         own = kept_own(ref_call, self.ref_roles[call], port_call, port_roles, **options)
@@ -554,9 +572,16 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             )
             return
         finding = bisect_finding("denoiser", call, report, kept=own)
-        if not self.pairs[call].inputs_agree:
+        differ = self.pairs[call].differing_inputs()
+        if self.pairs[call].latents is None and batch_repeats(
+            latents(ref_call, self.ref_roles[call]), latents(self.port.calls[call], port_roles)
+        ):
+            differ = differ[1:]  # the latents hold the same values, repeated along the batch
+        if not self.pairs[call].inputs_agree and differ:
             finding.evidence.insert(
-                0, f"the port's own call-{call} inputs differ; it was fed the reference's"
+                0,
+                f"the port's own call-{call} inputs are not the reference's ({'; '.join(differ)}); it was fed"
+                " the reference's",
             )
         finding.command, finding.files = self.commands.bisect("denoiser", call, ref_call, mapped, rows)
         self.findings.append(finding)
