@@ -1129,3 +1129,26 @@ def test_a_stacked_input_is_the_latents_on_both_sides_when_only_the_port_passes_
         assert report.verdict == "match", text
         return
     assert [f for f in report.findings if f.place == "denoiser"], text
+
+
+def test_the_ports_own_inputs_are_said_by_what_differs_and_nothing_that_agrees():
+    # round 35 (stable-audio-tools): "the port's own call-0 inputs differ" named nothing; it now says which
+    from paritykit.tracing.recording import Call
+    from paritykit.triage.pairs import Tolerance, compare_call
+    from paritykit.triage.roles import roles_of
+
+    x, c, out = torch.randn(2, 4), torch.randn(2, 3), torch.randn(2, 4)
+
+    def call(latents, cond, t):
+        named = {"sample": latents, "timestep": torch.tensor([t]), "context": cond}
+        return Call((), named, named, out)
+
+    ref = call(x, c, 10.0)
+    for port, said in (
+        (call(x, c + 0.5, 10.0), ["context / context differ (max_abs 0.5)"]),
+        (call(x + 1.0, c, 20.0), ["latents differ (max_abs 1)", "timestep 10 against 20"]),
+        (call(x, c, 10.0), []),  # must not fire: every input agrees
+    ):
+        pair = compare_call(0, ref, roles_of(ref), port, roles_of(port), Tolerance())
+        assert pair.differing_inputs() == said
+        assert pair.inputs_agree == (not said)
