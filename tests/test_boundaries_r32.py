@@ -554,3 +554,76 @@ def test_a_setting_of_another_name_is_said_only_when_setting_it_makes_the_module
         assert hint.verified and hint.fix == "second.resnet_mp_add_t = 0.3", text
     else:  # must not fire: setting t changes nothing the module computes
         assert said == [], text
+
+
+class RMSNorm(nn.Module):  # make-a-video's: normalised over the last axis, times a learned gain
+    def __init__(self):
+        super().__init__()
+        self.dim, self.gamma = -1, nn.Parameter(torch.rand(D) + 0.5)
+
+    def forward(self, x):
+        return torch.nn.functional.normalize(x, dim=self.dim) * D**0.5 * self.gamma
+
+
+class _FusedKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.to_q, self.to_kv, self.to_out = (
+            RMSNorm(),
+            nn.Linear(D, D),
+            nn.Linear(D, 2 * D),
+            nn.Linear(D, D),
+        )
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, (k, v) = self.to_q(h), self.to_kv(h).chunk(2, -1)
+        return self.to_out(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+class _FoldedQKV(nn.Module):
+    def __init__(self, reference: _FusedKV, fold_v: bool):
+        super().__init__()
+        from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+
+        self.norm = DiffusersRMSNorm(D, eps=1e-12, elementwise_affine=False)  # its dim is the shape (8,)
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(D, D) for _ in range(4))
+        g = reference.norm.gamma.detach()
+        k, v = reference.to_kv.weight.detach().chunk(2)
+        kb, vb = reference.to_kv.bias.detach().chunk(2)
+        with torch.no_grad():
+            for layer, w, b, folds in (
+                (self.to_q, reference.to_q.weight, reference.to_q.bias, True),
+                (self.to_k, k, kb, True),
+                (self.to_v, v, vb, fold_v),
+            ):
+                layer.weight.copy_(w * g[None, :] if folds else w)
+                layer.bias.copy_(b)
+            self.to_out.load_state_dict(reference.to_out.state_dict())
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)
+        return self.to_out(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+@pytest.mark.parametrize("fold_v", [True, False])
+def test_a_norm_gain_folded_into_its_readers_says_which_reader_lacks_it(fold_v):
+    # round 35 (make-a-video): the port's norm has no gain, folded into to_q and to_k but not to_v; bisect
+    # named the norm (by design it differs) with "[module-config] reference RMSNorm dim=-1, port dim=(16,)"
+    reference = _Two(_FusedKV(), nn.Identity()).eval()
+    port = _Two(_FoldedQKV(reference.first, fold_v), nn.Identity()).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, D),), {}))
+    text = report.render()
+    assert "dim=-1" not in text, text  # an axis against a shape: two settings that share a name
+    if fold_v:  # must not fire: every reader folds the gain, and nothing differs
+        assert report.verdict in ("match", "masked"), text
+        return
+    (hint,) = [h for c in report.culprits for h in c.hints if h.id == "folded-gain"]
+    folded = (
+        "port first.to_q.weight, first.to_k.weight = reference first.to_q.weight, first.to_kv.weight rows 0:8"
+    )
+    assert folded in hint.message, text
+    assert "port first.to_v.weight = reference first.to_kv.weight rows 8:16 without it" in hint.message, text
+    assert "to_out" not in hint.message, text  # a layer of that width that reads something else

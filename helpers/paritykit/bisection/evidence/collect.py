@@ -10,6 +10,7 @@ from paritykit.bisection.evidence.activations import activation
 from paritykit.bisection.evidence.casts import reduced_precision
 from paritykit.bisection.evidence.constants import attention_scale, norm_eps
 from paritykit.bisection.evidence.culprit import Culprit
+from paritykit.bisection.evidence.folds import folded_gain
 from paritykit.bisection.evidence.settings import module_config
 from paritykit.bisection.evidence.weight_slices import weights
 from paritykit.compare.diagnose import Hint
@@ -23,6 +24,7 @@ EVIDENCE: tuple[tuple[str, Callable[[Culprit], list[Hint]]], ...] = (
     ("norm eps", norm_eps),
     ("attention scale", attention_scale),
     ("weight slices", weights),
+    ("a gain folded into the readers", folded_gain),
     ("a bf16 or fp16 cast (re-run in each)", reduced_precision),
 )
 

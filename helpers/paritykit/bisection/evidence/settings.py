@@ -231,6 +231,8 @@ def settings_diff(
             continue  # a dropout rate does nothing in eval mode (round 33: f5-tts's p=0.1 against 0)
         if name == "padding":
             a, b = _padding_as_numbers(reference, a), _padding_as_numbers(port, b)
+        if _two_meanings(a, b):
+            continue  # round 35 (make-a-video): RMSNorm's dim=-1 (an axis), diffusers' dim=(16,) (a shape)
         if not _same(a, b) and not (_names_class(a, reference) and _names_class(b, port)):
             out.append(SettingDifference(reference_name, port_name, name, attr, a, b))
     # buffers, and tensors set in __init__ as plain attributes (research code keeps rotary tables so):
@@ -260,6 +262,19 @@ def settings_diff(
         if a is not None and key in port._parameters and port._parameters[key] is None:
             out.append(SettingDifference(reference_name, port_name, key, key, "present", "None", "parameter"))
     return out
+
+
+def _two_meanings(a: Any, b: Any) -> bool:
+    r"""One name holding an axis on one side (a negative int) and a shape on the other (a tuple of sizes):
+    two settings that share a name, not one setting with two values."""
+
+    def axis(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v < 0
+
+    def shape(v: Any) -> bool:
+        return isinstance(v, tuple) and bool(v) and all(isinstance(x, int) and x > 0 for x in v)
+
+    return (axis(a) and shape(b)) or (shape(a) and axis(b))
 
 
 def _padding_as_numbers(module: Any, padding: Any) -> Any:
