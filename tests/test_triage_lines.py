@@ -1152,3 +1152,14 @@ def test_the_ports_own_inputs_are_said_by_what_differs_and_nothing_that_agrees()
         pair = compare_call(0, ref, roles_of(ref), port, roles_of(port), Tolerance())
         assert pair.differing_inputs() == said
         assert pair.inputs_agree == (not said)
+
+
+def test_a_loop_run_once_per_sample_is_said_as_one_list_given_k_times():
+    # round 35 (CSDI): two samples drawn one after the other, 20 calls over one list of 10 timesteps: "its
+    # set_timesteps(n) gives other timesteps than the port's denoiser was fed"
+    from paritykit.triage.update_checks import _loops_over
+
+    steps = [9.0, 6.0, 3.0, 0.0]
+    assert _loops_over(steps * 2) == 2 and _loops_over(steps * 3) == 3
+    assert _loops_over(steps) == 1  # must not fire: one pass
+    assert _loops_over(steps + steps[:2]) == 1  # nor for a list that does not repeat whole

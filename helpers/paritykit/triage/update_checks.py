@@ -304,6 +304,15 @@ class UpdateChecks:
                 " step), so one step() per call does not replay it",
             )
             return False
+        loops = _loops_over(self.t_port)
+        if loops > 1 and not self._scheduler_steps_the_run():
+            self.skip(
+                "update",
+                "not replayed in lockstep with port_scheduler(): the port's run goes through one list of"
+                f" {len(self.t_port) // loops} timesteps {loops} times (the loop run once per sample, one"
+                " after another), and the replay steps one pass of a loop",
+            )
+            return False
         if not self._scheduler_steps_the_run():
             self.skip(
                 "update",
@@ -435,3 +444,17 @@ def _repeats_each(values: list[Any]) -> int:
             count = 1
     runs.append(count)
     return runs[0] if len(set(runs)) == 1 and runs[0] > 1 else 1
+
+
+def _loops_over(values: list[Any]) -> int:
+    r"""``k`` where ``values`` is one list of two or more values given ``k`` > 1 times in a row (a sampling
+    loop run once per sample); 1 otherwise."""
+    if not values or None in values:
+        return 1
+    for k in range(2, len(values) // 2 + 1):
+        n = len(values) // k
+        if len(values) % k or n < 2:
+            continue
+        if all(same_timestep(values[i], values[i % n]) for i in range(len(values))):
+            return k
+    return 1
