@@ -627,3 +627,63 @@ def test_a_norm_gain_folded_into_its_readers_says_which_reader_lacks_it(fold_v):
     assert folded in hint.message, text
     assert "port first.to_v.weight = reference first.to_kv.weight rows 8:16 without it" in hint.message, text
     assert "to_out" not in hint.message, text  # a layer of that width that reads something else
+
+
+ORDER = [
+    0,
+    1,
+    2,
+    3,
+    5,
+    6,
+    4,
+    7,
+]  # the port's features: three of them laid out otherwise (no swap: its own inverse)
+
+
+class _Film(nn.Module):
+    def __init__(self, columns=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.cond, self.out = nn.Linear(D, D), nn.Linear(D, D)
+        if columns is not None:  # the converter's columns, for the port's feature order
+            with torch.no_grad():
+                self.cond.weight.copy_(self.cond.weight[:, columns])
+        self.slip = 0.0
+
+    def forward(self, x, features):
+        return self.out(x * self.cond(torch.nn.functional.mish(features))) + self.slip
+
+
+class _FeaturesIn(nn.Module):  # the top level: the port's lays the features out in ORDER
+    def __init__(self, film, order=None):
+        super().__init__()
+        self.film, self.order = film, order
+
+    def forward(self, x, features):
+        return self.film(x, features if self.order is None else features[..., self.order])
+
+
+@pytest.mark.parametrize("columns", ["matched", "inverse"])
+def test_a_module_fed_its_features_in_another_order_is_replayed_in_that_order(columns):
+    # round 35 (lerobot): the port's FiLM layers read the observation features in its own order, the weights
+    # converted to match (wrongly, by the inverse map); fed the reference's order, any such layer fails
+    reference = _FeaturesIn(_Film()).eval()
+    inverse = [ORDER.index(i) for i in range(D)]
+    port_film = _Film(ORDER if columns == "matched" else inverse)
+    port_film.slip = 0.1 if columns == "matched" else 0.0  # a real slip elsewhere in the matched port
+    port = _FeaturesIn(port_film, ORDER)
+    report = bisect(reference, port.eval(), ((torch.randn(2, 3, D), torch.randn(2, 3, D)), {}))
+    text = report.render()
+    assert report.culprits, text
+    rows = {t.port: t for t in report.tested}
+    cond = rows.get("film.cond")
+    assert cond is not None, text
+    if columns == "matched":  # must not fire: the layer computes the reference's on its own order
+        assert cond.status == "pass" and "passes fed so" in cond.note, text
+        assert all(c.port != "film.cond" for c in report.culprits), text
+    else:
+        assert (
+            cond.status == "fail"
+            and "with the last axis in another order; fed so, it still differs" in cond.note
+        )

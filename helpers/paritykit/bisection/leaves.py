@@ -257,6 +257,33 @@ def _laid_out(t: Any, order: tuple[int, ...]) -> Any:
     return t.reshape(order) if isinstance(order, Viewed) else t.permute(order)
 
 
+def last_axis_order(source: Any, target: Any, rtol: float = 1e-5) -> list[int] | None:
+    r"""``order`` where ``target`` is ``source[..., order]``, every element within ``rtol`` of the largest
+    value (float noise), and ``order`` moves some positions (features laid out in another order along the last
+    axis, round 35: lerobot's observation features step-major against interleaved); ``None`` otherwise, or
+    when a position of ``target`` matches two of ``source``'s (then no order is told)."""
+    import torch
+
+    if not is_tensor(source) or not is_tensor(target) or source.shape != target.shape or source.dim() < 2:
+        return None
+    if not source.is_floating_point() or not target.is_floating_point():
+        return None
+    n = source.shape[-1]
+    rows = source.numel() // max(n, 1)
+    if n < 2 or n > 4096 or rows > 4096:
+        return None
+    a = source.detach().reshape(-1, n).t().cpu().double()
+    b = target.detach().reshape(-1, n).t().cpu().double()
+    tol = rtol * max(float(a.abs().max()), 1e-30)
+    hits = torch.cdist(b, a, p=float("inf")) <= tol  # hits[j, i]: target position j holds source position i
+    if not bool((hits.sum(1) == 1).all()):
+        return None
+    order = hits.float().argmax(1).tolist()
+    if sorted(order) != list(range(n)) or order == list(range(n)):
+        return None
+    return order
+
+
 def layout_note(orders: dict[str, tuple[int, ...]]) -> str:
     """Words for the dim orders :func:`pair_layouts` applied to the port's leaves."""
     if not orders:

@@ -21,6 +21,7 @@ from paritykit.bisection.call_pairing import (
 from paritykit.bisection.floor import FloatFloor, far_above, fits_twice, module_floor, within
 from paritykit.bisection.leaves import (
     in_layout,
+    last_axis_order,
     layout_note,
     module_device,
     output_leaves,
@@ -273,6 +274,39 @@ class Searcher(Boundaries, CallPairing):
                 return (note, *found, tuple(order))
         return None
 
+    def _replay_reordered(
+        self, ref_record: Record, port_record: Record, pairing: InputPairing
+    ) -> tuple[str, Leaves, Leaves, PairedComparison] | str | None:
+        r"""A failed replay run again with each reference input whose port capture holds its values with the
+        last axis in another order (conditioning features laid out otherwise, the weights converted to read
+        them so) given in the port's order: the note, outputs and comparison when it then passes; a note
+        with the difference left when it still fails; ``None`` when no input is so reordered."""
+        leaves = list(pairing.ref_leaves)
+        moved = []
+        for i, j in pairing.pairs:
+            path, value = leaves[i]
+            order = last_axis_order(value, pairing.port_leaves[j][1])
+            if order is not None:
+                leaves[i] = (path, value[..., order])
+                moved.append(f"{path} ({sum(k != o for k, o in enumerate(order))} of {len(order)} moved)")
+        if not moved:
+            return None
+        said = (
+            f"the port's own run feeds it the reference's {', '.join(moved)} with the last axis in another"
+            " order"
+        )
+        found = self._passes_with(ref_record, port_record, pairing, leaves)
+        if found is not None:
+            return (f"passes fed so: {said}", *found)
+        import dataclasses
+
+        outcome = self.run_replay(ref_record, port_record, dataclasses.replace(pairing, ref_leaves=leaves))
+        paired = (
+            None if isinstance(outcome, str) else self.compare_paired(outcome[0], outcome[1], ref_record.name)
+        )
+        left = f" (max_abs {format_number(paired.worst.max_abs or 0.0)})" if paired is not None else ""
+        return f"{said}; fed so, it still differs{left}"
+
     def _passes_with(
         self, ref_record: Record, port_record: Record, pairing: InputPairing, leaves: Leaves
     ) -> tuple[Leaves, Leaves, PairedComparison] | None:
@@ -359,6 +393,14 @@ class Searcher(Boundaries, CallPairing):
             if other is not None:
                 relaid, ref_out, port_out, paired, self.input_layouts[ref_record.name] = other
                 cmp, orders = paired.worst, paired.orders
+        reordered = ""
+        if not cmp.passed and pairing is not None:
+            other = self._replay_reordered(ref_record, port_record, pairing)
+            if isinstance(other, str):
+                reordered = other
+            elif other is not None:
+                relaid, ref_out, port_out, paired = other
+                cmp, orders = paired.worst, paired.orders
         if not cmp.passed and pairing is not None:
             other = self._replay_begun_earlier(ref_record, port_record, pairing)
             if other is not None:
@@ -403,7 +445,7 @@ class Searcher(Boundaries, CallPairing):
             cmp.max_abs,
             cmp.cosine,
             comparison=cmp,
-            note=join_notes(boundary, noise, relaid, own_note, settings_note, layout_note(orders)),
+            note=join_notes(boundary, noise, relaid, reordered, own_note, settings_note, layout_note(orders)),
             floor=floor,
             arguments=(
                 pairing.rows(
