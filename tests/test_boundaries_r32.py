@@ -687,3 +687,33 @@ def test_a_module_fed_its_features_in_another_order_is_replayed_in_that_order(co
             cond.status == "fail"
             and "with the last axis in another order; fed so, it still differs" in cond.note
         )
+
+
+class _NormThen(nn.Module):
+    def __init__(self, eps: float, off: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.proj, self.off = nn.LayerNorm(D, eps=eps), nn.Linear(D, D), off
+
+    def forward(self, x):
+        return self.proj(self.norm(x)) + self.off
+
+
+@pytest.mark.parametrize("second_slip", [0.0, 0.25])
+def test_a_verified_fix_says_how_far_it_takes_the_whole_output(second_slip):
+    # round 35 (TabDDPM): "fix (verified): copy parameter proj.bias into proj_in.bias" held at the module, and
+    # the whole model moved not at all (a batch norm behind it took the bias out; the cause was elsewhere)
+    reference = _NormThen(1e-5, 0.0).eval()
+    port = _NormThen(0.5, second_slip).eval()
+    with torch.no_grad():
+        port.proj.load_state_dict(reference.proj.state_dict())
+    report = bisect(reference, port, ((torch.randn(2, 5, D) * 0.3,), {}))
+    text = report.render()
+    (hint,) = [h for c in report.culprits for h in c.hints if h.verified]
+    after, before = hint.evidence["model_max_abs_after"], hint.evidence["model_max_abs_before"]
+    assert "the whole output with it: max_abs" in text, text
+    assert before > after, text
+    if second_slip:  # the other slip is left: the whole output still differs by it
+        assert after == pytest.approx(second_slip, rel=1e-4), text
+    else:
+        assert after < 1e-5, text

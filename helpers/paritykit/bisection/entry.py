@@ -104,6 +104,7 @@ def bisect_traces(
         ref_trace, port_trace, alignment, reference=reference, port=port, atol=atol, rtol=rtol, ratio=ratio
     )
     searcher.float_floor = float_floor
+    searcher.select_output = select_output
     explain = RepairOptions(enabled=repair, catalogue=catalogue, budget=repair_budget, started=started)
     options = dict(atol=atol, rtol=rtol, ops=ops, environment=environment, allow_masked=allow_masked)
     report = run_strategy(FullSearch(searcher), select_output=select_output, repair=explain, **options)

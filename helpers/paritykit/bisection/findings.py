@@ -366,6 +366,45 @@ def _culprit_context(
     unpaired = {
         pair for pair in subpairs if _unpaired(searcher, ".".join(p for p in (call.module, pair[0]) if p))
     }
+
+    def model_check(make: Callable) -> tuple[float, float]:
+        r"""The whole port run again on its captured inputs with the culprit replaced by ``make()`` (swapped
+        in and put back), its output against the reference's: max_abs after, and as captured."""
+        import torch
+
+        from paritykit.bisection.leaves import final_output
+
+        port, port_root, ref_root = (
+            searcher.port_modules.get(""),
+            searcher.port_trace.root,
+            searcher.ref_trace.root,
+        )
+        if port is None or port_root is None or not port_root.replayable or port_call is None:
+            raise ValueError("the whole port cannot be re-run")
+        select = searcher.select_output
+        ref_final = final_output("reference", ref_root.output_value(), select)
+        before = final_output("port", port_root.output_value(), select)
+        args, kwargs = copy_inputs(to_device(port_root.call_inputs(), module_device(port)))
+        fixed = make()
+        parent_name, _, attr = port_call.module.rpartition(".")
+        if not port_call.module:
+            with torch.no_grad():
+                out = fixed(*args, **kwargs)
+        else:
+            parent = port.get_submodule(parent_name) if parent_name else port
+            original = parent._modules[attr]
+            parent._modules[attr] = fixed
+            try:
+                with torch.no_grad():
+                    out = port(*args, **kwargs)
+            finally:
+                parent._modules[attr] = original
+        after = final_output("port", out, select)
+        if after.shape != ref_final.shape or before.shape != ref_final.shape:
+            raise ValueError("outputs of other shapes")
+        gap = lambda t: float((t.detach().double().cpu() - ref_final.detach().double().cpu()).abs().max())  # noqa: E731
+        return gap(after), gap(before)
+
     # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
     can_run = replayed
     return Culprit(
@@ -387,6 +426,7 @@ def _culprit_context(
         reference_inputs=ref_inputs() if can_run else None,
         port_model=searcher.port_modules.get(""),
         reference_model=searcher.ref_modules.get(""),
+        model_check=model_check if port_module is not None and can_run else None,
     )
 
 

@@ -450,7 +450,7 @@ def _render_finding(label: str, f: ModuleFinding, reordered: bool = False, leads
                 + (f" (max_abs {format_number(left)})" if left is not None else " (not re-run there)")
             )
         elif hint.verified and hint.fix:
-            lines.append(f"  fix (verified): {hint.fix}")
+            lines.append(f"  fix (verified): {hint.fix}{hint.fix_scope()}")
     for relation in f.relations:
         lines.append(f"  relation: {relation.line()}")
     for i, hint in enumerate(f.hints, 1):

@@ -111,6 +111,7 @@ class Searcher(Boundaries, CallPairing):
         # the float floor (paritykit.bisection.floor): None leaves it off; a FloatFloor measures failing
         # replays in float64 and, when its float64 traces are at hand, every captured call
         self.float_floor: FloatFloor | None = None
+        self.select_output: Any = None  # the SPEC's select_output(side, output), when it gives one
         # reference call name -> the port call paired with it (:meth:`port_record`), and each port module's
         # calls in order
         self._call_pairs: dict[str, Record | None] = {}

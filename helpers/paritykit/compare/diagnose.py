@@ -69,6 +69,19 @@ class Hint:
     verified: bool | None = None
     fix: str | None = None
 
+    def fix_scope(self) -> str:
+        r"""Where a verified fix was measured beyond its module: the whole model's output with it, and
+        without it; empty when it was not run there."""
+        after, before = self.evidence.get("model_max_abs_after"), self.evidence.get("model_max_abs_before")
+        if after is None or before is None:
+            return ""
+        from paritykit.base.report import format_number
+
+        return (
+            f" (the module then matches; the whole output with it: max_abs {format_number(after)}, without it"
+            f" {format_number(before)})"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,

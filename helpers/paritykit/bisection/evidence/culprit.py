@@ -92,6 +92,9 @@ class Culprit:
     # the whole port model, where a reference tensor the culprit lacks may sit in another module
     port_model: Any = None
     reference_model: Any = None
+    # ``model_check(make)``: the whole port run again with the culprit replaced by ``make()``, its output's
+    # max_abs against the reference's, after and before: how far a module's fix takes the whole model
+    model_check: Callable[[Callable], tuple[float, float]] | None = None
 
     def port_path(self, sub: str = "", attr: str = "") -> str:
         r"""The dotted name of an attribute of the port (``port`` stands for the top level)."""
@@ -126,6 +129,12 @@ def verify_hint(c: Culprit, make: Callable[[], Callable], hint: Hint) -> Hint:
             return hint  # a fix for the reference's inputs only: not ranked as the fix
     if ok:
         hint.score = max(hint.score, 0.99)
+        if c.model_check is not None:
+            try:
+                after, before = c.model_check(make)
+            except Exception:  # the whole model cannot be re-run here: the fix stays said at its module
+                return hint
+            hint.evidence["model_max_abs_after"], hint.evidence["model_max_abs_before"] = after, before
     return hint
 
 
