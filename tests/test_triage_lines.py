@@ -1163,3 +1163,60 @@ def test_a_loop_run_once_per_sample_is_said_as_one_list_given_k_times():
     assert _loops_over(steps * 2) == 2 and _loops_over(steps * 3) == 3
     assert _loops_over(steps) == 1  # must not fire: one pass
     assert _loops_over(steps + steps[:2]) == 1  # nor for a list that does not repeat whole
+
+
+TWO_SLIPS_SPEC = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self, first=1e-5, second=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(8, eps=first)
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8, bias=second)
+        with torch.no_grad():
+            self.proj.weight.mul_(4)
+
+    def forward(self, x, t):
+        return self.head(torch.tanh(self.proj(self.norm(x)))) * t.reshape(-1, 1, 1)
+
+
+REFERENCE = Net().eval()
+PORT = Net(first=0.5, second=False).eval()  # two slips: the norm's eps, the head's bias dropped
+with torch.no_grad():
+    PORT.load_state_dict(REFERENCE.state_dict(), strict=False)
+
+
+def run_reference():
+    x = torch.randn(2, 4, 8) * 0.3
+    for t in (1.0, 0.5):
+        x = x - 0.5 * REFERENCE(x, torch.tensor([t, t]))
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 4, 8) * 0.3
+    for t in (1.0, 0.5):
+        x = x - 0.5 * PORT(x, torch.tensor([t, t]))
+    return x
+""" + DENOISERS
+
+
+@pytest.mark.parametrize("all_causes", [False, True])
+def test_every_culprit_of_the_denoiser_is_said_with_all_and_counted_only_when_the_output_then_matches(
+    tmp_path, all_causes
+):
+    # round 35 (TabDDPM): triage --all named one culprit in the denoiser (a dropped bias); the batch norms
+    # reading batch statistics, the larger cause in the same place, were never said
+    report = triage_text(tmp_path, TWO_SLIPS_SPEC, all_causes=all_causes)
+    text = report.render()
+    (finding,) = [f for f in report.findings if f.place == "denoiser"]
+    said = "\n".join(finding.evidence)
+    if not all_causes:  # must not fire: without --all the first culprit alone, and no count
+        assert "further culprit" not in said and "culprit(s) given" not in said, text
+        return
+    assert "further culprit, found with the ones before it given the reference's outputs" in said, text
+    assert "port head" in said, text
+    assert "with the 2 culprit(s) given the reference's outputs, the port's output matches" in said, text

@@ -213,6 +213,7 @@ def bisect_finding(place: Place, call: int | None, report: Any, kept: list[str] 
             f"first aligned module whose outputs differ: {divergence.reference or '(top)'} <->"
             f" {divergence.port or '(top)'} (max_abs {format_number(divergence.max_abs)}; {own})"
         )
+    evidence += _further_culprits(report, culprit)
     fed = f" fed the reference's call-{call} inputs" if call is not None else " fed the reference's input"
     if kept:
         fed += f" but its own {', '.join(kept)} (no reference input paired with them)"
@@ -266,3 +267,30 @@ def rerun_moves(module: Any, call: Any) -> float | None:
         return None
     moved = relative_error(again.to(recorded.device, recorded.dtype), recorded)
     return moved if moved > RERUN_MOVES else None
+
+
+def _further_culprits(report: Any, first: Any) -> list[str]:
+    r"""With bisect's every-culprit search (triage ``--all``): each culprit after the first, found with the
+    ones before it given the reference's outputs, with its first hint and verified fix; then what the output
+    does with all of them so given (the only count of culprits that is established)."""
+    culprits = [c for c in getattr(report, "culprits", []) if c is not first]
+    if not culprits:
+        return []
+    lines = []
+    for c in culprits:
+        line = (
+            f"further culprit, found with the ones before it given the reference's outputs: reference"
+            f" {c.reference or '(top)'} <-> port {c.port or '(top)'} ({c.test}; max_abs"
+            f" {format_number(c.max_abs)})"
+        )
+        if c.hints:
+            line += f"; first hint: {c.hints[0].render()}"
+        fixed = next(
+            (h for h in c.hints if h.verified and h.fix and h.evidence.get("in_run", True) is True), None
+        )
+        if fixed is not None:
+            line += f"; fix (verified): {fixed.fix}{fixed.fix_scope()}"
+        lines.append(line)
+    if report.all_note:
+        lines.append(report.all_note)
+    return lines

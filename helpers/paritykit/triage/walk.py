@@ -564,7 +564,10 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         }
         mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, port_roles, **options)
         own = kept_own(ref_call, self.ref_roles[call], port_call, port_roles, **options)
-        report = self._bisect(self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows)
+        # with --all, every culprit: each found with the ones before given the reference's outputs
+        report = self._bisect(
+            self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows, all_culprits=self.all_causes
+        )
         if not module_differs(report, self.pairs[call].inputs_agree and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
@@ -608,6 +611,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         ref_call: Call,
         port_inputs: tuple[tuple, dict],
         rows: tuple[int, int] | None = None,
+        all_culprits: bool = False,
     ) -> Any:
         from paritykit.bisection import bisect
         from paritykit.tracing.recording import output_tensor
@@ -629,6 +633,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             select_output=select if layout is not None or rows is not None else None,
             atol=self.spec.tolerance.get("atol"),
             rtol=self.spec.tolerance.get("rtol"),
+            all_culprits=all_culprits,
         )
 
     def _measure_units(self) -> UnitsMeasured | None:

@@ -361,8 +361,10 @@ def _unmatched(c: Culprit, cmap: Any, ref_sd: dict[str, Any], port_sd: dict[str,
     dropped = [k for k in dropped if k not in spare]
     if dropped:
         names = ", ".join(dropped[:6])
+        held = {_prefix(c.reference_name) + k for k, _ in c.reference.named_buffers()}
+        kind = "buffers" if all(k in held for k in dropped[:6]) else "parameters"
         parts.append(
-            f"reference parameters {names} (not constant): no port parameter of the culprit equals one of"
+            f"reference {kind} {names} (not constant): no port parameter of the culprit equals one of"
             f" them or a layout op of one ({_OPS_TRIED})"
         )
     if elsewhere:
