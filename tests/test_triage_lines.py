@@ -1165,7 +1165,8 @@ def test_a_loop_run_once_per_sample_is_said_as_one_list_given_k_times():
     assert _loops_over(steps + steps[:2]) == 1  # nor for a list that does not repeat whole
 
 
-TWO_SLIPS_SPEC = """
+TWO_SLIPS_SPEC = (
+    """
 import torch
 
 
@@ -1201,7 +1202,9 @@ def run_port():
     for t in (1.0, 0.5):
         x = x - 0.5 * PORT(x, torch.tensor([t, t]))
     return x
-""" + DENOISERS
+"""
+    + DENOISERS
+)
 
 
 @pytest.mark.parametrize("all_causes", [False, True])
@@ -1220,3 +1223,66 @@ def test_every_culprit_of_the_denoiser_is_said_with_all_and_counted_only_when_th
     assert "further culprit, found with the ones before it given the reference's outputs" in said, text
     assert "port head" in said, text
     assert "with the 2 culprit(s) given the reference's outputs, the port's output matches" in said, text
+
+
+STACKED_CHANNELS_SPEC = (
+    """
+import torch
+
+PORT_SCALE, PORT_SEED = {scale}, {seed}
+
+
+class Net(torch.nn.Module):  # AudioSR: the low-pass latents stacked on the noise as channels
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(4, 2, 1)
+
+    def forward(self, x, t):
+        return self.conv(x) * t.reshape(-1, 1, 1)
+
+
+REFERENCE, PORT = Net().eval(), Net().eval()
+COND = torch.randn(2, 2, 8)
+
+
+def run_reference():
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
+    for t in (1.0, 0.5):
+        x = x - 0.5 * REFERENCE(torch.cat([x, COND * 0.6], 1), torch.tensor([t, t]))
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(PORT_SEED))
+    for t in (1.0, 0.5):
+        x = x - 0.5 * PORT(torch.cat([x, COND * PORT_SCALE], 1), torch.tensor([t, t]))
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize(("scale", "seed"), [(0.6, 0), (1 / 0.6, 0), (0.6, 1)])
+def test_conditioning_stacked_on_the_latents_as_channels_is_said_at_the_conditioning_place(
+    tmp_path, scale, seed
+):
+    # round 36 (AudioSR): "initial noise at call 0: the first call's latents differ" where the noise channels
+    # agreed and the conditioning stacked on them as channels differed
+    report = triage_text(tmp_path, STACKED_CHANNELS_SPEC.format(scale=scale, seed=seed), all_causes=True)
+    text = report.render()
+    if scale == 0.6 and seed == 0:  # must not fire: a correct port
+        assert report.verdict == "match", text
+        return
+    if seed:  # must not fire: the noise itself differs, so no end of the channels agrees
+        assert "stacked on the" not in text, text
+        assert any(f.place == "initial noise" for f in report.findings), text
+        return
+    assert not any(f.place == "initial noise" for f in report.findings), text
+    (finding,) = [f for f in report.findings if f.place == "conditioning"]
+    assert finding.summary.startswith("channels 2-3 of the denoiser's x input, stacked on the 2 channels"), (
+        text
+    )
+    assert any(
+        "channels 0-1 of the first call's x (the output's 2) agree" in n.text for n in report.ruled_out
+    )

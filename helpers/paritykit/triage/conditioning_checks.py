@@ -6,10 +6,12 @@ runs they read."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from paritykit.triage.measures import command_and_files, runs
 from paritykit.triage.pairs import Tolerance, compare, comparison_evidence
 from paritykit.triage.report import Finding
-from paritykit.triage.roles import argument
+from paritykit.triage.roles import argument, latents, output
 
 
 class ConditioningChecks:
@@ -32,6 +34,59 @@ class ConditioningChecks:
                     pair.conditioning[n] = (r, p, compare(a[rows], b[rows], tol, r))
                     said = said or note
         return said
+
+    def _stacked_channels(self, xr: Any, xp: Any) -> bool:
+        r"""Latents with more channels than the denoiser's output, the output's count of them agreeing at one
+        end and the rest not (round 36, AudioSR: the low-pass latents stacked on the noise as channels 4-7,
+        scaled otherwise by the port): the noise ruled out on its channels, the stacked ones a conditioning
+        finding. ``False`` (nothing said) unless exactly one end agrees, and it is the end the reference's
+        second call changes while the rest stays."""
+        out = output(self.ref.calls[0])
+        if out is None or out.dim() != xr.dim() or xr.dim() < 2 or xr.shape != xp.shape:
+            return False
+        c, total = out.shape[1], xr.shape[1]
+        if out.shape[0] != xr.shape[0] or out.shape[2:] != xr.shape[2:] or not 0 < c < total:
+            return False
+        ends = [(0, c, c, total), (total - c, total, 0, total - c)]
+        agree = [
+            (lo, hi, rest_lo, rest_hi)
+            for lo, hi, rest_lo, rest_hi in ends
+            if compare(xr[:, lo:hi], xp[:, lo:hi], self.tol, "noise").passed
+        ]
+        if len(agree) != 1:
+            return False
+        lo, hi, rest_lo, rest_hi = agree[0]
+        rest = compare(xr[:, rest_lo:rest_hi], xp[:, rest_lo:rest_hi], self.tol, "stacked")
+        if rest.passed or len(self.ref.calls) < 2:
+            return False
+        # which end is the sampler's state: it changes from the reference's first call to its second, the
+        # conditioning stacked on it stays (no value alone tells the two apart)
+        later = latents(self.ref.calls[1], self.ref_roles[1])
+        if later is None or later.shape != xr.shape:
+            return False
+        import torch
+
+        if torch.equal(later[:, lo:hi], xr[:, lo:hi]) or not torch.equal(
+            later[:, rest_lo:rest_hi], xr[:, rest_lo:rest_hi]
+        ):
+            return False
+        name = self.ref_roles[0].latents
+        self.rule_out(
+            "initial noise",
+            f"channels {lo}-{hi - 1} of the first call's {name} (the output's {c}) agree; its other"
+            f" {total - c} channels, stacked on them, are said at the conditioning place",
+        )
+        self.findings.append(
+            Finding(
+                "conditioning",
+                0,
+                f"channels {rest_lo}-{rest_hi - 1} of the denoiser's {name} input, stacked on the {c}"
+                " channels the output has (conditioning given as channels), differ at call 0, before any"
+                " denoiser computation",
+                evidence=comparison_evidence(rest),
+            )
+        )
+        return True
 
     # ----------------------------------------------------------------------------------- 3. conditioning
     def conditioning(self) -> None:

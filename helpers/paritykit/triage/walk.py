@@ -294,6 +294,8 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             laid_out = f" ({self.layout.words()})" if self.layout is not None else ""
             self.rule_out("initial noise", f"the first call's latents agree{laid_out}{self.later_draws()}")
             return
+        if self._stacked_channels(xr, xp):
+            return
         evidence = comparison_evidence(pair.latents)
         fit = fit_affine(xp, xr)
         absorbed = self._input_scale_absorbed(fit)
