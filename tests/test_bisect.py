@@ -959,6 +959,62 @@ def test_a_difference_the_port_takes_back_before_the_next_call_is_no_culprit(cas
         assert report.culprit.port == "proj_out" or report.culprit.inline, report.render()
 
 
+class _OneTimeForTheBatch(_TimePort):
+    """The port computes one time embedding for the batch (one timestep), the research one per row."""
+
+    def forward(self, x, t):
+        emb = self.time_proj(t) * (2**0.5 if self.compensate else 1.0)
+        return self.proj_out(x + self.time_embedding(emb)[:, None])
+
+
+@pytest.mark.parametrize("compensate", [True, False])
+def test_a_difference_taken_back_before_a_call_fed_in_another_layout_is_no_culprit(compensate):
+    # round 36 (Lumiere on the Karras U-Net): the research embeds the timestep once per frame, the port once
+    # for the video, and the port multiplies by sqrt(2) after its time projection; the next calls' inputs
+    # differ in shape, so the taking back was not measured and "fix (verified): time_proj: … multiply it by
+    # 1.41421" came back, which breaks the port
+    reference = _TimeRef().eval()
+    port = _OneTimeForTheBatch(reference, compensate=compensate, bug=False).eval()
+    x, t = torch.randn(4, 5, 8), torch.rand(1) * 10
+    report = bisect(reference, port, ((x, t.repeat(4)), {}), port_inputs=lambda a, k: ((x, t), {}))
+    row = next(r for r in report.tested if r.reference == "to_time_emb.0")
+    if not compensate:  # must not fire: the port passes its projection's difference on
+        assert report.culprit.port == "time_proj" and row.status == "fail", report.render()
+        return
+    assert row.status == "pass" and "the port takes back between the two calls" in row.note, row.note
+    assert report.verdict == "match" and report.culprit is None, report.render()
+
+
+@pytest.mark.parametrize("compensate", [True, False])
+def test_a_difference_taken_back_before_a_call_no_port_call_aligns_with_is_no_culprit(compensate):
+    # round 36 (Lumiere on the Karras U-Net): the port's time MLP folds the research's weight normalisation,
+    # and the aligner paired no port call with the call the reference feeds next; "fix (verified): time_proj:
+    # … multiply it by 1.41421" came back, which breaks the port. The alignment here is the aligner's own
+    # with that one pair taken out, as on the research code
+    import dataclasses
+
+    from paritykit.bisection.align import align_modules
+    from paritykit.bisection.entry import bisect_traces
+    from paritykit.tracing.trace import capture
+
+    reference = _TimeRef().eval()
+    port = _TimePort(reference, compensate=compensate, bug=False).eval()
+    x, t = torch.randn(2, 5, 8), torch.rand(2) * 10
+    with torch.no_grad(), capture(reference) as ref_trace:
+        reference(x, t)
+    with torch.no_grad(), capture(port) as port_trace:
+        port(x, t)
+    found = align_modules(reference, port, ref_trace, port_trace)
+    alignment = dataclasses.replace(found, pairs=[p for p in found.pairs if p.reference != "to_time_emb.1"])
+    report = bisect_traces(ref_trace, port_trace, alignment, reference=reference, port=port)
+    row = next(r for r in report.tested if r.reference == "to_time_emb.0")
+    if not compensate:  # must not fire: the port passes its projection's difference on
+        assert report.culprit.port == "time_proj" and row.status == "fail", report.render()
+        return
+    assert row.status == "pass" and "the port's time_embedding received that same input" in row.note, row.note
+    assert report.culprit is None, report.render()
+
+
 class _AdaNormRef(torch.nn.Module):
     def __init__(self):
         super().__init__()

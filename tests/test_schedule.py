@@ -772,3 +772,16 @@ def test_a_scheduler_whose_step_cannot_take_a_learned_variance_output_is_a_faile
     folder = record(net, tmp_path / "rec", loop)
     fit = fit_scheduler("EulerDiscreteScheduler", folder, step_check=folder)
     assert "step() failed on the recorded calls" in fit.render(), fit.render()
+
+
+def test_a_config_holding_numpy_trained_betas_is_compared_element_by_element():
+    # round 36 (Lumiere): a port's DDIMScheduler built with numpy trained_betas crashed the fit's search
+    # ("The truth value of an array with more than one element is ambiguous")
+    import numpy as np
+    from paritykit.schedule.schedulers import config_changes
+
+    betas = np.linspace(1e-4, 0.02, 10)
+    assert config_changes({"trained_betas": betas.copy()}, {}, {"trained_betas": betas}) == {}
+    assert config_changes({"trained_betas": betas.tolist()}, {}, {"trained_betas": betas}) == {}
+    changed = config_changes({"trained_betas": betas * 2}, {}, {"trained_betas": betas})  # must fire
+    assert list(changed) == ["trained_betas"]

@@ -115,7 +115,16 @@ def culprit_finding(
             else []
         )
         at = port_call if port_call is not None or call.parent is not None else searcher.port_trace.root
-        return repair_hints(searcher, call, at, hints, repair, inline=children_passed > 0)
+        found = repair_hints(searcher, call, at, hints, repair, inline=children_passed > 0)
+        for h in found:  # a repair's verified edit measured on the whole port too
+            site_edit = getattr(h, "site_edit", None)
+            if h.verified and site_edit is not None and "model_max_abs_after" not in h.evidence:
+                try:
+                    after, before = whole_output_with(searcher, *site_edit)
+                except Exception:
+                    continue
+                h.evidence["model_max_abs_after"], h.evidence["model_max_abs_before"] = after, before
+        return found
 
     if call.parent is None:
         # Nothing below the top level fails: the top level's own forward differs.
@@ -368,42 +377,9 @@ def _culprit_context(
     }
 
     def model_check(make: Callable) -> tuple[float, float]:
-        r"""The whole port run again on its captured inputs with the culprit replaced by ``make()`` (swapped
-        in and put back), its output against the reference's: max_abs after, and as captured."""
-        import torch
-
-        from paritykit.bisection.leaves import final_output
-
-        port, port_root, ref_root = (
-            searcher.port_modules.get(""),
-            searcher.port_trace.root,
-            searcher.ref_trace.root,
-        )
-        if port is None or port_root is None or not port_root.replayable or port_call is None:
-            raise ValueError("the whole port cannot be re-run")
-        select = searcher.select_output
-        ref_final = final_output("reference", ref_root.output_value(), select)
-        before = final_output("port", port_root.output_value(), select)
-        args, kwargs = copy_inputs(to_device(port_root.call_inputs(), module_device(port)))
-        fixed = make()
-        parent_name, _, attr = port_call.module.rpartition(".")
-        if not port_call.module:
-            with torch.no_grad():
-                out = fixed(*args, **kwargs)
-        else:
-            parent = port.get_submodule(parent_name) if parent_name else port
-            original = parent._modules[attr]
-            parent._modules[attr] = fixed
-            try:
-                with torch.no_grad():
-                    out = port(*args, **kwargs)
-            finally:
-                parent._modules[attr] = original
-        after = final_output("port", out, select)
-        if after.shape != ref_final.shape or before.shape != ref_final.shape:
-            raise ValueError("outputs of other shapes")
-        gap = lambda t: float((t.detach().double().cpu() - ref_final.detach().double().cpu()).abs().max())  # noqa: E731
-        return gap(after), gap(before)
+        if port_call is None:
+            raise ValueError("no port call")
+        return whole_output_with(searcher, port_call.module, make)
 
     # fits and verification compare against the replayed outputs: only a replay fed both sides the same inputs
     can_run = replayed
@@ -744,3 +720,45 @@ def _same_parameters(reference: Any, port: Any) -> bool:
             return False
         left.pop(k)
     return True
+
+
+def whole_output_with(searcher: Searcher, name: str, make: Callable) -> tuple[float, float]:
+    r"""The whole port run again on its captured inputs with its module ``name`` replaced by ``make()``
+    (swapped in and put back), its output against the reference's: max_abs after, and as captured."""
+    import torch
+
+    from paritykit.bisection.leaves import final_output
+
+    port, port_root, ref_root = (
+        searcher.port_modules.get(""),
+        searcher.port_trace.root,
+        searcher.ref_trace.root,
+    )
+    if port is None or port_root is None or not port_root.replayable:
+        raise ValueError("the whole port cannot be re-run")
+    select = searcher.select_output
+    ref_final = final_output("reference", ref_root.output_value(), select)
+    before = final_output("port", port_root.output_value(), select)
+    args, kwargs = copy_inputs(to_device(port_root.call_inputs(), module_device(port)))
+    fixed = make()
+    if not name:
+        with torch.no_grad():
+            out = fixed(*args, **kwargs)
+    else:
+        parent_name, _, attr = name.rpartition(".")
+        parent = port.get_submodule(parent_name) if parent_name else port
+        original = parent._modules[attr]
+        parent._modules[attr] = fixed
+        try:
+            with torch.no_grad():
+                out = port(*args, **kwargs)
+        finally:
+            parent._modules[attr] = original
+    after = final_output("port", out, select)
+    if after.shape != ref_final.shape or before.shape != ref_final.shape:
+        raise ValueError("outputs of other shapes")
+
+    def gap(t: Any) -> float:
+        return float((t.detach().double().cpu() - ref_final.detach().double().cpu()).abs().max())
+
+    return gap(after), gap(before)

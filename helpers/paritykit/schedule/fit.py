@@ -44,6 +44,7 @@ from paritykit.schedule.schedulers import (
     lists_of,
     make_scheduler,
     resolve_scheduler,
+    same_config_value,
 )
 from paritykit.schedule.step_check import run_step_check
 
@@ -672,7 +673,7 @@ def _sibling(
             break
     if cand.failures or cand.call.rank >= 3:  # any class that takes a list of timesteps takes the reference's
         return None
-    cand.changes = {k: v for k, v in changes.items() if keys.get(k) != v}
+    cand.changes = {k: v for k, v in changes.items() if not same_config_value(keys.get(k), v)}
     probe = FitResult(name, steps, result.counts, result.reference, {}, [cand], [], 1)
     if step_check is not None and step_check is not False:
         run_step_check(

@@ -296,4 +296,20 @@ def ready_line(cls_name: str, changes: dict[str, Any]) -> str:
 
 
 def config_changes(candidate: dict[str, Any], keys: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in candidate.items() if base.get(k, keys.get(k)) != v}
+    return {k: v for k, v in candidate.items() if not same_config_value(base.get(k, keys.get(k)), v)}
+
+
+def same_config_value(a: Any, b: Any) -> bool:
+    r"""Whether two config values are one: element by element for arrays and lists (a port's numpy
+    ``trained_betas``, round 36: ``!=`` on two arrays is no truth value), ``==`` otherwise."""
+    import numpy as np
+
+    if isinstance(a, (np.ndarray, list, tuple)) or isinstance(b, (np.ndarray, list, tuple)):
+        try:
+            return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
+        except Exception:
+            return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

@@ -317,6 +317,7 @@ def _joined(verified: list[Hint], hints: list[Hint]) -> list[Hint]:
             h.evidence["verified_by_repair"] = same.to_dict()["edit"]
             h.message += f" (verified by the repair search: {same.fix})"
             h.fix = h.fix or same.fix
+            h.site_edit = same.site_edit  # the edit that verified it, to run the whole port with
             lead.append(h)
             verified = [r for r in verified if r is not same]
         else:

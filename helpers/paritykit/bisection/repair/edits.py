@@ -256,6 +256,8 @@ class RepairHint(Hint):
 
     edit: dict[str, Any] = field(default_factory=dict)
     residual: dict[str, float] = field(default_factory=dict)
+    # ``(port module name, make)``: the site and a fresh edited copy of it, to run the whole port with
+    site_edit: tuple[str, Callable[[], Any]] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "edit": dict(self.edit), "residual": dict(self.residual)}

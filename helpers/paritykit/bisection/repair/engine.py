@@ -151,6 +151,7 @@ class RepairOutcome:
                     fix=edit.words,
                     edit=edit.to_dict(),
                     residual={"max_abs_before": self.before, "max_abs_after": after},
+                    site_edit=(self.site.name, lambda e=edit, m=self.site.module: e.apply(copy.deepcopy(m))),
                 )
             )
         return out
