@@ -275,7 +275,8 @@ def _further_culprits(report: Any, first: Any) -> list[str]:
     does with all of them so given (the only count of culprits that is established)."""
     culprits = [c for c in getattr(report, "culprits", []) if c is not first]
     if not culprits:
-        return []
+        # where the search stopped short of a second culprit, it says why
+        return [report.all_note] if getattr(report, "all_note", "") else []
     lines = []
     for c in culprits:
         line = (
