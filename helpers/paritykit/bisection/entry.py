@@ -257,6 +257,7 @@ def every_culprit(
                 ratio=searcher.ratio,
             )
             again.ref_modules, again.port_modules = searcher.ref_modules, searcher.port_modules
+            again.select_output = searcher.select_output
             with torch.no_grad():
                 call, passed = again.descend(searcher.ref_trace.root)
                 if output.passed:
