@@ -233,7 +233,8 @@ def bisect_finding(place: Place, call: int | None, report: Any, kept: list[str] 
         f"the port's {place},{fed}, differs from the reference's (bisect: {report.verdict}); {said}:"
         f" {culprit.port or '(top level)'}",
         evidence=evidence,
-        fix=(verified.fix + verified.fix_scope()) if verified else None,
+        fix=verified.fix if verified else None,
+        fix_scope=verified.fix_scope() if verified else "",
         verified=verified is not None,
         details=report.to_dict(),
     )

@@ -89,6 +89,8 @@ class Finding:
     evidence: list[str] = field(default_factory=list)
     fix: str | None = None
     verified: bool = False
+    # where a verified fix was measured beyond its module (the whole output with it and without it)
+    fix_scope: str = ""
     command: str | None = None
     details: dict[str, Any] | None = None
     files: list[ReproduceFile] = field(default_factory=list, repr=False)
@@ -101,6 +103,7 @@ class Finding:
             "evidence": list(self.evidence),
             "fix": self.fix,
             "verified": self.verified,
+            "fix_scope": self.fix_scope,
             "command": self.command,
             "details": self.details,
         }
@@ -214,7 +217,9 @@ class TriageReport:
             lines.append(f"{number}. {inside}{f.place}{where}: {f.summary}")
             lines += [f"     {e}" for e in f.evidence]
             if f.fix:
-                lines.append(f"     fix ({'verified' if f.verified else 'not verified'}): {f.fix}")
+                lines.append(
+                    f"     fix ({'verified' if f.verified else 'not verified'}): {f.fix}{f.fix_scope}"
+                )
             if f.command:
                 lines.append(f"     reproduce: {f.command}")
         lines += [f"ruled out: {n.render()}" for n in self.ruled_out]
