@@ -697,3 +697,19 @@ def test_a_fused_qk_is_read_in_the_order_its_name_spells(swapped):
         assert "to_k.weight holds chunk 0/2 of reference" in said and "implies chunk 1/2" in said, said
     else:  # must not fire: q is chunk 0 and k chunk 1 of to_qk
         assert "conversion bug" not in said, said
+
+
+def test_a_weight_whose_columns_are_reordered_is_said_as_columns():
+    # round 35 (lerobot): a conversion that reordered a projection's input columns was said "after
+    # permute_rows (dim 1)"
+    torch.manual_seed(17)
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(18))
+    reference = nn.Linear(12, 6)
+    slipped = nn.Linear(12, 6)
+    order = [0, 1, 2, 3, 4, 5, 9, 10, 11, 6, 7, 8]  # the last two groups of three columns swapped
+    with torch.no_grad():
+        slipped.weight.copy_(reference.weight[:, order])
+        slipped.bias.copy_(reference.bias)
+    (hint,) = E.weights(_culprit(reference, slipped, x))
+    assert hint.verified is True and "after its columns (dim 1) reordered" in hint.message, hint.message
+    assert "permute_rows" not in hint.message

@@ -272,9 +272,7 @@ def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any])
     if len(kept) == len(steps):
         return None
     rule = _rule(entry.sources[0], entry.target, kept)
-    rule["layout"] = " + ".join(
-        s["op"] + (f" (dim {s['dim']})" if "dim" in s else "") for s in steps if s["op"] in _LAYOUT_OPS
-    )
+    rule["layout"] = " + ".join(_layout_words(s) for s in steps if s["op"] in _LAYOUT_OPS)
     from paritykit.forensics.conversion.emit import apply_rules_to_state_dict
 
     # the shape must come out right without the layout step (a transposed square matrix, a reordered row set)
@@ -283,6 +281,16 @@ def _without_layout(entry: Any, ref_sd: dict[str, Any], port_sd: dict[str, Any])
     except Exception:
         return None
     return rule if tuple(out[entry.target].shape) == tuple(port_sd[entry.target].shape) else None
+
+
+def _layout_words(step: dict[str, Any]) -> str:
+    r"""A layout step as read: a reorder along dim 1 of a matrix is of its columns (round 35, lerobot: the
+    weight's columns permuted was said as "permute_rows (dim 1)")."""
+    if step["op"] == "permute_rows" and step.get("dim") == 1:
+        return "its columns (dim 1) reordered"
+    if step["op"] == "permute_rows":
+        return f"its rows (dim {step.get('dim', 0)}) reordered"
+    return step["op"] + (f" (dim {step['dim']})" if "dim" in step else "")
 
 
 def _prefix(name: str) -> str:
