@@ -1218,10 +1218,10 @@ def test_every_culprit_of_the_denoiser_is_said_with_all_and_counted_only_when_th
     (finding,) = [f for f in report.findings if f.place == "denoiser"]
     said = "\n".join(finding.evidence)
     if not all_causes:  # must not fire: without --all the first culprit alone, and no count
-        assert "further culprit" not in said and "culprit(s) given" not in said, text
+        assert "further culprits" not in said and "culprit(s) given" not in said, text
         return
-    assert "further culprit, found with the ones before it given the reference's outputs" in said, text
-    assert "port head" in said, text
+    assert "further culprits, each found with the ones before it given the reference's outputs" in said, text
+    assert "): head (max_abs" in said, text
     assert "with the 2 culprit(s) given the reference's outputs, the port's output matches" in said, text
 
 

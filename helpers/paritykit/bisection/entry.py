@@ -281,7 +281,13 @@ def every_culprit(
     report.culprits.sort(key=lambda c: order.get(c.reference, 1 << 30))
     after = report.output_after
     if after is not None:
-        state = "matches" if after.passed else f"still differs (max_abs {format_number(after.max_abs)})"
+        state = (
+            "matches"
+            if after.passed
+            else f"still differs (max_abs {format_number(after.max_abs)})"
+            if after.max_abs is not None
+            else "is not compared: it has another shape than the reference's"
+        )
         report.all_note = join_notes(
             report.all_note,
             f"with the {len(report.culprits)} culprit(s) given the reference's outputs, the port's output"

@@ -271,28 +271,28 @@ def rerun_moves(module: Any, call: Any) -> float | None:
 
 
 def _further_culprits(report: Any, first: Any) -> list[str]:
-    r"""With bisect's every-culprit search (triage ``--all``): each culprit after the first, found with the
-    ones before it given the reference's outputs, with its first hint and verified fix; then what the output
-    does with all of them so given (the only count of culprits that is established)."""
+    r"""With bisect's every-culprit search (triage ``--all``): the culprits after the first, each found with
+    the ones before it given the reference's outputs, by name (a module that differs on the inputs it was
+    then fed), with the fixes verified there; then what the output does with all of them so given (the only
+    count of culprits that is established)."""
     culprits = [c for c in getattr(report, "culprits", []) if c is not first]
     if not culprits:
         # where the search stopped short of a second culprit, it says why
         return [report.all_note] if getattr(report, "all_note", "") else []
-    lines = []
+    named = [f"{c.port or '(top)'} (max_abs {format_number(c.max_abs)})" for c in culprits[:6]]
+    more = f" and {len(culprits) - 6} more" if len(culprits) > 6 else ""
+    lines = [
+        "further culprits, each found with the ones before it given the reference's outputs (each differs on"
+        " the inputs it was then fed; the SPEC's `paritykit bisect --all` gives their hints): "
+        + ", ".join(named)
+        + more
+    ]
     for c in culprits:
-        line = (
-            f"further culprit, found with the ones before it given the reference's outputs: reference"
-            f" {c.reference or '(top)'} <-> port {c.port or '(top)'} ({c.test}; max_abs"
-            f" {format_number(c.max_abs)})"
-        )
-        if c.hints:
-            line += f"; first hint: {c.hints[0].render()}"
         fixed = next(
             (h for h in c.hints if h.verified and h.fix and h.evidence.get("in_run", True) is True), None
         )
         if fixed is not None:
-            line += f"; fix (verified): {fixed.fix}{fixed.fix_scope()}"
-        lines.append(line)
+            lines.append(f"fix (verified) at {c.port or '(top)'}: {fixed.fix}{fixed.fix_scope()}")
     if report.all_note:
         lines.append(report.all_note)
     return lines
