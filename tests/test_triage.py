@@ -645,6 +645,18 @@ def test_guidance_passes_called_apart_against_one_stacked_call_compare_through_t
     assert "ruled out: denoiser calls: inputs, timestep and output agree at every call (5)" in text
 
 
+def test_a_port_calling_once_on_the_stacked_passes_is_bisected_on_the_references_first_pass(tmp_path):
+    # round 36 (AudioSR): the research calls its denoiser for the conditional then the unconditional pass,
+    # the port once on both stacked; "not checked: denoiser: not bisected" hid a slip in the port's network
+    from tests.triage_pairs import write_split_spec
+
+    report = triage_spec(write_split_spec(tmp_path, ("norm-eps",)), out=tmp_path / "b")
+    text = report.render()
+    (finding,) = [f for f in report.findings if f.place == "denoiser"]
+    assert "down_blocks.1.resnets.0.norm1" in finding.summary, text
+    assert finding.verified and finding.fix == "down_blocks.1.resnets.0.norm1.eps = 1e-05", text
+
+
 def test_results_of_other_shapes_are_never_a_match():
     # round 11 (v-diffusion): "verdict: match" over "results not compared: shapes differ" (batch 2 against 1)
     from paritykit.triage.report import TriageReport

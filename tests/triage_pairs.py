@@ -386,8 +386,8 @@ class Guided(Pair):
 
     SCALE = 3.0
 
-    def __init__(self):
-        super().__init__(set(), vae=False)
+    def __init__(self, bugs: set[str] | None = None):
+        super().__init__(set(bugs or ()), vae=False)
         self.uncond = torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(6))
 
     def run_reference(self, steps: int = STEPS) -> torch.Tensor:
@@ -526,11 +526,11 @@ class SplitPassesPair(Guided):
         return self.port_unet(torch.cat([latents, latents]), t, encoder_hidden_states=embeds).sample.chunk(2)
 
 
-def write_split_spec(folder):
-    r"""A triage SPEC for :class:`SplitPassesPair`."""
+def write_split_spec(folder, bugs: tuple[str, ...] = ()):
+    r"""A triage SPEC for :class:`SplitPassesPair` (with ``bugs`` of :class:`Pair` in its port)."""
     path = folder / "split_spec.py"
     text = SPEC_TEXT.replace("import Pair", "import SplitPassesPair").replace(
-        "Pair({bugs!r}, vae={vae!r})", "SplitPassesPair()"
+        "Pair({bugs!r}, vae={vae!r})", f"SplitPassesPair({set(bugs)!r})"
     )
     path.write_text(text)
     return path

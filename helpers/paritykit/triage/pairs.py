@@ -614,6 +614,31 @@ class CallGroups:
                 ), rows
         return "", []
 
+    def one_of(self, step: int, ref_calls: list[Call], port_call: Call) -> tuple[Call, Call] | None:
+        r"""Where the reference is the side that calls ``k`` times (round 36, AudioSR: conditional then
+        unconditional calls against the port's one call on the stacked batch): the reference's call that
+        comes first in the stacking order, and the port's call cut to that call's block of rows (every tensor
+        argument whose batch is the port's whole batch), so the two can be replayed as one call each."""
+        if self.side != "reference" or (step + 1) * self.k > len(ref_calls):
+            return None
+        whole = output_tensor(port_call.output)
+        if whole is None or whole.dim() == 0 or whole.shape[0] % self.k:
+            return None
+        size = whole.shape[0] // self.k
+        rows = slice(0, size)  # stacking position 0 holds the reference's call order[0]
+        ref_call = ref_calls[step * self.k + self.order[0]]
+
+        def cut(value: Any) -> Any:
+            t = batch_of(value)
+            return t[rows] if t is not None and t.dim() > 0 and t.shape[0] == whole.shape[0] else value
+
+        return ref_call, Call(
+            tuple(cut(v) for v in port_call.args),
+            {k: cut(v) for k, v in port_call.kwargs.items()},
+            {k: cut(v) for k, v in port_call.named.items()},
+            whole[rows],
+        )
+
     def first_of(self, step: int, port_calls: list[Call]) -> tuple[Call, tuple[int, int]] | None:
         r"""The port's first recorded call of ``step`` and the rows of the reference's batch it computes
         (its block in the stacking order), when the port is the side that calls ``k`` times."""

@@ -85,6 +85,7 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         recorded = port
         # k calls per timestep on one side against one batched call on the other: compared step by step
         self.grouping = CallGroups.read(ref.calls, port.calls, _timesteps(ref.calls), _timesteps(port.calls))
+        self.ref_single = ref.calls  # the reference's calls as recorded, one per pass
         if self.grouping is not None and self.grouping.side == "reference":
             ref = self.ref = dataclasses.replace(ref, calls=self.grouping.merge(ref.calls))
         elif self.grouping is not None:
@@ -539,8 +540,16 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             self.ref.calls[call],
             self.port_run.calls[call] if self.grouping is None else None,
         )
-        port_roles = self.port_roles[call]
-        if self.grouping is not None:
+        port_roles, ref_roles = self.port_roles[call], self.ref_roles[call]
+        if self.grouping is not None and self.grouping.side == "reference":
+            # the reference's first call in the stacking order against the port's call cut to its rows
+            found = self.grouping.one_of(call, self.ref_single, self.port_run.calls[call])
+            if found is None or self.grouping.settings_apart:
+                self._grouped_denoiser(call)
+                return
+            ref_call, port_call = found
+            ref_roles, port_roles = roles_of(ref_call), roles_of(port_call)
+        elif self.grouping is not None:
             # the port's first call of the step against the block of the reference's batch it computes
             found = self.grouping.first_of(call, self.port_run.calls)
             if found is None:
@@ -564,8 +573,8 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
             "layout": self.layout.to_port if self.layout is not None else None,
             "laid_out": self.cond_layouts,
         }
-        mapped = with_reference_values(ref_call, self.ref_roles[call], port_call, port_roles, **options)
-        own = kept_own(ref_call, self.ref_roles[call], port_call, port_roles, **options)
+        mapped = with_reference_values(ref_call, ref_roles, port_call, port_roles, **options)
+        own = kept_own(ref_call, ref_roles, port_call, port_roles, **options)
         # with --all, every culprit: each found with the ones before given the reference's outputs
         report = self._bisect(
             self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows, all_culprits=self.all_causes
