@@ -91,8 +91,8 @@ class ScheduleChecks:
             "the reference's update is no exact linear rule of its latents and the recorded model output"
             f" at any of {len(fitted)} steps (residual up to {format_number(worst)}), so step() was not"
             " replayed on them (a lead: sampler noise, x0 clipped or thresholded, the outputs of several"
-            " calls combined, or a term the loop adds besides the model output, such as a classifier's"
-            " gradient)"
+            " calls or guidance passes combined (the guidance formula, and any rescale of it), or a term the"
+            " loop adds besides the model output, such as a classifier's gradient)"
         )
 
     def _check_step(self, finding: Finding) -> None:
