@@ -717,3 +717,40 @@ def test_a_verified_fix_says_how_far_it_takes_the_whole_output(second_slip):
         assert after == pytest.approx(second_slip, rel=1e-4), text
     else:
         assert after < 1e-5, text
+
+
+class _Attend(nn.Module):
+    def __init__(self, off: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(D, D) for _ in range(3))
+        self.off = off
+
+    def forward(self, x, context=None):
+        source = x if context is None else context
+        q, k, v = self.to_q(x), self.to_k(source), self.to_v(source)
+        return torch.softmax(q @ k.transpose(-1, -2) / D**0.5, -1) @ v + self.off
+
+
+class _AttendBlock(nn.Module):
+    def __init__(self, attn: _Attend, cross: bool):
+        super().__init__()
+        self.attn, self.cross = attn, cross
+
+    def forward(self, x, context):
+        return self.attn(x, context) if self.cross else self.attn(x)
+
+
+@pytest.mark.parametrize("cross", [True, False])
+def test_a_culprit_fed_an_input_the_reference_does_not_take_says_so_in_its_plain_hint(cross):
+    # round 37 (imaginAIry): `only_cross_attention=True` made the port's self-attention attend to the context;
+    # "[no-signature] … the settings … are equal" pointed away from the parent's setting that wires it
+    reference = _AttendBlock(_Attend(), cross=False).eval()
+    port = _AttendBlock(_Attend(off=0.0 if cross else 0.1), cross=cross).eval()
+    report = bisect(reference, port, ((torch.randn(2, 5, D), torch.randn(2, 3, D)), {}), repair=False)
+    text = report.render()
+    said = "the port's call takes inputs the reference's does not (context), fed its own values"
+    if cross:
+        assert said in text, text
+    else:  # must not fire: the same inputs on both sides, the slip inside
+        assert "takes inputs the reference's does not" not in text, text

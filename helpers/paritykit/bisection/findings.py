@@ -403,6 +403,7 @@ def _culprit_context(
         port_model=searcher.port_modules.get(""),
         reference_model=searcher.ref_modules.get(""),
         model_check=model_check if port_module is not None and can_run else None,
+        own_inputs=_own_inputs(searcher, call, port_call, port_module),
     )
 
 
@@ -762,3 +763,19 @@ def whole_output_with(searcher: Searcher, name: str, make: Callable) -> tuple[fl
         return float((t.detach().double().cpu() - ref_final.detach().double().cpu()).abs().max())
 
     return gap(after), gap(before)
+
+
+def _own_inputs(searcher: Searcher, call: Record, port_call: Record | None, port_module: Any) -> list[str]:
+    r"""The port call's inputs no reference input pairs with (by path, order, shape or value), named from
+    the port module's signature: a replay feeds them the port's own captured values."""
+    from paritykit.bisection.relations import argument_name
+
+    if port_call is None:
+        return []
+    try:
+        pairing = searcher.pair_call_inputs(call, port_call)
+    except Exception:  # inputs that cannot be paired are said elsewhere (the table's note)
+        return []
+    if pairing is None:
+        return []
+    return [argument_name(port_module, path) for path in pairing.own_paths]

@@ -117,6 +117,12 @@ def no_signature(c: Culprit, ran: Sequence[str], failed: Sequence[str] = ()) -> 
             " reference parameter (how each forward reads them, an axis or a transpose, is not compared by"
             f" this{ambiguous})"
         )
+        if c.own_inputs:
+            message += (
+                "; the port's call takes inputs the reference's does not"
+                f" ({', '.join(c.own_inputs[:4])}), fed its own values: a lead that the port's module is"
+                " wired to other inputs (what calls it, or a setting there that routes them)"
+            )
         if c.layouts:
             message += (
                 f", some only after a layout op ({', '.join(c.layouts[:3])}): a lead, the layout not checked"

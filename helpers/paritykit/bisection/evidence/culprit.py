@@ -95,6 +95,8 @@ class Culprit:
     # ``model_check(make)``: the whole port run again with the culprit replaced by ``make()``, its output's
     # max_abs against the reference's, after and before: how far a module's fix takes the whole model
     model_check: Callable[[Callable], tuple[float, float]] | None = None
+    # the port call's inputs no reference input pairs with, fed the port's own values in the replay
+    own_inputs: list[str] = field(default_factory=list)
 
     def port_path(self, sub: str = "", attr: str = "") -> str:
         r"""The dotted name of an attribute of the port (``port`` stands for the top level)."""
