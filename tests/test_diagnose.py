@@ -413,3 +413,16 @@ def test_chunks_in_a_transposed_grid_order_are_said_as_tiled_against_interleaved
     # must not fire: an order that is no grid read transposed keeps the plain words
     other = detect_swapped_halves(a, a[[1, 0, 2, 3, 5, 4]])
     assert other is not None and "grid" not in other.message
+
+
+def test_a_scale_is_fitted_against_both_sides_not_only_the_difference():
+    # round 38 (Protenix): "B ≈ 0.01845·A everywhere (… residual 0.05472 of the difference)" on outputs that
+    # share no scale: B was small next to A, so any residual was small next to their difference
+    from paritykit.compare.diagnose import detect_constant_scale
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4000, generator=g)
+    unrelated = 0.02 * a + 0.05 * torch.randn(4000, generator=g)  # must not fire: mostly not a's
+    assert detect_constant_scale(a, unrelated) is None
+    hint = detect_constant_scale(a, 0.5 * a + 1e-4 * torch.randn(4000, generator=g))
+    assert hint is not None and abs(hint.evidence["k"] - 0.5) < 1e-3

@@ -1286,3 +1286,125 @@ def test_conditioning_stacked_on_the_latents_as_channels_is_said_at_the_conditio
     assert any(
         "channels 0-1 of the first call's x (the output's 2) agree" in n.text for n in report.ruled_out
     )
+
+
+UNUSED_TWIN_SPEC = (
+    """
+import torch
+
+PORT_PASSES = "{passes}"
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t, z_trunk, pair_z):  # Protenix: z_trunk is ignored when pair_z is given
+        return self.proj(x) + pair_z.mean(1, keepdim=True) * t.reshape(-1, 1, 1)
+
+
+class PortNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t, pair):
+        return self.proj(x) + pair.mean(1, keepdim=True) * t.reshape(-1, 1, 1)
+
+
+REFERENCE, PORT = Net().eval(), PortNet().eval()
+TRUNK, PAIR = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+
+
+def run_reference():
+    x = torch.randn(2, 4, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * REFERENCE(x, torch.tensor([t, t]), TRUNK, PAIR)
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 4, 8)
+    for t in (1.0, 0.5):
+        x = x - 0.5 * PORT(x, torch.tensor([t, t]), PAIR if PORT_PASSES == "pair" else TRUNK)
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize("passes", ["pair", "trunk"])
+def test_conditioning_of_one_shape_pairs_by_name_and_value_before_order(tmp_path, passes):
+    # round 38 (Protenix): "conditioning at call 0: the denoiser's conditioning input z_trunk (port: pair)
+    # differs": the research's unused z_trunk was paired by order with the port's pair, which is its pair_z
+    report = triage_text(tmp_path, UNUSED_TWIN_SPEC.format(passes=passes), all_causes=True)
+    text = report.render()
+    if passes == "pair":
+        assert report.verdict == "match", text
+        assert "pair_z / pair" in text and "z_trunk (port: pair)" not in text, text
+    else:  # must not fire: the port passes the tensor the reference ignores; nothing pairs it with pair_z
+        assert report.verdict == "differ" and "pair_z / pair" not in text, text
+        assert "not compared: reference pair_z" in text, text
+
+
+DICT_PASSES_SPEC = (
+    """
+import torch
+
+SLIP = {slip}
+
+
+class Net(torch.nn.Module):  # SDXL-like: the pooled text and size ids in a dict argument
+    def __init__(self, slip=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.add, self.slip = torch.nn.Linear(16, 8), torch.nn.Linear(4, 8), slip
+
+    def forward(self, x, t, context, added_cond_kwargs):
+        extra = self.add(added_cond_kwargs["text_embeds"])[:, None].expand(-1, x.shape[1], -1)
+        h = torch.cat([x + context, extra], -1)  # the batches must agree here
+        return self.proj(h) * (1 + self.slip) * t.reshape(-1, 1, 1)
+
+
+REFERENCE, PORT = Net().eval(), Net(SLIP).eval()
+COND, UNCOND = torch.randn(1, 3, 8), torch.zeros(1, 3, 8)
+POOLED, POOLED_UNCOND = torch.randn(1, 4), torch.zeros(1, 4)
+
+
+def run_reference():  # one call per pass
+    x = torch.randn(1, 3, 8)
+    for t in (1.0, 0.5):
+        tt = torch.tensor([t])
+        cond = REFERENCE(x, tt, COND, {{"text_embeds": POOLED}})
+        uncond = REFERENCE(x, tt, UNCOND, {{"text_embeds": POOLED_UNCOND}})
+        x = x - 0.5 * (uncond + 2.0 * (cond - uncond))
+    return x
+
+
+def run_port():  # one call on the stacked passes
+    x = torch.randn(1, 3, 8)
+    for t in (1.0, 0.5):
+        added = {{"text_embeds": torch.cat([POOLED, POOLED_UNCOND])}}
+        out = PORT(torch.cat([x, x]), torch.tensor([t, t]), torch.cat([COND, UNCOND]), added)
+        cond, uncond = out.chunk(2)
+        x = x - 0.5 * (uncond + 2.0 * (cond - uncond))
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize("slip", [0.0, 0.1])
+def test_a_stacked_call_with_a_dict_argument_is_cut_to_the_references_pass_whole(tmp_path, slip):
+    # round 38 (DiffSynth's SDXL U-Net): the port's call cut to one pass kept its dict argument's two rows,
+    # and triage stopped with "The size of tensor a (48) must match the size of tensor b (24)"
+    report = triage_text(tmp_path, DICT_PASSES_SPEC.format(slip=slip), all_causes=True)
+    text = report.render()
+    assert "Traceback" not in text and "raised" not in text, text
+    if not slip:  # must not fire
+        assert report.verdict == "match", text
+        return
+    assert [f for f in report.findings if f.place == "denoiser"], text

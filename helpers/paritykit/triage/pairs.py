@@ -628,7 +628,9 @@ class CallGroups:
         rows = slice(0, size)  # stacking position 0 holds the reference's call order[0]
         ref_call = ref_calls[step * self.k + self.order[0]]
 
-        def cut(value: Any) -> Any:
+        def cut(value: Any) -> Any:  # tensors inside dicts too (SDXL's added_cond_kwargs)
+            if isinstance(value, dict):
+                return {k: cut(v) for k, v in value.items()}
             t = batch_of(value)
             return t[rows] if t is not None and t.dim() > 0 and t.shape[0] == whole.shape[0] else value
 

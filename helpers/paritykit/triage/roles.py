@@ -158,18 +158,49 @@ def output(call: Call) -> Any:
 
 
 def pair_conditioning(ref: Call, ref_roles: Roles, port: Call, port_roles: Roles) -> list[tuple[str, str]]:
-    r"""Conditioning arguments paired by shape (in order among equal shapes); unpaired ones are left out."""
-    pairs, used = [], set()
+    r"""Conditioning arguments paired by shape: first those of one shape whose names share a word and that
+    hold the same values (round 38, Protenix: the research takes a trunk pair tensor it ignores and the
+    ``pair_z`` it uses, of one shape; the port takes ``pair``), then the rest in order among equal shapes;
+    unpaired ones are left out. Values alone pair nothing: a port passing the unconditional embedding where
+    the reference passes the conditional one would then compare equal."""
+    import re
+
+    import torch
+
+    def words(name: str) -> set[str]:
+        return {w for w in re.split(r"[._]", name.lower()) if w}
+
+    shapes = {k: tuple(argument(ref, k).shape) for k in ref_roles.conditioning}
+    port_shapes = {k: tuple(argument(port, k).shape) for k in port_roles.conditioning}
+    found: dict[str, str] = {}
+    used: set[str] = set()
     for r in ref_roles.conditioning:
-        shape = tuple(argument(ref, r).shape)
+        a = argument(ref, r)
         hit = next(
-            (p for p in port_roles.conditioning if p not in used and tuple(argument(port, p).shape) == shape),
+            (
+                p
+                for p in port_roles.conditioning
+                if p not in used
+                and port_shapes[p] == shapes[r]
+                and words(p) & words(r)
+                and a.is_floating_point()
+                and torch.equal(a, argument(port, p).to(a.dtype))
+            ),
             None,
         )
         if hit is not None:
+            found[r] = hit
             used.add(hit)
-            pairs.append((r, hit))
-    return pairs
+    for r in ref_roles.conditioning:
+        if r in found:
+            continue
+        hit = next(
+            (p for p in port_roles.conditioning if p not in used and port_shapes[p] == shapes[r]), None
+        )
+        if hit is not None:
+            found[r] = hit
+            used.add(hit)
+    return [(r, found[r]) for r in ref_roles.conditioning if r in found]
 
 
 def with_reference_values(

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from paritykit.base.errors import ParityKitError
 from paritykit.base.report import environment_stamp, format_number
 from paritykit.base.usercode import Spec
 from paritykit.tracing.recording import Call
@@ -576,9 +577,19 @@ class Triage(ScheduleChecks, ConditioningChecks, UpdateChecks, DecoderChecks):
         mapped = with_reference_values(ref_call, ref_roles, port_call, port_roles, **options)
         own = kept_own(ref_call, ref_roles, port_call, port_roles, **options)
         # with --all, every culprit: each found with the ones before given the reference's outputs
-        report = self._bisect(
-            self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows, all_culprits=self.all_causes
-        )
+        try:
+            report = self._bisect(
+                self.ref.denoiser, self.port.denoiser, ref_call, mapped, rows, all_culprits=self.all_causes
+            )
+        except ParityKitError:
+            raise
+        except Exception as exc:  # a replay the two calls cannot drive: said, the other places still run
+            self.skip(
+                "denoiser",
+                f"not bisected on call {call}: the replay on the reference's inputs raised"
+                f" {type(exc).__name__}: {str(exc)[:160]}",
+            )
+            return
         if not module_differs(report, self.pairs[call].inputs_agree and not self.pairs[call].output_match):
             self.rule_out(
                 "denoiser",
