@@ -1408,3 +1408,59 @@ def test_a_stacked_call_with_a_dict_argument_is_cut_to_the_references_pass_whole
         assert report.verdict == "match", text
         return
     assert [f for f in report.findings if f.place == "denoiser"], text
+
+
+SIGMA_NAMED_SPEC = (
+    """
+import torch
+
+PORT_SHIFT = {shift}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, t_hat_noise_level):  # read by position: a timestep
+        return self.proj(x) * t_hat_noise_level.reshape(-1, 1, 1)
+
+
+class PortNet(Net):
+    def forward(self, x, sigma):  # read by name: a sigma
+        return self.proj(x) * sigma.reshape(-1, 1, 1)
+
+
+REFERENCE, PORT = Net().eval(), PortNet().eval()
+
+
+def run_reference():
+    x = torch.randn(2, 3, 8)
+    for s in (80.0, 10.0, 1.0):
+        x = x - 0.01 * REFERENCE(x, torch.tensor([s, s]))
+    return x
+
+
+def run_port():
+    x = torch.randn(2, 3, 8)
+    for k, s in enumerate((80.0, 10.0, 1.0)):
+        s = s * (1.5 if PORT_SHIFT and k == 2 else 1.0)
+        x = x - 0.01 * PORT(x, torch.tensor([s, s]))
+    return x
+"""
+    + DENOISERS
+)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_one_number_fed_on_both_sides_is_one_timestep_whatever_each_argument_is_read_as(tmp_path, shift):
+    # round 38 (Protenix): "schedule at call 0: the timesteps differ from call 0" where the research's
+    # t_hat_noise_level (read by position as a timestep) and the port's sigma held the same numbers
+    report = triage_text(tmp_path, SIGMA_NAMED_SPEC.format(shift=shift), all_causes=True)
+    text = report.render()
+    if not shift:  # must not fire
+        assert report.verdict == "match", text
+        return
+    (finding,) = [f for f in report.findings if f.place == "schedule"]
+    assert finding.call == 2 and "differ from call 2" in finding.summary, text

@@ -128,8 +128,12 @@ class CallComparison:
     @property
     def timestep_match(self) -> bool:
         scaled = None if self.t_reference is None else self.t_units(self.t_reference)
-        # a noise level against a log-noise-level timestep (EDM's c_noise) is one value read two ways
+        # a noise level against a log-noise-level timestep (EDM's c_noise) is one value read two ways; one
+        # number fed on both sides is one input whatever each side's argument is read as (round 38, Protenix's
+        # t_hat_noise_level, read by position as a timestep, against the port's sigma)
         kinds = self.timestep_kinds[0] == self.timestep_kinds[1] or bool(self.t_units.curve)
+        if not kinds and same_timestep(self.t_reference, self.t_port):
+            return True
         return kinds and same_timestep(scaled, self.t_port)
 
     @property
