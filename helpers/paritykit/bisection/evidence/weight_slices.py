@@ -617,11 +617,12 @@ def _block_gathered(
         p = port_sd.get(name)
         if p is None or not p.is_floating_point() or p.dim() == 0 or p.shape[0] < 2:
             continue
+        ours = p.detach().cpu().double()  # read once, against every candidate
         hits = [
             (ref_name, *got)
             for ref_name, r in candidates.items()
             if r.is_floating_point() and r.dim() == p.dim() and r.shape[1:] == p.shape[1:]
-            if (got := _blocks_of(p.detach().cpu().double(), r.detach().cpu().double())) is not None
+            if (got := _blocks_of(ours, r.detach().cpu().double())) is not None
         ]
         if len(hits) == 1:
             found[name] = hits[0]
